@@ -1,0 +1,226 @@
+"""Offline DeepSeek-V4 KV compression (c4 with overlap, c128): decode and prefill/extend ops.
+
+Each compressed entry is a per-channel softmax-gated pooling over a window of raw projection rows
+(spec §1.2): `out[d] = sum_j softmax_j(sc[j, d] + ape[j, d]) * kv[j, d]`, fp32 math.
+
+- c4: window of 8 slots, `ape` `[8, D]`, rows `| kv_ov | kv_fr | sc_ov | sc_fr |` (4D wide). Slots 0..3 are
+  the previous 4 tokens' overlap halves (masked with kv = 0, score = -FLT_MAX for the first window, i.e.
+  `seq_len <= 4`), slots 4..7 the current 4 tokens' fresh halves.
+- c128: window of 128 slots, `ape` `[128, D]`, rows `| kv | sc |` (2D wide).
+
+The state is a flat buffer of raw rows, `[rows, last_dim]` (rows a multiple of ratio; page p = rows
+`[p*ratio, (p+1)*ratio)`), fp32 or bf16; reads convert to fp32. Row order per spec §5: **decode writes the
+new token's row first and then compresses, reading every window slot from the state; prefill compresses
+first (slots `j < buffer_len` from the state, the rest from the ragged input) and then writes the rows of
+`plan_w`** (the writes may overwrite rows the compression reads).
+
+Outputs are fresh fp32 `[plan rows, D]` tensors; rows that produce no entry (invalid plan rows, decode rows
+whose `seq_len % ratio != 0`) are zero. Decode row b pairs with request b; prefill row k with `plan_c[k]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops._library import LIB
+from custom_ops.dsv4_compress_common import (
+    FLT_MAX,
+    INPUT_DTYPES,
+    STATE_DTYPES,
+    check_device,
+    check_head_dim,
+    check_matrix,
+    check_plan,
+    read_compress_plan,
+    read_decode_plan,
+    read_write_plan,
+)
+from custom_ops.dsv4_compress_plan import window_of
+
+LIB.define("dsv4_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan, int ratio) -> Tensor")
+LIB.define(
+    "dsv4_compress_prefill(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan_c, Tensor plan_w, "
+    "int ratio) -> Tensor"
+)
+
+
+def _check(state, kv_score, ape, ratio: int) -> int:
+    if ratio not in (4, 128):
+        raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
+    d = check_head_dim(ape, window_of(ratio))
+    width = (4 if ratio == 4 else 2) * d
+    check_matrix("state", state, width, STATE_DTYPES)
+    check_matrix("kv_score", kv_score, width, INPUT_DTYPES)
+    if state.shape[0] % ratio or not state.is_contiguous():
+        raise ValueError(
+            f"state: expected a contiguous buffer with a multiple of {ratio} rows, got {tuple(state.shape)}"
+        )
+    check_device("kv_score", kv_score, state.device)
+    check_device("ape", ape, state.device)
+    return d
+
+
+def compress_decode(
+    state: torch.Tensor, kv_score: torch.Tensor, ape: torch.Tensor, plan: torch.Tensor, ratio: int
+) -> torch.Tensor:
+    """Decode step: write each request's new row to the state, then compress where `seq_len % ratio == 0`.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | state | [rows, W] | fp32/bf16 | yes | raw rows; W = 4D (c4) or 2D (c128); rows % ratio == 0 |
+    | kv_score | [N, W] | fp32/bf16 | no | projection rows (row stride free, unit inner stride) |
+    | ape | [window, D] | fp32 | no | window = 8 (c4) or 128 (c128); D in {128, 512} |
+    | plan | [B, 16] | uint8 | no | DecodePlan rows (`plan_decode`), B == N |
+    | ratio | int | | | 4 or 128 |
+
+    Returns fp32 `[B, D]`.
+    """
+    return torch.ops.dspark.dsv4_compress_decode(state, kv_score, ape, plan, ratio)
+
+
+def compress_prefill(
+    state: torch.Tensor,
+    kv_score: torch.Tensor,
+    ape: torch.Tensor,
+    plan_c: torch.Tensor,
+    plan_w: torch.Tensor,
+    ratio: int,
+) -> torch.Tensor:
+    """Prefill/extend step: compress every `plan_c` row, then write the `plan_w` rows to the state.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | state | [rows, W] | fp32/bf16 | yes | raw rows; W = 4D (c4) or 2D (c128); rows % ratio == 0 |
+    | kv_score | [N, W] | fp32/bf16 | no | projection rows (row stride free, unit inner stride) |
+    | ape | [window, D] | fp32 | no | window = 8 (c4) or 128 (c128); D in {128, 512} |
+    | plan_c | [C, 16] | uint8 | no | CompressPlan rows (`plan_prefill`) |
+    | plan_w | [Wr, 8] | uint8 | no | WritePlan rows (`plan_prefill`) |
+    | ratio | int | | | 4 or 128 |
+
+    Returns fp32 `[C, D]`, row k for `plan_c[k]`.
+    """
+    return torch.ops.dspark.dsv4_compress_prefill(state, kv_score, ape, plan_c, plan_w, ratio)
+
+
+def _in_range(page: torch.Tensor, pages: int) -> torch.Tensor:
+    return (page >= 0) & (page < pages)
+
+
+def _pool(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """Per-channel softmax pooling over the window axis: kv, sc `[E, window, D]` fp32 -> `[E, D]`."""
+    weights = torch.softmax(sc + ape, dim=1)
+    return (weights * kv).sum(1)
+
+
+def _window(
+    state: torch.Tensor,
+    kv_score: torch.Tensor,
+    ratio: int,
+    d: int,
+    last: torch.Tensor,
+    buffer_len: torch.Tensor,
+    rp0: torch.Tensor,
+    rp1: torch.Tensor,
+    seq_len: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the (kv, score) window `[E, window, D]` fp32 of E entries.
+
+    Slot i comes from the state if `i < buffer_len` (c4: row i of page rp0 for i < 4, row i - 4 of page rp1
+    otherwise; c128: row i of page rp1), else from input row `last - window + 1 + i`.
+    """
+    window = window_of(ratio)
+    i = torch.arange(window, device=state.device)
+    if ratio == 4:
+        page = torch.where(i < 4, rp0[:, None], rp1[:, None])
+        srow = page * 4 + i % 4
+        kv_cols = torch.where(i < 4, 0, d)
+        sc_cols = torch.where(i < 4, 2 * d, 3 * d)
+    else:
+        srow = rp1[:, None] * ratio + i
+        kv_cols = torch.zeros_like(i)
+        sc_cols = torch.full_like(i, d)
+    irow = last[:, None] - window + 1 + i
+    from_state = i < buffer_len[:, None]
+    srow = torch.where(from_state, srow, 0).clamp(0, state.shape[0] - 1)
+    irow = torch.where(from_state, 0, irow).clamp(0, max(kv_score.shape[0] - 1, 0))
+    rows = torch.where(from_state[..., None], state[srow].float(), kv_score[irow].float())
+    cols = torch.arange(d, device=state.device)
+    kv = rows.gather(2, (kv_cols[:, None] + cols).expand(rows.shape[0], window, d))
+    sc = rows.gather(2, (sc_cols[:, None] + cols).expand(rows.shape[0], window, d))
+    if ratio == 4:
+        masked = (seq_len <= 4)[:, None] & (i < 4)
+        kv = kv.masked_fill(masked[..., None], 0.0)
+        sc = sc.masked_fill(masked[..., None], -FLT_MAX)
+    return kv, sc
+
+
+@torch.library.impl(LIB, "dsv4_compress_decode", "CPU")
+def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
+    d = _check(state, kv_score, ape, ratio)
+    check_plan("plan", plan, 16, state.device)
+    if plan.shape[0] != kv_score.shape[0]:
+        raise ValueError(f"plan: expected {kv_score.shape[0]} rows (one per kv_score row), got {plan.shape[0]}")
+    p = read_decode_plan(plan)
+    out = kv_score.new_zeros((plan.shape[0], d), dtype=torch.float32)
+    pages = state.shape[0] // ratio
+    active = (p.valid & (p.write_loc < state.shape[0])).nonzero().squeeze(1)
+    state[p.write_loc[active]] = kv_score[active].to(state.dtype)
+    readable = (p.seq_len % ratio == 0) & _in_range(p.read_page_0, pages) & _in_range(p.read_page_1, pages)
+    emit = active[readable[active]]
+    window = window_of(ratio)
+    kv, sc = _window(
+        state,
+        kv_score,
+        ratio,
+        d,
+        emit,
+        torch.full_like(emit, window),
+        p.read_page_0[emit],
+        p.read_page_1[emit],
+        p.seq_len[emit],
+    )
+    out[emit] = _pool(kv, sc, ape)
+    return out
+
+
+@torch.library.impl(LIB, "dsv4_compress_prefill", "CPU")
+def _compress_prefill_cpu(state, kv_score, ape, plan_c, plan_w, ratio):
+    d = _check(state, kv_score, ape, ratio)
+    check_plan("plan_c", plan_c, 16, state.device)
+    check_plan("plan_w", plan_w, 8, state.device)
+    c = read_compress_plan(plan_c)
+    out = kv_score.new_zeros((plan_c.shape[0], d), dtype=torch.float32)
+    pages = state.shape[0] // ratio
+    readable = (c.buffer_len == 0) | (_in_range(c.read_page_0, pages) & _in_range(c.read_page_1, pages))
+    emit = (c.valid & (c.ragged_id < kv_score.shape[0]) & readable).nonzero().squeeze(1)
+    kv, sc = _window(
+        state,
+        kv_score,
+        ratio,
+        d,
+        c.ragged_id[emit],
+        c.buffer_len[emit],
+        c.read_page_0[emit],
+        c.read_page_1[emit],
+        c.seq_len[emit],
+    )
+    out[emit] = _pool(kv, sc, ape)
+    w = read_write_plan(plan_w)
+    keep = (w.valid & (w.ragged_id < kv_score.shape[0]) & (w.write_loc < state.shape[0])).nonzero().squeeze(1)
+    state[w.write_loc[keep]] = kv_score[w.ragged_id[keep]].to(state.dtype)
+    return out
+
+
+@torch.library.register_fake("dspark::dsv4_compress_decode")
+def _compress_decode_fake(state, kv_score, ape, plan, ratio):
+    d = _check(state, kv_score, ape, ratio)
+    check_plan("plan", plan, 16, state.device)
+    return kv_score.new_empty((plan.shape[0], d), dtype=torch.float32)
+
+
+@torch.library.register_fake("dspark::dsv4_compress_prefill")
+def _compress_prefill_fake(state, kv_score, ape, plan_c, plan_w, ratio):
+    d = _check(state, kv_score, ape, ratio)
+    check_plan("plan_c", plan_c, 16, state.device)
+    check_plan("plan_w", plan_w, 8, state.device)
+    return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)

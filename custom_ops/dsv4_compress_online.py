@@ -1,0 +1,198 @@
+"""Online c128 DeepSeek-V4 KV compression: one running softmax state per request (spec §7).
+
+State row (fp32 `[slots, 3D]`): `| m (running max of the score) | l (sum of exp(s - m)) | a (normalized
+weighted average of kv) |`; a cleared row is `m = -inf, l = 0, a = 0`. Token update with
+`s = sc + ape[pos % 128]`: a chunk starts fresh at `pos % 128 == 0` (`m = s, l = 1, a = kv`), otherwise
+`m' = max(m, s)`, `l' = l e^(m-m') + e^(s-m')`, `a' = (a l e^(m-m') + kv e^(s-m')) / l'`. Two partial states
+merge the same way. The result equals offline c128 up to fp32 rounding.
+
+- Decode (plan `{seq_len, slot, slot, -1}`): load the state unless the token starts a chunk, update; at
+  `pos % 128 == 127` the average is the output row and the state is **not** stored; otherwise the state is
+  stored at `write_loc`.
+- Prefill, two ordered passes over segments (`plan_online_prefill`): a segment's tokens reduce to
+  (m, l, a) and, when the segment does not start its chunk, merge with the stored state (slot
+  `read_page_1` if >= 0, else `read_page_0`). Pass 1 (`plan_c`, chunk-closing segments) writes `a` to the
+  output; pass 2 (`plan_w`, trailing partial segments) stores the state at `read_page_0`. Pass 1 reads
+  before pass 2 writes.
+
+Outputs are fresh fp32 tensors (decode `[B, D]`, prefill `[C, D]` for `plan_c`); rows without an entry are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops._library import LIB
+from custom_ops.dsv4_compress_common import (
+    FLT_MAX,
+    INPUT_DTYPES,
+    CompressRows,
+    check_device,
+    check_head_dim,
+    check_matrix,
+    check_plan,
+    read_compress_plan,
+    read_decode_plan,
+)
+from custom_ops.dsv4_compress_plan import ONLINE_RATIO
+
+LIB.define("dsv4_online_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan) -> Tensor")
+LIB.define(
+    "dsv4_online_compress_prefill(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan_c, "
+    "Tensor plan_w) -> Tensor"
+)
+
+
+def _check(state, kv_score, ape) -> int:
+    d = check_head_dim(ape, ONLINE_RATIO)
+    check_matrix("state", state, 3 * d, (torch.float32,))
+    check_matrix("kv_score", kv_score, 2 * d, INPUT_DTYPES)
+    if not state.is_contiguous():
+        raise ValueError("state: expected a contiguous [slots, 3D] fp32 buffer")
+    check_device("kv_score", kv_score, state.device)
+    check_device("ape", ape, state.device)
+    return d
+
+
+def online_compress_decode(
+    state: torch.Tensor, kv_score: torch.Tensor, ape: torch.Tensor, plan: torch.Tensor
+) -> torch.Tensor:
+    """Online c128 decode step (one token per request).
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | state | [slots, 3D] | fp32 | yes | running (m, l, a) per request |
+    | kv_score | [B, 2D] | fp32/bf16 | no | `| kv | sc |` rows, unit inner stride |
+    | ape | [128, D] | fp32 | no | D in {128, 512} |
+    | plan | [B, 16] | uint8 | no | DecodePlan rows (`plan_online_decode`) |
+
+    Returns fp32 `[B, D]`: the compressed entry where `seq_len % 128 == 0`, zero elsewhere.
+    """
+    return torch.ops.dspark.dsv4_online_compress_decode(state, kv_score, ape, plan)
+
+
+def online_compress_prefill(
+    state: torch.Tensor, kv_score: torch.Tensor, ape: torch.Tensor, plan_c: torch.Tensor, plan_w: torch.Tensor
+) -> torch.Tensor:
+    """Online c128 prefill/extend step: compress pass over `plan_c`, then state-write pass over `plan_w`.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | state | [slots, 3D] | fp32 | yes | running (m, l, a) per request |
+    | kv_score | [N, 2D] | fp32/bf16 | no | ragged `| kv | sc |` rows, unit inner stride |
+    | ape | [128, D] | fp32 | no | D in {128, 512} |
+    | plan_c | [C, 16] | uint8 | no | chunk-closing segments (`plan_online_prefill`) |
+    | plan_w | [Wr, 16] | uint8 | no | trailing partial segments (`plan_online_prefill`) |
+
+    Returns fp32 `[C, D]`, row k for `plan_c[k]`.
+    """
+    return torch.ops.dspark.dsv4_online_compress_prefill(state, kv_score, ape, plan_c, plan_w)
+
+
+def _merge(m1, l1, a1, m2, l2, a2):
+    """Merge two partial softmax states; state 1 may be empty (m1 = -inf, l1 = 0)."""
+    m = torch.maximum(m1, m2)
+    w1 = l1 * torch.exp(m1 - m)
+    w2 = l2 * torch.exp(m2 - m)
+    total = w1 + w2
+    return m, total, (a1 * w1 + a2 * w2) / total
+
+
+def _split(rows: torch.Tensor, d: int):
+    return rows[:, :d], rows[:, d : 2 * d], rows[:, 2 * d :]
+
+
+@torch.library.impl(LIB, "dsv4_online_compress_decode", "CPU")
+def _online_decode_cpu(state, kv_score, ape, plan):
+    d = _check(state, kv_score, ape)
+    check_plan("plan", plan, 16, state.device)
+    if plan.shape[0] != kv_score.shape[0]:
+        raise ValueError(f"plan: expected {kv_score.shape[0]} rows (one per kv_score row), got {plan.shape[0]}")
+    p = read_decode_plan(plan)
+    out = kv_score.new_zeros((plan.shape[0], d), dtype=torch.float32)
+    slots = state.shape[0]
+    off = (p.seq_len - 1) % ONLINE_RATIO
+    fresh = off == 0
+    ok = p.valid & (p.write_loc < slots) & (fresh | ((p.read_page_0 >= 0) & (p.read_page_0 < slots)))
+    b = ok.nonzero().squeeze(1)
+    kv = kv_score[b].float()
+    s = kv[:, d:] + ape[off[b]]
+    old = state[p.read_page_0[b].clamp(0, max(slots - 1, 0))]
+    m1, l1, a1 = _split(old, d)
+    empty = fresh[b][:, None]
+    m1 = m1.masked_fill(empty, -torch.inf)
+    l1 = l1.masked_fill(empty, 0.0)
+    a1 = a1.masked_fill(empty, 0.0)
+    m, total, a = _merge(m1, l1, a1, s, torch.ones_like(s), kv[:, :d])
+    closes = off[b] == ONLINE_RATIO - 1
+    out[b[closes]] = a[closes]
+    keep = ~closes
+    state[p.write_loc[b[keep]]] = torch.cat([m, total, a], 1)[keep]
+    return out
+
+
+def _segments(state, kv_score, ape, c: CompressRows, d: int):
+    """Reduce each valid segment (merged with its stored partial state) to (rows, m, l, a)."""
+    slots = state.shape[0]
+    seg = c.buffer_len
+    start = c.seq_len - seg
+    chunk_off = start % ONLINE_RATIO
+    load = torch.where(c.read_page_1 >= 0, c.read_page_1, c.read_page_0)
+    merge = chunk_off != 0
+    ok = (
+        c.valid
+        & (seg >= 1)
+        & (chunk_off + seg <= ONLINE_RATIO)
+        & (c.ragged_id < kv_score.shape[0])
+        & (c.ragged_id + 1 >= seg)
+        & (~merge | ((load >= 0) & (load < slots)))
+    )
+    k = ok.nonzero().squeeze(1)
+    i = torch.arange(ONLINE_RATIO, device=state.device)
+    inside = i < seg[k, None]
+    tok = torch.where(inside, c.ragged_id[k, None] - seg[k, None] + 1 + i, 0)
+    x = kv_score[tok].float()
+    slot = (chunk_off[k, None] + i).clamp(max=ONLINE_RATIO - 1)
+    s = (x[..., d:] + ape[slot]).masked_fill(~inside[..., None], -FLT_MAX)
+    m = s.amax(1)
+    e = torch.exp(s - m[:, None])
+    total = e.sum(1)
+    a = (e * x[..., :d]).sum(1) / total
+    old = state[load[k].clamp(0, max(slots - 1, 0))]
+    m1, l1, a1 = _split(old, d)
+    fresh = ~merge[k][:, None]
+    m1 = m1.masked_fill(fresh, -torch.inf)
+    l1 = l1.masked_fill(fresh, 0.0)
+    a1 = a1.masked_fill(fresh, 0.0)
+    return k, *_merge(m1, l1, a1, m, total, a)
+
+
+@torch.library.impl(LIB, "dsv4_online_compress_prefill", "CPU")
+def _online_prefill_cpu(state, kv_score, ape, plan_c, plan_w):
+    d = _check(state, kv_score, ape)
+    check_plan("plan_c", plan_c, 16, state.device)
+    check_plan("plan_w", plan_w, 16, state.device)
+    out = kv_score.new_zeros((plan_c.shape[0], d), dtype=torch.float32)
+    k, _, _, a = _segments(state, kv_score, ape, read_compress_plan(plan_c), d)
+    out[k] = a
+    w = read_compress_plan(plan_w)
+    k, m, total, a = _segments(state, kv_score, ape, w, d)
+    dest = w.read_page_0[k]
+    keep = (dest >= 0) & (dest < state.shape[0])
+    state[dest[keep]] = torch.cat([m, total, a], 1)[keep]
+    return out
+
+
+@torch.library.register_fake("dspark::dsv4_online_compress_decode")
+def _online_decode_fake(state, kv_score, ape, plan):
+    d = _check(state, kv_score, ape)
+    check_plan("plan", plan, 16, state.device)
+    return kv_score.new_empty((plan.shape[0], d), dtype=torch.float32)
+
+
+@torch.library.register_fake("dspark::dsv4_online_compress_prefill")
+def _online_prefill_fake(state, kv_score, ape, plan_c, plan_w):
+    d = _check(state, kv_score, ape)
+    check_plan("plan_c", plan_c, 16, state.device)
+    check_plan("plan_w", plan_w, 16, state.device)
+    return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)
