@@ -1,0 +1,167 @@
+"""Compression ops: opcheck, strided inputs, argument errors, and in-place mutation under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import custom_ops  # noqa: F401
+from custom_ops.dsv4_compress import compress_decode, compress_prefill
+from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+
+D = 128
+ops = torch.ops.dspark
+
+
+def _setup(ratio: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = (4 if ratio == 4 else 2) * D
+    ring = 8 if ratio == 4 else 128
+    state = torch.randn(4 * ring, width, generator=g)
+    ape = torch.randn(8 if ratio == 4 else 128, D, generator=g)
+    return state, ape, ring, g
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_opcheck_offline(ratio):
+    state, ape, ring, g = _setup(ratio)
+    seq = torch.tensor([ratio, 2 * ratio + 1, 3 * ratio])
+    rid = torch.tensor([1, 0, 3])
+    kv = torch.randn(3, state.shape[1], generator=g)
+    plan = plan_decode(seq, rid, None, None, ratio, ring)
+    torch.library.opcheck(ops.dsv4_compress_decode, (state.clone(), kv, ape, plan, ratio))
+    ext = torch.tensor([ratio + 3, 5, 2 * ratio])
+    kv = torch.randn(int(ext.sum()) + 2, state.shape[1], generator=g)
+    plan_c, plan_w = plan_prefill(seq + ext, ext, rid, None, None, ratio, ring, 0, kv.shape[0])
+    torch.library.opcheck(ops.dsv4_compress_prefill, (state.clone(), kv, ape, plan_c, plan_w, ratio))
+
+
+def test_opcheck_online():
+    g = torch.Generator().manual_seed(0)
+    state = torch.randn(4, 3 * D, generator=g)
+    state[:, D : 2 * D] = state[:, D : 2 * D].abs() + 1
+    ape = torch.randn(128, D, generator=g)
+    seq = torch.tensor([128, 200, 1])
+    rid = torch.tensor([1, 0, 3])
+    kv = torch.randn(3, 2 * D, generator=g)
+    torch.library.opcheck(ops.dsv4_online_compress_decode, (state.clone(), kv, ape, plan_online_decode(seq, rid)))
+    ext = torch.tensor([130, 60, 1])
+    kv = torch.randn(int(ext.sum()), 2 * D, generator=g)
+    plan_c, plan_w = plan_online_prefill(seq + ext, ext, rid, kv.shape[0])
+    torch.library.opcheck(ops.dsv4_online_compress_prefill, (state.clone(), kv, ape, plan_c, plan_w))
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_strided_kv_score_matches_contiguous(ratio):
+    state, ape, ring, g = _setup(ratio)
+    seq = torch.tensor([2 * ratio + 1])
+    ext = torch.tensor([ratio + 5])
+    wide = torch.randn(int(ext.sum()), state.shape[1] + 64, generator=g)
+    kv = wide[:, 32 : 32 + state.shape[1]]
+    assert not kv.is_contiguous()
+    plan_c, plan_w = plan_prefill(seq, ext, torch.tensor([2]), None, None, ratio, ring, 0, kv.shape[0])
+    s1, s2 = state.clone(), state.clone()
+    out1 = compress_prefill(s1, kv, ape, plan_c, plan_w, ratio)
+    out2 = compress_prefill(s2, kv.contiguous(), ape, plan_c, plan_w, ratio)
+    assert torch.equal(out1, out2) and torch.equal(s1, s2)
+
+
+def test_writes_stay_inside_addressed_rows():
+    state, ape, ring, g = _setup(4)
+    before = state.clone()
+    kv = torch.randn(2, state.shape[1], generator=g)
+    plan = plan_decode(torch.tensor([5, 7]), torch.tensor([1, -1]), None, None, 4, ring)
+    compress_decode(state, kv, ape, plan, 4)
+    changed = (state != before).any(1).nonzero().squeeze(1).tolist()
+    assert changed == [1 * 8 + 4]
+
+
+def _decode_args(ratio=4):
+    state, ape, ring, g = _setup(ratio)
+    kv = torch.randn(2, state.shape[1], generator=g)
+    plan = plan_decode(torch.tensor([4, 9]), torch.tensor([0, 1]), None, None, ratio, ring)
+    return {"state": state, "kv_score": kv, "ape": ape, "plan": plan, "ratio": ratio}
+
+
+@pytest.mark.parametrize(
+    ("change", "err", "match"),
+    [
+        (lambda a: a.update(ratio=8), ValueError, "ratio"),
+        (lambda a: a.update(state=a["state"].half()), TypeError, "state"),
+        (lambda a: a.update(state=a["state"][:, :-1]), ValueError, "state"),
+        (lambda a: a.update(state=a["state"][:-1]), ValueError, "state"),
+        (lambda a: a.update(kv_score=a["kv_score"].double()), TypeError, "kv_score"),
+        (lambda a: a.update(kv_score=a["kv_score"][:, ::2]), ValueError, "kv_score"),
+        (lambda a: a.update(ape=a["ape"][:4]), ValueError, "ape"),
+        (lambda a: a.update(ape=a["ape"].bfloat16()), TypeError, "ape"),
+        (lambda a: a.update(plan=a["plan"].view(torch.int32)), TypeError, "plan"),
+        (lambda a: a.update(plan=a["plan"][:1]), ValueError, "plan"),
+        (lambda a: a.update(plan=a["plan"][:, :8].contiguous()), ValueError, "plan"),
+    ],
+)
+def test_decode_bad_inputs(change, err, match):
+    args = _decode_args()
+    change(args)
+    with pytest.raises(err, match=match):
+        compress_decode(**args)
+
+
+def test_online_rejects_bf16_state():
+    state = torch.zeros(2, 3 * D, dtype=torch.bfloat16)
+    plan = plan_online_decode(torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(TypeError, match="state"):
+        ops.dsv4_online_compress_decode(state, torch.zeros(1, 2 * D), torch.zeros(128, D), plan)
+
+
+def _no_clone(code: list[str]) -> None:
+    text = "\n".join(code)
+    assert "clone" not in text, "the compiled code copies a mutated buffer"
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("online", [False, True])
+def test_compiled_steps_mutate_state_in_place(online):
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    ape = torch.randn(128, D, generator=g)
+    if online:
+        state = torch.zeros(4, 3 * D)
+
+        def prefill(state, kv, seq, ext, rid):
+            plan_c, plan_w = ops.dsv4_plan_online_prefill(seq, ext, rid, kv.shape[0])
+            return ops.dsv4_online_compress_prefill(state, kv, ape, plan_c, plan_w)
+
+        def decode(state, kv, seq, rid):
+            return ops.dsv4_online_compress_decode(state, kv, ape, ops.dsv4_plan_online_decode(seq, rid))
+    else:
+        state = torch.zeros(4 * 128, 2 * D)
+
+        def prefill(state, kv, seq, ext, rid):
+            plan_c, plan_w = ops.dsv4_plan_prefill(seq, ext, rid, None, None, 128, 128, 0, kv.shape[0])
+            return ops.dsv4_compress_prefill(state, kv, ape, plan_c, plan_w, 128)
+
+        def decode(state, kv, seq, rid):
+            return ops.dsv4_compress_decode(state, kv, ape, ops.dsv4_plan_decode(seq, rid, None, None, 128, 128), 128)
+
+    seq = torch.tensor([200, 127])
+    ext = seq.clone()
+    rid = torch.tensor([0, 2])
+    kv = torch.randn(int(ext.sum()), 2 * D, generator=g)
+    eager_state = state.clone()
+    eager = prefill(eager_state, kv, seq, ext, rid)
+    out, code = run_and_get_code(torch.compile(prefill, fullgraph=True), state, kv, seq, ext, rid)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(state, eager_state, equal_nan=True)
+    _no_clone(code)
+
+    kv1 = torch.randn(2, 2 * D, generator=g)
+    eager = decode(eager_state, kv1, seq + 1, rid)
+    out, code = run_and_get_code(torch.compile(decode, fullgraph=True), state, kv1, seq + 1, rid)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(state, eager_state, equal_nan=True)
+    assert out[1].abs().sum() > 0  # request 1 closed its first window
+    _no_clone(code)

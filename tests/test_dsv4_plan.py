@@ -1,0 +1,191 @@
+"""Compressor planners: binary layouts, addressing, padding, sync-freedom, opcheck and argument errors."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import custom_ops  # noqa: F401
+from custom_ops import dsv4_compress_plan as cp
+from custom_ops.dsv4_compress_common import read_compress_plan
+from custom_ops.dsv4_compress_plan import (
+    plan_decode,
+    plan_online_decode,
+    plan_online_prefill,
+    plan_prefill,
+)
+
+
+def _paged(rows: int, ctx: int, seed: int = 0):
+    """A req_to_token table and a full -> SWA map that shuffles 256-token pages."""
+    req_to_token = torch.arange(rows * ctx, dtype=torch.int32).view(rows, ctx)
+    perm = torch.randperm(rows * ctx // 256, generator=torch.Generator().manual_seed(seed))
+    full = torch.arange(rows * ctx)
+    return req_to_token, perm[full // 256] * 256 + full % 256
+
+
+def _swa_loc(req_to_token, full_to_state, rid, pos, ring):
+    swa = int(full_to_state[int(req_to_token[rid, pos])])
+    return (swa // 256) * ring + swa % ring
+
+
+def test_decode_plan_bytes_ring_addressing():
+    plan = plan_decode(torch.tensor([12, 3, 0]), torch.tensor([2, 1, 5]), None, None, 4, 8)
+    assert plan.dtype == torch.uint8 and plan.shape == (3, 16)
+    rows = [struct.unpack("<Iiii", bytes(plan[i].tolist())) for i in range(3)]
+    # rid 2, pos 11: loc 2*8 + 3 = 19; pos0 = 7: loc 23 -> page 5; read_page_1 = 19 // 4 = 4
+    assert rows[0] == (12, 19, 5, 4)
+    assert rows[1] == (3, 10, 2, 2)
+    assert rows[2] == (0xFFFFFFFF, -1, -1, -1)  # seq_len 0: padded row
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_decode_plan_paged_addressing(ratio):
+    ring = 8 if ratio == 4 else 128
+    r2t, f2s = _paged(4, 1024)
+    seq = torch.tensor([257, 1000, 4, 512], dtype=torch.int32)
+    rid = torch.tensor([3, 0, 2, -1], dtype=torch.int32)
+    p = plan_decode(seq, rid, r2t, f2s, ratio, ring, 256).view(torch.int32)
+    for b in range(3):
+        pos1 = int(seq[b]) - 1
+        loc = _swa_loc(r2t, f2s, int(rid[b]), pos1, ring)
+        loc0 = _swa_loc(r2t, f2s, int(rid[b]), max(pos1 - ratio, 0), ring)
+        assert p[b].tolist() == [int(seq[b]), loc, loc0 // ratio, loc // ratio]
+    assert p[3].tolist() == [-1, -1, -1, -1]
+
+
+def test_prefill_plan_bytes_and_order():
+    # request 0: prefix 2, extend 8 (events at pos 3, 7); request 1: prefix 0, extend 8 (pos 3, 7)
+    plan_c, plan_w = plan_prefill(
+        torch.tensor([10, 8]), torch.tensor([8, 8]), torch.tensor([0, 1]), None, None, 4, 8, 0, 18
+    )
+    assert plan_c.shape == (min(18, 18 // 4 + 2), 16) and plan_w.shape == (18, 8)
+    rows = [struct.unpack("<IHHii", bytes(plan_c[i].tolist())) for i in range(plan_c.shape[0])]
+    assert rows[:4] == [(4, 1, 6, 0, 0), (8, 5, 2, 0, 1), (4, 11, 4, 2, 2), (8, 15, 0, -1, 1)]
+    assert rows[4:] == [(0xFFFFFFFF, 0, 0, -1, -1)] * 2
+    w = [struct.unpack("<Ii", bytes(plan_w[i].tolist())) for i in range(18)]
+    assert w[:10] == [(2, 4), (3, 5), (4, 6), (5, 7), (6, 0), (7, 1), (12, 12), (13, 13), (14, 14), (15, 15)]
+    assert w[10:] == [(0xFFFFFFFF, -1)] * 8  # includes the two ragged padding rows 16, 17
+
+
+@pytest.mark.parametrize("j_first", [0, 1, 5, 127])
+def test_c128_prefill_plan_reads_pages_when_buffered(j_first):
+    """buffer_len = 128 - min(j + 1, 128); the read pages are written back for c128 too (spec §4.3 [!])."""
+    prefix = 128 - 1 - j_first
+    r2t, f2s = _paged(2, 1024, seed=3)
+    plan_c, _ = plan_prefill(
+        torch.tensor([prefix + 200]), torch.tensor([200]), torch.tensor([1]), r2t, f2s, 128, 128, 256, 200
+    )
+    c = read_compress_plan(plan_c)
+    assert int(c.ragged_id[0]) == j_first and int(c.buffer_len[0]) == 128 - (j_first + 1)
+    if j_first < 127:
+        loc = _swa_loc(r2t, f2s, 1, 127, 128)
+        assert int(c.read_page_1[0]) == loc // 128
+        assert int(c.read_page_0[0]) == _swa_loc(r2t, f2s, 1, 0, 128) // 128
+    else:
+        assert (int(c.read_page_0[0]), int(c.read_page_1[0])) == (-1, 0)
+
+
+def test_c4_paged_write_plan_keeps_swa_page_tails():
+    r2t, f2s = _paged(1, 1024)
+    _, plan_w = plan_prefill(torch.tensor([1024]), torch.tensor([1024]), torch.tensor([0]), r2t, f2s, 4, 8, 256, 1024)
+    w = plan_w.view(torch.int32)
+    ragged = set(w[:, 0][w[:, 0] >= 0].tolist())
+    tails = {p for p in range(1024) if p % 256 >= 252}
+    assert ragged == tails | set(range(1020, 1024))
+    for rg, loc in w[w[:, 0] >= 0].tolist():
+        assert loc == _swa_loc(r2t, f2s, 0, rg, 8)
+
+
+def test_online_plans():
+    seq = torch.tensor([300, 128, 5])
+    ext = torch.tensor([200, 128, 1])
+    plan_c, plan_w = plan_online_prefill(seq, ext, torch.tensor([4, 6, 7]), 329)
+    assert plan_c.shape == (329 // 128 + 3, 16) and plan_w.shape == (3, 16)
+    c = [struct.unpack("<IHHii", bytes(plan_c[i].tolist())) for i in range(4)]
+    # request 0: positions 100..299 -> [100, 128) closes, [128, 256) closes, [256, 300) trails
+    assert c == [(128, 27, 28, 4, -1), (256, 155, 128, 4, -1), (128, 327, 128, 6, -1), (0xFFFFFFFF, 0, 0, -1, -1)]
+    w = [struct.unpack("<IHHii", bytes(plan_w[i].tolist())) for i in range(3)]
+    assert w == [(300, 199, 44, 4, -1), (5, 328, 1, 7, -1), (0xFFFFFFFF, 0, 0, -1, -1)]
+    d = plan_online_decode(torch.tensor([129, 0]), torch.tensor([3, 1])).view(torch.int32)
+    assert d.tolist() == [[129, 3, 3, -1], [-1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_planner_implementations_are_sync_free(online):
+    """The planner bodies run on fake tensors: no .item(), no data-dependent shapes (CUDA-graph safe)."""
+    with FakeTensorMode():
+        seq = torch.empty(5, dtype=torch.int64)
+        ext = torch.empty(5, dtype=torch.int32)
+        rid = torch.empty(5, dtype=torch.int64)
+        r2t = torch.empty(8, 1024, dtype=torch.int32)
+        f2s = torch.empty(8192, dtype=torch.int64)
+        if online:
+            pc, pw = cp._plan_online_prefill_impl(seq, ext, rid, 300)
+            pd = cp._plan_online_decode_impl(seq, rid)
+        else:
+            pc, pw = cp._plan_prefill_impl(seq, ext, rid, r2t, f2s, 4, 8, 256, 300)
+            pd = cp._plan_decode_impl(seq, rid, r2t, f2s, 4, 8, 256)
+    assert pd.shape == (5, 16) and pc.shape[1] == 16 and pc.shape[0] == min(300, 300 // (128 if online else 4) + 5)
+    assert pw.shape == ((5, 16) if online else (300, 8))
+
+
+def test_empty_batch_and_zero_tokens():
+    z = torch.zeros(0, dtype=torch.int64)
+    pc, pw = plan_prefill(z, z, z, None, None, 4, 8, 0, 0)
+    assert pc.shape == (0, 16) and pw.shape == (0, 8)
+    pc, pw = plan_prefill(z, z, z, None, None, 128, 128, 0, 7)
+    assert (pc.view(torch.int32)[:, 0] == -1).all() and (pw.view(torch.int32)[:, 0] == -1).all()
+    assert plan_decode(z, z, None, None, 4, 8).shape == (0, 16)
+
+
+def test_opcheck_planners():
+    r2t, f2s = _paged(3, 512)
+    seq = torch.tensor([300, 9, 129])
+    ext = torch.tensor([44, 9, 2])
+    rid = torch.tensor([2, 0, 1])
+    ops = torch.ops.dspark
+    torch.library.opcheck(ops.dsv4_plan_decode, (seq, rid, r2t, f2s, 4, 8, 256))
+    torch.library.opcheck(ops.dsv4_plan_decode, (seq, rid, None, None, 128, 128, 0))
+    torch.library.opcheck(ops.dsv4_plan_prefill, (seq, ext, rid, r2t, f2s, 4, 8, 256, 60))
+    torch.library.opcheck(ops.dsv4_plan_prefill, (seq, ext, rid, None, None, 128, 256, 0, 55))
+    torch.library.opcheck(ops.dsv4_plan_online_decode, (seq, rid))
+    torch.library.opcheck(ops.dsv4_plan_online_prefill, (seq, ext, rid, 55))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"ratio": 3}, ValueError, "ratio"),
+        ({"ring_size": 4}, ValueError, "ring_size"),
+        ({"seq_lens": torch.tensor([1.0])}, TypeError, "seq_lens"),
+        ({"req_pool_indices": torch.tensor([0, 1])}, ValueError, "req_pool_indices"),
+        ({"req_to_token": torch.zeros(2, 8, dtype=torch.int32)}, ValueError, "full_to_state"),
+        ({"num_q_tokens": 70000}, ValueError, "num_q_tokens"),
+        ({"extend_lens": torch.tensor([1, 2])}, ValueError, "extend_lens"),
+    ],
+)
+def test_prefill_plan_bad_inputs(kwargs, err, match):
+    args = {
+        "seq_lens": torch.tensor([5]),
+        "extend_lens": torch.tensor([5]),
+        "req_pool_indices": torch.tensor([0]),
+        "req_to_token": None,
+        "full_to_state": None,
+        "ratio": 4,
+        "ring_size": 8,
+        "swa_page_size": 0,
+        "num_q_tokens": 5,
+    }
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        plan_prefill(**args)
+
+
+def test_paged_plan_bad_swa_page_size():
+    r2t, f2s = _paged(1, 256)
+    with pytest.raises(ValueError, match="swa_page_size"):
+        plan_decode(torch.tensor([5]), torch.tensor([0]), r2t, f2s, 128, 128, 200)
