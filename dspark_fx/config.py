@@ -1,0 +1,31 @@
+"""The pass configuration: frozen, and hashed into the pass manager's `uuid()` (FX graph cache key)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class DsparkConfig:
+    """Settings of the dspark_fx passes.
+
+    `horizontal_fusion`: fuse GEMMs that share an activation into one `dspark::multi_linear`.
+    `batch_regions`: also batch the identical per-branch ops after the GEMM (norm, RoPE, views).
+    `min_branches`: smallest group worth fusing.
+    `max_leaf_numel`: largest per-branch tensor (e.g. a norm weight) that may be stacked per call.
+    """
+
+    horizontal_fusion: bool = True
+    batch_regions: bool = True
+    min_branches: int = 2
+    max_leaf_numel: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if self.min_branches < 2:
+            raise ValueError(f"DsparkConfig.min_branches must be >= 2, got {self.min_branches}")
+        if self.max_leaf_numel < 1:
+            raise ValueError(f"DsparkConfig.max_leaf_numel must be >= 1, got {self.max_leaf_numel}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)

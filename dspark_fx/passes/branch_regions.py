@@ -1,0 +1,129 @@
+"""Per-branch regions after the shared GEMM, and which branches compute exactly the same thing.
+
+A branch's *region* grows forward from its GEMM column block: a node joins while it is batchable (see
+`batching.py`) and every tensor input is either in the region, a node that does not depend on the fused GEMM
+(shared positions, cos/sin tables, norm weights), or a symbolic size. It stops at GEMMs, mutations (cache
+writes) and ops that mix branches — including an op that reads another branch's values (dependent branches).
+
+Two branches are *aligned* when their regions match node for node: same op, same constants (eps, rope style
+as op structure), the same shared nodes, per-branch leaves of the same form (a parameter, possibly cast or
+viewed, small enough to stack), and the same value shapes. Branches that align completely form a class; a class
+of at least two branches is batched. A branch that aligns with nobody keeps its own ops (it still shares the GEMM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from dspark_fx.passes.batching import is_batchable
+from dspark_fx.passes.graph_utils import aten, op_name, shape_key, tensor_val
+
+_LEAF_OPS = {
+    aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.slice.Tensor, aten.expand.default,
+    aten.permute.default, aten.clone.default, aten._to_copy.default, aten.squeeze.dim,
+}  # fmt: skip
+
+
+def leaf_signature(node: fx.Node, max_numel: int) -> str | None:
+    """A description of a per-branch leaf (parameter, optionally cast/viewed), or None if it is not one."""
+    val = tensor_val(node)
+    if val is None or not all(isinstance(s, int) for s in val.shape) or val.numel() > max_numel:
+        return None
+    if node.op == "placeholder":
+        return f"param{shape_key(node)}"
+    if node.op != "call_function":
+        return None
+    is_cast = op_name(node) == "prims.convert_element_type"
+    if node.target not in _LEAF_OPS and not is_cast:
+        return None
+    flat, _ = tree_flatten((node.args[1:], node.kwargs))
+    if any(isinstance(a, fx.Node) for a in flat) or not isinstance(node.args[0], fx.Node):
+        return None
+    inner = leaf_signature(node.args[0], max_numel)
+    return None if inner is None else f"{op_name(node)}({inner},{flat})"
+
+
+@dataclass
+class Region:
+    root: fx.Node
+    nodes: list[fx.Node] = field(default_factory=list)  # topological order, root first
+    members: set[fx.Node] = field(default_factory=set)
+
+
+def grow_region(graph: fx.Graph, root: fx.Node, tainted: set[fx.Node]) -> Region:
+    """The nodes after `root` computed only from `root` and untainted inputs, by batchable ops."""
+    region = Region(root, [root], {root})
+    started = False
+    for node in graph.nodes:
+        if node is root:
+            started = True
+            continue
+        if not started or node not in tainted or not is_batchable(node):
+            continue
+        inputs = node.all_input_nodes
+        if any(i in region.members for i in inputs) and all(i in region.members or i not in tainted for i in inputs):
+            region.nodes.append(node)
+            region.members.add(node)
+    return region
+
+
+def descendants(graph: fx.Graph, sources: list[fx.Node]) -> set[fx.Node]:
+    out = set(sources)
+    for node in graph.nodes:
+        if node not in out and any(i in out for i in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+@dataclass
+class Alignment:
+    mapping: dict[fx.Node, fx.Node]  # reference node -> other branch's node
+    complete: bool
+    mismatch: str = ""
+
+
+def align(ref: Region, other: Region, max_leaf_numel: int) -> Alignment:
+    """Match `other`'s region to `ref`'s node for node; stops at the first node without a counterpart."""
+    mapping = {ref.root: other.root}
+    taken = {other.root}
+    for node in ref.nodes[1:]:
+        anchor = next(i for i in node.all_input_nodes if i in ref.members)
+        counterpart = mapping.get(anchor)
+        match = None
+        if counterpart is not None:
+            for user in counterpart.users:
+                if user in other.members and user not in taken and _same_op(node, user, ref, mapping, max_leaf_numel):
+                    match = user
+                    break
+        if match is None:
+            return Alignment(mapping, False, f"{op_name(node)} ({node.name}) has no equal counterpart")
+        mapping[node] = match
+        taken.add(match)
+    complete = len(mapping) == len(other.nodes)
+    return Alignment(mapping, complete, "" if complete else "the other branch computes more ops")
+
+
+def _same_op(a: fx.Node, b: fx.Node, ref: Region, mapping: dict, max_leaf_numel: int) -> bool:
+    if a.target != b.target or shape_key(a) != shape_key(b):
+        return False
+    flat_a, spec_a = tree_flatten((a.args, a.kwargs))
+    flat_b, spec_b = tree_flatten((b.args, b.kwargs))
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(flat_a, flat_b, strict=True):
+        if isinstance(x, fx.Node):
+            if not isinstance(y, fx.Node):
+                return False
+            if x in ref.members:
+                if mapping.get(x) is not y:
+                    return False
+            elif x is not y:
+                sig = leaf_signature(x, max_leaf_numel)
+                if sig is None or sig != leaf_signature(y, max_leaf_numel):
+                    return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True

@@ -1,0 +1,216 @@
+"""Find the GEMMs that share an activation and rewrite each group into one `dspark::multi_linear`.
+
+Before (N layers, each projecting the same `ctx`; the weight may be a row slice of a fused qkv weight):
+
+    w_0 = slice(W_0, 0, q, q + 2kv)    mm_0 = mm(ctx, permute(w_0, [1, 0]))    k_0, v_0 = split(mm_0)
+    w_1 = slice(W_1, 0, q, q + 2kv)    mm_1 = addmm(b_1, ctx, permute(w_1, [1, 0]))  ...
+
+After (the original weight tensors are read in place — nothing is concatenated per call):
+
+    y    = dspark.multi_linear(ctx, [W_0, W_1, ...], [q, q, ...], [2kv, 2kv, ...], [None, b_1, ...])
+    mm_0 = slice(y, 1, 0, 2kv)         mm_1 = slice(y, 1, 2kv, 4kv)    ...   (per-branch column blocks)
+
+A GEMM whose output is only read through column slices/splits (a fused qkv GEMM whose Q part is unused) is
+narrowed to the used rows first. A GEMM whose weight is computed in the graph (dequantized, transposed twice,
+...) is not a parameter row range and never fuses; it is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+import custom_ops  # noqa: F401  (registers dspark::multi_linear)
+from dspark_fx.passes.graph_utils import aten, call, op_name, tensor_val
+
+MULTI_LINEAR = torch.ops.dspark.multi_linear.default
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
+@dataclass
+class GemmBranch:
+    """One `mm`/`addmm` whose weight is rows `[row_start, row_start + row_count)` of placeholder `weight`."""
+
+    node: fx.Node
+    activation: fx.Node
+    weight: fx.Node
+    row_start: int
+    row_count: int
+    bias: fx.Node | None
+    col_lo: int = 0  # the used column range of the GEMM output (narrowing)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return tensor_val(self.node).dtype
+
+
+def _slice_args(node: fx.Node) -> tuple:
+    """`(input, dim, start, stop, step)` of an `aten.slice.Tensor` node, defaults filled in."""
+    return (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])
+
+
+def _row_range(node: fx.Node) -> tuple[fx.Node, int, int] | str:
+    """`(placeholder, start, stop)` for a placeholder or a unit-step row slice of one, else a reason."""
+    if node.op == "placeholder":
+        val = tensor_val(node)
+        return node, 0, int(val.shape[0])
+    if node.target is aten.slice.Tensor:
+        base, dim, start, stop, step = _slice_args(node)
+        base_val = tensor_val(base)
+        if base.op != "placeholder" or base_val is None:
+            return f"weight is a slice of {op_name(base)} output, not of a parameter"
+        if dim % base_val.dim() != 0 or step != 1:
+            return "weight slice is not a unit-step row slice"
+        if not all(isinstance(v, (int, type(None))) for v in (start, stop)):
+            return "weight slice bounds are symbolic"
+        rows = int(base_val.shape[0])
+        start, stop = slice(start, stop).indices(rows)[:2]
+        return base, start, stop
+    return f"weight is computed by {op_name(node)} (quantized or transformed weights never fuse)"
+
+
+def match_gemm(node: fx.Node) -> GemmBranch | str | None:
+    """A `GemmBranch` for a fusable GEMM, a reason string for a GEMM that cannot fuse, None for other nodes."""
+    if node.target is aten.mm.default:
+        (x, w_t), bias = node.args, None
+    elif node.target is aten.addmm.default:
+        bias, x, w_t = node.args[:3]
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return "addmm with alpha/beta != 1"
+    else:
+        return None
+    x_val, out_val = tensor_val(x), tensor_val(node)
+    if x_val is None or out_val is None or not isinstance(w_t, fx.Node):
+        return "operands carry no tensor metadata"
+    if (w_t.target is aten.permute.default and list(w_t.args[1]) == [1, 0]) or w_t.target is aten.t.default:
+        weight = w_t.args[0]
+    else:
+        return f"weight operand is {op_name(w_t)}, not a transposed [out, in] weight"
+    rows = _row_range(weight)
+    if isinstance(rows, str):
+        return rows
+    base, start, stop = rows
+    if tensor_val(base).dtype != x_val.dtype:
+        return f"weight dtype {tensor_val(base).dtype} differs from activation dtype {x_val.dtype}"
+    bias_base = None
+    if bias is not None:
+        bias_rows = _row_range(bias) if isinstance(bias, fx.Node) else "bias is not a tensor"
+        if isinstance(bias_rows, str):
+            return "bias: " + bias_rows
+        bias_base, b_start, b_stop = bias_rows
+        if (b_start, b_stop) != (start, stop) or tensor_val(bias_base).shape != (tensor_val(base).shape[0],):
+            return "bias rows do not match the weight rows"
+    return GemmBranch(node, x, base, start, stop - start, bias_base)
+
+
+def _used_columns(node: fx.Node) -> tuple[int, int] | None:
+    """The column range of `node` (a [T, C] GEMM output) its users read, if all read through slices/splits."""
+    width = int(tensor_val(node).shape[1])
+    lo, hi = width, 0
+    for user in node.users:
+        if user.target is aten.slice.Tensor and _slice_args(user)[1] in (1, -1) and _slice_args(user)[4] == 1:
+            start, stop = slice(*_slice_args(user)[2:4]).indices(width)[:2]
+        elif user.target in _SPLITS and _split_dim(user) in (1, -1):
+            bounds = _split_bounds(user, width)
+            used = [bounds[g.args[1]] for g in user.users if g.target is operator.getitem]
+            if not used:
+                continue
+            start, stop = min(b[0] for b in used), max(b[1] for b in used)
+        else:
+            return None
+        lo, hi = min(lo, start), max(hi, stop)
+    return (lo, hi) if lo < hi else None
+
+
+def _split_dim(split: fx.Node) -> int:
+    return split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+
+
+def _split_bounds(split: fx.Node, width: int) -> list[tuple[int, int]]:
+    sizes = split.args[1]
+    if split.target is aten.split.Tensor:
+        sizes = [min(sizes, width - s) for s in range(0, width, sizes)]
+    bounds, col = [], 0
+    for size in sizes:
+        bounds.append((col, col + size))
+        col += size
+    return bounds
+
+
+def narrow_to_used_columns(branch: GemmBranch) -> None:
+    """Shrink the branch's row range to the output columns its users read (e.g. drop an unused Q part)."""
+    used = _used_columns(branch.node)
+    if used is None or used == (0, branch.row_count):
+        return
+    branch.col_lo = used[0]
+    branch.row_start += used[0]
+    branch.row_count = used[1] - used[0]
+
+
+def _rewire_users(graph: fx.Graph, branch: GemmBranch, block: fx.Node) -> None:
+    """Point the old GEMM's users at `block`, its (possibly narrowed) column block of the multi-linear output."""
+    if branch.col_lo == 0 and branch.row_count == int(tensor_val(branch.node).shape[1]):
+        branch.node.replace_all_uses_with(block)
+        return
+    width = int(tensor_val(branch.node).shape[1])
+    for user in list(branch.node.users):
+        pieces = []
+        if user.target is aten.slice.Tensor:
+            start, stop = slice(*_slice_args(user)[2:4]).indices(width)[:2]
+            pieces.append((user, start, stop))
+        else:
+            bounds = _split_bounds(user, width)
+            pieces += [(g, *bounds[g.args[1]]) for g in list(user.users) if g.target is operator.getitem]
+        for old, start, stop in pieces:
+            with graph.inserting_after(block):
+                new = call(graph, aten.slice.Tensor, (block, 1, start - branch.col_lo, stop - branch.col_lo))
+            old.replace_all_uses_with(new)
+            graph.erase_node(old)
+        if not user.users:
+            graph.erase_node(user)
+
+
+def rewrite_group(graph: fx.Graph, branches: list[GemmBranch]) -> tuple[fx.Node, list[fx.Node]]:
+    """Replace the GEMMs of `branches` (one activation) by one multi-linear; returns it and the column blocks."""
+    first = min((b.node for b in branches), key=_position(graph))
+    with graph.inserting_before(first):
+        fused = call(
+            graph,
+            MULTI_LINEAR,
+            (
+                branches[0].activation,
+                [b.weight for b in branches],
+                [b.row_start for b in branches],
+                [b.row_count for b in branches],
+                [b.bias for b in branches],
+            ),
+        )
+    blocks, col = [], 0
+    anchor = fused
+    for branch in branches:
+        with graph.inserting_after(anchor):
+            block = call(graph, aten.slice.Tensor, (fused, 1, col, col + branch.row_count))
+        anchor = block
+        col += branch.row_count
+        _rewire_users(graph, branch, block)
+        blocks.append(block)
+    for branch in branches:
+        _erase_with_dead_inputs(graph, branch.node)
+    return fused, blocks
+
+
+def _erase_with_dead_inputs(graph: fx.Graph, node: fx.Node) -> None:
+    if node.users or node.op != "call_function":
+        return
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    for arg in inputs:
+        _erase_with_dead_inputs(graph, arg)
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: order[n]

@@ -1,0 +1,83 @@
+"""Small FX helpers shared by the passes: fake-value propagation, input walking, node descriptions."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+
+def fake_mode_of(graph: fx.Graph) -> Any:
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    return torch._guards.detect_fake_mode(vals)
+
+
+def val_of(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def shape_key(node: fx.Node) -> str:
+    """A guard-free description of a node's value (shape as text: comparing SymInts would add guards)."""
+    val = val_of(node)
+    if isinstance(val, torch.Tensor):
+        return f"{val.dtype}{list(val.shape)}"
+    if isinstance(val, (list, tuple)):
+        return "(" + ",".join(f"{v.dtype}{list(v.shape)}" for v in val if isinstance(v, torch.Tensor)) + ")"
+    return type(val).__name__
+
+
+def input_nodes(node: fx.Node) -> Iterator[fx.Node]:
+    seen: set[fx.Node] = set()
+    for arg in node.all_input_nodes:
+        if arg not in seen:
+            seen.add(arg)
+            yield arg
+
+
+def call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Create a call_function node and give it a fake `meta["val"]` computed from its inputs' values."""
+    node = graph.call_function(target, args, kwargs or {})
+    propagate_val(graph, node)
+    return node
+
+
+def propagate_val(graph: fx.Graph, node: fx.Node) -> None:
+    to_val = lambda a: val_of(a) if isinstance(a, fx.Node) else a
+    args = tree_map(to_val, node.args)
+    kwargs = tree_map(to_val, node.kwargs)
+    if node.target is operator.getitem:
+        node.meta["val"] = operator.getitem(*args)
+        return
+    with fake_mode_of(graph):
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def is_pure(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return not target._schema.is_mutable

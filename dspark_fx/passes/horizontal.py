@@ -1,0 +1,238 @@
+"""The horizontal KV-branch fusion: N parallel `kv_proj → k_norm → rope` branches on one input become one GEMM
+plus one batched copy of the per-branch ops.
+
+Before (per layer l, all reading `ctx`):
+
+    kv_l = mm(ctx, permute(slice(W_l, 0, q, q + 2kv), [1, 0]))
+    k_l  = reshape(split(kv_l)[0], [-1, h, d]);  n_l = mul(mul(k_l, rsqrt(add(mean(pow(k_l, 2)), eps))), w_l)
+    r_l  = add(mul(n_l, cos), mul(cat([neg(n_l[.., d/2:]), n_l[.., :d/2]]), sin))
+    index_put(k_cache_l, [loc], r_l)
+
+After:
+
+    y  = dspark.multi_linear(ctx, [W_0 .. W_N-1], [q ..], [2kv ..], [None ..])
+    kv = permute(view(y, [-1, N, 2kv]), [1, 0, 2])                   # [N, T, 2kv], no copy
+    r  = the same ops once on kv, with stack([w_0 .. w_N-1]) for the per-layer norm weights
+    index_put(k_cache_l, [loc], select(r, 0, l))                       # per-branch outputs are views
+
+Steps (DESIGN §3): normalize (CSE) → group GEMMs by activation (`gemm_branches`) → rewrite each group into one
+multi-linear → grow per-branch regions and split them into classes of identical branches (`branch_regions`) →
+emit the batched ops of each class (`batching`). Anything that does not fit is left as it was and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.utils._pytree import tree_flatten
+
+from dspark_fx.passes import branch_regions, gemm_branches
+from dspark_fx.passes.batching import BatchError, Operand, batch_op
+from dspark_fx.passes.graph_utils import aten, call, op_name, shape_key, tensor_val
+from dspark_fx.passes.normalize import eliminate_common_subexpressions
+from dspark_fx.report import ClassReport, FusionReport, GroupReport, Rejection
+
+log = logging.getLogger("dspark_fx")
+
+
+@dataclass(frozen=True)
+class HorizontalFusionConfig:
+    min_branches: int = 2
+    max_leaf_numel: int = 1 << 16  # per-branch tensors stacked per call must be at most this small
+    batch_regions: bool = True
+
+
+def fuse_kv_branches(
+    graph: fx.Graph, config: HorizontalFusionConfig, input_names: list[str] | None = None
+) -> FusionReport:
+    report = FusionReport()
+    names = _Namer(graph, input_names)
+    eliminate_common_subexpressions(graph)
+    groups: dict[tuple, list[gemm_branches.GemmBranch]] = defaultdict(list)
+    for node in list(graph.nodes):
+        match = gemm_branches.match_gemm(node)
+        if isinstance(match, str):
+            report.rejected.append(Rejection(names.of(node), match))
+        elif match is not None:
+            groups[(match.activation, match.dtype)].append(match)
+    for (activation, _), branches in groups.items():
+        if len(branches) < config.min_branches:
+            report.rejected.append(
+                Rejection(names.of(branches[0].node), f"the only fusable GEMM on {names.of(activation)}")
+            )
+            continue
+        report.groups.append(_fuse_group(graph, branches, config, names))
+    if report.groups:
+        eliminate_common_subexpressions(graph)
+        stable_topological_sort(graph)
+        graph.lint()
+    return report
+
+
+def _fuse_group(graph: fx.Graph, branches: list, config: HorizontalFusionConfig, names) -> GroupReport:
+    for branch in branches:
+        gemm_branches.narrow_to_used_columns(branch)
+    descriptions = [
+        f"{names.of(b.weight)}[{b.row_start}:{b.row_start + b.row_count}]" + (" + bias" if b.bias is not None else "")
+        for b in branches
+    ]
+    in_features = int(tensor_val(branches[0].activation).shape[1])
+    itemsize = tensor_val(branches[0].node).dtype.itemsize
+    weight_bytes = sum(b.row_count * (in_features + (b.bias is not None)) * itemsize for b in branches)
+    fused, blocks = gemm_branches.rewrite_group(graph, branches)
+    report = GroupReport(names.of(branches[0].activation), descriptions, weight_bytes)
+    if not config.batch_regions:
+        return report
+    tainted = branch_regions.descendants(graph, [fused])
+    regions = [branch_regions.grow_region(graph, block, tainted) for block in blocks]
+    classes, unbatched = _classes(regions, [b.row_count for b in branches], config)
+    report.unbatched = unbatched
+    order = [i for members, _ in classes for i in members] + [i for i in range(len(branches)) if not _in(classes, i)]
+    _reorder_blocks(graph, fused, blocks, branches, order)
+    for members, alignments in classes:
+        try:
+            ops = _batch_class(graph, fused, blocks, regions, members, alignments, config)
+        except BatchError as err:
+            report.unbatched += [(i, f"batching failed: {err}") for i in members]
+            continue
+        report.classes.append(ClassReport(members, ops))
+    return report
+
+
+def _in(classes, i: int) -> bool:
+    return any(i in members for members, _ in classes)
+
+
+def _classes(regions, widths, config):
+    """Greedy classes of branches whose regions align completely; singletons are reported with the reason."""
+    classes, unbatched, assigned = [], [], set()
+    for r, ref in enumerate(regions):
+        if r in assigned:
+            continue
+        members, alignments, first_miss = [r], [None], None
+        for j in range(r + 1, len(regions)):
+            if j in assigned or widths[j] != widths[r]:
+                continue
+            alignment = branch_regions.align(ref, regions[j], config.max_leaf_numel)
+            if alignment.complete:
+                members.append(j)
+                alignments.append(alignment)
+            elif first_miss is None:
+                first_miss = (j, alignment.mismatch)
+        if len(ref.nodes) < 2:
+            continue
+        if len(members) >= config.min_branches:
+            assigned.update(members)
+            classes.append((members, alignments))
+        elif first_miss is not None:
+            unbatched.append((r, f"its ops differ from branch {first_miss[0]}'s: {first_miss[1]}"))
+        else:
+            unbatched.append((r, "no other branch with the same output width computes the same ops"))
+    return classes, unbatched
+
+
+def _reorder_blocks(graph: fx.Graph, fused: fx.Node, blocks, branches, order) -> None:
+    """Lay the multi-linear output out so that every class's column blocks are adjacent."""
+    if order == list(range(len(blocks))):
+        return
+    new_args = list(fused.args)
+    for pos in range(1, 5):
+        new_args[pos] = [fused.args[pos][i] for i in order]
+    fused.args = tuple(new_args)
+    col = 0
+    for i in order:
+        width = branches[i].row_count
+        blocks[i].args = (fused, 1, col, col + width)
+        col += width
+
+
+def _batch_class(graph, fused, blocks, regions, members, alignments, config) -> list[str]:
+    k = len(members)
+    ref = regions[members[0]]
+    start, stop = int(blocks[members[0]].args[2]), int(blocks[members[0]].args[3])
+    counterparts = [{n: n for n in ref.nodes}] + [a.mapping for a in alignments[1:]]
+    outputs = [
+        (node, idx, [u for u in c[node].users if u not in regions[m].members])
+        for node in ref.nodes[1:]
+        for idx, (m, c) in enumerate(zip(members, counterparts, strict=True))
+    ]
+    outputs = [(node, idx, users) for node, idx, users in outputs if users]
+    if any(tensor_val(node) is None for node, _, _ in outputs):
+        raise BatchError("a non-tensor value leaves the region")
+    existing = set(graph.nodes)
+    with graph.inserting_before(ref.nodes[1]):
+        try:
+            cols = call(graph, aten.slice.Tensor, (fused, 1, start, start + k * (stop - start)))
+            viewed = call(graph, aten.view.default, (cols, [-1, k, stop - start]))
+            batched = {ref.root: call(graph, aten.permute.default, (viewed, [1, 0, 2]))}
+            for node in ref.nodes[1:]:
+                operands = _operands(node, [c[node] for c in counterparts], ref, batched)
+                new = batch_op(graph, node, operands.__getitem__, k)
+                if _unbatched_key(new) != shape_key(node):
+                    raise BatchError(f"batched {op_name(node)} gives {shape_key(new)} for {shape_key(node)}")
+                batched[node] = new
+        except BatchError:
+            for node in reversed(list(graph.nodes)):
+                if node not in existing and not node.users:
+                    graph.erase_node(node)
+            raise
+        for node, idx, users in outputs:
+            view = call(graph, aten.select.int, (batched[node], 0, idx))
+            for user in users:
+                user.replace_input_with(counterparts[idx][node], view)
+    for member in members:
+        for node in reversed(regions[member].nodes):
+            if not node.users:
+                graph.erase_node(node)
+    return [op_name(n) for n in ref.nodes[1:]]
+
+
+def _unbatched_key(node: fx.Node) -> str:
+    """`shape_key` of one branch's slice of a batched node (the leading K dim dropped)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    keys = [f"{v.dtype}{list(v.shape[1:])}" for v in vals]
+    return keys[0] if not isinstance(val, (list, tuple)) else "(" + ",".join(keys) + ")"
+
+
+def _operands(node, member_nodes, ref, batched) -> dict[fx.Node, Operand]:
+    """How each tensor input of `node` (reference branch) is provided: batched, shared or per-branch leaves."""
+    flats = [tree_flatten((m.args, m.kwargs))[0] for m in member_nodes]
+    operands: dict[fx.Node, Operand] = {}
+    for pos, value in enumerate(flats[0]):
+        if not isinstance(value, fx.Node) or value in operands:
+            continue
+        if value in ref.members:
+            operands[value] = Operand("batched", batched[value])
+            continue
+        leaves = tuple(flat[pos] for flat in flats)
+        if all(leaf is value for leaf in leaves):
+            operands[value] = Operand("shared", value)
+        else:
+            operands[value] = Operand("leaf", leaves=leaves)
+    return operands
+
+
+class _Namer:
+    """Readable names for report lines: placeholders get the Dynamo input names (parameter paths) if known."""
+
+    def __init__(self, graph: fx.Graph, input_names: list[str] | None) -> None:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.names = {}
+        if input_names and len(input_names) == len(placeholders):
+            self.names = {p: _clean(name) for p, name in zip(placeholders, input_names, strict=True)}
+
+    def of(self, node: fx.Node) -> str:
+        return self.names.get(node, node.name)
+
+
+def _clean(name: str) -> str:
+    name = name.removeprefix("L_").removeprefix("l_").removeprefix("self_")
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, ".")
+    name = name.removeprefix("modules_").removeprefix("self.")
+    return name.rstrip("_")

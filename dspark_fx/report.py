@@ -1,0 +1,63 @@
+"""What the horizontal fusion did to one graph, and why it left things alone: the `explain()` report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClassReport:
+    branches: list[int]  # indices into GroupReport.branches
+    ops: list[str]  # the op names batched, in order
+
+
+@dataclass
+class GroupReport:
+    activation: str
+    branches: list[str]  # one description per fused GEMM: weight[rows]
+    weight_bytes: int  # weight (+ bias) bytes the fused GEMM reads per call
+    classes: list[ClassReport] = field(default_factory=list)
+    unbatched: list[tuple[int, str]] = field(default_factory=list)  # (branch, why its ops stayed its own)
+
+
+@dataclass
+class Rejection:
+    node: str
+    reason: str
+
+
+@dataclass
+class FusionReport:
+    groups: list[GroupReport] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def n_branches(self) -> list[int]:
+        return [len(g.branches) for g in self.groups]
+
+    def merge(self, other: FusionReport) -> None:
+        self.groups += other.groups
+        self.rejected += other.rejected
+
+    def __str__(self) -> str:
+        lines = [f"dspark_fx horizontal fusion: {self.n_groups} fused GEMM group(s)"]
+        for gi, group in enumerate(self.groups):
+            lines.append(
+                f"  group {gi}: {len(group.branches)} GEMMs on {group.activation} -> one multi_linear "
+                f"({group.weight_bytes / 2**20:.2f} MiB of weights read per call, no copies)"
+            )
+            for bi, desc in enumerate(group.branches):
+                lines.append(f"    branch {bi}: {desc}")
+            for cls in group.classes:
+                ops = ", ".join(cls.ops)
+                lines.append(f"    batched branches {cls.branches}: {len(cls.ops)} ops each -> one set [{ops}]")
+            for bi, why in group.unbatched:
+                lines.append(f"    branch {bi} keeps its own ops: {why}")
+        if self.rejected:
+            lines.append("  not fused:")
+            lines += [f"    {r.node}: {r.reason}" for r in self.rejected]
+        return "\n".join(lines)
