@@ -1,0 +1,77 @@
+"""The user-facing compressor object, the stateless whole-sequence function and the example script."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from test_dsv4_reference import gt_compress
+
+import custom_ops  # noqa: F401
+from custom_ops.dsv4_compressor import DSV4Compressor, compress_sequence, kernel_ape
+
+
+@pytest.mark.parametrize(("ratio", "d", "length"), [(4, 512, 37), (4, 128, 3), (128, 128, 300), (128, 512, 256)])
+def test_compress_sequence_matches_fp64(ratio, d, length):
+    g = torch.Generator().manual_seed(length)
+    kvs = torch.randn(length, (4 if ratio == 4 else 2) * d, generator=g)
+    ape = torch.randn(8 if ratio == 4 else 128, d, generator=g)
+    torch.testing.assert_close(
+        compress_sequence(kvs, ape, ratio).double(), gt_compress(kvs, ape, ratio), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_kernel_ape_layout():
+    ape = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)  # checkpoint [ratio, 2D] with D = 3
+    k = kernel_ape(ape, 4)
+    assert torch.equal(k[:4], ape[:, :3]) and torch.equal(k[4:], ape[:, 3:])
+    assert torch.equal(kernel_ape(ape, 128), ape)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "online", "state_dtype"),
+    [(4, False, torch.float32), (128, False, torch.bfloat16), (128, True, torch.float32)],
+)
+def test_compressor_split_equals_whole_sequence(ratio, online, state_dtype):
+    g = torch.Generator().manual_seed(ratio)
+    comp = DSV4Compressor(64, 128, ratio, online=online, state_dtype=state_dtype)
+    comp.reset_parameters(g)
+    x = torch.randn(2 * ratio + 5, 64, generator=g)
+    state = comp.new_state(3)
+    rid = torch.tensor([1])
+    got = {}
+    cur = 0
+    for n in [ratio - 1, 2, ratio + 1, 1, 1, 1, 2]:
+        if n == 1:
+            out = comp(x[cur : cur + 1], state, torch.tensor([cur + 1]), rid)
+        else:
+            out = comp(x[cur : cur + n], state, torch.tensor([cur + n]), rid, extend_lens=torch.tensor([n]))
+        cur += n
+        for row in out.valid.nonzero().squeeze(1).tolist():
+            assert int(out.request[row]) == 0
+            got[int(out.window[row])] = out.entries[row]
+        assert torch.equal(out.entries[~out.valid], torch.zeros_like(out.entries[~out.valid]))
+    want = compress_sequence(comp.kv_score(x), comp.kernel_ape(), ratio)
+    assert sorted(got) == list(range(want.shape[0]))
+    tol = 3e-2 if state_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(torch.stack([got[n] for n in sorted(got)]), want, atol=tol, rtol=tol)
+
+
+def test_compressor_rejects_bad_configs():
+    with pytest.raises(ValueError, match="ratio"):
+        DSV4Compressor(64, 128, 8)
+    with pytest.raises(ValueError, match="online"):
+        DSV4Compressor(64, 128, 4, online=True)
+    with pytest.raises(ValueError, match="online"):
+        DSV4Compressor(64, 128, 128, online=True, state_dtype=torch.bfloat16)
+
+
+def test_example_script_runs():
+    path = Path(__file__).resolve().parents[1] / "examples" / "dsv4_compress.py"
+    spec = importlib.util.spec_from_file_location("dsv4_compress_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for ratio, online, paged in [(4, False, True), (128, True, False)]:
+        assert module.run(ratio, online, paged, "cpu", hidden=64, head_dim=128) < 1e-5
