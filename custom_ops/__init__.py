@@ -5,5 +5,10 @@ from custom_ops import (  # noqa: F401  (_library defines the dspark namespace f
     dsv4_compress,
     dsv4_compress_online,
     dsv4_compress_plan,
+    flashmla_writes,
     multi_linear,
 )
+from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
+from custom_ops.rope import precompute_freqs
+
+__all__ = ["dequantize_flashmla_cache", "flashmla_page_bytes", "precompute_freqs"]

@@ -1,0 +1,179 @@
+"""Build, cache and load the CUDA kernels of `custom_ops` (all of `csrc/*.cu`, `csrc/*.cpp` in one library).
+
+How a CUDA call reaches a kernel, and why:
+
+* Every op module registers, next to its CPU reference and fake impl, a small Python *entry* kernel under the
+  `CompositeExplicitAutograd` key (`register_cuda_entry`). For a CUDA tensor the dispatcher finds no kernel under
+  the `CUDA` key yet and falls back to that entry, which builds (first time only) and loads the library, then
+  re-dispatches the call.
+* The library's `TORCH_LIBRARY_IMPL(dspark, CUDA, m)` registers the C++ launchers under the `CUDA` key. A
+  backend-key kernel takes precedence over `CompositeExplicitAutograd`, so from then on every CUDA call goes
+  straight to C++: no Python on the hot path, no "overriding a kernel" warning (the keys differ), and nothing for
+  the user to call. `import custom_ops` also loads an already built library directly (`load_prebuilt`), so after
+  `python -m custom_ops.build` even the first call is a plain C++ dispatch.
+* `torch.compile(fullgraph=True)` only needs the schema and the fake impl (the op is opaque to Dynamo); Inductor's
+  generated code calls `torch.ops.dspark.*`, i.e. the same path. The launchers use the current CUDA stream, do
+  no host syncs and no allocations besides op outputs, so they are CUDA-graph capturable (warm up once before
+  capturing so the build/load happens outside the capture).
+
+Alternatives rejected: a pybind module called from a Python CUDA impl (Python overhead on every eager call and
+on every call from Inductor's wrapper); eager build at import (a minute of nvcc for users who never touch CUDA,
+and `import custom_ops` would fail on machines without a toolkit).
+
+Build: `torch.utils.cpp_extension.load` with ninja, `-O3`, SASS for sm_90a plus compute_80 PTX (JIT-compiled by
+the driver on other GPUs), into `$DSPARK_OPS_CACHE_DIR` (default `~/.cache/dspark_fx/ops`) under a directory
+named by a hash of the sources, the flags and the torch/CUDA versions. CPU references never need any of this.
+"""
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CUDA_FLAGS",
+    "BuildError",
+    "build_key",
+    "is_loaded",
+    "library_path",
+    "load",
+    "load_prebuilt",
+    "register_cuda_entry",
+]
+
+log = logging.getLogger("custom_ops")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+CXX_FLAGS = ["-O3"]
+CUDA_FLAGS = [
+    "-O3",
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-gencode=arch=compute_80,code=compute_80",
+    "-lineinfo",
+]
+
+_lock = threading.Lock()
+_loaded: Path | None = None
+
+
+class BuildError(RuntimeError):
+    """The CUDA kernels cannot be built or loaded here (no CUDA torch, no nvcc, no ninja, compile error)."""
+
+
+def _source_files() -> list[Path]:
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
+
+
+def build_key() -> str:
+    """Hash of every file under csrc/, the flags and the torch / CUDA versions (names the cache directory)."""
+    h = hashlib.sha256()
+    for p in sorted(CSRC.iterdir()):
+        if p.is_file():
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(repr((CXX_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
+    return h.hexdigest()[:16]
+
+
+def _name() -> str:
+    return f"dspark_ops_{build_key()}"
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("DSPARK_OPS_CACHE_DIR") or Path.home() / ".cache" / "dspark_fx" / "ops"
+    return Path(root) / _name()
+
+
+def library_path() -> Path:
+    """Where the built library for the current sources and torch lives (it may not exist yet)."""
+    return _build_dir() / f"{_name()}.so"
+
+
+def is_loaded() -> bool:
+    return _loaded is not None
+
+
+def _require_toolchain() -> None:
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        raise BuildError(
+            f"torch {torch.__version__} has no CUDA support: the dspark CUDA kernels cannot be built "
+            "(the CPU references of torch.ops.dspark.* work without them)"
+        )
+    if cpp_extension.CUDA_HOME is None:
+        raise BuildError("nvcc not found: set CUDA_HOME or put the CUDA toolkit's bin/ on PATH to build the kernels")
+    if not cpp_extension.is_ninja_available():
+        raise BuildError("ninja not found: install it (`pip install ninja` or the system package) to build the kernels")
+
+
+def load(verbose: bool = False) -> Path:
+    """Build the CUDA library if needed and load it into the process (idempotent, thread-safe)."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        _require_toolchain()
+        from torch.utils import cpp_extension
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("building dspark CUDA ops in %s", build_dir)
+        try:
+            cpp_extension.load(
+                name=_name(),
+                sources=[str(p) for p in _source_files()],
+                extra_cflags=CXX_FLAGS,
+                extra_cuda_cflags=CUDA_FLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        except (RuntimeError, OSError) as e:
+            raise BuildError(f"building the dspark CUDA ops in {build_dir} failed: {e}") from e
+        _loaded = library_path()
+        return _loaded
+
+
+def load_prebuilt() -> bool:
+    """Load the library if it is already built for the current sources and torch; never builds. Used at import."""
+    global _loaded
+    if torch.version.cuda is None:
+        return False
+    with _lock:
+        if _loaded is not None:
+            return True
+        path = library_path()
+        if not path.is_file():
+            return False
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as e:
+            log.warning("could not load the prebuilt dspark CUDA ops %s (%s); rebuilding on first use", path, e)
+            return False
+        _loaded = path
+        return True
+
+
+def register_cuda_entry(lib: torch.library.Library, name: str) -> None:
+    """Register the first-use entry of `dspark::<name>` for devices without a direct kernel (see module doc)."""
+    qualname = f"dspark::{name}"
+
+    def entry(*args: object, **kwargs: object) -> object:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        device = tensors[0].device
+        if device.type != "cuda":
+            raise NotImplementedError(f"{qualname} has CPU and CUDA kernels only, got a tensor on {device}")
+        load()
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"):
+            raise BuildError(f"the dspark CUDA library {library_path()} registered no CUDA kernel for {qualname}")
+        op: Callable[..., object] = getattr(torch.ops.dspark, name).default
+        return op(*args, **kwargs)
+
+    lib.impl(name, entry, "CompositeExplicitAutograd")
+
+
+load_prebuilt()

@@ -1,0 +1,354 @@
+// DeepSeek-V4 norm / RoPE / FP8 kernels and the FlashMLA V4 paged-cache writes. Plain CUDA, no torch headers.
+//
+// Numerics match the CPU references in custom_ops/flashmla_writes.py: sum of squares in fp64, ms = fp32(sum/D),
+// nf = fp32(1/sqrt(fp64(fp32(ms + eps)))), then only separately rounded fp32 operations (__fmul_rn & co., so
+// nvcc cannot contract them into FMAs); fp8 = e4m3 RNE with saturation; bf16/fp16 = RNE.
+//
+// Thread mapping of the 512-wide kernels: one warp per row, lane l owns dims [16 l, 16 l + 16). Lanes 0..27 own
+// the 7 nope tiles (4 lanes per 64-wide tile), lanes 28..31 the 64 RoPE dims (8 interleaved pairs each).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dspark {
+
+constexpr int kHeadDim = 512;
+constexpr int kNopeDim = 448;
+constexpr int kRopeDim = 64;
+constexpr int kValueBytes = 576;
+constexpr int kScaleBytes = 8;
+constexpr int kLaneElems = 16;               // 512 / 32
+constexpr int kRopeLane0 = kNopeDim / kLaneElems;  // 28
+constexpr int kIndexerDim = 128;
+constexpr int kIndexerLaneElems = 4;          // 128 / 32
+constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = 32 * kWarpsPerBlock;
+constexpr int kMinBlocksPerSM = 4;  // caps registers at 64 per thread: 32 resident warps per SM
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from_float(float v) { return v; }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return Cvt<T>::to_float(Cvt<T>::from_float(v));
+}
+
+// N contiguous elements of T -> fp32; kVec: 16-byte loads (pointer 16-byte aligned, N * sizeof(T) % 16 == 0).
+template <typename T, int N, bool kVec>
+__device__ __forceinline__ void load_row(const T* p, float (&x)[N]) {
+  if constexpr (kVec) {
+    constexpr int kPerVec = 16 / sizeof(T);
+#pragma unroll
+    for (int v = 0; v < N / kPerVec; ++v) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[v];
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < kPerVec; ++k) x[v * kPerVec + k] = Cvt<T>::to_float(e[k]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = Cvt<T>::to_float(p[i]);
+  }
+}
+
+template <typename T, int N, bool kVec>
+__device__ __forceinline__ void store_row(T* p, const float (&x)[N]) {
+  if constexpr (kVec) {
+    constexpr int kPerVec = 16 / sizeof(T);
+#pragma unroll
+    for (int v = 0; v < N / kPerVec; ++v) {
+      uint4 u;
+      T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+      for (int k = 0; k < kPerVec; ++k) e[k] = Cvt<T>::from_float(x[v * kPerVec + k]);
+      reinterpret_cast<uint4*>(p)[v] = u;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = Cvt<T>::from_float(x[i]);
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is64) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// Row norm factor (see the file header); every lane returns the same value (xor butterflies are symmetric).
+__device__ __forceinline__ float norm_factor(const float (&x)[kLaneElems], float eps) {
+  double ss = 0.0;
+#pragma unroll
+  for (int i = 0; i < kLaneElems; ++i) ss = fma(static_cast<double>(x[i]), static_cast<double>(x[i]), ss);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(kFullMask, ss, o);
+  const float ms = __double2float_rn(ss * (1.0 / kHeadDim));
+  return __double2float_rn(1.0 / sqrt(static_cast<double>(__fadd_rn(ms, eps))));
+}
+
+// 16 fp32 table entries [cos, sin, ...] of position `pos` for RoPE lane `lane` (>= kRopeLane0).
+__device__ __forceinline__ void load_rope_table(const float* freqs, int64_t pos, int lane, float (&t)[kLaneElems]) {
+  const float4* src = reinterpret_cast<const float4*>(freqs + pos * kRopeDim + (lane - kRopeLane0) * kLaneElems);
+#pragma unroll
+  for (int v = 0; v < kLaneElems / 4; ++v) {
+    const float4 f = src[v];
+    t[4 * v] = f.x;
+    t[4 * v + 1] = f.y;
+    t[4 * v + 2] = f.z;
+    t[4 * v + 3] = f.w;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void rotate_pairs(float (&x)[N], const float (&t)[N]) {
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    const float re = x[2 * k], im = x[2 * k + 1], c = t[2 * k], s = t[2 * k + 1];
+    x[2 * k] = __fsub_rn(__fmul_rn(re, c), __fmul_rn(im, s));
+    x[2 * k + 1] = __fadd_rn(__fmul_rn(re, s), __fmul_rn(im, c));
+  }
+}
+
+__device__ __forceinline__ uint32_t fp8x2(float a, float b) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+}
+
+// UE8M0 exponent of max(amax, 1e-4) / 448, rounded up.
+__device__ __forceinline__ uint32_t ue8m0_exponent(float amax) {
+  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max));
+  return ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+}
+
+struct FlashMLAWriteArgs {
+  const void* kv;
+  int64_t kv_row_stride;  // elements
+  const void* weight;
+  float eps;
+  const float* freqs;
+  const void* positions;
+  bool positions_64;
+  const void* out_loc;
+  bool out_loc_64;
+  uint8_t* cache;
+  int64_t page_bytes;
+  int log2_page_size;
+  int64_t rows;
+};
+
+// kNormRope: fused_k_norm_rope_flashmla (RMSNorm with weight + RoPE, fp32 until quantization);
+// otherwise store_flashmla_cache (rows already normed and roped).
+template <typename T, bool kVec, bool kNormRope>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) flashmla_write_kernel(const FlashMLAWriteArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  const bool rope_lane = lane >= kRopeLane0;
+
+  float x[kLaneElems];
+  load_row<T, kLaneElems, kVec>(static_cast<const T*>(a.kv) + row * a.kv_row_stride + lane * kLaneElems, x);
+  if constexpr (kNormRope) {
+    const int64_t pos = rope_lane ? load_index(a.positions, row, a.positions_64) : 0;
+    const float nf = norm_factor(x, a.eps);
+    float w[kLaneElems];
+    load_row<T, kLaneElems, kVec>(static_cast<const T*>(a.weight) + lane * kLaneElems, w);
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], nf), w[i]);
+    if (rope_lane) {
+      float tab[kLaneElems];
+      load_rope_table(a.freqs, pos, lane, tab);
+      rotate_pairs(x, tab);
+    }
+  }
+
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kLaneElems; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+
+  const int64_t loc = load_index(a.out_loc, row, a.out_loc_64);
+  if (loc < 0) return;
+  const int64_t page_size = int64_t{1} << a.log2_page_size;
+  const int64_t page = loc >> a.log2_page_size;
+  const int64_t slot = loc & (page_size - 1);
+  uint8_t* page_ptr = a.cache + page * a.page_bytes;
+  uint8_t* value = page_ptr + slot * kValueBytes;
+
+  if (!rope_lane) {
+    const uint32_t e = ue8m0_exponent(amax);
+    const float inv = __uint_as_float((254u - e) << 23);
+    uint4 codes;
+    uint32_t* c = reinterpret_cast<uint32_t*>(&codes);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      c[k] = fp8x2(__fmul_rn(x[4 * k], inv), __fmul_rn(x[4 * k + 1], inv)) |
+             (fp8x2(__fmul_rn(x[4 * k + 2], inv), __fmul_rn(x[4 * k + 3], inv)) << 16);
+    }
+    reinterpret_cast<uint4*>(value)[lane] = codes;
+    if ((lane & 3) == 0) page_ptr[page_size * kValueBytes + slot * kScaleBytes + (lane >> 2)] = static_cast<uint8_t>(e);
+  } else {
+    uint4 out[2];
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out);
+#pragma unroll
+    for (int k = 0; k < kLaneElems / 2; ++k) o[k] = __float22bfloat162_rn(make_float2(x[2 * k], x[2 * k + 1]));
+    uint4* dst = reinterpret_cast<uint4*>(value + kNopeDim + (lane - kRopeLane0) * kLaneElems * 2);
+    dst[0] = out[0];
+    dst[1] = out[1];
+  }
+}
+
+struct NormRopeArgs {
+  const void* in;
+  int64_t in_stride_b, in_stride_h;  // elements
+  void* out;                         // may equal `in` (fused_norm_rope_inplace)
+  int64_t out_stride_b, out_stride_h;
+  int heads;
+  int64_t rows;  // B * heads
+  const void* weight;  // read only when kWeight
+  float eps;
+  const float* freqs;
+  const void* positions;
+  bool positions_64;
+};
+
+// kWeight: fused_norm_rope_inplace (y = DType(x*nf*w)); otherwise fused_q_norm_rope (y = DType(x*nf)).
+// RoPE acts on the DType-rounded y and is rounded to DType again.
+template <typename T, bool kVec, bool kWeight>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) norm_rope_kernel(const NormRopeArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  const int64_t b = row / a.heads;
+  const int64_t h = row - b * a.heads;
+  const bool rope_lane = lane >= kRopeLane0;
+
+  float x[kLaneElems];
+  load_row<T, kLaneElems, kVec>(
+      static_cast<const T*>(a.in) + b * a.in_stride_b + h * a.in_stride_h + lane * kLaneElems, x);
+  const int64_t pos = rope_lane ? load_index(a.positions, b, a.positions_64) : 0;
+  const float nf = norm_factor(x, a.eps);
+  if constexpr (kWeight) {
+    float w[kLaneElems];
+    load_row<T, kLaneElems, kVec>(static_cast<const T*>(a.weight) + lane * kLaneElems, w);
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) x[i] = round_to<T>(__fmul_rn(__fmul_rn(x[i], nf), w[i]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) x[i] = round_to<T>(__fmul_rn(x[i], nf));
+  }
+  if (rope_lane) {
+    float tab[kLaneElems];
+    load_rope_table(a.freqs, pos, lane, tab);
+    rotate_pairs(x, tab);
+  }
+  store_row<T, kLaneElems, kVec>(
+      static_cast<T*>(a.out) + b * a.out_stride_b + h * a.out_stride_h + lane * kLaneElems, x);
+}
+
+struct IndexerArgs {
+  const void* q;
+  int64_t q_stride_b, q_stride_h;  // elements
+  const void* weight;
+  int64_t w_stride_b, w_stride_h;
+  float weight_scale;
+  const float* freqs;
+  const void* positions;
+  bool positions_64;
+  uint8_t* q_fp8;      // (rows, 128) contiguous
+  float* weights_out;  // (rows,)
+  int heads;
+  int64_t rows;
+};
+
+// fused_q_indexer_rope_hadamard_quant: one warp per (token, head), lane l owns dims [4 l, 4 l + 4).
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  const int64_t b = row / a.heads;
+  const int64_t h = row - b * a.heads;
+  constexpr int kRopeLane = (kIndexerDim - kRopeDim) / kIndexerLaneElems;  // 16
+
+  float x[kIndexerLaneElems];
+  const T* src = static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h + lane * kIndexerLaneElems;
+  if constexpr (kVec) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      x[0] = v.x;
+      x[1] = v.y;
+      x[2] = v.z;
+      x[3] = v.w;
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(src);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < kIndexerLaneElems; ++k) x[k] = Cvt<T>::to_float(e[k]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kIndexerLaneElems; ++k) x[k] = Cvt<T>::to_float(src[k]);
+  }
+  if (lane >= kRopeLane) {
+    const int64_t pos = load_index(a.positions, b, a.positions_64);
+    const float4 f = *reinterpret_cast<const float4*>(a.freqs + pos * kRopeDim + (lane - kRopeLane) * 4);
+    const float t[4] = {f.x, f.y, f.z, f.w};
+    rotate_pairs(x, t);
+  }
+  // Walsh-Hadamard, stages h = 1, 2 in registers, h = 4 .. 64 across lanes (lane bit h / 4).
+  float y0 = __fadd_rn(x[0], x[1]), y1 = __fsub_rn(x[0], x[1]);
+  float y2 = __fadd_rn(x[2], x[3]), y3 = __fsub_rn(x[2], x[3]);
+  x[0] = __fadd_rn(y0, y2);
+  x[2] = __fsub_rn(y0, y2);
+  x[1] = __fadd_rn(y1, y3);
+  x[3] = __fsub_rn(y1, y3);
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int k = 0; k < kIndexerLaneElems; ++k) {
+      const float other = __shfl_xor_sync(kFullMask, x[k], m);
+      x[k] = upper ? __fsub_rn(other, x[k]) : __fadd_rn(x[k], other);
+    }
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kIndexerLaneElems; ++k) {
+    x[k] = __fmul_rn(x[k], 0.08838834764831845f);  // fp32(128 ** -0.5)
+    amax = fmaxf(amax, fabsf(x[k]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+  const float inv = __fdiv_rn(1.0f, scale);
+  const uint32_t codes = fp8x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv)) |
+                         (fp8x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv)) << 16);
+  reinterpret_cast<uint32_t*>(a.q_fp8 + row * kIndexerDim)[lane] = codes;
+  if (lane == 0) {
+    const float w = Cvt<T>::to_float(static_cast<const T*>(a.weight)[b * a.w_stride_b + h * a.w_stride_h]);
+    a.weights_out[row] = __fmul_rn(__fmul_rn(w, a.weight_scale), scale);
+  }
+}
+
+}  // namespace dspark

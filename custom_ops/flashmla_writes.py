@@ -1,0 +1,396 @@
+"""DeepSeek-V4 fused RMSNorm / interleaved RoPE / FP8 ops and the FlashMLA V4 paged-cache writes.
+
+Five ops in the `dspark` namespace, each with a schema, a fake impl, a CPU reference (the `*_reference` functions
+below, vectorized torch, usable on any device) and a CUDA kernel (`csrc/flashmla_writes.cu`, loaded on first use,
+see `custom_ops._build`):
+
+| op | mutates | what it does |
+|---|---|---|
+| `fused_k_norm_rope_flashmla` | `kvcache` | RMSNorm, RoPE, FP8/UE8M0 quant and the 584-byte V4 cache write |
+| `fused_q_norm_rope` | `q_out` | weightless RMSNorm + RoPE of every head |
+| `fused_norm_rope_inplace` | `kv` | RMSNorm + RoPE in place (the unfused building block) |
+| `store_flashmla_cache` | `kvcache` | FP8/UE8M0 quant + V4 write of finished rows (the unfused store) |
+| `fused_q_indexer_rope_hadamard_quant` | - | RoPE, Hadamard, per-row FP8 of the indexer query |
+
+The argument tables are in the docstrings of the `*_reference` functions and in docs/ops.md.
+
+Numerics shared by the CPU references and the CUDA kernels (they agree bit for bit except in rare rounding ties):
+the sum of squares is accumulated in fp64 (exact for bf16/fp16 inputs, so independent of the reduction order),
+`ms = fp32(sum / D)`, `nf = fp32(1 / sqrt(fp64(ms + eps)))` (fp32 `ms + eps`), every later product and sum is a
+separately rounded fp32 operation (no FMA contraction). This deviates from sglang's `rsqrtf` on purpose: it makes
+the reference and the kernel agree exactly, and it is more accurate. `positions` index the table without a bounds
+check on CUDA (as in the reference systems); `out_loc < 0` rows are skipped, larger slot ids are not checked.
+"""
+
+import torch
+
+from custom_ops import _build
+from custom_ops._library import LIB
+from custom_ops.fp8_layout import (
+    FP8_MAX,
+    HEAD_DIM,
+    NOPE_DIM,
+    ROPE_DIM,
+    flashmla_page_bytes,
+    quantize_e4m3,
+    quantize_tiles_ue8m0,
+    scatter_flashmla_rows,
+)
+from custom_ops.rope import apply_rope_interleaved
+
+__all__ = [
+    "INDEXER_DIM",
+    "fused_k_norm_rope_flashmla_reference",
+    "fused_norm_rope_inplace_reference",
+    "fused_q_indexer_rope_hadamard_quant_reference",
+    "fused_q_norm_rope_reference",
+    "store_flashmla_cache_reference",
+    "walsh_hadamard",
+]
+
+INDEXER_DIM = 128
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).removeprefix('torch.')}")
+
+
+def _shape(name: str, t: torch.Tensor, expected: tuple[object, ...], what: str) -> None:
+    ok = t.dim() == len(expected) and all(e is None or s == e for s, e in zip(t.shape, expected, strict=True))
+    if not ok:
+        raise ValueError(f"{name} must have shape {what}, got {tuple(t.shape)}")
+
+
+def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like the first tensor argument, got {t.device}")
+
+
+def _inner_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in its last dim, got strides {tuple(t.stride())}")
+
+
+def _check_table(freqs: object, positions: object, n: object, device: torch.device) -> None:
+    freqs = _tensor("freqs", freqs)
+    _dtype("freqs", freqs, (torch.float32,))
+    _shape("freqs", freqs, (None, ROPE_DIM), f"(max_pos, {ROPE_DIM})")
+    if not freqs.is_contiguous():
+        raise ValueError("freqs must be contiguous")
+    _device("freqs", freqs, device)
+    positions = _tensor("positions", positions)
+    _dtype("positions", positions, _INDEX_DTYPES)
+    _shape("positions", positions, (n,), f"({n},)")
+    _device("positions", positions, device)
+
+
+def _check_rows(name: str, kv: object, dim: int) -> torch.Tensor:
+    kv = _tensor(name, kv)
+    _dtype(name, kv, _FLOAT_DTYPES)
+    _shape(name, kv, (None, dim), f"(B, {dim})")
+    _inner_contiguous(name, kv)
+    return kv
+
+
+def _check_weight(weight: object, dtype: torch.dtype, device: torch.device) -> None:
+    weight = _tensor("weight", weight)
+    _dtype("weight", weight, (dtype,))
+    _shape("weight", weight, (HEAD_DIM,), f"({HEAD_DIM},)")
+    _inner_contiguous("weight", weight)
+    _device("weight", weight, device)
+
+
+def _check_eps(eps: object) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _check_cache(out_loc: object, kvcache: object, page_size: object, n: object, device: torch.device) -> None:
+    out_loc = _tensor("out_loc", out_loc)
+    _dtype("out_loc", out_loc, _INDEX_DTYPES)
+    _shape("out_loc", out_loc, (n,), f"({n},)")
+    _device("out_loc", out_loc, device)
+    page_bytes = flashmla_page_bytes(page_size)
+    kvcache = _tensor("kvcache", kvcache)
+    _dtype("kvcache", kvcache, (torch.uint8,))
+    _shape("kvcache", kvcache, (None, page_bytes), f"(num_pages, {page_bytes}) for page_size={page_size}")
+    if kvcache.stride(1) != 1 or (kvcache.shape[0] > 1 and kvcache.stride(0) != page_bytes):
+        raise ValueError(
+            f"kvcache must have strides ({page_bytes}, 1) (row stride == page bytes), got {tuple(kvcache.stride())}"
+        )
+    _device("kvcache", kvcache, device)
+
+
+def _check_k(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size) -> None:
+    kv = _check_rows("kv", kv, HEAD_DIM)
+    _check_weight(weight, kv.dtype, kv.device)
+    _check_eps(eps)
+    _check_table(freqs, positions, kv.shape[0], kv.device)
+    _check_cache(out_loc, kvcache, page_size, kv.shape[0], kv.device)
+
+
+def _check_q(q, q_out, eps, freqs, positions) -> None:
+    q = _tensor("q", q)
+    _dtype("q", q, _FLOAT_DTYPES)
+    _shape("q", q, (None, None, HEAD_DIM), f"(B, H, {HEAD_DIM})")
+    _inner_contiguous("q", q)
+    q_out = _tensor("q_out", q_out)
+    _dtype("q_out", q_out, (q.dtype,))
+    _shape("q_out", q_out, tuple(q.shape), f"{tuple(q.shape)} like q")
+    _inner_contiguous("q_out", q_out)
+    _device("q_out", q_out, q.device)
+    _check_eps(eps)
+    _check_table(freqs, positions, q.shape[0], q.device)
+
+
+def _check_inplace(kv, weight, eps, freqs, positions) -> None:
+    kv = _check_rows("kv", kv, HEAD_DIM)
+    _check_weight(weight, kv.dtype, kv.device)
+    _check_eps(eps)
+    _check_table(freqs, positions, kv.shape[0], kv.device)
+
+
+def _check_store(kv, out_loc, kvcache, page_size) -> None:
+    kv = _check_rows("kv", kv, HEAD_DIM)
+    _check_cache(out_loc, kvcache, page_size, kv.shape[0], kv.device)
+
+
+def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
+    q = _tensor("q", q)
+    _dtype("q", q, _FLOAT_DTYPES)
+    _shape("q", q, (None, None, INDEXER_DIM), f"(B, H, {INDEXER_DIM})")
+    _inner_contiguous("q", q)
+    weight = _tensor("weight", weight)
+    _dtype("weight", weight, (q.dtype,))
+    _shape("weight", weight, tuple(q.shape[:2]), f"{tuple(q.shape[:2])} (B, H) like q")
+    _device("weight", weight, q.device)
+    if isinstance(weight_scale, bool) or not isinstance(weight_scale, (int, float)):
+        raise TypeError(f"weight_scale must be a float, got {type(weight_scale).__name__}")
+    _check_table(freqs, positions, q.shape[0], q.device)
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def _norm_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 `1/sqrt(mean(x^2) + eps)` over the last dim (keepdim), with the fp64 steps described above."""
+    ms = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
+    return torch.reciprocal(torch.sqrt((ms + eps).double())).float()
+
+
+def fused_k_norm_rope_flashmla_reference(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    kvcache: torch.Tensor,
+    page_size: int,
+) -> None:
+    """RMSNorm + RoPE + FP8/UE8M0 quantization of K rows, written into the FlashMLA V4 paged cache.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | `kv` | (B, 512) | bf16/fp16/fp32 | no | last-dim stride 1, any row stride |
+    | `weight` | (512,) | as `kv` | no | RMSNorm gamma |
+    | `eps` | float | | | |
+    | `freqs` | (max_pos, 64) | fp32 | no | contiguous, `precompute_freqs` |
+    | `positions` | (B,) | int32/int64 | no | table row per token |
+    | `out_loc` | (B,) | int32/int64 | no | slot id; `< 0` skips the row |
+    | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1) |
+    | `page_size` | int | | | power of two |
+
+    Math: `y = x*nf*w` kept in fp32; rope `bf16(rot(y[448:]))`; nope `y[:448]` in 7 tiles with UE8M0 scales.
+    """
+    x = kv.float()
+    y = x * _norm_factor(x, eps) * weight.float()
+    rope = apply_rope_interleaved(y[:, NOPE_DIM:], freqs[positions.long()]).to(torch.bfloat16)
+    codes, exponents = quantize_tiles_ue8m0(y[:, :NOPE_DIM])
+    scatter_flashmla_rows(kvcache, page_size, out_loc, codes, rope, exponents)
+
+
+def fused_q_norm_rope_reference(
+    q: torch.Tensor, q_out: torch.Tensor, eps: float, freqs: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Weightless RMSNorm of every (token, head) row, then RoPE of its last 64 dims, written to `q_out`.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | `q` | (B, H, 512) | bf16/fp16/fp32 | no | last-dim stride 1 |
+    | `q_out` | (B, H, 512) | as `q` | **yes** | last-dim stride 1 (e.g. a head slice of a wider buffer) |
+    | `eps` | float | | | |
+    | `freqs` | (max_pos, 64) | fp32 | no | |
+    | `positions` | (B,) | int32/int64 | no | |
+
+    Rounding: `y = DType(x*nf)`; nope = y; rope = `DType(rot(fp32(y[448:])))` (double rounding on purpose).
+    """
+    x = q.float()
+    y = (x * _norm_factor(x, eps)).to(q.dtype)
+    rope = apply_rope_interleaved(y[..., NOPE_DIM:].float(), freqs[positions.long()][:, None, :])
+    q_out.copy_(torch.cat([y[..., :NOPE_DIM], rope.to(q.dtype)], dim=-1))
+
+
+def fused_norm_rope_inplace_reference(
+    kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """RMSNorm (with weight) + RoPE of the last 64 dims, in place: the first step of the unfused K path.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | `kv` | (B, 512) | bf16/fp16/fp32 | **yes** | last-dim stride 1 |
+    | `weight` | (512,) | as `kv` | no | |
+    | `eps` | float | | | |
+    | `freqs` | (max_pos, 64) | fp32 | no | |
+    | `positions` | (B,) | int32/int64 | no | |
+
+    Rounding: `y = DType(x*nf*w)`; rope = `DType(rot(fp32(y[448:])))`.
+    """
+    x = kv.float()
+    y = (x * _norm_factor(x, eps) * weight.float()).to(kv.dtype)
+    rope = apply_rope_interleaved(y[:, NOPE_DIM:].float(), freqs[positions.long()])
+    kv.copy_(torch.cat([y[:, :NOPE_DIM], rope.to(kv.dtype)], dim=-1))
+
+
+def store_flashmla_cache_reference(
+    kv: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int
+) -> None:
+    """FP8/UE8M0 quantization + V4 write of rows that are already normed and roped (the unfused store).
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | `kv` | (B, 512) | bf16/fp16/fp32 | no | last-dim stride 1 |
+    | `out_loc` | (B,) | int32/int64 | no | `< 0` skips the row |
+    | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1) |
+    | `page_size` | int | | | power of two |
+    """
+    codes, exponents = quantize_tiles_ue8m0(kv[:, :NOPE_DIM].float())
+    scatter_flashmla_rows(kvcache, page_size, out_loc, codes, kv[:, NOPE_DIM:].to(torch.bfloat16), exponents)
+
+
+def walsh_hadamard(y: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform over the last dim (power of two), natural (Sylvester) order.
+
+    Butterfly stages h = 1, 2, 4, ...: `(a, b) -> (a + b, a - b)` for element pairs `(i, i + h)`, `i & h == 0`,
+    each a separately rounded fp32 operation in the same stage order as the CUDA kernel.
+    """
+    n = y.shape[-1]
+    h = 1
+    while h < n:
+        v = y.reshape(*y.shape[:-1], n // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(y.shape)
+        h *= 2
+    return y
+
+
+def fused_q_indexer_rope_hadamard_quant_reference(
+    q: torch.Tensor, weight: torch.Tensor, weight_scale: float, freqs: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer query: RoPE of dims 64..127, 128-point Hadamard / sqrt(128), per-row FP8 with an fp32 scale.
+
+    | arg | shape | dtype | mutated | notes |
+    |---|---|---|---|---|
+    | `q` | (B, H, 128) | bf16/fp16/fp32 | no | last-dim stride 1 |
+    | `weight` | (B, H) | as `q` | no | any strides |
+    | `weight_scale` | float | | | e.g. `128**-0.5 * H**-0.5` |
+    | `freqs` | (max_pos, 64) | fp32 | no | |
+    | `positions` | (B,) | int32/int64 | no | |
+    | returns `q_fp8` | (B, H, 128) | float8_e4m3fn | new | `e4m3(y / scale)` |
+    | returns `weights_out` | (B, H, 1) | fp32 | new | `weight * weight_scale * scale` |
+
+    `scale = max(amax(|y|), 1e-4) / 448` (plain fp32, not a power of two).
+    """
+    x = q.float()
+    rope = apply_rope_interleaved(x[..., ROPE_DIM:], freqs[positions.long()][:, None, :])
+    y = walsh_hadamard(torch.cat([x[..., :ROPE_DIM], rope], dim=-1)) * INDEXER_DIM**-0.5
+    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX
+    q_fp8 = quantize_e4m3(y * torch.reciprocal(scale))
+    weights_out = (weight.float() * weight_scale)[..., None] * scale
+    return q_fp8, weights_out
+
+
+# ---------------------------------------------------------------------------------------------- registration
+
+
+def _k_cpu(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size) -> None:
+    _check_k(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size)
+    fused_k_norm_rope_flashmla_reference(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size)
+
+
+def _q_cpu(q, q_out, eps, freqs, positions) -> None:
+    _check_q(q, q_out, eps, freqs, positions)
+    fused_q_norm_rope_reference(q, q_out, eps, freqs, positions)
+
+
+def _inplace_cpu(kv, weight, eps, freqs, positions) -> None:
+    _check_inplace(kv, weight, eps, freqs, positions)
+    fused_norm_rope_inplace_reference(kv, weight, eps, freqs, positions)
+
+
+def _store_cpu(kv, out_loc, kvcache, page_size) -> None:
+    _check_store(kv, out_loc, kvcache, page_size)
+    store_flashmla_cache_reference(kv, out_loc, kvcache, page_size)
+
+
+def _indexer_cpu(q, weight, weight_scale, freqs, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_indexer(q, weight, weight_scale, freqs, positions)
+    return fused_q_indexer_rope_hadamard_quant_reference(q, weight, weight_scale, freqs, positions)
+
+
+def _indexer_fake(q, weight, weight_scale, freqs, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_indexer(q, weight, weight_scale, freqs, positions)
+    b, h, _ = q.shape
+    return q.new_empty((b, h, INDEXER_DIM), dtype=torch.float8_e4m3fn), q.new_empty((b, h, 1), dtype=torch.float32)
+
+
+_OPS = {
+    "fused_k_norm_rope_flashmla": (
+        "fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
+        "Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
+        _k_cpu,
+        _check_k,
+    ),
+    "fused_q_norm_rope": (
+        "fused_q_norm_rope(Tensor q, Tensor(a!) q_out, float eps, Tensor freqs, Tensor positions) -> ()",
+        _q_cpu,
+        _check_q,
+    ),
+    "fused_norm_rope_inplace": (
+        "fused_norm_rope_inplace(Tensor(a!) kv, Tensor weight, float eps, Tensor freqs, Tensor positions) -> ()",
+        _inplace_cpu,
+        _check_inplace,
+    ),
+    "store_flashmla_cache": (
+        "store_flashmla_cache(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
+        _store_cpu,
+        _check_store,
+    ),
+    "fused_q_indexer_rope_hadamard_quant": (
+        "fused_q_indexer_rope_hadamard_quant(Tensor q, Tensor weight, float weight_scale, Tensor freqs, "
+        "Tensor positions) -> (Tensor, Tensor)",
+        _indexer_cpu,
+        _indexer_fake,
+    ),
+}
+
+for _name, (_schema, _cpu, _fake) in _OPS.items():
+    LIB.define(_schema)
+    LIB.impl(_name, _cpu, "CPU")
+    torch.library.register_fake(f"dspark::{_name}", _fake, lib=LIB)
+    _build.register_cuda_entry(LIB, _name)

@@ -1,0 +1,447 @@
+"""dspark DeepSeek-V4 norm/RoPE/FP8 ops and the FlashMLA V4 cache writes: fp64 formulas, byte layout, registration.
+
+CPU tests check the CPU reference (the op on CPU) against fp64 formulas written here; CUDA tests check the kernels
+against the CPU reference with the spec's acceptance thresholds.
+"""
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
+from custom_ops import flashmla_writes as fw
+from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes, quantize_tiles_ue8m0
+from custom_ops.rope import precompute_freqs
+
+EPS = 1e-6
+MAX_POS = 512
+ops = torch.ops.dspark
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _k_inputs(b, *, page_size=64, dtype=torch.bfloat16, pos_dtype=torch.int64, loc_dtype=torch.int32,
+              row_stride=1536, seed=0, skip_every=5):
+    """Fresh random K inputs; kv is the last 512 columns of a (b, row_stride) buffer; the cache is poisoned."""
+    g = _gen(seed)
+    kv = torch.randn(b, row_stride, generator=g).to(dtype)[:, row_stride - 512:]
+    weight = (1 + 0.3 * torch.randn(512, generator=g)).to(dtype)
+    freqs = precompute_freqs(MAX_POS)
+    positions = torch.randint(0, MAX_POS, (b,), generator=g).to(pos_dtype)
+    num_pages = b // page_size + 2
+    out_loc = torch.randperm(num_pages * page_size, generator=g)[:b]
+    if skip_every:
+        out_loc[::skip_every] = -1 - torch.arange(out_loc[::skip_every].numel())
+    out_loc = out_loc.to(loc_dtype)
+    cache = torch.randint(0, 256, (num_pages, flashmla_page_bytes(page_size)), generator=g, dtype=torch.uint8)
+    return kv, weight, freqs, positions, out_loc, cache
+
+
+def _slot_bytes(cache, page_size, loc):
+    """Value (N, 576) and scale (N, 8) bytes of slots `loc`, addressed independently of the library."""
+    loc = loc.long()
+    page_bytes = cache.shape[1]
+    page, off = loc // page_size, loc % page_size
+    flat = cache.reshape(-1)
+    vbase = page * page_bytes + off * 576
+    sbase = page * page_bytes + page_size * 576 + off * 8
+    return flat[vbase[:, None] + torch.arange(576)], flat[sbase[:, None] + torch.arange(8)]
+
+
+def _written_mask(cache, page_size, loc):
+    mask = torch.zeros(cache.numel(), dtype=torch.bool)
+    loc = loc.long()[loc >= 0]
+    page, off = loc // page_size, loc % page_size
+    vbase = page * cache.shape[1] + off * 576
+    sbase = page * cache.shape[1] + page_size * 576 + off * 8
+    mask[(vbase[:, None] + torch.arange(576)).reshape(-1)] = True
+    mask[(sbase[:, None] + torch.arange(7)).reshape(-1)] = True
+    return mask.view_as(cache)
+
+
+def _fp8_ordinal(codes):
+    c = codes.to(torch.int32)
+    return torch.where((c & 0x80) != 0, -(c & 0x7F), c & 0x7F)
+
+
+def _fp64_rope(r, table_rows):
+    c, s = table_rows[..., 0::2], table_rows[..., 1::2]
+    re, im = r[..., 0::2], r[..., 1::2]
+    return torch.stack([re * c - im * s, re * s + im * c], dim=-1).flatten(-2)
+
+
+def _fp64_k_rows(kv, weight, eps, freqs, positions):
+    x = kv.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
+    return y[:, :448], _fp64_rope(y[:, 448:], freqs.double()[positions.long()])
+
+
+def _check_nope_bytes(values, scales, y64):
+    """Scale bytes = ceil-UE8M0 of the fp64 amax, codes within one code of the fp64 quantization."""
+    n = y64.shape[0]
+    tiles = y64.reshape(n, 7, 64)
+    sraw = tiles.abs().amax(-1).clamp(min=1e-4) / 448
+    e64 = torch.ceil(torch.log2(sraw)) + 127
+    e = scales[:, :7].long()
+    assert (e == e64.long()).float().mean() >= 0.999
+    assert ((e - e64.long()).abs() <= 1).all()
+    q64 = (tiles * torch.pow(2.0, 127 - e.double())[..., None]).clamp(-448, 448)
+    codes64 = q64.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, 448)
+    assert ((_fp8_ordinal(values[:, :448]) - _fp8_ordinal(codes64)).abs() <= 1).all()
+    deq = values[:, :448].view(torch.float8_e4m3fn).double().reshape(n, 7, 64) * torch.pow(2.0, e - 127.0)[..., None]
+    step = torch.pow(2.0, e - 127.0 - 9)[..., None]
+    assert ((deq - tiles).abs() <= tiles.abs() * 2.0**-4 + step).all()
+
+
+def _check_bf16_close(got_bf16, want64):
+    got = got_bf16.double()
+    ulp = torch.pow(2.0, torch.floor(torch.log2(want64.abs().clamp(min=1e-30))) - 7)
+    assert ((got - want64).abs() <= ulp).all()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.mark.parametrize(("page_size", "page_bytes"), [(256, 149760), (64, 37440), (2, 1728), (1, 1152)])
+def test_page_bytes(page_size, page_bytes):
+    assert flashmla_page_bytes(page_size) == page_bytes
+
+
+@pytest.mark.parametrize("page_size", [0, 3, 48, -4])
+def test_page_bytes_rejects_non_power_of_two(page_size):
+    with pytest.raises(ValueError, match="page_size"):
+        flashmla_page_bytes(page_size)
+
+
+def test_precompute_freqs_plain():
+    freqs = precompute_freqs(1024, base=10000.0)
+    assert freqs.shape == (1024, 64) and freqs.dtype == torch.float32
+    p = torch.arange(1024, dtype=torch.float64)[:, None]
+    f = 10000.0 ** (-torch.arange(32, dtype=torch.float64) * 2 / 64)
+    ang = p * f
+    torch.testing.assert_close(freqs[:, 0::2].double(), torch.cos(ang), atol=1e-3, rtol=0)
+    torch.testing.assert_close(freqs[:, 1::2].double(), torch.sin(ang), atol=1e-3, rtol=0)
+
+
+def test_precompute_freqs_yarn():
+    base, orig, factor, fast, slow = 160000.0, 65536, 16.0, 32.0, 1.0
+    freqs = precompute_freqs(256, base=base, original_seq_len=orig, factor=factor, beta_fast=fast, beta_slow=slow)
+    j = torch.arange(32, dtype=torch.float64)
+    f = base ** (-2 * j / 64)
+
+    def corr(r):
+        return 64 * math.log(orig / (r * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), 63)
+    ramp = ((j - low) / (high - low)).clamp(0, 1)
+    f = f / factor * ramp + f * (1 - ramp)
+    ang = torch.arange(256, dtype=torch.float64)[:, None] * f
+    torch.testing.assert_close(freqs[:, 0::2].double(), torch.cos(ang), atol=2e-4, rtol=0)
+    torch.testing.assert_close(freqs[:, 1::2].double(), torch.sin(ang), atol=2e-4, rtol=0)
+    assert not torch.allclose(freqs, precompute_freqs(256, base=base))
+
+
+def test_ue8m0_rounds_up():
+    y = torch.zeros(4, 448)
+    y[0, :64] = 448.0  # scale exactly 1 -> e = 127
+    y[1, :64] = 448.0 * 1.5  # scale 1.5 -> rounded up to 2 (e = 128), not down to 1
+    y[2, :64] = 1e-9  # amax floor 1e-4
+    y[3, 0] = -896.0
+    codes, e = quantize_tiles_ue8m0(y)
+    assert e[0, 0] == 127 and e[1, 0] == 128 and e[3, 0] == 128
+    assert e[2, 0] == math.ceil(math.log2(1e-4 / 448)) + 127
+    assert codes[1, 0] == 0x7A  # 672 / 2 = 336, a tie between 320 and 352: RNE gives 320 = 0x7A, no saturation
+    assert codes[3, 0] == 0xFE  # -896 / 2 = -448
+
+
+# ---------------------------------------------------------------------------------------------- fused K write
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 64, 256])
+@pytest.mark.parametrize(("pos_dtype", "loc_dtype"), [(torch.int64, torch.int32), (torch.int32, torch.int64)])
+def test_k_write_matches_fp64_and_layout(page_size, pos_dtype, loc_dtype):
+    kv, weight, freqs, pos, loc, cache = _k_inputs(37, page_size=page_size, pos_dtype=pos_dtype, loc_dtype=loc_dtype)
+    before = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, page_size)
+
+    mask = _written_mask(cache, page_size, loc)
+    assert torch.equal(cache[~mask], before[~mask])  # other slots, scale pad byte, page tail, skipped rows
+    keep = loc >= 0
+    values, scales = _slot_bytes(cache, page_size, loc[keep])
+    nope64, rope64 = _fp64_k_rows(kv[keep], weight, EPS, freqs, pos[keep])
+    _check_nope_bytes(values, scales, nope64)
+    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+    deq = dequantize_flashmla_cache(cache, page_size, loc[keep])
+    rel = (deq[:, :448].double() - nope64).abs() / nope64.abs().clamp(min=1e-6)
+    assert rel.mean() < 0.03
+
+
+def test_k_write_strided_equals_contiguous():
+    kv, weight, freqs, pos, loc, cache = _k_inputs(64, row_stride=1536)
+    cache2 = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    ops.fused_k_norm_rope_flashmla(kv.contiguous(), weight, EPS, freqs, pos, loc, cache2, 64)
+    assert kv.stride(0) == 1536
+    assert torch.equal(cache, cache2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_k_write_other_dtypes(dtype):
+    kv, weight, freqs, pos, loc, cache = _k_inputs(16, dtype=dtype, skip_every=0)
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    values, scales = _slot_bytes(cache, 64, loc)
+    nope64, rope64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
+    _check_nope_bytes(values, scales, nope64)
+    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+
+
+@pytest.mark.parametrize("b", [0, 1])
+def test_k_write_tiny_batches(b):
+    kv, weight, freqs, pos, loc, cache = _k_inputs(b, skip_every=0)
+    before = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    assert int((cache != before).sum()) <= 583 * b
+    if b:
+        values, _ = _slot_bytes(cache, 64, loc)
+        _, rope64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
+        _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+
+
+def test_k_write_all_rows_skipped_changes_nothing():
+    kv, weight, freqs, pos, loc, cache = _k_inputs(8, skip_every=1)
+    before = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    assert torch.equal(cache, before)
+
+
+def test_fused_vs_unfused_value_space():
+    kv, weight, freqs, pos, loc, cache = _k_inputs(40, skip_every=0)
+    cache_unfused = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    normed = kv.contiguous()
+    ops.fused_norm_rope_inplace(normed, weight, EPS, freqs, pos)
+    ops.store_flashmla_cache(normed, loc, cache_unfused, 64)
+    a = dequantize_flashmla_cache(cache, 64, loc)
+    b = dequantize_flashmla_cache(cache_unfused, 64, loc)
+    nope64, rope64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
+    for d, rope_atol in ((a, 1e-5), (b, 2e-2)):  # unfused: rope of bf16-rounded inputs, rounded again
+        rel = (d[:, :448].double() - nope64).abs() / nope64.abs().clamp(min=1e-3)
+        assert rel.mean() < 0.03
+        torch.testing.assert_close(d[:, 448:].double(), rope64, rtol=2**-6, atol=rope_atol)
+
+
+# ---------------------------------------------------------------------------------------------- other ops
+
+
+def _tol(dtype):
+    return {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_q_norm_rope_matches_fp64(dtype, pos_dtype):
+    g = _gen(1)
+    b, h = 5, 3
+    q = torch.randn(b, h, 512, generator=g).to(dtype)
+    wide = torch.full((b, h + 2, 512), float("nan"), dtype=dtype)
+    q_out = wide[:, 1 : h + 1]  # a head slice of a wider buffer: batch stride 5*512
+    freqs = precompute_freqs(MAX_POS)
+    pos = torch.randint(0, MAX_POS, (b,), generator=g).to(pos_dtype)
+    ops.fused_q_norm_rope(q, q_out, EPS, freqs, pos)
+    assert wide[:, 0].isnan().all() and wide[:, h + 1].isnan().all()
+    x = q.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + EPS)
+    rope = _fp64_rope(y[..., 448:], freqs.double()[pos.long()][:, None, :])
+    want = torch.cat([y[..., :448], rope], -1)
+    # rope is rounded twice (of the DType-rounded norm output): absolute slack of a few ulps of O(1) values
+    torch.testing.assert_close(q_out.double(), want, rtol=2 * _tol(dtype), atol=4 * _tol(dtype))
+    # the rounding points: nope = DType(x*nf) exactly as the reference computes it
+    ref = torch.empty_like(q)
+    fw.fused_q_norm_rope_reference(q, ref, EPS, freqs, pos)
+    assert torch.equal(ref, q_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norm_rope_inplace_matches_fp64(dtype):
+    kv, weight, freqs, pos, _, _ = _k_inputs(9, dtype=dtype, row_stride=512)
+    x = kv.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + EPS) * weight.double()
+    want = torch.cat([y[:, :448], _fp64_rope(y[:, 448:], freqs.double()[pos])], -1)
+    ops.fused_norm_rope_inplace(kv, weight, EPS, freqs, pos)
+    torch.testing.assert_close(kv.double(), want, rtol=2 * _tol(dtype), atol=4 * _tol(dtype))
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_store_matches_fp64_and_layout(page_size):
+    kv, _, _, _, loc, cache = _k_inputs(23, page_size=page_size, loc_dtype=torch.int64)
+    before = cache.clone()
+    ops.store_flashmla_cache(kv, loc, cache, page_size)
+    mask = _written_mask(cache, page_size, loc)
+    assert torch.equal(cache[~mask], before[~mask])
+    keep = loc >= 0
+    values, scales = _slot_bytes(cache, page_size, loc[keep])
+    assert torch.equal(values[:, 448:], kv[keep][:, 448:].contiguous().view(torch.uint8))  # rope bytes exact
+    _check_nope_bytes(values, scales, kv[keep][:, :448].double())
+
+
+def _sylvester(n):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexer_matches_fp64(dtype):
+    g = _gen(2)
+    b, h = 6, 4
+    q = torch.randn(b, h, 128, generator=g).to(dtype)
+    weight = torch.randn(b, h, generator=g).to(dtype)
+    freqs = precompute_freqs(MAX_POS)
+    pos = torch.randint(0, MAX_POS, (b,), generator=g)
+    ws = 128**-0.5 * 64**-0.5
+    q_fp8, w_out = ops.fused_q_indexer_rope_hadamard_quant(q, weight, ws, freqs, pos)
+    assert q_fp8.dtype == torch.float8_e4m3fn and q_fp8.shape == (b, h, 128)
+    assert w_out.dtype == torch.float32 and w_out.shape == (b, h, 1)
+    x = q.double()
+    x = torch.cat([x[..., :64], _fp64_rope(x[..., 64:], freqs.double()[pos][:, None, :])], -1)
+    y = x @ _sylvester(128).T / math.sqrt(128)
+    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448
+    deq = q_fp8.double() * scale
+    assert ((deq - y).abs() <= y.abs() * 2.0**-4 + scale * 2.0**-9 + 1e-12).all()
+    torch.testing.assert_close(w_out.double(), weight.double()[..., None] * ws * scale, rtol=1e-5, atol=0)
+
+
+def test_walsh_hadamard_natural_order():
+    x = torch.randn(3, 128, dtype=torch.float64)
+    torch.testing.assert_close(fw.walsh_hadamard(x), x @ _sylvester(128).T)
+
+
+# ---------------------------------------------------------------------------------------------- registration
+
+
+def _op_cases():
+    kv, weight, freqs, pos, loc, cache = _k_inputs(6, page_size=2)
+    g = _gen(3)
+    q = torch.randn(3, 2, 512, generator=g)
+    qi = torch.randn(3, 2, 128, generator=g, dtype=torch.float32)
+    return {
+        "fused_k_norm_rope_flashmla": (kv, weight, EPS, freqs, pos, loc, cache, 2),
+        "fused_q_norm_rope": (q, torch.empty_like(q), EPS, freqs, pos[:3]),
+        "fused_norm_rope_inplace": (kv.contiguous(), weight, EPS, freqs, pos),
+        "store_flashmla_cache": (kv, loc, cache.clone(), 2),
+        "fused_q_indexer_rope_hadamard_quant": (qi, torch.randn(3, 2, generator=g), 0.01, freqs, pos[:3]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_op_cases()))
+def test_opcheck(name):
+    torch.library.opcheck(getattr(ops, name).default, _op_cases()[name])
+
+
+def _mutating_calls():
+    return {
+        "fused_k_norm_rope_flashmla": lambda kv, w, f, p, loc, c: ops.fused_k_norm_rope_flashmla(
+            kv, w, EPS, f, p, loc, c, 2
+        ),
+        "fused_norm_rope_inplace": lambda kv, w, f, p, loc, c: ops.fused_norm_rope_inplace(kv, w, EPS, f, p),
+        "store_flashmla_cache": lambda kv, w, f, p, loc, c: ops.store_flashmla_cache(kv, loc, c, 2),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_mutating_calls()))
+def test_compile_fullgraph_no_clone(name):
+    call = _mutating_calls()[name]
+    kv, weight, freqs, pos, loc, cache = _k_inputs(6, page_size=2)
+    kv = kv.contiguous()
+    args_eager = (kv.clone(), weight, freqs, pos, loc, cache.clone())
+    args_comp = (kv.clone(), weight, freqs, pos, loc, cache.clone())
+    call(*args_eager)
+    torch._dynamo.reset()
+    counters.clear()
+    _, code = run_and_get_code(torch.compile(call, fullgraph=True), *args_comp)
+    src = "\n".join(code)
+    assert f"torch.ops.dspark.{name}.default(" in src
+    assert "clone" not in src and "copy_" not in src
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+    assert torch.equal(args_eager[0], args_comp[0]) and torch.equal(args_eager[5], args_comp[5])
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_q_ops():
+    def f(q, q_out, qi, w, freqs, pos):
+        ops.fused_q_norm_rope(q, q_out, EPS, freqs, pos)
+        return ops.fused_q_indexer_rope_hadamard_quant(qi, w, 0.01, freqs, pos)
+
+    g = _gen(4)
+    q = torch.randn(3, 2, 512, generator=g)
+    qi, w = torch.randn(3, 2, 128, generator=g), torch.randn(3, 2, generator=g)
+    freqs, pos = precompute_freqs(MAX_POS), torch.tensor([0, 5, 300])
+    out_e, out_c = torch.empty_like(q), torch.empty_like(q)
+    want = f(q, out_e, qi, w, freqs, pos)
+    torch._dynamo.reset()
+    counters.clear()
+    got, code = run_and_get_code(torch.compile(f, fullgraph=True), q, out_c, qi, w, freqs, pos)
+    src = "\n".join(code)
+    assert "clone" not in src and "copy_" not in src
+    assert torch.equal(out_e, out_c)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+def _bad_k_cases():
+    kv, weight, freqs, pos, loc, cache = _k_inputs(4, page_size=2)
+    wide = torch.zeros(cache.shape[0], cache.shape[1] + 16, dtype=torch.uint8)[:, : cache.shape[1]]
+    return [
+        ("kv int", dict(kv=kv.to(torch.int32)), TypeError, "kv must have dtype"),
+        ("head_dim", dict(kv=torch.randn(4, 256)), ValueError, r"kv must have shape \(B, 512\)"),
+        ("inner stride", dict(kv=torch.randn(512, 4).t()), ValueError, "kv must have a unit stride"),
+        ("weight dtype", dict(weight=weight.float()), TypeError, "weight must have dtype"),
+        ("weight shape", dict(weight=weight[:256]), ValueError, "weight must have shape"),
+        ("freqs shape", dict(freqs=freqs[:, :32].contiguous()), ValueError, "freqs must have shape"),
+        ("freqs dtype", dict(freqs=freqs.double()), TypeError, "freqs must have dtype"),
+        ("positions dtype", dict(positions=pos.float()), TypeError, "positions must have dtype"),
+        ("positions len", dict(positions=pos[:3]), ValueError, "positions must have shape"),
+        ("out_loc len", dict(out_loc=loc[:2]), ValueError, "out_loc must have shape"),
+        ("out_loc dtype", dict(out_loc=loc.to(torch.int16)), TypeError, "out_loc must have dtype"),
+        ("page not pow2", dict(page_size=3), ValueError, "page_size must be a power of two"),
+        ("cache bytes", dict(page_size=4), ValueError, "kvcache must have shape"),
+        ("cache dtype", dict(kvcache=cache.to(torch.int8)), TypeError, "kvcache must have dtype"),
+        ("cache row stride", dict(kvcache=wide), ValueError, "row stride == page bytes"),
+        ("device", dict(kvcache=cache.to("meta")), ValueError, "kvcache must be on cpu"),
+    ], dict(kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos, out_loc=loc, kvcache=cache, page_size=2)
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_k_write_bad_inputs(case):
+    cases, base = _bad_k_cases()
+    _, change, exc, match = cases[case]
+    args = {**base, **change}
+    with pytest.raises(exc, match=match):
+        ops.fused_k_norm_rope_flashmla(*args.values())
+
+
+def test_other_ops_bad_inputs():
+    freqs, pos = precompute_freqs(MAX_POS), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="q_out must have shape"):
+        ops.fused_q_norm_rope(torch.randn(2, 3, 512), torch.empty(2, 2, 512), EPS, freqs, pos)
+    with pytest.raises(TypeError, match="q_out must have dtype"):
+        ops.fused_q_norm_rope(torch.randn(2, 3, 512), torch.empty(2, 3, 512, dtype=torch.bfloat16), EPS, freqs, pos)
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, 128\)"):
+        ops.fused_q_indexer_rope_hadamard_quant(torch.randn(2, 3, 64), torch.randn(2, 3), 0.1, freqs, pos)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        ops.fused_q_indexer_rope_hadamard_quant(torch.randn(2, 3, 128), torch.randn(3, 2), 0.1, freqs, pos)
+    with pytest.raises(ValueError, match=r"kv must have shape \(B, 512\)"):
+        ops.fused_norm_rope_inplace(torch.randn(2, 576), torch.randn(512), EPS, freqs, pos)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        ops.fused_norm_rope_inplace(torch.randn(2, 512), torch.randn(512), -1.0, freqs, pos)
+    with pytest.raises(ValueError, match="kvcache must have strides"):
+        ops.store_flashmla_cache(torch.randn(2, 512), pos, torch.zeros(1152, 2, dtype=torch.uint8).t(), 1)
