@@ -445,3 +445,231 @@ def test_other_ops_bad_inputs():
         ops.fused_norm_rope_inplace(torch.randn(2, 512), torch.randn(512), -1.0, freqs, pos)
     with pytest.raises(ValueError, match="kvcache must have strides"):
         ops.store_flashmla_cache(torch.randn(2, 512), pos, torch.zeros(1152, 2, dtype=torch.uint8).t(), 1)
+
+
+def test_cuda_entry_and_build_errors():
+    from custom_ops import _build
+
+    for name in _op_cases():
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dspark::{name}", "CompositeExplicitAutograd")
+    key = _build.build_key()
+    assert len(key) == 16 and key == _build.build_key() and key in str(_build.library_path())
+    if torch.version.cuda is None:
+        with pytest.raises(_build.BuildError, match="no CUDA support"):
+            _build.load()
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+
+def _cuda(*ts):
+    return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in ts)
+
+
+def _assert_cache_acceptance(got, want, before, page_size, loc):
+    """Spec acceptance of a CUDA cache against the CPU reference cache (all on CPU)."""
+    mask = _written_mask(want, page_size, loc)
+    assert torch.equal(got[~mask], before[~mask])  # untouched bytes
+    keep = loc >= 0
+    if not bool(keep.any()):
+        return
+    gv, gs = _slot_bytes(got, page_size, loc[keep])
+    wv, ws = _slot_bytes(want, page_size, loc[keep])
+    assert torch.equal(gv[:, 448:], wv[:, 448:])  # rope bytes exact
+    assert (gs[:, :7] == ws[:, :7]).float().mean() >= 0.999
+    assert ((_fp8_ordinal(gv[:, :448]) - _fp8_ordinal(wv[:, :448])).abs() <= 1).all()
+    dg = dequantize_flashmla_cache(got, page_size, loc[keep])[:, :448]
+    dw = dequantize_flashmla_cache(want, page_size, loc[keep])[:, :448]
+    assert ((dg - dw).abs() / dw.abs().clamp(min=1e-6)).mean() <= 0.005
+    assert (dg - dw).abs().max() <= 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 2, 64, 256])
+@pytest.mark.parametrize("b", [1, 7, 300, 4096])
+def test_cuda_k_write_matches_reference(b, page_size):
+    kv, weight, freqs, pos, loc, cache = _k_inputs(b, page_size=page_size, seed=b)
+    before = cache.clone()
+    want = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, want, page_size)
+    got = cache.cuda()
+    ops.fused_k_norm_rope_flashmla(*_cuda(kv, weight, EPS, freqs, pos, loc), got, page_size)
+    _assert_cache_acceptance(got.cpu(), want, before, page_size, loc)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("row_stride", [1536, 512, 513])  # 513: unaligned rows, the scalar-load kernel
+@pytest.mark.parametrize(("pos_dtype", "loc_dtype"), [(torch.int64, torch.int32), (torch.int32, torch.int64)])
+def test_cuda_k_write_dtypes_strides(dtype, row_stride, pos_dtype, loc_dtype):
+    kv, weight, freqs, pos, loc, cache = _k_inputs(
+        300, dtype=dtype, row_stride=row_stride, pos_dtype=pos_dtype, loc_dtype=loc_dtype, seed=7
+    )
+    before = cache.clone()
+    want = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, want, 64)
+    got = cache.cuda()
+    ops.fused_k_norm_rope_flashmla(*_cuda(kv, weight, EPS, freqs, pos, loc), got, 64)
+    _assert_cache_acceptance(got.cpu(), want, before, 64, loc)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("page_size", [2, 256])
+def test_cuda_store_matches_reference(dtype, page_size):
+    kv, _, _, _, loc, cache = _k_inputs(777, dtype=dtype, page_size=page_size, seed=11)
+    before = cache.clone()
+    want = cache.clone()
+    ops.store_flashmla_cache(kv, loc, want, page_size)
+    got = cache.cuda()
+    ops.store_flashmla_cache(kv.cuda(), loc.cuda(), got, page_size)
+    _assert_cache_acceptance(got.cpu(), want, before, page_size, loc)
+
+
+def _assert_rows_close(got, want, dtype):
+    torch.testing.assert_close(got.double(), want.double(), rtol=2 * _tol(dtype), atol=4 * _tol(dtype))
+    assert (got == want).float().mean() >= 0.999
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [1, 8, 64])
+def test_cuda_q_norm_rope_matches_reference(dtype, heads):
+    g = _gen(heads)
+    b = 37
+    q = torch.randn(b, heads, 512, generator=g).to(dtype)
+    freqs = precompute_freqs(MAX_POS)
+    pos = torch.randint(0, MAX_POS, (b,), generator=g).to(torch.int32)
+    want = torch.empty_like(q)
+    ops.fused_q_norm_rope(q, want, EPS, freqs, pos)
+    wide = torch.full((b, heads + 3, 512), float("nan"), dtype=dtype, device="cuda")
+    ops.fused_q_norm_rope(q.cuda(), wide[:, 2 : heads + 2], EPS, freqs.cuda(), pos.cuda())
+    wide = wide.cpu()
+    assert wide[:, :2].isnan().all() and wide[:, heads + 2 :].isnan().all()
+    _assert_rows_close(wide[:, 2 : heads + 2], want, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_norm_rope_inplace_matches_reference(dtype):
+    kv, weight, freqs, pos, _, _ = _k_inputs(1000, dtype=dtype, row_stride=512, seed=5)
+    got = kv.cuda()
+    ops.fused_norm_rope_inplace(kv, weight, EPS, freqs, pos)
+    ops.fused_norm_rope_inplace(got, *_cuda(weight, EPS, freqs, pos))
+    _assert_rows_close(got.cpu(), kv, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_indexer_matches_reference(dtype):
+    g = _gen(9)
+    b, h = 129, 64
+    q = torch.randn(b, h, 128, generator=g).to(dtype)
+    weight = torch.randn(b, h, generator=g).to(dtype)
+    freqs = precompute_freqs(MAX_POS)
+    pos = torch.randint(0, MAX_POS, (b,), generator=g)
+    ws = 128**-0.5 * 64**-0.5
+    want_q, want_w = ops.fused_q_indexer_rope_hadamard_quant(q, weight, ws, freqs, pos)
+    got_q, got_w = ops.fused_q_indexer_rope_hadamard_quant(*_cuda(q, weight, ws, freqs, pos))
+    got_q, got_w = got_q.cpu(), got_w.cpu()
+    assert ((_fp8_ordinal(got_q.view(torch.uint8)) - _fp8_ordinal(want_q.view(torch.uint8))).abs() <= 1).all()
+    assert (got_q.view(torch.uint8) == want_q.view(torch.uint8)).float().mean() >= 0.99
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_empty_batch_and_bad_inputs():
+    kv, weight, freqs, pos, loc, cache = _cuda(*_k_inputs(0))
+    before = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, before)
+    kv, weight, freqs, pos, loc, cache = _cuda(*_k_inputs(4, page_size=2))
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 3)
+    with pytest.raises(TypeError, match="kv must have dtype"):
+        ops.fused_k_norm_rope_flashmla(kv.int(), weight, EPS, freqs, pos, loc, cache, 2)
+    with pytest.raises(ValueError, match="kvcache must be on cuda"):
+        ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache.cpu(), 2)
+    with pytest.raises(ValueError, match=r"kv must have shape \(B, 512\)"):
+        ops.store_flashmla_cache(kv[:, :256], loc, cache, 2)
+
+
+@pytest.mark.cuda
+def test_cuda_registered_from_cpp_after_first_use():
+    from custom_ops import _build
+
+    kv, weight, freqs, pos, loc, cache = _cuda(*_k_inputs(3))
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+    assert _build.is_loaded()
+    for name in _op_cases():
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dspark::{name}", "CUDA")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_replay():
+    b, page_size = 64, 256
+    static = _cuda(*_k_inputs(b, page_size=page_size, seed=1))
+    kv, weight, freqs, pos, loc, cache = static
+    q = torch.randn(b, 4, 512, device="cuda", dtype=torch.bfloat16)
+    q_out = torch.empty_like(q)
+    qi = torch.randn(b, 8, 128, device="cuda", dtype=torch.bfloat16)
+    qw = torch.randn(b, 8, device="cuda", dtype=torch.bfloat16)
+    normed = torch.empty(b, 512, device="cuda", dtype=torch.bfloat16)
+    cache_unfused = cache.clone()
+
+    def step():
+        ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, page_size)
+        ops.fused_q_norm_rope(q, q_out, EPS, freqs, pos)
+        normed.copy_(kv)
+        ops.fused_norm_rope_inplace(normed, weight, EPS, freqs, pos)
+        ops.store_flashmla_cache(normed, loc, cache_unfused, page_size)
+        return ops.fused_q_indexer_rope_hadamard_quant(qi, qw, 0.01, freqs, pos)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture (first use builds/loads the library)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+
+    new = _cuda(*_k_inputs(b, page_size=page_size, seed=2))
+    for dst, src in zip(static, new, strict=True):
+        if isinstance(dst, torch.Tensor) and dst is not freqs:
+            dst.copy_(src)
+    q.copy_(torch.randn_like(q))
+    qi.copy_(torch.randn_like(qi))
+    cache_unfused.copy_(cache)
+    snapshot = [t.clone() for t in (cache, cache_unfused)]
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [t.clone() for t in (cache, cache_unfused, q_out, *graph_out)]
+
+    cache.copy_(snapshot[0])
+    cache_unfused.copy_(snapshot[1])
+    eager_out = step()
+    torch.cuda.synchronize()
+    for r, e in zip(replayed, (cache, cache_unfused, q_out, *eager_out), strict=True):
+        assert torch.equal(r.view(torch.uint8) if r.dtype == torch.float8_e4m3fn else r,
+                           e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_compile_fullgraph_no_clone():
+    kv, weight, freqs, pos, loc, cache = _cuda(*_k_inputs(32, page_size=64, seed=3))
+    want = cache.clone()
+    ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, want, 64)
+
+    def f(kv, weight, freqs, pos, loc, cache):
+        ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
+
+    torch._dynamo.reset()
+    counters.clear()
+    _, code = run_and_get_code(torch.compile(f, fullgraph=True), kv, weight, freqs, pos, loc, cache)
+    src = "\n".join(code)
+    assert "clone" not in src and "copy_" not in src
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+    assert torch.equal(cache, want)
