@@ -95,7 +95,7 @@ def batch_op(graph: fx.Graph, node: fx.Node, operand: Callable[[fx.Node], Operan
     packet = _packet(node)
     if packet in _POINTWISE:
         return _pointwise(graph, node, kwargs, operand, k)
-    first = next(v for v in kwargs.values() if isinstance(v, fx.Node) or _is_node_list(v))
+    first = next(v for v in kwargs.values() if _is_tensor_node(v) or _is_node_list(v))
     rank = _rank(first[0] if isinstance(first, (list, tuple)) else first)
     kwargs = {name: _tensor_arg(graph, value, operand, k, name) for name, value in kwargs.items()}
     if packet in _SHAPE_OPS:
@@ -135,13 +135,17 @@ def _shift_dims(kwargs: dict, packet, rank: int) -> None:
             kwargs[name] = _shift(value)
 
 
+def _is_tensor_node(value: object) -> bool:
+    return isinstance(value, fx.Node) and tensor_val(value) is not None
+
+
 def _is_node_list(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and any(isinstance(v, fx.Node) for v in value)
+    return isinstance(value, (list, tuple)) and any(_is_tensor_node(v) for v in value)
 
 
 def _tensor_arg(graph: fx.Graph, value, operand: Callable[[fx.Node], Operand], k: int, name: str):
     """Batched form of a non-pointwise op's tensor argument (lists: every element batched)."""
-    if isinstance(value, fx.Node):
+    if _is_tensor_node(value):
         op = operand(value)
         if op.kind != "batched" and name != "indices":
             return _broadcast_to_batch(graph, op, k)
@@ -151,7 +155,7 @@ def _tensor_arg(graph: fx.Graph, value, operand: Callable[[fx.Node], Operand], k
     if _is_node_list(value):
         if name == "indices":
             for v in value:
-                if isinstance(v, fx.Node) and operand(v).kind != "shared":
+                if _is_tensor_node(v) and operand(v).kind != "shared":
                     raise BatchError("indices computed per branch")
             return list(value)
         return [_tensor_arg(graph, v, operand, k, name) for v in value]
@@ -175,7 +179,7 @@ def _pointwise(graph: fx.Graph, node: fx.Node, kwargs: dict, operand: Callable[[
     out_rank = tensor_val(node).dim()
 
     def lift(value):
-        if not isinstance(value, fx.Node):
+        if not _is_tensor_node(value):
             return value
         op = operand(value)
         if op.kind == "shared":

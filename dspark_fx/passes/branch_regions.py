@@ -80,30 +80,35 @@ def descendants(graph: fx.Graph, sources: list[fx.Node]) -> set[fx.Node]:
 
 @dataclass
 class Alignment:
-    mapping: dict[fx.Node, fx.Node]  # reference node -> other branch's node
-    complete: bool
-    mismatch: str = ""
+    mapping: dict[fx.Node, fx.Node]  # reference node -> other branch's node, for every node that matched
+    mismatch: str = ""  # the first reference node without a counterpart
+
+    def covers(self, nodes: set[fx.Node]) -> bool:
+        return nodes <= self.mapping.keys()
 
 
 def align(ref: Region, other: Region, max_leaf_numel: int) -> Alignment:
-    """Match `other`'s region to `ref`'s node for node; stops at the first node without a counterpart."""
+    """Match `other`'s region to `ref`'s node for node. A node matches when an equal op of the other branch
+    reads the counterparts of its inputs; nodes downstream of a difference stay unmatched."""
     mapping = {ref.root: other.root}
     taken = {other.root}
+    mismatch = ""
     for node in ref.nodes[1:]:
-        anchor = next(i for i in node.all_input_nodes if i in ref.members)
-        counterpart = mapping.get(anchor)
+        anchor = next((i for i in node.all_input_nodes if i in mapping), None)
         match = None
-        if counterpart is not None:
-            for user in counterpart.users:
+        if anchor is not None:
+            for user in mapping[anchor].users:
                 if user in other.members and user not in taken and _same_op(node, user, ref, mapping, max_leaf_numel):
                     match = user
                     break
         if match is None:
-            return Alignment(mapping, False, f"{op_name(node)} ({node.name}) has no equal counterpart")
+            mismatch = mismatch or f"{op_name(node)} ({node.name}) has no equal counterpart"
+            continue
         mapping[node] = match
         taken.add(match)
-    complete = len(mapping) == len(other.nodes)
-    return Alignment(mapping, complete, "" if complete else "the other branch computes more ops")
+    if not mismatch and len(mapping) != len(other.nodes):
+        mismatch = "the other branch computes more ops"
+    return Alignment(mapping, mismatch)
 
 
 def _same_op(a: fx.Node, b: fx.Node, ref: Region, mapping: dict, max_leaf_numel: int) -> bool:

@@ -91,11 +91,12 @@ def _fuse_group(graph: fx.Graph, branches: list, config: HorizontalFusionConfig,
     regions = [branch_regions.grow_region(graph, block, tainted) for block in blocks]
     classes, unbatched = _classes(regions, [b.row_count for b in branches], config)
     report.unbatched = unbatched
-    order = [i for members, _ in classes for i in members] + [i for i in range(len(branches)) if not _in(classes, i)]
+    in_class = [i for members, _, _ in classes for i in members]
+    order = in_class + [i for i in range(len(branches)) if i not in in_class]
     _reorder_blocks(graph, fused, blocks, branches, order)
-    for members, alignments in classes:
+    for members, alignments, shared_ops in classes:
         try:
-            ops = _batch_class(graph, fused, blocks, regions, members, alignments, config)
+            ops = _batch_class(graph, fused, blocks, regions, members, alignments, shared_ops)
         except BatchError as err:
             report.unbatched += [(i, f"batching failed: {err}") for i in members]
             continue
@@ -103,35 +104,37 @@ def _fuse_group(graph: fx.Graph, branches: list, config: HorizontalFusionConfig,
     return report
 
 
-def _in(classes, i: int) -> bool:
-    return any(i in members for members, _ in classes)
-
-
 def _classes(regions, widths, config):
-    """Greedy classes of branches whose regions align completely; singletons are reported with the reason."""
-    classes, unbatched, assigned = [], [], set()
+    """Greedy classes of branches to batch together, each with the set of reference-branch ops they share.
+
+    For a reference branch, every other branch aligns on some set of its ops; among those sets, take the one
+    that batches the most ops in total (branches x ops) and the branches that share all of it. Leftover branches
+    are tried as references later; branches in no class are reported with the first difference found.
+    """
+    classes, unbatched, assigned, first_miss = [], [], set(), {}
     for r, ref in enumerate(regions):
-        if r in assigned:
+        if r in assigned or len(ref.nodes) < 2:
             continue
-        members, alignments, first_miss = [r], [None], None
-        for j in range(r + 1, len(regions)):
-            if j in assigned or widths[j] != widths[r]:
-                continue
-            alignment = branch_regions.align(ref, regions[j], config.max_leaf_numel)
-            if alignment.complete:
-                members.append(j)
-                alignments.append(alignment)
-            elif first_miss is None:
-                first_miss = (j, alignment.mismatch)
-        if len(ref.nodes) < 2:
+        others = [j for j in range(r + 1, len(regions)) if j not in assigned and widths[j] == widths[r]]
+        alignments = {j: branch_regions.align(ref, regions[j], config.max_leaf_numel) for j in others}
+        for j, alignment in alignments.items():
+            if alignment.mismatch:
+                first_miss.setdefault(r, (j, alignment.mismatch))
+        best = None
+        for candidate in {frozenset(a.mapping) for a in alignments.values()}:
+            members = [j for j, a in alignments.items() if a.covers(candidate)]
+            score = (len(members) + 1) * (len(candidate) - 1)
+            if len(members) + 1 >= config.min_branches and score > 0 and (best is None or score > best[0]):
+                best = (score, candidate, members)
+        if best is None:
             continue
-        if len(members) >= config.min_branches:
-            assigned.update(members)
-            classes.append((members, alignments))
-        elif first_miss is not None:
-            unbatched.append((r, f"its ops differ from branch {first_miss[0]}'s: {first_miss[1]}"))
-        else:
-            unbatched.append((r, "no other branch with the same output width computes the same ops"))
+        _, shared_ops, members = best
+        assigned.update([r, *members])
+        classes.append(([r, *members], [None] + [alignments[j] for j in members], shared_ops))
+    for i, region in enumerate(regions):
+        if i not in assigned and len(region.nodes) > 1:
+            j, why = first_miss.get(i, (None, "no other branch with the same output width computes the same ops"))
+            unbatched.append((i, f"its ops differ from branch {j}'s: {why}" if j is not None else why))
     return classes, unbatched
 
 
@@ -150,15 +153,17 @@ def _reorder_blocks(graph: fx.Graph, fused: fx.Node, blocks, branches, order) ->
         col += width
 
 
-def _batch_class(graph, fused, blocks, regions, members, alignments, config) -> list[str]:
+def _batch_class(graph, fused, blocks, regions, members, alignments, shared_ops) -> list[str]:
     k = len(members)
     ref = regions[members[0]]
+    nodes = [n for n in ref.nodes[1:] if n in shared_ops]
     start, stop = int(blocks[members[0]].args[2]), int(blocks[members[0]].args[3])
     counterparts = [{n: n for n in ref.nodes}] + [a.mapping for a in alignments[1:]]
+    images = [{c[n] for n in shared_ops} for c in counterparts]
     outputs = [
-        (node, idx, [u for u in c[node].users if u not in regions[m].members])
-        for node in ref.nodes[1:]
-        for idx, (m, c) in enumerate(zip(members, counterparts, strict=True))
+        (node, idx, [u for u in c[node].users if u not in images[idx]])
+        for node in nodes
+        for idx, c in enumerate(counterparts)
     ]
     outputs = [(node, idx, users) for node, idx, users in outputs if users]
     if any(tensor_val(node) is None for node, _, _ in outputs):
@@ -169,7 +174,7 @@ def _batch_class(graph, fused, blocks, regions, members, alignments, config) -> 
             cols = call(graph, aten.slice.Tensor, (fused, 1, start, start + k * (stop - start)))
             viewed = call(graph, aten.view.default, (cols, [-1, k, stop - start]))
             batched = {ref.root: call(graph, aten.permute.default, (viewed, [1, 0, 2]))}
-            for node in ref.nodes[1:]:
+            for node in nodes:
                 operands = _operands(node, [c[node] for c in counterparts], ref, batched)
                 new = batch_op(graph, node, operands.__getitem__, k)
                 if _unbatched_key(new) != shape_key(node):
@@ -188,7 +193,7 @@ def _batch_class(graph, fused, blocks, regions, members, alignments, config) -> 
         for node in reversed(regions[member].nodes):
             if not node.users:
                 graph.erase_node(node)
-    return [op_name(n) for n in ref.nodes[1:]]
+    return [op_name(n) for n in nodes]
 
 
 def _unbatched_key(node: fx.Node) -> str:
@@ -208,6 +213,8 @@ def _operands(node, member_nodes, ref, batched) -> dict[fx.Node, Operand]:
             continue
         if value in ref.members:
             operands[value] = Operand("batched", batched[value])
+            continue
+        if tensor_val(value) is None:
             continue
         leaves = tuple(flat[pos] for flat in flats)
         if all(leaf is value for leaf in leaves):

@@ -1,0 +1,64 @@
+"""Test fixtures shared by the fusion tests: small reference drafts and their inputs."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter
+
+SMALL = dict(num_layers=3, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, num_slots=128, max_position=512)
+
+
+def small_config(**overrides) -> DraftKVConfig:
+    return DraftKVConfig(**{**SMALL, "dtype": torch.float32, **overrides})
+
+
+def draft_inputs(cfg: DraftKVConfig, tokens: int, device: str = "cpu", seed: int = 1) -> tuple:
+    """Fresh random inputs for `DraftKVWriter(cfg)` with `tokens` rows (distinct slots, random positions).
+
+    `write="commit"` rounds `tokens` up to whole verify windows of width 4 with random `commit_lens` in [0, 4].
+    """
+    gen = torch.Generator().manual_seed(seed)
+    width = 4
+    if cfg.write == "commit":
+        tokens = -(-tokens // width) * width
+    ctx = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype)
+    positions = torch.randint(0, cfg.max_position, (tokens,), generator=gen)
+    slots = torch.randperm(cfg.num_slots, generator=gen)[:tokens]
+    if cfg.write == "return":
+        args = (ctx, positions)
+    elif cfg.write == "cache_loc":
+        args = (ctx, positions, slots)
+    else:
+        batch = tokens // width
+        args = (
+            ctx,
+            positions,
+            slots.view(batch, width),
+            torch.randint(0, width + 1, (batch,), generator=gen),
+        )
+    return tuple(a.to(device) for a in args)
+
+
+def eager_and_compiled(cfg: DraftKVConfig, backend, tokens_list=(7,), device: str = "cpu", compile_kwargs=None):
+    """Run the same draft eagerly and compiled on fresh inputs; returns [(eager_state, compiled_state), ...]."""
+    eager = DraftKVWriter(cfg, device)
+    compiled_module = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_module, backend=backend, **(compile_kwargs or {}))
+    results = []
+    with torch.no_grad():
+        for i, tokens in enumerate(tokens_list):
+            args = draft_inputs(cfg, tokens, device, seed=i + 1)
+            out_e, out_c = eager(*args), compiled(*args)
+            if cfg.write == "return":
+                results.append((out_e, out_c))
+            else:
+                results.append(
+                    (
+                        [t.clone() for kv in eager.caches() for t in kv],
+                        [t.clone() for kv in compiled_module.caches() for t in kv],
+                    )
+                )
+    return results

@@ -1,0 +1,54 @@
+"""GPU checks of the horizontal fusion: bf16 parity on CUDA and CUDA-graph capture under reduce-overhead."""
+
+import pytest
+import torch
+from helpers import draft_inputs, eager_and_compiled, small_config
+
+import dspark_fx
+from dspark_fx.reference_draft import DraftKVWriter
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("proj", ["qkv_slice", "qkv_split", "kv_separate"])
+@pytest.mark.parametrize("write", ["cache_loc", "commit", "return"])
+def test_cuda_bf16_parity_inductor(proj, write):
+    torch._dynamo.reset()
+    cfg = small_config(proj=proj, write=write, dtype=torch.bfloat16, hidden=256, head_dim=64, num_layers=5)
+    capture = CaptureBackend(inner="inductor")
+    for eager, compiled in eager_and_compiled(cfg, capture, tokens_list=(8, 33), device="cuda"):
+        assert_close_for_dtype(compiled, eager, torch.bfloat16)
+    capture.assert_fused(n_groups=1)
+
+
+def _cudagraph_counters():
+    counters = torch._dynamo.utils.counters["inductor"]
+    return counters["cudagraph_skips"], counters["cudagraph_recorded_non_static_inputs"]
+
+
+@pytest.mark.parametrize("write", ["cache_loc", "commit"])
+def test_reduce_overhead_runs_as_cuda_graphs(write):
+    """Caches held as registered buffers: Inductor must capture CUDA graphs (no 'mutated inputs' skip)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = small_config(write=write, dtype=torch.bfloat16, hidden=256, head_dim=64, num_layers=5)
+    eager = DraftKVWriter(cfg, "cuda")
+    model = DraftKVWriter(cfg, "cuda")
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead")
+    with torch.no_grad():
+        for step in range(6):
+            args = draft_inputs(cfg, 16, "cuda", seed=step)
+            eager(*args)
+            compiled(*args)
+    torch.cuda.synchronize()
+    skips, _ = _cudagraph_counters()
+    assert skips == 0, f"Inductor skipped CUDA graphs: {dict(torch._dynamo.utils.counters['inductor'])}"
+    from torch._inductor.cudagraph_trees import get_container
+
+    manager = get_container(torch.cuda.current_device()).tree_manager
+    assert manager is not None and manager.new_graph_id().id > 0, "no CUDA graph was recorded"
+    for (k_e, v_e), (k_c, v_c) in zip(eager.caches(), model.caches(), strict=True):
+        assert_close_for_dtype(k_c, k_e, torch.bfloat16)
+        assert_close_for_dtype(v_c, v_e, torch.bfloat16)
