@@ -25,9 +25,7 @@ import torch
 
 from custom_ops._library import LIB
 
-LIB.define(
-    "multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor"
-)
+LIB.define("multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor")
 
 
 def _check_args(
@@ -50,8 +48,7 @@ def _check_args(
     for i, (w, start, count, b) in enumerate(zip(weights, row_starts, row_counts, biases, strict=True)):
         if w.dim() != 2 or w.shape[1] != x.shape[1]:
             raise ValueError(
-                f"multi_linear: weights[{i}] must be [R, {x.shape[1]}] (x is {tuple(x.shape)}), "
-                f"got {tuple(w.shape)}"
+                f"multi_linear: weights[{i}] must be [R, {x.shape[1]}] (x is {tuple(x.shape)}), got {tuple(w.shape)}"
             )
         if w.dtype != x.dtype:
             raise TypeError(f"multi_linear: weights[{i}] dtype {w.dtype} differs from x dtype {x.dtype}")
