@@ -42,9 +42,11 @@ def draft_inputs(cfg: DraftKVConfig, tokens: int, device: str = "cpu", seed: int
     return tuple(a.to(device) for a in args)
 
 
-def eager_and_compiled(cfg: DraftKVConfig, backend, tokens_list=(7,), device: str = "cpu", compile_kwargs=None):
+def eager_and_compiled(
+    cfg: DraftKVConfig, backend, tokens_list=(7,), device: str = "cpu", compile_kwargs=None, model_factory=None
+):
     """Run the same draft eagerly and compiled on fresh inputs; returns [(eager_state, compiled_state), ...]."""
-    eager = DraftKVWriter(cfg, device)
+    eager = (model_factory or DraftKVWriter)(cfg, device)
     compiled_module = copy.deepcopy(eager)
     compiled = torch.compile(compiled_module, backend=backend, **(compile_kwargs or {}))
     results = []

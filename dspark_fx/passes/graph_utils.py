@@ -74,8 +74,8 @@ def is_pure(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if target is operator.getitem:
-        return True
+    if target is operator.getitem or getattr(target, "__module__", None) == "_operator":
+        return True  # getitem and symbolic-size arithmetic (floordiv, mul, ... on SymInts)
     if not isinstance(target, torch._ops.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:

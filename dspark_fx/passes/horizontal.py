@@ -107,9 +107,10 @@ def _fuse_group(graph: fx.Graph, branches: list, config: HorizontalFusionConfig,
 def _classes(regions, widths, config):
     """Greedy classes of branches to batch together, each with the set of reference-branch ops they share.
 
-    For a reference branch, every other branch aligns on some set of its ops; among those sets, take the one
-    that batches the most ops in total (branches x ops) and the branches that share all of it. Leftover branches
-    are tried as references later; branches in no class are reported with the first difference found.
+    For a reference branch, every other branch aligns on some set of its ops; take the largest such set that at
+    least `min_branches` branches share (ties: more branches). So a layer with another eps leaves the class and
+    keeps its own norm, while branches that all differ only in a tail (masked cache writes) batch the common part.
+    Leftover branches are tried as references later; branches in no class are reported with the first difference.
     """
     classes, unbatched, assigned, first_miss = [], [], set(), {}
     for r, ref in enumerate(regions):
@@ -120,11 +121,12 @@ def _classes(regions, widths, config):
         for j, alignment in alignments.items():
             if alignment.mismatch:
                 first_miss.setdefault(r, (j, alignment.mismatch))
+                first_miss.setdefault(j, (r, alignment.mismatch))
         best = None
         for candidate in {frozenset(a.mapping) for a in alignments.values()}:
             members = [j for j, a in alignments.items() if a.covers(candidate)]
-            score = (len(members) + 1) * (len(candidate) - 1)
-            if len(members) + 1 >= config.min_branches and score > 0 and (best is None or score > best[0]):
+            score = (len(candidate), len(members))
+            if len(members) + 1 >= config.min_branches and len(candidate) > 1 and (best is None or score > best[0]):
                 best = (score, candidate, members)
         if best is None:
             continue

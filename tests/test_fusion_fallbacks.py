@@ -1,0 +1,123 @@
+"""Branches that are only partly compatible: exactly the incompatible part stays unfused, and explain() says why."""
+
+import torch
+import torch.nn.functional as F
+from helpers import eager_and_compiled, small_config
+from torch import nn
+
+from dspark_fx import explain
+from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
+
+
+def _run(cfg, model_factory=None, dtype=torch.float32):
+    torch._dynamo.reset()
+    capture = CaptureBackend()
+    for eager, compiled in eager_and_compiled(cfg, capture, tokens_list=(8,), model_factory=model_factory):
+        assert_close_for_dtype(compiled, eager, dtype)
+    return capture
+
+
+def _batched_ops(report, branch: int) -> list[str]:
+    group = report.groups[0]
+    return next((c.ops for c in group.classes if branch in c.branches), [])
+
+
+def test_eps_mismatch_shares_the_gemm_but_keeps_its_own_norm():
+    capture = _run(small_config(num_layers=4, eps=(1e-6, 1e-5, 1e-6, 1e-6)))
+    capture.assert_fused(n_groups=1, n_branches=[4])
+    report = capture.report
+    assert _batched_ops(report, 1) == [] and "aten.rsqrt" in _batched_ops(report, 0)
+    assert [c.branches for c in report.groups[0].classes] == [[0, 2, 3]]
+    ((branch, why),) = report.groups[0].unbatched
+    assert branch == 1 and "aten.add" in why
+    assert op_counts(capture.after[-1])["aten.rsqrt"] == 2  # one batched norm + layer 1's own
+
+
+def test_bias_on_some_layers_only_is_folded_per_weight():
+    capture = _run(small_config(qkv_bias=(True, False, True)))
+    capture.assert_fused(n_groups=1, n_branches=[3])
+    report = capture.report
+    assert [c.branches for c in report.groups[0].classes] == [[0, 1, 2]]
+    assert "+ bias" in report.groups[0].branches[0] and "+ bias" not in report.groups[0].branches[1]
+
+
+class _WeightOnlyInt8Layer(DraftKVLayer):
+    """Layer whose KV weight is stored as int8 + per-row scale and dequantized in the forward."""
+
+    def __init__(self, cfg, eps):
+        super().__init__(cfg, False, eps)
+        weight = self.qkv_proj.weight.detach().float()
+        scale = weight.abs().amax(1) / 127
+        self.register_buffer("w_int8", torch.round(weight / scale[:, None]).to(torch.int8))
+        self.register_buffer("w_scale", scale.to(cfg.dtype))
+
+    def project(self, ctx):
+        cfg = self.cfg
+        rows = slice(cfg.q_size, cfg.q_size + 2 * cfg.kv_size)
+        weight = self.w_int8[rows].to(ctx.dtype) * self.w_scale[rows, None]
+        k, v = F.linear(ctx, weight).split([cfg.kv_size, cfg.kv_size], dim=-1)
+        return k, v
+
+
+def _with_quantized_layer(cfg, device):
+    model = DraftKVWriter(cfg, device)
+    model.layers[1] = _WeightOnlyInt8Layer(cfg, 1e-6).to(device)
+    return model
+
+
+def test_weight_only_quantized_layer_keeps_its_own_gemm():
+    capture = _run(small_config(), model_factory=_with_quantized_layer)
+    capture.assert_fused(n_groups=1, n_branches=[2])
+    assert op_counts(capture.after[-1])["aten.mm"] == 1
+    assert any("quantized" in r.reason for r in capture.report.rejected), capture.report
+    assert [c.branches for c in capture.report.groups[0].classes] == [[0, 1]]
+
+
+def test_different_rope_table_is_not_batched_with_the_others():
+    capture = _run(small_config(rope_theta=(1e6, 1e4, 1e6)))
+    report = capture.report
+    capture.assert_fused(n_groups=1, n_branches=[3])
+    assert [c.branches for c in report.groups[0].classes] == [[0, 2]]
+    assert report.groups[0].unbatched[0][0] == 1
+
+
+class _TwoInputs(nn.Module):
+    """GEMMs on two different activations, plus a branch whose ops read another branch (dependent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.b = nn.Linear(32, 32, bias=False)
+        self.w = nn.ParameterList(nn.Parameter(torch.rand(32) + 0.5) for _ in range(3))
+
+    def forward(self, x, x2):
+        normed = [F.rms_norm(lin(x), (32,), w, 1e-6) for lin, w in zip(self.a, self.w, strict=True)]
+        dependent = normed[1] * torch.sigmoid(normed[0])
+        return normed[0], dependent, normed[2], self.b(x2)
+
+
+def test_dependent_branches_and_different_inputs():
+    torch._dynamo.reset()
+    model = _TwoInputs()
+    x, x2 = torch.randn(5, 32), torch.randn(5, 32)
+    capture = CaptureBackend()
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(model, backend=capture)(x, x2), model(x, x2))
+    capture.assert_fused(n_groups=1, n_branches=[3])
+    counts = op_counts(capture.after[-1])
+    assert counts["aten.mm"] == 1 and counts["aten.sigmoid"] == 1  # b(x2) alone; the dependent op per branch
+    assert any("only fusable GEMM" in r.reason for r in capture.report.rejected)
+
+
+def test_explain_report():
+    cfg = small_config(num_layers=4, eps=(1e-6, 1e-5, 1e-6, 1e-6))
+    model = DraftKVWriter(cfg)
+    before = model.k_cache_0.clone()
+    from helpers import draft_inputs
+
+    report = explain(model, *draft_inputs(cfg, 6))
+    text = str(report)
+    assert "4 GEMMs on ctx -> one multi_linear" in text
+    assert "branch 1 keeps its own ops" in text and "aten.add" in text
+    assert torch.equal(model.k_cache_0, before), "explain() must not change the model's state"

@@ -1,0 +1,81 @@
+"""dspark::multi_linear: reference vs an fp64 formula, opcheck, edge sizes, strided input, errors."""
+
+import pytest
+import torch
+
+import custom_ops  # noqa: F401
+from custom_ops.multi_linear import multi_linear_reference
+
+op = torch.ops.dspark.multi_linear
+
+
+def _fp64_formula(x, weights, starts, counts, biases):
+    blocks = []
+    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
+        y = x.double() @ w[s : s + c].double().T
+        blocks.append(y if b is None else y + b[s : s + c].double())
+    return torch.cat(blocks, dim=1)
+
+
+def _case(tokens=5, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 24, generator=gen).to(dtype)
+    weights = [torch.randn(rows, 24, generator=gen).to(dtype) for rows in (40, 16, 9)]
+    biases = [None, torch.randn(16, generator=gen).to(dtype), torch.randn(9, generator=gen).to(dtype)]
+    return x, weights, [8, 0, 2], [16, 16, 7], biases
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_fp64_formula(tokens, dtype):
+    args = _case(tokens, dtype)
+    out = op(*args)
+    assert out.shape == (tokens, 39) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _fp64_formula(*args), rtol=tol, atol=tol * 8)
+
+
+def test_reference_is_the_registered_cpu_kernel():
+    args = _case()
+    torch.testing.assert_close(op(*args), multi_linear_reference(*args), rtol=0, atol=0)
+
+
+def test_strided_activation():
+    x, *rest = _case(tokens=6)
+    wide = torch.randn(6, 48)
+    wide[:, ::2] = x
+    torch.testing.assert_close(op(wide[:, ::2], *rest), op(x, *rest), rtol=0, atol=0)
+
+
+def test_in_place_weight_update_is_seen():
+    x, weights, starts, counts, biases = _case()
+    before = op(x, weights, starts, counts, biases)
+    with torch.no_grad():
+        weights[1].mul_(2)
+    after = op(x, weights, starts, counts, biases)
+    torch.testing.assert_close(after[:, 16:32], 2 * before[:, 16:32] - biases[1].expand(5, 16), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    torch.library.opcheck(op, _case())
+    torch.library.opcheck(op, _case(tokens=0))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda a: a.__setitem__(0, a[0][0]), ValueError, "x must be 2-D"),
+        (lambda a: a.__setitem__(1, []), ValueError, "at least one"),
+        (lambda a: a.__setitem__(2, [8, 0]), ValueError, "same length"),
+        (lambda a: a.__setitem__(3, [16, 17, 7]), ValueError, r"rows \[0, 17\) of weights\[1\]"),
+        (lambda a: a[1].__setitem__(0, a[1][0].double()), TypeError, r"weights\[0\] dtype"),
+        (lambda a: a[1].__setitem__(2, a[1][2][:, :5]), ValueError, r"weights\[2\] must be"),
+        (lambda a: a[4].__setitem__(1, a[4][1][:3]), ValueError, r"biases\[1\] must be"),
+    ],
+)
+def test_bad_inputs(mutate, error, match):
+    args = list(_case())
+    args[1], args[4] = list(args[1]), list(args[4])
+    mutate(args)
+    with pytest.raises(error, match=match):
+        op(*args)
