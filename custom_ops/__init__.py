@@ -5,6 +5,7 @@ from custom_ops import (  # noqa: F401  (_library defines the dspark namespace f
     dsv4_compress,
     dsv4_compress_online,
     dsv4_compress_plan,
+    dsv4_compress_store,
     flashmla_writes,
     multi_linear,
 )

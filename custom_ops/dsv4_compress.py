@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops import _build
 from custom_ops._library import LIB
 from custom_ops.dsv4_compress_common import (
     FLT_MAX,
@@ -224,3 +225,7 @@ def _compress_prefill_fake(state, kv_score, ape, plan_c, plan_w, ratio):
     check_plan("plan_c", plan_c, 16, state.device)
     check_plan("plan_w", plan_w, 8, state.device)
     return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)
+
+
+_build.register_cuda_entry(LIB, "dsv4_compress_decode")
+_build.register_cuda_entry(LIB, "dsv4_compress_prefill")

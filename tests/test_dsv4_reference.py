@@ -69,8 +69,10 @@ class Session:
         state_dtype: torch.dtype = torch.float32,
         max_ctx: int = 2048,
         seed: int = 0,
+        device: str = "cpu",
     ):
-        self.kvs, self.ape, self.ratio, self.online = kvs, ape, ratio, online
+        self.kvs, self.ratio, self.online, self.device = kvs, ratio, online, device
+        self.ape = ape.to(device)
         self.bs = len(kvs)
         self.d = ape.shape[1]
         self.window = 8 if ratio == 4 else 128
@@ -80,7 +82,7 @@ class Session:
         g = torch.Generator().manual_seed(seed)
         slots = 2 * self.bs + 2
         if online:
-            self.state = torch.full((slots, 3 * self.d), math.nan)
+            self.state = torch.full((slots, 3 * self.d), math.nan, device=device)
             self.paged = None
             return
         self.ring = self.window
@@ -90,12 +92,12 @@ class Session:
             perm = torch.randperm(pages, generator=g)
             full = torch.arange(slots * max_ctx)
             self.full_to_state = perm[full // SWA_PAGE] * SWA_PAGE + full % SWA_PAGE
-            self.paged = (self.req_to_token, self.full_to_state)
+            self.paged = (self.req_to_token.to(device), self.full_to_state.to(device))
             rows = pages * self.ring
         else:
             self.paged = None
             rows = slots * self.ring
-        self.state = torch.full((rows, kvs[0].shape[1]), math.nan, dtype=state_dtype)
+        self.state = torch.full((rows, kvs[0].shape[1]), math.nan, dtype=state_dtype, device=device)
 
     def _addr(self):
         return self.paged if self.paged is not None else (None, None)
@@ -105,10 +107,10 @@ class Session:
         assert all(0 <= n <= len(k) - c for n, k, c in zip(lens, self.kvs, self.cur, strict=True)), lens
         rows = [self.kvs[b][self.cur[b] : self.cur[b] + n] for b, n in enumerate(lens)]
         rows.append(torch.randn(pad, self.kvs[0].shape[1]))
-        kv = torch.cat(rows)
-        ext = torch.tensor(lens, dtype=idx_dtype)
-        seq = torch.tensor([c + n for c, n in zip(self.cur, lens, strict=True)], dtype=idx_dtype)
-        rid = self.rids.to(idx_dtype)
+        kv = torch.cat(rows).to(self.device)
+        ext = torch.tensor(lens, dtype=idx_dtype, device=self.device)
+        seq = torch.tensor([c + n for c, n in zip(self.cur, lens, strict=True)], dtype=idx_dtype, device=self.device)
+        rid = self.rids.to(idx_dtype).to(self.device)
         n_q = kv.shape[0]
         if self.online:
             plan_c, plan_w = plan_online_prefill(seq, ext, rid, n_q)
@@ -116,8 +118,9 @@ class Session:
         else:
             plan_c, plan_w = plan_prefill(seq, ext, rid, *self._addr(), self.ratio, self.ring, SWA_PAGE, n_q)
             out = compress_prefill(self.state, kv, self.ape, plan_c, plan_w, self.ratio)
+        out, ext, seq = out.cpu(), ext.cpu(), seq.cpu()
         starts = torch.cumsum(ext, 0) - ext
-        c = read_compress_plan(plan_c)
+        c = read_compress_plan(plan_c.cpu())
         for k in c.valid.nonzero().squeeze(1).tolist():
             b = int(torch.searchsorted(starts, c.ragged_id[k], right=True)) - 1
             self._record(b, int(c.seq_len[k]), out[k])
@@ -132,13 +135,16 @@ class Session:
         kv = torch.stack(
             [self.kvs[b][self.cur[b]] if a else torch.randn(self.kvs[0].shape[1]) for b, a in enumerate(active)]
         )
+        kv = kv.to(self.device)
         seq = torch.tensor([c + 1 if a else 0 for c, a in zip(self.cur, active, strict=True)], dtype=idx_dtype)
-        rid = torch.where(torch.tensor(active), self.rids, -1).to(idx_dtype)
+        seq = seq.to(self.device)
+        rid = torch.where(torch.tensor(active), self.rids, -1).to(idx_dtype).to(self.device)
         if self.online:
             out = online_compress_decode(self.state, kv, self.ape, plan_online_decode(seq, rid))
         else:
             plan = plan_decode(seq, rid, *self._addr(), self.ratio, self.ring, SWA_PAGE)
             out = compress_decode(self.state, kv, self.ape, plan, self.ratio)
+        out = out.cpu()
         for b, a in enumerate(active):
             if a:
                 self.cur[b] += 1
@@ -159,7 +165,7 @@ class Session:
     def check(self, atol: float = 1e-5, rtol: float = 1e-5) -> None:
         """Every complete window of every request was produced once and matches the fp64 ground truth."""
         for b in range(self.bs):
-            gt = gt_compress(self.kvs[b][: self.cur[b]], self.ape, self.ratio)
+            gt = gt_compress(self.kvs[b][: self.cur[b]], self.ape.cpu(), self.ratio)
             got = [self.entries.get((b, n)) for n in range(gt.shape[0])]
             missing = [n for n, g in enumerate(got) if g is None]
             assert not missing, f"request {b}: windows {missing} were never produced"

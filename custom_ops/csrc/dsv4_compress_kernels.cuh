@@ -1,0 +1,459 @@
+// DeepSeek-V4 KV compression kernels (c4, c128, online c128). Plain CUDA, no torch headers.
+//
+// Semantics and plan layouts: custom_ops/dsv4_compress.py, dsv4_compress_online.py, dsv4_compress_plan.py
+// (spec dsv4_compression.md §4-§7). fp32 math; state rows are fp32 or bf16, input rows fp32 or bf16.
+//
+// Thread mapping (every thread owns 4 contiguous channels, so all row accesses are 16-byte fp32 / 8-byte bf16
+// vectors when the pointers allow it, kVec):
+// - c4: one warp per (plan row, 128-channel split); each lane holds the 8 window slots of its 4 channels in
+//   registers. 4 warps per block.
+// - c128 and online-c128 prefill: one block of 8 warps per (plan row, 128-channel split); warp w owns slots
+//   16w..16w+15, lane l channels 4l..4l+3 of the split; per-warp partial (max, sum, weighted sum) go through
+//   shared memory and are merged by the first 128 threads (one channel each).
+// - online-c128 decode and the prefill state writes: one thread per 4 elements.
+// Decode writes the new row before it compresses; the thread that writes a row element is the one that reads
+// it back (no barrier needed). Prefill compression and the prefill state writes are separate launches, in that
+// order. Every output element is written (zero where a row produces no entry).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dspark {
+namespace dsv4 {
+
+constexpr float kNegMax = -3.402823466e38f;  // -FLT_MAX: masked score (never -inf, so no inf - inf)
+constexpr uint32_t kInvalid = 0xFFFFFFFFu;
+constexpr int kSplit = 128;  // channels per warp (c4) or per block (c128)
+constexpr int kC4Threads = 128;
+constexpr int kC128Warps = 8;
+constexpr int kC128Threads = 32 * kC128Warps;
+constexpr int kC128SlotsPerWarp = 128 / kC128Warps;
+constexpr int kCopyThreads = 256;
+
+struct DecodePlan {
+  uint32_t seq_len;
+  int32_t write_loc;
+  int32_t read_page_0;
+  int32_t read_page_1;
+};
+struct CompressPlan {
+  uint32_t seq_len;
+  uint16_t ragged_id;
+  uint16_t buffer_len;
+  int32_t read_page_0;
+  int32_t read_page_1;
+};
+struct WritePlan {
+  uint32_t ragged_id;
+  int32_t write_loc;
+};
+static_assert(sizeof(DecodePlan) == 16 && sizeof(CompressPlan) == 16 && sizeof(WritePlan) == 8, "plan layout");
+
+// ------------------------------------------------------------------------------------------------ vector I/O
+
+__device__ __forceinline__ float4 to_float4(__nv_bfloat162 a, __nv_bfloat162 b) {
+  const float2 x = __bfloat1622float2(a);
+  const float2 y = __bfloat1622float2(b);
+  return make_float4(x.x, x.y, y.x, y.y);
+}
+
+template <bool kVec>
+__device__ __forceinline__ float4 load4(const float* p) {
+  if constexpr (kVec) return *reinterpret_cast<const float4*>(p);
+  return make_float4(p[0], p[1], p[2], p[3]);
+}
+
+template <bool kVec>
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  if constexpr (kVec) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return to_float4(*reinterpret_cast<const __nv_bfloat162*>(&u.x), *reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  }
+  return make_float4(__bfloat162float(p[0]), __bfloat162float(p[1]), __bfloat162float(p[2]), __bfloat162float(p[3]));
+}
+
+template <bool kVec>
+__device__ __forceinline__ void store4(float* p, float4 v) {
+  if constexpr (kVec) {
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    p[0] = v.x;
+    p[1] = v.y;
+    p[2] = v.z;
+    p[3] = v.w;
+  }
+}
+
+template <bool kVec>
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(v.z, v.w);
+  if constexpr (kVec) {
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&a);
+    u.y = *reinterpret_cast<const uint32_t*>(&b);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+    p[0] = a.x;
+    p[1] = a.y;
+    p[2] = b.x;
+    p[3] = b.y;
+  }
+}
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+__device__ __forceinline__ float get(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+__device__ __forceinline__ void set(float4& v, int k, float x) {
+  if (k == 0) v.x = x;
+  else if (k == 1) v.y = x;
+  else if (k == 2) v.z = x;
+  else v.w = x;
+}
+
+// ------------------------------------------------------------------------------------------------ arguments
+
+struct CompressArgs {
+  void* state;           // [state_rows, state_width] TS
+  const void* input;     // [input_rows, in_stride] TI (kv_score rows)
+  float* out;            // [num_rows, d] fp32
+  const float* ape;      // [window, d] fp32
+  const void* plan;      // [num_rows, 16] (DecodePlan or CompressPlan)
+  int64_t in_stride;     // elements between input rows
+  int64_t state_rows;
+  int64_t input_rows;
+  int num_rows;
+  int d;
+};
+
+// ------------------------------------------------------------------------------------------------ c4
+
+// Window slot i of a c4 entry: kv at column (i < 4 ? 0 : d), score at (i < 4 ? 2d : 3d) of its row.
+template <bool kDecode, typename TS, typename TI, bool kVec>
+__global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
+  const int splits = a.d / kSplit;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kC4Threads + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (warp >= static_cast<int64_t>(a.num_rows) * splits) return;
+  const int row = static_cast<int>(warp / splits);
+  const int c = static_cast<int>(warp % splits) * kSplit + lane * 4;
+  const int d = a.d;
+  const int64_t width = 4 * static_cast<int64_t>(d);
+  TS* state = static_cast<TS*>(a.state);
+  const TI* input = static_cast<const TI*>(a.input);
+  float* out = a.out + static_cast<int64_t>(row) * d + c;
+  const int64_t pages = a.state_rows / 4;
+
+  bool emit;
+  bool overlap;
+  int buffer_len;
+  int64_t rp0, rp1, last;
+  if constexpr (kDecode) {
+    const DecodePlan p = static_cast<const DecodePlan*>(a.plan)[row];
+    const bool active = p.write_loc >= 0 && p.write_loc < a.state_rows;
+    if (active) {
+      const TI* src = input + row * a.in_stride;
+      TS* dst = state + p.write_loc * width;
+#pragma unroll
+      for (int seg = 0; seg < 4; ++seg) store4<kVec>(dst + seg * d + c, load4<kVec>(src + seg * d + c));
+    }
+    rp0 = p.read_page_0;
+    rp1 = p.read_page_1;
+    emit = active && p.seq_len % 4 == 0 && rp0 >= 0 && rp0 < pages && rp1 >= 0 && rp1 < pages;
+    overlap = p.seq_len > 4;
+    buffer_len = 8;
+    last = 0;
+  } else {
+    const CompressPlan p = static_cast<const CompressPlan*>(a.plan)[row];
+    rp0 = p.read_page_0;
+    rp1 = p.read_page_1;
+    buffer_len = p.buffer_len;
+    last = p.ragged_id;
+    const bool pages_ok = buffer_len == 0 || (rp0 >= 0 && rp0 < pages && rp1 >= 0 && rp1 < pages);
+    emit = p.seq_len != kInvalid && last < a.input_rows && pages_ok;
+    overlap = p.seq_len > 4;
+  }
+  if (!emit) {
+    store4<true>(out, make_float4(0.f, 0.f, 0.f, 0.f));
+    return;
+  }
+  float4 kv[8], sc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool ov = i < 4;
+    if (ov && !overlap) {
+      kv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      sc[i] = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
+      continue;
+    }
+    const int kv_col = ov ? 0 : d;
+    const int sc_col = ov ? 2 * d : 3 * d;
+    if (i < buffer_len) {
+      const TS* r = state + ((ov ? rp0 : rp1) * 4 + (i & 3)) * width;
+      kv[i] = load4<kVec>(r + kv_col + c);
+      sc[i] = load4<kVec>(r + sc_col + c);
+    } else {
+      const TI* r = input + (last - 7 + i) * a.in_stride;
+      kv[i] = load4<kVec>(r + kv_col + c);
+      sc[i] = load4<kVec>(r + sc_col + c);
+    }
+    sc[i] = add4(sc[i], *reinterpret_cast<const float4*>(a.ape + i * d + c));
+  }
+  float4 res;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float m = get(sc[0], k);
+#pragma unroll
+    for (int i = 1; i < 8; ++i) m = fmaxf(m, get(sc[i], k));
+    float sum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float e = __expf(get(sc[i], k) - m);
+      sum += e;
+      acc += e * get(kv[i], k);
+    }
+    set(res, k, acc / sum);
+  }
+  store4<true>(out, res);
+}
+
+// ------------------------------------------------------------------------------------------------ c128
+
+enum class C128Mode { kDecode, kPrefill, kOnlineCompress, kOnlineWrite };
+
+// One block per (plan row, 128-channel split). Offline: slot j reads state row rp1*128 + j if j < buffer_len,
+// else input row last - 127 + j; ape row j. Online: slot j < seg_len reads input row last - seg_len + 1 + j,
+// ape row chunk_off + j; the segment state is merged with the stored one when chunk_off != 0.
+template <C128Mode kMode, typename TS, typename TI, bool kVec>
+__global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
+  __shared__ float sm_m[kC128Warps][kSplit];
+  __shared__ float sm_l[kC128Warps][kSplit];
+  __shared__ float sm_a[kC128Warps][kSplit];
+  constexpr bool kOnline = kMode == C128Mode::kOnlineCompress || kMode == C128Mode::kOnlineWrite;
+  const int splits = a.d / kSplit;
+  const int row = blockIdx.x / splits;
+  const int base = (blockIdx.x % splits) * kSplit;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int c = base + lane * 4;
+  const int d = a.d;
+  const int64_t width = (kOnline ? 3 : 2) * static_cast<int64_t>(d);
+  TS* state = static_cast<TS*>(a.state);
+  const TI* input = static_cast<const TI*>(a.input);
+  const int64_t pages = kOnline ? a.state_rows : a.state_rows / 128;
+
+  bool emit;
+  int count;        // slots [0, count) hold tokens (offline: 128)
+  int buffer_len;   // offline: slots [0, buffer_len) come from the state
+  int ape_off = 0;  // online: chunk offset of slot 0
+  int64_t rp = -1, last = 0, first_token = 0;
+  if constexpr (kMode == C128Mode::kDecode) {
+    const DecodePlan p = static_cast<const DecodePlan*>(a.plan)[row];
+    const bool active = p.write_loc >= 0 && p.write_loc < a.state_rows;
+    rp = p.read_page_1;
+    // the warp that owns the written slot writes it, so the same threads read it back below
+    if (active && warp == (p.write_loc % 128) / kC128SlotsPerWarp) {
+      const TI* src = input + row * a.in_stride;
+      TS* dst = state + p.write_loc * width;
+      store4<kVec>(dst + c, load4<kVec>(src + c));
+      store4<kVec>(dst + d + c, load4<kVec>(src + d + c));
+    }
+    emit = active && p.seq_len % 128 == 0 && rp >= 0 && rp < pages && p.write_loc == rp * 128 + 127;
+    count = 128;
+    buffer_len = 128;
+  } else {
+    const CompressPlan p = static_cast<const CompressPlan*>(a.plan)[row];
+    last = p.ragged_id;
+    emit = p.seq_len != kInvalid && last < a.input_rows;
+    if constexpr (kOnline) {
+      count = p.buffer_len;
+      ape_off = static_cast<int>((p.seq_len - count) % 128);
+      first_token = last - count + 1;
+      rp = p.read_page_1 >= 0 ? p.read_page_1 : p.read_page_0;
+      emit = emit && count >= 1 && ape_off + count <= 128 && first_token >= 0 && (ape_off == 0 || (rp >= 0 && rp < pages));
+      if constexpr (kMode == C128Mode::kOnlineWrite) {
+        emit = emit && p.read_page_0 >= 0 && p.read_page_0 < pages;
+      }
+      buffer_len = 0;
+    } else {
+      count = 128;
+      buffer_len = p.buffer_len;
+      rp = p.read_page_1;
+      emit = emit && (buffer_len == 0 || (rp >= 0 && rp < pages));
+      first_token = last - 127;
+    }
+  }
+  float* out = a.out + static_cast<int64_t>(row) * d;
+  if (!emit) {
+    if constexpr (kMode != C128Mode::kOnlineWrite) {
+      if (threadIdx.x < kSplit) out[base + threadIdx.x] = 0.f;
+    }
+    return;
+  }
+
+  // per-thread partial over the warp's 16 slots
+  float4 m = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
+  float4 l = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  constexpr int kBatch = 8;
+#pragma unroll
+  for (int b0 = 0; b0 < kC128SlotsPerWarp; b0 += kBatch) {
+    float4 kv[kBatch], sc[kBatch];
+    bool ok[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int j = warp * kC128SlotsPerWarp + b0 + i;
+      ok[i] = j < count;
+      if (!ok[i]) {
+        kv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        sc[i] = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
+        continue;
+      }
+      if (j < buffer_len) {
+        const TS* r = state + (rp * 128 + j) * width;
+        kv[i] = load4<kVec>(r + c);
+        sc[i] = load4<kVec>(r + d + c);
+      } else {
+        const TI* r = input + (first_token + j) * a.in_stride;
+        kv[i] = load4<kVec>(r + c);
+        sc[i] = load4<kVec>(r + d + c);
+      }
+      sc[i] = add4(sc[i], *reinterpret_cast<const float4*>(a.ape + static_cast<int64_t>(ape_off + j) * d + c));
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float mk = get(m, k);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) mk = ok[i] ? fmaxf(mk, get(sc[i], k)) : mk;
+      const float scale = __expf(get(m, k) - mk);
+      float lk = get(l, k) * scale, ak = get(acc, k) * scale;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const float e = ok[i] ? __expf(get(sc[i], k) - mk) : 0.f;
+        lk += e;
+        ak += e * get(kv[i], k);
+      }
+      set(m, k, mk);
+      set(l, k, lk);
+      set(acc, k, ak);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    sm_m[warp][lane * 4 + k] = get(m, k);
+    sm_l[warp][lane * 4 + k] = get(l, k);
+    sm_a[warp][lane * 4 + k] = get(acc, k);
+  }
+  __syncthreads();
+  if (threadIdx.x >= kSplit) return;
+  const int ch = threadIdx.x;
+  float big = kNegMax;
+#pragma unroll
+  for (int w = 0; w < kC128Warps; ++w) big = sm_l[w][ch] > 0.f ? fmaxf(big, sm_m[w][ch]) : big;
+  float total = 0.f, weighted = 0.f;
+#pragma unroll
+  for (int w = 0; w < kC128Warps; ++w) {
+    const float s = sm_l[w][ch] > 0.f ? __expf(sm_m[w][ch] - big) : 0.f;
+    total += sm_l[w][ch] * s;
+    weighted += sm_a[w][ch] * s;
+  }
+  float avg = weighted / total;
+  if constexpr (kOnline) {
+    if (ape_off != 0) {  // merge with the stored partial state (m1, l1, a1)
+      const TS* r = state + rp * width;
+      const float m1 = static_cast<float>(r[base + ch]);
+      const float l1 = static_cast<float>(r[d + base + ch]);
+      const float a1 = static_cast<float>(r[2 * d + base + ch]);
+      const float mm = fmaxf(m1, big);
+      const float w1 = l1 * __expf(m1 - mm);
+      const float w2 = total * __expf(big - mm);
+      avg = (a1 * w1 + avg * w2) / (w1 + w2);
+      total = w1 + w2;
+      big = mm;
+    }
+  }
+  if constexpr (kMode == C128Mode::kOnlineWrite) {
+    const CompressPlan p = static_cast<const CompressPlan*>(a.plan)[row];
+    TS* dst = state + static_cast<int64_t>(p.read_page_0) * width;
+    dst[base + ch] = big;
+    dst[d + base + ch] = total;
+    dst[2 * d + base + ch] = avg;
+  } else {
+    out[base + ch] = avg;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ online decode
+
+// One thread per (request, 4 channels): load the running state unless the token starts a chunk, update it with
+// the token, then either emit the average (last token of a chunk) or store the state.
+template <typename TI, bool kVec>
+__global__ void __launch_bounds__(kCopyThreads) online_decode_kernel(CompressArgs a) {
+  const int quads = a.d / 4;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
+  if (t >= static_cast<int64_t>(a.num_rows) * quads) return;
+  const int row = static_cast<int>(t / quads);
+  const int c = static_cast<int>(t % quads) * 4;
+  const int d = a.d;
+  float* state = static_cast<float*>(a.state);
+  float* out = a.out + static_cast<int64_t>(row) * d + c;
+  const DecodePlan p = static_cast<const DecodePlan*>(a.plan)[row];
+  const int off = static_cast<int>((p.seq_len - 1u) % 128u);
+  const bool fresh = off == 0;
+  const bool ok = p.write_loc >= 0 && p.write_loc < a.state_rows &&
+                  (fresh || (p.read_page_0 >= 0 && p.read_page_0 < a.state_rows));
+  if (!ok) {
+    store4<true>(out, make_float4(0.f, 0.f, 0.f, 0.f));
+    return;
+  }
+  const TI* src = static_cast<const TI*>(a.input) + row * a.in_stride;
+  const float4 v = load4<kVec>(src + c);
+  const float4 s = add4(load4<kVec>(src + d + c), *reinterpret_cast<const float4*>(a.ape + off * d + c));
+  float4 m = s, l = make_float4(1.f, 1.f, 1.f, 1.f), avg = v;
+  if (!fresh) {
+    const float* r = state + static_cast<int64_t>(p.read_page_0) * 3 * d;
+    const float4 m1 = load4<true>(r + c), l1 = load4<true>(r + d + c), a1 = load4<true>(r + 2 * d + c);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float mm = fmaxf(get(m1, k), get(s, k));
+      const float w1 = get(l1, k) * __expf(get(m1, k) - mm);
+      const float w2 = __expf(get(s, k) - mm);
+      set(m, k, mm);
+      set(l, k, w1 + w2);
+      set(avg, k, (get(a1, k) * w1 + get(v, k) * w2) / (w1 + w2));
+    }
+  }
+  if (off == 127) {
+    store4<true>(out, avg);
+    return;
+  }
+  store4<true>(out, make_float4(0.f, 0.f, 0.f, 0.f));
+  float* dst = state + static_cast<int64_t>(p.write_loc) * 3 * d;
+  store4<true>(dst + c, m);
+  store4<true>(dst + d + c, l);
+  store4<true>(dst + 2 * d + c, avg);
+}
+
+// ------------------------------------------------------------------------------------------------ prefill writes
+
+// One thread per 4 elements of a persisted row: state[write_loc] = input[ragged_id] (whole row).
+template <typename TS, typename TI, bool kVec>
+__global__ void __launch_bounds__(kCopyThreads) write_rows_kernel(CompressArgs a, int64_t width) {
+  const int64_t quads = width / 4;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
+  if (t >= static_cast<int64_t>(a.num_rows) * quads) return;
+  const int64_t row = t / quads;
+  const int64_t c = (t % quads) * 4;
+  const WritePlan p = static_cast<const WritePlan*>(a.plan)[row];
+  if (p.ragged_id == kInvalid || p.write_loc < 0 || p.write_loc >= a.state_rows ||
+      static_cast<int64_t>(p.ragged_id) >= a.input_rows)
+    return;
+  const TI* src = static_cast<const TI*>(a.input) + static_cast<int64_t>(p.ragged_id) * a.in_stride;
+  TS* dst = static_cast<TS*>(a.state) + static_cast<int64_t>(p.write_loc) * width;
+  store4<kVec>(dst + c, load4<kVec>(src + c));
+}
+
+}  // namespace dsv4
+}  // namespace dspark

@@ -1,0 +1,177 @@
+// compress_norm_rope_store kernels: RMSNorm -> RoPE -> FP8 store of compressed DeepSeek-V4 entries.
+// Plain CUDA, no torch headers. Semantics: custom_ops/dsv4_compress_store.py.
+//
+// The FP8 / UE8M0 / RoPE / norm primitives and the FlashMLA V4 layout constants come from
+// flashmla_writes_kernels.cuh (the same numerics as the CPU references of custom_ops.flashmla_writes):
+// - D = 512: one warp per entry, lane l owns dims [16 l, 16 l + 16) (lanes 0..27 the 7 nope tiles, 28..31 RoPE);
+//   the normed nope values are rounded to bf16 and back before the UE8M0 tile quantization.
+// - D = 128 (indexer): one warp per entry, lane l owns dims [4 l, 4 l + 4); RoPE on lanes 16..31, Walsh-Hadamard
+//   (stages 1, 2 in registers, 4..64 across lanes) times 1/sqrt(128), FP8 with one plain fp32 scale per entry.
+#pragma once
+
+#include "dsv4_compress_kernels.cuh"
+#include "flashmla_writes_kernels.cuh"
+
+namespace dspark {
+namespace dsv4 {
+
+constexpr int kStoreWarps = 8;
+constexpr int kStoreThreads = 32 * kStoreWarps;
+
+struct StoreArgs {
+  const float* kv;  // [rows, d] fp32 contiguous
+  const uint8_t* plan;
+  const float* weight;
+  float eps;
+  const float* freqs;  // [max_pos, 64]
+  const void* out_loc;
+  bool out_loc_64;
+  int64_t out_loc_len;
+  uint8_t* cache;
+  int64_t page_bytes;
+  int log2_page_size;
+  int64_t rows;
+  int ratio;
+  bool decode;
+};
+
+// Slot and RoPE position of plan row `row`; false if the row stores nothing.
+__device__ __forceinline__ bool store_target(const StoreArgs& a, int64_t row, int64_t& loc, int64_t& pos) {
+  int64_t src;
+  uint32_t seq_len;
+  if (a.decode) {
+    const DecodePlan p = reinterpret_cast<const DecodePlan*>(a.plan)[row];
+    if (p.write_loc < 0 || p.read_page_0 < 0 || p.seq_len % static_cast<uint32_t>(a.ratio) != 0u) return false;
+    seq_len = p.seq_len;
+    src = row;
+  } else {
+    const CompressPlan p = reinterpret_cast<const CompressPlan*>(a.plan)[row];
+    if (p.seq_len == kInvalid) return false;
+    seq_len = p.seq_len;
+    src = p.ragged_id;
+  }
+  if (seq_len < static_cast<uint32_t>(a.ratio) || src >= a.out_loc_len) return false;
+  loc = load_index(a.out_loc, src, a.out_loc_64);
+  pos = static_cast<int64_t>(seq_len) - a.ratio;
+  return loc >= 0;
+}
+
+__global__ void __launch_bounds__(kStoreThreads) store_flashmla_kernel(const StoreArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kStoreWarps + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  int64_t loc, pos;
+  if (!store_target(a, row, loc, pos)) return;  // uniform across the warp
+  const bool rope_lane = lane >= kRopeLane0;
+
+  float x[kLaneElems];
+  load_row<float, kLaneElems, true>(a.kv + row * kHeadDim + lane * kLaneElems, x);
+  const float nf = norm_factor(x, a.eps);
+  float w[kLaneElems];
+  load_row<float, kLaneElems, true>(a.weight + lane * kLaneElems, w);
+#pragma unroll
+  for (int i = 0; i < kLaneElems; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], nf), w[i]);
+  if (rope_lane) {
+    float tab[kLaneElems];
+    load_rope_table(a.freqs, pos, lane, tab);
+    rotate_pairs(x, tab);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) x[i] = round_to<__nv_bfloat16>(x[i]);
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kLaneElems; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+
+  const int64_t page_size = int64_t{1} << a.log2_page_size;
+  const int64_t slot = loc & (page_size - 1);
+  uint8_t* page_ptr = a.cache + (loc >> a.log2_page_size) * a.page_bytes;
+  uint8_t* value = page_ptr + slot * kValueBytes;
+  if (!rope_lane) {
+    const uint32_t e = ue8m0_exponent(amax);
+    const float inv = __uint_as_float((254u - e) << 23);
+    uint4 codes;
+    uint32_t* c = reinterpret_cast<uint32_t*>(&codes);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      c[k] = fp8x2(__fmul_rn(x[4 * k], inv), __fmul_rn(x[4 * k + 1], inv)) |
+             (fp8x2(__fmul_rn(x[4 * k + 2], inv), __fmul_rn(x[4 * k + 3], inv)) << 16);
+    }
+    reinterpret_cast<uint4*>(value)[lane] = codes;
+    if ((lane & 3) == 0) page_ptr[page_size * kValueBytes + slot * kScaleBytes + (lane >> 2)] = static_cast<uint8_t>(e);
+  } else {
+    uint4 out[2];
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out);
+#pragma unroll
+    for (int k = 0; k < kLaneElems / 2; ++k) o[k] = __float22bfloat162_rn(make_float2(x[2 * k], x[2 * k + 1]));
+    uint4* dst = reinterpret_cast<uint4*>(value + kNopeDim + (lane - kRopeLane0) * kLaneElems * 2);
+    dst[0] = out[0];
+    dst[1] = out[1];
+  }
+}
+
+__global__ void __launch_bounds__(kStoreThreads) store_indexer_kernel(const StoreArgs a) {
+  constexpr int kPer = kIndexerDim / 32;                      // 4 dims per lane
+  constexpr int kRopeLane = (kIndexerDim - kRopeDim) / kPer;  // 16
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kStoreWarps + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  int64_t loc, pos;
+  if (!store_target(a, row, loc, pos)) return;
+
+  const float4 v = reinterpret_cast<const float4*>(a.kv + row * kIndexerDim)[lane];
+  float x[kPer] = {v.x, v.y, v.z, v.w};
+  double ss = 0.0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) ss = fma(static_cast<double>(x[k]), static_cast<double>(x[k]), ss);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(kFullMask, ss, o);
+  const float ms = __double2float_rn(ss * (1.0 / kIndexerDim));
+  const float nf = __double2float_rn(1.0 / sqrt(static_cast<double>(__fadd_rn(ms, a.eps))));
+  const float4 wv = reinterpret_cast<const float4*>(a.weight)[lane];
+  const float w[kPer] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) x[k] = __fmul_rn(__fmul_rn(x[k], nf), w[k]);
+  if (lane >= kRopeLane) {
+    const float4 f = *reinterpret_cast<const float4*>(a.freqs + pos * kRopeDim + (lane - kRopeLane) * kPer);
+    const float t[kPer] = {f.x, f.y, f.z, f.w};
+    rotate_pairs(x, t);
+  }
+  // Walsh-Hadamard butterflies h = 1, 2 (in registers), then h = 4 .. 64 across lanes (xor lane bit h / 4).
+  const float y0 = __fadd_rn(x[0], x[1]), y1 = __fsub_rn(x[0], x[1]);
+  const float y2 = __fadd_rn(x[2], x[3]), y3 = __fsub_rn(x[2], x[3]);
+  x[0] = __fadd_rn(y0, y2);
+  x[1] = __fadd_rn(y1, y3);
+  x[2] = __fsub_rn(y0, y2);
+  x[3] = __fsub_rn(y1, y3);
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const float other = __shfl_xor_sync(kFullMask, x[k], m);
+      x[k] = upper ? __fsub_rn(other, x[k]) : __fadd_rn(x[k], other);
+    }
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    x[k] = __fmul_rn(x[k], 0.08838834764831845f);  // fp32(128 ** -0.5)
+    amax = fmaxf(amax, fabsf(x[k]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+  const uint32_t codes = fp8x2(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale)) |
+                         (fp8x2(__fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale)) << 16);
+  const int64_t page_size = int64_t{1} << a.log2_page_size;
+  const int64_t slot = loc & (page_size - 1);
+  uint8_t* page_ptr = a.cache + (loc >> a.log2_page_size) * a.page_bytes;
+  reinterpret_cast<uint32_t*>(page_ptr + slot * kIndexerDim)[lane] = codes;
+  if (lane == 0) *reinterpret_cast<float*>(page_ptr + page_size * kIndexerDim + slot * 4) = scale;
+}
+
+}  // namespace dsv4
+}  // namespace dspark

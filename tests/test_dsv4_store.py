@@ -1,0 +1,171 @@
+"""compress_norm_rope_store: FlashMLA (D = 512) and indexer (D = 128) FP8 stores against an fp64 formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import custom_ops  # noqa: F401
+from custom_ops.dsv4_compress_plan import plan_decode, plan_prefill
+from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
+from custom_ops.fp8_layout import dequantize_flashmla_cache
+from custom_ops.rope import precompute_freqs
+
+EPS = 1e-6
+FREQS = precompute_freqs(4096, 64, 160000.0, original_seq_len=65536, factor=16.0)
+
+
+def _expected(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, hadamard: bool) -> torch.Tensor:
+    """fp64: RMSNorm, interleaved RoPE of the last 64 dims at `pos`, optional normalized Hadamard."""
+    x = x.double()
+    y = x / torch.sqrt(x.square().mean(1, keepdim=True) + EPS) * w.double()
+    d = y.shape[1]
+    t = FREQS[pos].double()
+    c, s = t[:, 0::2], t[:, 1::2]
+    re, im = y[:, d - 64 :: 2], y[:, d - 63 :: 2]
+    rot = torch.stack([re * c - im * s, re * s + im * c], -1).flatten(1)
+    y = torch.cat([y[:, : d - 64], rot], 1)
+    if hadamard:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        y = y @ h.T / math.sqrt(d)
+    return y
+
+
+def _decode_indexer(cache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
+    flat = cache.view(-1)
+    out = []
+    for loc in slots.tolist():
+        base = (loc // page_size) * cache.shape[1]
+        off = loc % page_size
+        codes = flat[base + off * 128 : base + off * 128 + 128].view(torch.float8_e4m3fn).double()
+        scale = flat[base + 128 * page_size + off * 4 : base + 128 * page_size + off * 4 + 4].view(torch.float32)
+        out.append(codes * scale.double())
+    return torch.stack(out)
+
+
+def _touched(cache: torch.Tensor, page_size: int, slots: list[int], d: int) -> torch.Tensor:
+    """Mask of the bytes the store may write for `slots` (payload regions only)."""
+    mask = torch.zeros(cache.numel(), dtype=torch.bool)
+    for loc in slots:
+        base = (loc // page_size) * cache.shape[1]
+        off = loc % page_size
+        if d == 512:
+            mask[base + off * 576 : base + off * 576 + 576] = True
+            mask[base + page_size * 576 + off * 8 : base + page_size * 576 + off * 8 + 7] = True
+        else:
+            mask[base + off * 128 : base + off * 128 + 128] = True
+            mask[base + 128 * page_size + off * 4 : base + 128 * page_size + off * 4 + 4] = True
+    return mask
+
+
+def _check_store(kv, w, pos, slots, cache, before, page_size):
+    d = kv.shape[1]
+    want = _expected(kv, w, pos, hadamard=d == 128)
+    untouched = ~_touched(cache, page_size, slots.tolist(), d)
+    assert torch.equal(cache.view(-1)[untouched], before.view(-1)[untouched]), "bytes outside the slots changed"
+    if d == 512:
+        got = dequantize_flashmla_cache(cache, page_size, slots).double()
+        tiles = want[:, :448].reshape(-1, 7, 64).abs().amax(-1).clamp(min=1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(tiles / 448)))
+        err = (got[:, :448] - want[:, :448]).reshape(-1, 7, 64).abs()
+        assert (err <= scale[..., None] * 18).all(), (err / scale[..., None]).amax((1, 2))  # half ulp + bf16
+        torch.testing.assert_close(got[:, 448:], want[:, 448:], atol=1e-2, rtol=8e-3)
+    else:
+        got = _decode_indexer(cache, page_size, slots)
+        amax = want.abs().amax(1, keepdim=True)
+        assert ((got - want).abs() <= amax / 448 * 16 + 1e-6).all()
+
+
+@pytest.mark.parametrize("d", [512, 128])
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_prefill_store(d, ratio):
+    g = torch.Generator().manual_seed(d + ratio)
+    seq = torch.tensor([3 * ratio + 1, 2 * ratio])
+    ext = torch.tensor([2 * ratio + 3, 2 * ratio])
+    n = int(ext.sum())
+    plan_c, _ = plan_prefill(seq, ext, torch.tensor([0, 1]), None, None, ratio, 2 * ratio if ratio == 4 else 128, 0, n)
+    kv = torch.randn(plan_c.shape[0], d, generator=g) * 3
+    w = torch.rand(d, generator=g) + 0.5
+    page_size = 16
+    out_loc = torch.randperm(1024, generator=g)[:n] + 1
+    out_loc[int(plan_c.view(torch.int32)[1, 1]) & 0xFFFF] = -1  # the second entry's slot: skipped
+    cache = torch.randint(0, 256, (1040 // page_size, cache_page_bytes(d, page_size)), dtype=torch.uint8, generator=g)
+    before = cache.clone()
+    compress_norm_rope_store(kv, plan_c, w, EPS, FREQS, out_loc, cache, page_size, ratio, decode=False)
+    c = plan_c.view(torch.int32)
+    valid = (c[:, 0] != -1).nonzero().squeeze(1)
+    ragged = c[valid, 1] & 0xFFFF
+    keep = out_loc[ragged] >= 0
+    rows, slots = valid[keep], out_loc[ragged[keep]]
+    assert valid.numel() == 5 and rows.numel() == 4  # 3 + 2 windows closed, one slot negative
+    _check_store(kv[rows], w, c[rows, 0].long() - ratio, slots, cache, before, page_size)
+
+
+@pytest.mark.parametrize("d", [512, 128])
+def test_decode_store_skips_rows_without_entries(d):
+    g = torch.Generator().manual_seed(d)
+    ratio = 4
+    seq = torch.tensor([8, 9, 12, 16, 0], dtype=torch.int32)
+    rid = torch.tensor([0, 1, 2, 3, -1], dtype=torch.int32)
+    plan = plan_decode(seq, rid, None, None, ratio, 8)
+    kv = torch.randn(5, d, generator=g)
+    w = torch.rand(d, generator=g) + 0.5
+    out_loc = torch.tensor([3, 5, -1, 6, 7], dtype=torch.int32)
+    cache = torch.randint(0, 256, (4, cache_page_bytes(d, 2)), dtype=torch.uint8, generator=g)
+    before = cache.clone()
+    compress_norm_rope_store(kv, plan, w, EPS, FREQS, out_loc, cache, 2, ratio, decode=True)
+    rows = torch.tensor([0, 3])  # row 1: 9 % 4 != 0; row 2: slot -1; row 4: padded
+    _check_store(kv[rows], w, seq[rows].long() - ratio, out_loc[rows].long(), cache, before, 2)
+
+
+def test_opcheck_store():
+    g = torch.Generator().manual_seed(0)
+    plan = plan_decode(torch.tensor([8, 128]), torch.tensor([0, 1]), None, None, 4, 8)
+    cache = torch.zeros(4, cache_page_bytes(512, 2), dtype=torch.uint8)
+    args = (
+        torch.randn(2, 512, generator=g),
+        plan,
+        torch.ones(512),
+        EPS,
+        FREQS,
+        torch.tensor([1, 4]),
+        cache,
+        2,
+        4,
+        True,
+    )
+    torch.library.opcheck(torch.ops.dspark.dsv4_compress_norm_rope_store, args)
+
+
+@pytest.mark.parametrize(
+    ("change", "err", "match"),
+    [
+        (lambda a: a.update(kv=torch.zeros(2, 256)), ValueError, "kv"),
+        (lambda a: a.update(norm_weight=torch.ones(128)), ValueError, "norm_weight"),
+        (lambda a: a.update(freqs=FREQS[:, :32].contiguous()), ValueError, "freqs"),
+        (lambda a: a.update(out_loc=torch.zeros(2)), TypeError, "out_loc"),
+        (lambda a: a.update(kvcache=torch.zeros(4, 100, dtype=torch.uint8)), ValueError, "kvcache"),
+        (lambda a: a.update(page_size=3), ValueError, "page_size"),
+        (lambda a: a.update(ratio=2), ValueError, "ratio"),
+    ],
+)
+def test_store_bad_inputs(change, err, match):
+    args = {
+        "kv": torch.zeros(2, 512),
+        "plan": plan_decode(torch.tensor([8, 4]), torch.tensor([0, 1]), None, None, 4, 8),
+        "norm_weight": torch.ones(512),
+        "eps": EPS,
+        "freqs": FREQS,
+        "out_loc": torch.tensor([0, 1]),
+        "kvcache": torch.zeros(4, cache_page_bytes(512, 2), dtype=torch.uint8),
+        "page_size": 2,
+        "ratio": 4,
+        "decode": True,
+    }
+    change(args)
+    with pytest.raises(err, match=match):
+        compress_norm_rope_store(**args)
