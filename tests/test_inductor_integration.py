@@ -1,0 +1,125 @@
+"""The dspark backend through real Inductor codegen: dynamic token counts, FX graph cache, weight updates,
+no per-call weight copies, mode/options, and composition with a user's post-grad pass."""
+
+import copy
+
+import pytest
+import torch
+from helpers import draft_inputs, small_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+import dspark_fx
+from dspark_fx.passes import manager as manager_module
+from dspark_fx.reference_draft import DraftKVWriter
+from dspark_fx.testing import assert_close_for_dtype, compile_counts
+
+try:
+    from torch._inductor.utils import fresh_cache
+except ImportError:  # torch 2.11
+    from torch._inductor.utils import fresh_inductor_cache as fresh_cache
+
+pytestmark = pytest.mark.slow
+counters = torch._dynamo.utils.counters
+
+
+def _pair(cfg):
+    eager = DraftKVWriter(cfg)
+    return eager, copy.deepcopy(eager)
+
+
+def test_dynamic_token_counts_compile_at_most_twice():
+    torch._dynamo.reset()
+    cfg = small_config(write="return")
+    eager, model = _pair(cfg)
+    compiled = torch.compile(model, backend=dspark_fx.dspark_backend)
+    with compile_counts() as counts, torch.no_grad():
+        for tokens in (1, 7, 64, 300):
+            args = draft_inputs(cfg, tokens, seed=tokens)
+            assert_close_for_dtype(compiled(*args), eager(*args))
+    assert counts["frames"] <= 2, f"compiled {counts['frames']} graphs for 4 token counts"
+
+
+def _compile_once(backend, cfg):
+    torch._dynamo.reset()
+    eager, model = _pair(cfg)
+    args = draft_inputs(cfg, 9)
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(model, backend=backend)(*args), eager(*args))
+
+
+def test_fx_graph_cache_hits_and_misses(tmp_path, monkeypatch):
+    cfg = small_config(write="return", num_layers=2)
+    with fresh_cache():
+        counters.clear()
+        _compile_once(dspark_fx.make_backend(), cfg)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1
+        _compile_once(dspark_fx.make_backend(), cfg)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+        _compile_once(dspark_fx.make_backend(dspark_fx.DsparkConfig(max_leaf_numel=4096)), cfg)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 2, "a changed pass config must miss the cache"
+        changed_source = tmp_path / "extra_pass.py"
+        changed_source.write_text("# a pass source that changed\n")
+        original = manager_module.source_files
+        monkeypatch.setattr(manager_module, "source_files", lambda: (*original(), str(changed_source)))
+        _compile_once(dspark_fx.make_backend(), cfg)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 3, "a changed pass source must miss the cache"
+
+
+def test_in_place_weight_updates_are_seen_and_no_weight_is_copied_per_call():
+    torch._dynamo.reset()
+    cfg = small_config(write="return", qkv_bias=True)
+    eager, model = _pair(cfg)
+    compiled = torch.compile(model, backend=dspark_fx.dspark_backend)
+    args = draft_inputs(cfg, 6)
+    with torch.no_grad():
+        _, (code,) = run_and_get_code(compiled, *args)
+        assert "dspark.multi_linear" in code
+        assert "aten.cat" not in code and "torch.cat" not in code
+        for p_e, p_c in zip(eager.parameters(), model.parameters(), strict=True):
+            noise = torch.randn_like(p_e)
+            p_e.add_(noise)
+            p_c.add_(noise)
+        assert_close_for_dtype(compiled(*args), eager(*args))
+        fresh = DraftKVWriter(small_config(write="return", qkv_bias=True, seed=7))
+        eager.load_state_dict(fresh.state_dict())
+        model.load_state_dict(fresh.state_dict())
+        assert_close_for_dtype(compiled(*args), eager(*args))
+
+
+class _CountingPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return b"counting-pass-v1"
+
+
+def test_user_post_pass_is_composed_not_overwritten():
+    torch._dynamo.reset()
+    user_pass = _CountingPass()
+    cfg = small_config(write="return", num_layers=2)
+    backend = dspark_fx.make_backend()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass, force_disable_caches=True):
+        _compile_once(backend, cfg)
+    assert user_pass.calls == 1
+    (manager,) = backend.managers
+    assert manager.user_pass is user_pass and manager.reports[0].n_groups == 1
+    assert manager.uuid() != dspark_fx.DsparkPassManager().uuid()
+
+
+def test_mode_and_options_are_accepted():
+    torch._dynamo.reset()
+    cfg = small_config(write="return", num_layers=2)
+    eager, model = _pair(cfg)
+    compiled = torch.compile(model, backend=dspark_fx.dspark_backend, options={"epilogue_fusion": False})
+    args = draft_inputs(cfg, 5)
+    with torch.no_grad():
+        assert_close_for_dtype(compiled(*args), eager(*args))
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(eager), backend=dspark_fx.dspark_backend, mode="default")
+    with torch.no_grad():
+        assert_close_for_dtype(compiled(*args), eager(*args))
