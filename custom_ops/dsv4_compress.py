@@ -166,7 +166,11 @@ def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
     pages = state.shape[0] // ratio
     active = (p.valid & (p.write_loc < state.shape[0])).nonzero().squeeze(1)
     state[p.write_loc[active]] = kv_score[active].to(state.dtype)
-    readable = (p.seq_len % ratio == 0) & _in_range(p.read_page_0, pages) & _in_range(p.read_page_1, pages)
+    readable = (p.seq_len % ratio == 0) & _in_range(p.read_page_1, pages)
+    if ratio == 4:
+        readable &= _in_range(p.read_page_0, pages)
+    else:  # the whole page is compressed: the new row must be its last one
+        readable &= p.write_loc == p.read_page_1 * ratio + ratio - 1
     emit = active[readable[active]]
     window = window_of(ratio)
     kv, sc = _window(
@@ -192,7 +196,10 @@ def _compress_prefill_cpu(state, kv_score, ape, plan_c, plan_w, ratio):
     c = read_compress_plan(plan_c)
     out = kv_score.new_zeros((plan_c.shape[0], d), dtype=torch.float32)
     pages = state.shape[0] // ratio
-    readable = (c.buffer_len == 0) | (_in_range(c.read_page_0, pages) & _in_range(c.read_page_1, pages))
+    pages_ok = _in_range(c.read_page_1, pages)
+    if ratio == 4:
+        pages_ok &= _in_range(c.read_page_0, pages)
+    readable = (c.buffer_len == 0) | pages_ok
     emit = (c.valid & (c.ragged_id < kv_score.shape[0]) & readable).nonzero().squeeze(1)
     kv, sc = _window(
         state,

@@ -117,12 +117,14 @@ def _state_loc(
     ring_size: int,
     swa_page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """State row of (rid, pos) as int64, and the updated validity mask (unmapped SWA slots are invalid).
+    """State row of (rid, pos) as int64, and the updated validity mask (positions outside `req_to_token` and
+    unmapped SWA slots are invalid).
 
     Entries where `ok` is False are clamped to safe indices and must be ignored by the caller.
     """
     if req_to_token is None:
         return rid * ring_size + pos % ring_size, ok
+    ok = ok & (rid < req_to_token.shape[0]) & (pos < req_to_token.shape[1])
     r = torch.where(ok, rid, 0).clamp(0, req_to_token.shape[0] - 1)
     p = torch.where(ok, pos, 0).clamp(0, req_to_token.shape[1] - 1)
     full = req_to_token[r, p].long()

@@ -189,3 +189,13 @@ def test_paged_plan_bad_swa_page_size():
     r2t, f2s = _paged(1, 256)
     with pytest.raises(ValueError, match="swa_page_size"):
         plan_decode(torch.tensor([5]), torch.tensor([0]), r2t, f2s, 128, 128, 200)
+
+
+def test_paged_plans_skip_positions_outside_the_page_table():
+    r2t, f2s = _paged(2, 256)
+    f2s[5] = -1  # an unmapped slot
+    seq = torch.tensor([300, 6, 9, 8])  # pos 299 >= 256 columns; pos 5 unmapped; rid 7 >= 2 rows
+    rid = torch.tensor([0, 0, 7, 1])
+    p = plan_decode(seq, rid, r2t, f2s, 4, 8, 256).view(torch.int32)
+    assert (p[:3] == torch.tensor([-1, -1, -1, -1], dtype=torch.int32)).all()
+    assert p[3, 0] == 8 and p[3, 1] >= 0
