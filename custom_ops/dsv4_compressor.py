@@ -12,6 +12,7 @@ state = comp.new_state(num_requests=8)
 out = comp(x_prefill, state, seq_lens, req_pool_indices, extend_lens=extend_lens)   # prefill / extend
 out = comp(x_decode, state, seq_lens, req_pool_indices)                             # decode (one token each)
 out.entries[out.valid]  # compressed entries; out.request / out.window say whose and which window
+comp.store(out, freqs, out_loc, kvcache, page_size)  # RMSNorm -> RoPE -> FP8 into a paged cache
 ```
 
 `compress_sequence` is the stateless whole-sequence computation (spec §1.4) that every split of a sequence
@@ -35,6 +36,7 @@ from custom_ops.dsv4_compress_plan import (
     plan_prefill,
     window_of,
 )
+from custom_ops.dsv4_compress_store import compress_norm_rope_store
 
 
 @dataclass(frozen=True)
@@ -239,3 +241,21 @@ class DSV4Compressor(torch.nn.Module):
         request = torch.where(valid, request, -1)
         window = torch.where(valid, rows.seq_len // r - 1, -1)
         return CompressOutput(entries, plan, valid, request, window, extend_lens is None)
+
+    def store(
+        self,
+        out: CompressOutput,
+        freqs: torch.Tensor,
+        out_loc: torch.Tensor,
+        kvcache: torch.Tensor,
+        page_size: int,
+    ) -> None:
+        """RMSNorm -> RoPE -> FP8 store of `out`'s entries into `kvcache` (`dsv4_compress_norm_rope_store`).
+
+        `out_loc`: cache slot per query token (prefill/extend) or per request (decode); negative skips.
+        `kvcache`: FlashMLA V4 layout for head_dim 512, indexer FP8 layout for 128 (`cache_page_bytes`).
+        """
+        weight = self.norm_weight.detach().float()
+        compress_norm_rope_store(
+            out.entries, out.plan, weight, self.norm_eps, freqs, out_loc, kvcache, page_size, self.ratio, out.decode
+        )

@@ -10,7 +10,10 @@ import torch
 from test_dsv4_reference import gt_compress
 
 import custom_ops  # noqa: F401
+from custom_ops.dsv4_compress_store import cache_page_bytes
 from custom_ops.dsv4_compressor import DSV4Compressor, compress_sequence, kernel_ape
+from custom_ops.fp8_layout import dequantize_flashmla_cache
+from custom_ops.rope import precompute_freqs
 
 
 @pytest.mark.parametrize(("ratio", "d", "length"), [(4, 512, 37), (4, 128, 3), (128, 128, 300), (128, 512, 256)])
@@ -75,3 +78,29 @@ def test_example_script_runs():
     spec.loader.exec_module(module)
     for ratio, online, paged in [(4, False, True), (128, True, False)]:
         assert module.run(ratio, online, paged, "cpu", hidden=64, head_dim=128) < 1e-5
+
+
+def test_compressor_store_writes_normed_roped_entries():
+    g = torch.Generator().manual_seed(5)
+    comp = DSV4Compressor(64, 512, 4)
+    comp.reset_parameters(g)
+    with torch.no_grad():
+        comp.norm_weight.copy_(torch.rand(512, generator=g) + 0.5)
+    x = torch.randn(13, 64, generator=g)
+    state = comp.new_state(1)
+    freqs = precompute_freqs(64, 64, 160000.0, original_seq_len=65536, factor=16.0)
+    cache = torch.zeros(2, cache_page_bytes(512, 8), dtype=torch.uint8)
+    out_loc = torch.arange(13) + 2
+    out = comp(x[:12], state, torch.tensor([12]), torch.tensor([0]), extend_lens=torch.tensor([12]))
+    comp.store(out, freqs, out_loc[:12], cache, 8)
+    out = comp(x[12:], state, torch.tensor([13]), torch.tensor([0]))
+    comp.store(out, freqs, out_loc[12:], cache, 8)  # no window closes at 13: nothing stored
+    entries = compress_sequence(comp.kv_score(x), comp.kernel_ape(), 4).double()
+    y = entries / torch.sqrt(entries.square().mean(1, keepdim=True) + 1e-6) * comp.norm_weight.double()
+    t = freqs[torch.tensor([0, 4, 8])].double()
+    re, im = y[:, 448::2], y[:, 449::2]
+    y[:, 448::2], y[:, 449::2] = re * t[:, 0::2] - im * t[:, 1::2], re * t[:, 1::2] + im * t[:, 0::2]
+    got = dequantize_flashmla_cache(cache, 8, out_loc[torch.tensor([3, 7, 11])]).double()
+    torch.testing.assert_close(got, y, atol=0.15, rtol=0.07)
+    untouched = dequantize_flashmla_cache(cache, 8, torch.tensor([2, 4, 14]))
+    assert not untouched.any()

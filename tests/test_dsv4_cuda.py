@@ -273,3 +273,15 @@ def test_compiled_prefill_on_cuda_mutates_in_place():
     assert torch.equal(out, eager) and torch.equal(state, se) and torch.equal(cache, ce)
     assert "clone" not in "\n".join(code)
     assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+
+
+def test_example_runs_on_cuda():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "dsv4_compress.py"
+    spec = importlib.util.spec_from_file_location("dsv4_compress_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for ratio, online_, paged in [(4, False, False), (4, False, True), (128, False, True), (128, True, False)]:
+        assert module.run(ratio, online_, paged, "cuda", hidden=256, head_dim=512) < 1e-4

@@ -39,7 +39,8 @@ int64_t check_ape(const at::Tensor& ape, int64_t rows) {
   TORCH_CHECK_TYPE(ape.scalar_type() == at::kFloat, "ape: expected an fp32 tensor, got ", ape.scalar_type());
   TORCH_CHECK_VALUE(ape.dim() == 2 && ape.size(0) == rows && (ape.size(1) == 128 || ape.size(1) == 512),
                     "ape: expected shape [", rows, ", D] with D in (128, 512), got ", ape.sizes());
-  TORCH_CHECK_VALUE(ape.is_contiguous(), "ape: expected a contiguous tensor");
+  TORCH_CHECK_VALUE(ape.is_contiguous() && reinterpret_cast<uintptr_t>(ape.data_ptr()) % 16 == 0,
+                    "ape: expected a contiguous, 16-byte aligned tensor");
   return ape.size(1);
 }
 
