@@ -213,3 +213,20 @@ def test_prefill_writes_only_the_rows_later_calls_need(mode, ratio):
         first = (int(seq[b]) // ratio) * ratio - (ratio if ratio == 4 else 0)
         expected |= {(b, p) for p in range(int(seq[b] - ext[b]), int(seq[b])) if p >= first}
     assert written == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_c4_paged_random_split_across_swa_pages(seed):
+    """Splits that start, end and decode across 256-token SWA pages (each page has its own state ring)."""
+    rng = random.Random(100 + seed)
+    lengths = [rng.randint(520, 700) for _ in range(2)]
+    kvs, ape = make_inputs(4, 128, lengths, seed=seed)
+    s = Session(kvs, ape, 4, "paged", seed=seed)
+    while s.cur != lengths:
+        left = [n - c for n, c in zip(lengths, s.cur, strict=True)]
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 9)):
+                s.decode([x > 0 for x in (n - c for n, c in zip(lengths, s.cur, strict=True))])
+        else:
+            s.extend([min(x, rng.randint(0, 300)) for x in left])
+    s.check()

@@ -285,3 +285,26 @@ def test_example_runs_on_cuda():
     spec.loader.exec_module(module)
     for ratio, online_, paged in [(4, False, False), (4, False, True), (128, False, True), (128, True, False)]:
         assert module.run(ratio, online_, paged, "cuda", hidden=256, head_dim=512) < 1e-4
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_paged_long_random_split_cuda_equals_cpu(ratio):
+    rng = random.Random(7 + ratio)
+    lengths = [rng.randint(520, 900) for _ in range(3)]
+    kvs, ape = make_inputs(ratio, D, lengths, seed=3)
+    gpu, cpu = _twins(kvs, ape, ratio, "paged")
+    while cpu.cur != lengths:
+        left = [n - c for n, c in zip(lengths, cpu.cur, strict=True)]
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 9)):
+                active = [n > c for n, c in zip(lengths, cpu.cur, strict=True)]
+                gpu.decode(active)
+                cpu.decode(active)
+        else:
+            lens = [min(x, rng.randint(0, 300)) for x in left]
+            gpu.extend(lens)
+            cpu.extend(lens)
+    gpu.check(atol=TOL, rtol=TOL)
+    for key, row in gpu.entries.items():
+        torch.testing.assert_close(row, cpu.entries[key], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gpu.state.cpu(), cpu.state, atol=0, rtol=0, equal_nan=True)
