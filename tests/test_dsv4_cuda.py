@@ -308,3 +308,48 @@ def test_paged_long_random_split_cuda_equals_cpu(ratio):
     for key, row in gpu.entries.items():
         torch.testing.assert_close(row, cpu.entries[key], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gpu.state.cpu(), cpu.state, atol=0, rtol=0, equal_nan=True)
+
+
+def test_opcheck_cuda():
+    _build.load()
+    ops = torch.ops.dspark
+    g = torch.Generator().manual_seed(0)
+    seq = torch.tensor([8, 200, 129], device="cuda")
+    ext = torch.tensor([8, 100, 1], device="cuda")
+    rid = torch.tensor([1, 0, 2], device="cuda")
+    n = int(ext.sum())
+    for ratio in (4, 128):
+        width = (4 if ratio == 4 else 2) * D
+        ring = 8 if ratio == 4 else 128
+        state = torch.randn(3 * ring, width, generator=g).cuda()
+        ape = torch.randn(8 if ratio == 4 else 128, D, generator=g).cuda()
+        plan = ops.dsv4_plan_decode(seq, rid, None, None, ratio, ring)
+        torch.library.opcheck(ops.dsv4_plan_decode, (seq, rid, None, None, ratio, ring))
+        kv1 = torch.randn(3, width, generator=g).cuda()
+        torch.library.opcheck(ops.dsv4_compress_decode, (state.clone(), kv1, ape, plan, ratio))
+        plan_c, plan_w = ops.dsv4_plan_prefill(seq, ext, rid, None, None, ratio, ring, 0, n)
+        kv = torch.randn(n, width, generator=g).cuda()
+        torch.library.opcheck(ops.dsv4_compress_prefill, (state.clone(), kv, ape, plan_c, plan_w, ratio))
+        cache = torch.zeros(8, cache_page_bytes(D, 64), dtype=torch.uint8, device="cuda")
+        out = ops.dsv4_compress_prefill(state.clone(), kv, ape, plan_c, plan_w, ratio)
+        args = (
+            out,
+            plan_c,
+            torch.ones(D, device="cuda"),
+            1e-6,
+            FREQS.cuda(),
+            torch.arange(n, device="cuda"),
+            cache,
+            64,
+        )
+        torch.library.opcheck(ops.dsv4_compress_norm_rope_store, (*args, ratio, False))
+    ostate = torch.randn(3, 3 * D, generator=g).cuda()
+    ostate[:, D : 2 * D] = ostate[:, D : 2 * D].abs() + 1
+    ape = torch.randn(128, D, generator=g).cuda()
+    torch.library.opcheck(ops.dsv4_plan_online_decode, (seq, rid))
+    kv1 = torch.randn(3, 2 * D, generator=g).cuda()
+    plan = ops.dsv4_plan_online_decode(seq, rid)
+    torch.library.opcheck(ops.dsv4_online_compress_decode, (ostate.clone(), kv1, ape, plan))
+    plan_c, plan_w = ops.dsv4_plan_online_prefill(seq, ext, rid, n)
+    kv = torch.randn(n, 2 * D, generator=g).cuda()
+    torch.library.opcheck(ops.dsv4_online_compress_prefill, (ostate.clone(), kv, ape, plan_c, plan_w))
