@@ -17,12 +17,14 @@ State addressing (`state_loc(rid, pos)`, a row of the flat state buffer; page = 
 - paged (SWA-page rings): `swa = full_to_state[req_to_token[rid, pos]]`,
   `(swa // swa_page_size) * ring_size + swa % ring_size`.
 
-Plans are built with sync-free, fixed-shape torch ops, so the same implementation serves CPU and CUDA
-tensors and can be captured in a CUDA graph. Prefill plans are compact (valid rows first, in token order:
-batch-major, positions ascending) and padded with invalid rows to
-`min(N, N // ratio + B)` compress rows (an upper bound on the number of windows that can close) and `N`
-write rows, where `N = num_q_tokens` and `B = seq_lens.numel()`. Query tokens past `sum(extend_lens)`, and
-requests with a negative `req_pool_indices` entry, produce no rows.
+Plans are built with sync-free, fixed-shape torch ops (CompositeExplicitAutograd), so the same implementation
+serves CPU and CUDA tensors and can be captured in a CUDA graph; once the CUDA library is loaded, the decode
+planners run as one kernel (`csrc/dsv4_compress_plan.cu`) that writes the same bytes.
+
+Prefill plans are compact (valid rows first, in token order: batch-major, positions ascending) and padded with
+invalid rows to `min(N, N // ratio + B)` compress rows (an upper bound on the number of windows that can close)
+and `N` write rows, where `N = num_q_tokens` and `B = seq_lens.numel()`. Query tokens past `sum(extend_lens)`,
+and requests with a negative `req_pool_indices` entry, produce no rows.
 
 Online c128 plans (spec §7): one state slot per request (`slot = req_pool_indices[b]`). Decode:
 `{seq_len, slot, slot, -1}`. Prefill: each request's extend range is split into chunk-aligned segments; a
