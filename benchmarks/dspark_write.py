@@ -87,7 +87,8 @@ def main() -> None:
             positions = torch.randint(0, CFG.max_position, (tokens,), device="cuda")
             loc = torch.randperm(CFG.num_slots, device="cuda")[:tokens]
             inputs = (ctx, positions, loc)
-            floor_us = 1e6 * max(weight_bytes / bandwidth, 2 * tokens * CFG.hidden * weight_bytes / 2 / gemm_rate)
+            gemm_flops = 2 * tokens * weight_bytes // 2  # 2 FLOPs per bf16 weight element per token
+            floor_us = 1e6 * max(weight_bytes / bandwidth, gemm_flops / gemm_rate)
             times = {}
             for name, fn in variants.items():
                 times[name] = 1e3 * do_bench(

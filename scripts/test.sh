@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (CPU torch 2.13.0 on machines without a GPU build) and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test]'
+.venv/bin/ruff check .
+.venv/bin/python -m pytest -q "$@"
