@@ -166,11 +166,11 @@ def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
     pages = state.shape[0] // ratio
     active = (p.valid & (p.write_loc < state.shape[0])).nonzero().squeeze(1)
     state[p.write_loc[active]] = kv_score[active].to(state.dtype)
+    # the new row is the window's last slot: the last row of page read_page_1
     readable = (p.seq_len % ratio == 0) & _in_range(p.read_page_1, pages)
+    readable &= p.write_loc == p.read_page_1 * ratio + ratio - 1
     if ratio == 4:
         readable &= _in_range(p.read_page_0, pages)
-    else:  # the whole page is compressed: the new row must be its last one
-        readable &= p.write_loc == p.read_page_1 * ratio + ratio - 1
     emit = active[readable[active]]
     window = window_of(ratio)
     kv, sc = _window(

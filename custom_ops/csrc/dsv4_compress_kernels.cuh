@@ -11,9 +11,10 @@
 //   16w..16w+15, lane l channels 4l..4l+3 of the split; per-warp partial (max, sum, weighted sum) go through
 //   shared memory and are merged by the first 128 threads (one channel each).
 // - online-c128 decode and the prefill state writes: one thread per 4 elements.
-// Decode writes the new row before it compresses; the thread that writes a row element is the one that reads
-// it back (no barrier needed). Prefill compression and the prefill state writes are separate launches, in that
-// order. Every output element is written (zero where a row produces no entry).
+// Decode writes the new row before it compresses (c4 takes the new row's values from registers after the
+// state-dtype round trip; c128: the thread that writes a row element is the one that reads it back). Prefill
+// compression and the prefill state writes are separate launches, in that order. Every output element is
+// written (zero where a row produces no entry).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -130,7 +131,45 @@ struct CompressArgs {
 
 // ------------------------------------------------------------------------------------------------ c4
 
-// Window slot i of a c4 entry: kv at column (i < 4 ? 0 : d), score at (i < 4 ? 2d : 3d) of its row.
+// fp32 value of v after a round trip through the state dtype (what a read of the stored row returns).
+template <typename TS>
+__device__ __forceinline__ float4 as_stored(float4 v) {
+  if constexpr (sizeof(TS) == 4) {
+    return v;
+  } else {
+    return to_float4(__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w));
+  }
+}
+
+// Window slot i of a c4 entry: kv at column (i < 4 ? 0 : d), score at (i < 4 ? 2d : 3d) of its row; the row is
+// row i % 4 of page rp0 (i < 4) or rp1 (i >= 4) if i < buffer_len, else input row last - 7 + i.
+template <typename TS, typename TI, bool kVec>
+__device__ __forceinline__ void c4_slot(const CompressArgs& a, int i, int c, int64_t width, int64_t rp0, int64_t rp1,
+                                        int buffer_len, int64_t last, bool overlap, float4& kv, float4& sc) {
+  const int d = a.d;
+  const bool ov = i < 4;
+  if (ov && !overlap) {
+    kv = make_float4(0.f, 0.f, 0.f, 0.f);
+    sc = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
+    return;
+  }
+  const int kv_col = ov ? 0 : d;
+  const int sc_col = ov ? 2 * d : 3 * d;
+  if (i < buffer_len) {
+    const TS* r = static_cast<const TS*>(a.state) + ((ov ? rp0 : rp1) * 4 + (i & 3)) * width;
+    kv = load4<kVec>(r + kv_col + c);
+    sc = load4<kVec>(r + sc_col + c);
+  } else {
+    const TI* r = static_cast<const TI*>(a.input) + (last - 7 + i) * a.in_stride;
+    kv = load4<kVec>(r + kv_col + c);
+    sc = load4<kVec>(r + sc_col + c);
+  }
+  sc = add4(sc, *reinterpret_cast<const float4*>(a.ape + i * d + c));
+}
+
+// Decode: slots 0..6 are loaded from the state together with the new row (one memory round trip); slot 7 is the
+// new row itself (row 3 of page rp1, checked), taken from registers after the state-dtype round trip, i.e. the
+// value a read after the write returns.
 template <bool kDecode, typename TS, typename TI, bool kVec>
 __global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
   const int splits = a.d / kSplit;
@@ -141,65 +180,51 @@ __global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
   const int c = static_cast<int>(warp % splits) * kSplit + lane * 4;
   const int d = a.d;
   const int64_t width = 4 * static_cast<int64_t>(d);
-  TS* state = static_cast<TS*>(a.state);
-  const TI* input = static_cast<const TI*>(a.input);
   float* out = a.out + static_cast<int64_t>(row) * d + c;
   const int64_t pages = a.state_rows / 4;
-
+  float4 kv[8], sc[8];
   bool emit;
-  bool overlap;
-  int buffer_len;
-  int64_t rp0, rp1, last;
   if constexpr (kDecode) {
     const DecodePlan p = static_cast<const DecodePlan*>(a.plan)[row];
     const bool active = p.write_loc >= 0 && p.write_loc < a.state_rows;
+    const int64_t rp0 = p.read_page_0, rp1 = p.read_page_1;
+    emit = active && p.seq_len % 4 == 0 && rp0 >= 0 && rp0 < pages && rp1 >= 0 && rp1 < pages &&
+           p.write_loc == rp1 * 4 + 3;
+    float4 in[4];
     if (active) {
-      const TI* src = input + row * a.in_stride;
-      TS* dst = state + p.write_loc * width;
+      const TI* src = static_cast<const TI*>(a.input) + row * a.in_stride;
 #pragma unroll
-      for (int seg = 0; seg < 4; ++seg) store4<kVec>(dst + seg * d + c, load4<kVec>(src + seg * d + c));
+      for (int seg = 0; seg < 4; ++seg) in[seg] = load4<kVec>(src + seg * d + c);
     }
-    rp0 = p.read_page_0;
-    rp1 = p.read_page_1;
-    emit = active && p.seq_len % 4 == 0 && rp0 >= 0 && rp0 < pages && rp1 >= 0 && rp1 < pages;
-    overlap = p.seq_len > 4;
-    buffer_len = 8;
-    last = 0;
+    if (emit) {
+#pragma unroll
+      for (int i = 0; i < 7; ++i) c4_slot<TS, TI, kVec>(a, i, c, width, rp0, rp1, 8, 0, p.seq_len > 4, kv[i], sc[i]);
+    }
+    if (active) {
+      TS* dst = static_cast<TS*>(a.state) + p.write_loc * width;
+#pragma unroll
+      for (int seg = 0; seg < 4; ++seg) store4<kVec>(dst + seg * d + c, in[seg]);
+    }
+    if (emit) {
+      kv[7] = as_stored<TS>(in[1]);
+      sc[7] = add4(as_stored<TS>(in[3]), *reinterpret_cast<const float4*>(a.ape + 7 * d + c));
+    }
   } else {
     const CompressPlan p = static_cast<const CompressPlan*>(a.plan)[row];
-    rp0 = p.read_page_0;
-    rp1 = p.read_page_1;
-    buffer_len = p.buffer_len;
-    last = p.ragged_id;
+    const int64_t rp0 = p.read_page_0, rp1 = p.read_page_1;
+    const int buffer_len = p.buffer_len;
     const bool pages_ok = buffer_len == 0 || (rp0 >= 0 && rp0 < pages && rp1 >= 0 && rp1 < pages);
-    emit = p.seq_len != kInvalid && last < a.input_rows && pages_ok;
-    overlap = p.seq_len > 4;
+    emit = p.seq_len != kInvalid && p.ragged_id < a.input_rows && pages_ok;
+    if (emit) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c4_slot<TS, TI, kVec>(a, i, c, width, rp0, rp1, buffer_len, p.ragged_id, p.seq_len > 4, kv[i], sc[i]);
+      }
+    }
   }
   if (!emit) {
     store4<true>(out, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
-  }
-  float4 kv[8], sc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const bool ov = i < 4;
-    if (ov && !overlap) {
-      kv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      sc[i] = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
-      continue;
-    }
-    const int kv_col = ov ? 0 : d;
-    const int sc_col = ov ? 2 * d : 3 * d;
-    if (i < buffer_len) {
-      const TS* r = state + ((ov ? rp0 : rp1) * 4 + (i & 3)) * width;
-      kv[i] = load4<kVec>(r + kv_col + c);
-      sc[i] = load4<kVec>(r + sc_col + c);
-    } else {
-      const TI* r = input + (last - 7 + i) * a.in_stride;
-      kv[i] = load4<kVec>(r + kv_col + c);
-      sc[i] = load4<kVec>(r + sc_col + c);
-    }
-    sc[i] = add4(sc[i], *reinterpret_cast<const float4*>(a.ape + i * d + c));
   }
   float4 res;
 #pragma unroll
