@@ -18,8 +18,8 @@ State addressing (`state_loc(rid, pos)`, a row of the flat state buffer; page = 
   `(swa // swa_page_size) * ring_size + swa % ring_size`.
 
 Plans are built with sync-free, fixed-shape torch ops (CompositeExplicitAutograd), so the same implementation
-serves CPU and CUDA tensors and can be captured in a CUDA graph; once the CUDA library is loaded, the decode
-planners run as one kernel (`csrc/dsv4_compress_plan.cu`) that writes the same bytes.
+serves CPU and CUDA tensors and can be captured in a CUDA graph; once the CUDA library is loaded, every
+planner runs as one kernel launch (`csrc/dsv4_compress_plan.cu`) that writes the same bytes.
 
 Prefill plans are compact (valid rows first, in token order: batch-major, positions ascending) and padded with
 invalid rows to `min(N, N // ratio + B)` compress rows (an upper bound on the number of windows that can close)

@@ -1,6 +1,10 @@
-// Decode planners of the DeepSeek-V4 compressor (one thread per request). Plain CUDA, no torch headers.
-// Semantics and byte layout: custom_ops/dsv4_compress_plan.py (the CPU / composite reference, which these
-// kernels reproduce byte for byte); one launch instead of a chain of small torch ops per decode step.
+// Planners of the DeepSeek-V4 compressor. Plain CUDA, no torch headers. Semantics and byte layout:
+// custom_ops/dsv4_compress_plan.py (the CPU / composite reference, which these kernels reproduce byte for byte);
+// one launch instead of a chain of small torch ops.
+// - decode: one thread per request;
+// - prefill / extend: one block of 1024 threads; a block scan of extend_lens gives the ragged offsets, then the
+//   query tokens are visited in chunks of 1024 and block scans of the event / write flags place the compact rows
+//   (token order, as the reference), and the tails are padded with invalid rows.
 #pragma once
 
 #include "dsv4_compress_kernels.cuh"
@@ -63,6 +67,135 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const PlanDec
     }
   }
   a.out[b] = p;
+}
+
+constexpr int kPrefillThreads = 1024;
+
+struct PlanPrefillArgs {
+  PlanDecodeArgs addr;  // seq_lens, rids, addressing, batch, ratio, ring, swa_page (out unused)
+  IndexView ext_lens;
+  int64_t num_tokens, rows_c, rows_w;
+  int64_t* ends;  // scratch [batch]: inclusive prefix sums of extend_lens
+  CompressPlan* plan_c;
+  void* plan_w;  // WritePlan (offline) or CompressPlan (online) rows
+};
+
+// Inclusive block-wide prefix sum of v; `total` receives the block sum. All threads of the block must call it.
+__device__ __forceinline__ int64_t block_scan(int64_t v, int64_t* warp_sums, int64_t& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int64_t w = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;
+  }
+  __syncthreads();
+  const int64_t prefix = warp > 0 ? warp_sums[warp - 1] : 0;
+  total = warp_sums[31];
+  __syncthreads();  // warp_sums is reused by the next call
+  return v + prefix;
+}
+
+template <bool kOnline>
+__global__ void __launch_bounds__(kPrefillThreads) plan_prefill_kernel(const PlanPrefillArgs a) {
+  __shared__ int64_t warp_sums[32];
+  const PlanDecodeArgs& d = a.addr;
+  const int t = threadIdx.x;
+  const int64_t batch = d.batch;
+  int64_t carry = 0, total;
+  for (int64_t base = 0; base < batch; base += kPrefillThreads) {
+    const int64_t i = base + t;
+    const int64_t incl = block_scan(i < batch ? a.ext_lens[i] : 0, warp_sums, total) + carry;
+    if (i < batch) a.ends[i] = incl;
+    carry += total;
+  }
+  __syncthreads();
+
+  const int r = kOnline ? 128 : d.ratio;
+  const int window = r == 4 ? 8 : r;
+  int64_t count_c = 0, count_w = 0;
+  for (int64_t base = 0; base < a.num_tokens; base += kPrefillThreads) {
+    const int64_t tok = base + t;
+    bool event = false, write = false;
+    CompressPlan crow{kInvalid, 0, 0, -1, -1};
+    CompressPlan wrow_online{kInvalid, 0, 0, -1, -1};
+    WritePlan wrow{kInvalid, -1};
+    if (tok < a.num_tokens && batch > 0) {
+      int64_t lo = 0, hi = batch;  // first b with ends[b] > tok
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (a.ends[mid] > tok) hi = mid; else lo = mid + 1;
+      }
+      const int64_t b = lo;
+      if (b < batch) {
+        const int64_t ext = a.ext_lens[b], seq = d.seq_lens[b], rid = d.rids[b];
+        const int64_t j = tok - (a.ends[b] - ext);
+        const int64_t pos = seq - ext + j;
+        if (rid >= 0 && pos >= 0) {
+          if constexpr (kOnline) {
+            const int64_t seg = (j < pos % 128 ? j : pos % 128) + 1;
+            const CompressPlan row{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
+                                   static_cast<uint16_t>(seg), static_cast<int32_t>(rid), -1};
+            event = (pos + 1) % 128 == 0;
+            write = pos == seq - 1 && !event;
+            crow = row;
+            wrow_online = row;
+          } else {
+            const int64_t buffer_len = window - (j + 1) > 0 ? window - (j + 1) : 0;
+            if ((pos + 1) % r == 0) {
+              int64_t loc1 = 0, loc0 = 0;
+              const bool ok = buffer_len == 0 ||
+                              (state_loc(d, rid, pos, loc1) && state_loc(d, rid, pos - r > 0 ? pos - r : 0, loc0));
+              event = ok;
+              crow = CompressPlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
+                                  static_cast<uint16_t>(buffer_len),
+                                  buffer_len > 0 ? static_cast<int32_t>(loc0 / r) : -1,
+                                  buffer_len > 0 ? static_cast<int32_t>(loc1 / r) : static_cast<int32_t>(b)};
+            }
+            const int64_t first_w = (seq / r) * r - (r == 4 ? 4 : 0);
+            bool keep = pos >= first_w;
+            if (r == 4 && d.req_to_token.p != nullptr) keep = keep || pos % d.swa_page >= d.swa_page - r;
+            int64_t loc = 0;
+            if (keep && state_loc(d, rid, pos, loc)) {
+              write = true;
+              wrow = WritePlan{static_cast<uint32_t>(tok), static_cast<int32_t>(loc)};
+            }
+          }
+        }
+      }
+    }
+    int64_t sum_c, sum_w;
+    const int64_t at_c = count_c + block_scan(event ? 1 : 0, warp_sums, sum_c) - 1;
+    const int64_t at_w = count_w + block_scan(write ? 1 : 0, warp_sums, sum_w) - 1;
+    if (event && at_c < a.rows_c) a.plan_c[at_c] = crow;
+    if (write && at_w < a.rows_w) {
+      if constexpr (kOnline) {
+        static_cast<CompressPlan*>(a.plan_w)[at_w] = wrow_online;
+      } else {
+        static_cast<WritePlan*>(a.plan_w)[at_w] = wrow;
+      }
+    }
+    count_c += sum_c;
+    count_w += sum_w;
+  }
+  for (int64_t i = count_c + t; i < a.rows_c; i += kPrefillThreads) a.plan_c[i] = CompressPlan{kInvalid, 0, 0, -1, -1};
+  for (int64_t i = count_w + t; i < a.rows_w; i += kPrefillThreads) {
+    if constexpr (kOnline) {
+      static_cast<CompressPlan*>(a.plan_w)[i] = CompressPlan{kInvalid, 0, 0, -1, -1};
+    } else {
+      static_cast<WritePlan*>(a.plan_w)[i] = WritePlan{kInvalid, -1};
+    }
+  }
 }
 
 }  // namespace dsv4
