@@ -24,6 +24,12 @@ D = 512
 TOL = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_library():
+    """Load the CUDA library up front so every op, the planners included, runs its CUDA kernel."""
+    _build.load()
+
+
 def _twins(kvs, ape, ratio, mode="ring", online=False, state_dtype=torch.float32):
     kw = {"online": online, "state_dtype": state_dtype}
     return Session(kvs, ape, ratio, mode, device="cuda", **kw), Session(kvs, ape, ratio, mode, **kw)
@@ -133,7 +139,6 @@ def test_online_cuda_equals_cpu(seed):
 @pytest.mark.parametrize("online_", [False, True])
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_planners_cuda_equal_cpu(ratio, online_):
-    _build.load()  # the decode planners' CUDA kernels replace the composite implementation once loaded
     g = torch.Generator().manual_seed(ratio)
     seq = torch.randint(1, 900, (9,), generator=g)
     seq[5] = 0  # padded row
@@ -311,7 +316,6 @@ def test_paged_long_random_split_cuda_equals_cpu(ratio):
 
 
 def test_opcheck_cuda():
-    _build.load()
     ops = torch.ops.dspark
     g = torch.Generator().manual_seed(0)
     seq = torch.tensor([8, 200, 129], device="cuda")
