@@ -1,0 +1,472 @@
+"""The DeepSeek-V4 compression CUDA kernels, compiled for the host and checked on CPU.
+
+The kernel headers (`custom_ops/csrc/dsv4_compress*_kernels.cuh`) are plain CUDA without torch. Here they are
+compiled with g++ against a small shim of the CUDA built-ins they use (one OS thread per CUDA thread, barriers
+for `__syncthreads` and warp shuffles, bf16 / e4m3 conversions with round-to-nearest-even) and run on CPU
+tensors. This checks the kernels' indexing, plan handling and write/compress ordering on machines without a GPU:
+the planners must write the composite planners' bytes, compression must reproduce the fp64 whole-sequence ground
+truth through prefill / extend / decode sessions, and the store must write the CPU reference's bytes. Numerics of
+the real GPU (fast exp, FMA contraction) are checked by the CUDA tests. Skipped without a C++20 compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import test_dsv4_reference as ref
+import torch
+from test_dsv4_reference import Session, make_inputs
+
+import custom_ops  # noqa: F401
+from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
+from custom_ops.rope import precompute_freqs
+
+CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
+
+SHIM = {
+    "cuda_runtime.h": r"""
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+struct uint2 { uint32_t x, y; };
+struct uint4 { uint32_t x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+struct Dim { unsigned x = 0; };
+inline thread_local Dim threadIdx, blockIdx;
+inline thread_local std::barrier<>* g_block = nullptr;
+inline thread_local std::barrier<>* g_warp = nullptr;
+inline thread_local double* g_lanes = nullptr;
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __double2float_rn(double d) { return float(d); }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+template <typename T> inline T lane_exchange(T v, int src, bool take) {
+  const int lane = threadIdx.x & 31;
+  std::memcpy(&g_lanes[lane], &v, sizeof(T));
+  g_warp->arrive_and_wait();
+  T r = v;
+  if (take) std::memcpy(&r, &g_lanes[src], sizeof(T));
+  g_warp->arrive_and_wait();
+  return r;
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) {
+  return lane_exchange(v, (threadIdx.x & 31) ^ m, true);
+}
+template <typename T> inline T __shfl_up_sync(unsigned, T v, int o) {
+  const int lane = threadIdx.x & 31;
+  return lane_exchange(v, lane - o, lane >= o);
+}
+using std::fmaxf;
+""",
+    "cuda_bf16.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+struct __nv_bfloat16 {
+  uint16_t x;
+  operator float() const { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return __nv_bfloat16{uint16_t(u >> 16)};
+}
+inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
+inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
+inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return __floats2bfloat162_rn(v.x, v.y); }
+""",
+    "cuda_fp16.h": r"""
+#pragma once
+#include "cuda_bf16.h"
+struct __half { uint16_t x; };
+inline float __half2float(__half) { return 0.f; }
+inline __half __float2half_rn(float) { return __half{0}; }
+""",
+    "cuda_fp8.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+enum { __NV_SATFINITE = 1, __NV_E4M3 = 2 };
+inline float e4m3_value(int code) {
+  const int e = (code >> 3) & 0xF, m = code & 7;
+  return e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+}
+inline uint8_t e4m3_rne_satfinite(float v) {
+  if (std::isnan(v)) return 0x7F;
+  const uint8_t sign = v < 0 ? 0x80 : 0;
+  const float a = std::fabs(v);
+  if (a >= 448.f) return sign | 0x7E;
+  int best = 0;
+  float dist = 1e30f;
+  for (int c = 0; c <= 0x7E; ++c) {
+    const float d = std::fabs(e4m3_value(c) - a);
+    if (d < dist || (d == dist && (c & 1) == 0)) { dist = d; best = c; }
+  }
+  return sign | best;
+}
+inline uint16_t __nv_cvt_float2_to_fp8x2(float2 v, int, int) {
+  return uint16_t(e4m3_rne_satfinite(v.x)) | uint16_t(e4m3_rne_satfinite(v.y) << 8);
+}
+""",
+}
+
+DRIVER = r"""
+#include "dsv4_compress_plan_kernels.cuh"
+#include "dsv4_compress_store_kernels.cuh"
+#include <thread>
+#include <type_traits>
+#include <vector>
+using namespace dspark::dsv4;
+
+// Runs `blocks` blocks one after the other, each with `threads` OS threads (or sequentially if `serial`).
+template <typename F>
+static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (serial) {
+      for (int t = 0; t < threads; ++t) { blockIdx.x = b; threadIdx.x = t; kernel(); }
+      continue;
+    }
+    std::barrier<> block(threads);
+    std::vector<std::barrier<>*> warps;
+    std::vector<double> lanes(threads);
+    for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        blockIdx.x = b; threadIdx.x = t; g_block = &block; g_warp = warps[t / 32]; g_lanes = &lanes[t / 32 * 32];
+        kernel();
+      });
+    for (auto& th : pool) th.join();
+    for (auto* w : warps) delete w;
+  }
+}
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+extern "C" void emu_offline(int c4, int decode, int state_bf16, int vec, void* state, int64_t state_rows,
+                            const float* input, int64_t input_rows, int64_t in_stride, float* out, const float* ape,
+                            const void* plan, int rows, const void* plan_w, int rows_w, int d) {
+  const CompressArgs a{state, input, out, ape, plan, in_stride, state_rows, input_rows, rows, d};
+  const CompressArgs w{state, input, nullptr, ape, plan_w, in_stride, state_rows, input_rows, rows_w, d};
+  const int64_t splits = d / kSplit, width = (c4 ? 4 : 2) * d;
+  auto run = [&](auto ts, auto kv) {
+    using TS = decltype(ts);
+    constexpr bool V = decltype(kv)::value;
+    const int64_t c4_blocks = cdiv(rows * splits * 32, kC4Threads);
+    if (c4 && decode) launch(c4_blocks, kC4Threads, true, [&] { c4_kernel<true, TS, float, V>(a); });
+    if (c4 && !decode) launch(c4_blocks, kC4Threads, true, [&] { c4_kernel<false, TS, float, V>(a); });
+    if (!c4 && decode) {
+      launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kDecode, TS, float, V>(a); });
+    }
+    if (!c4 && !decode) {
+      launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kPrefill, TS, float, V>(a); });
+    }
+    if (!decode) {
+      const int64_t copy_blocks = cdiv(rows_w * width / 4, kCopyThreads);
+      launch(copy_blocks, kCopyThreads, true, [&] { write_rows_kernel<TS, float, V>(w, width); });
+    }
+  };
+  auto pick = [&](auto ts) { if (vec) run(ts, std::true_type{}); else run(ts, std::false_type{}); };
+  if (state_bf16) pick(__nv_bfloat16{}); else pick(float{});
+}
+
+extern "C" void emu_online(int decode, float* state, int64_t state_rows, const float* input, int64_t input_rows,
+                           int64_t in_stride, float* out, const float* ape, const void* plan, int rows,
+                           const void* plan_w, int rows_w, int d) {
+  const CompressArgs a{state, input, out, ape, plan, in_stride, state_rows, input_rows, rows, d};
+  const CompressArgs w{state, input, nullptr, ape, plan_w, in_stride, state_rows, input_rows, rows_w, d};
+  if (decode) {
+    launch(cdiv(rows * d / 4, kCopyThreads), kCopyThreads, true, [&] { online_decode_kernel<float, true>(a); });
+    return;
+  }
+  const int splits = d / kSplit;
+  launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kOnlineCompress, float, float, true>(a); });
+  launch(rows_w * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kOnlineWrite, float, float, true>(w); });
+}
+
+extern "C" void emu_plan(int online, int prefill, const int64_t* seq, const int64_t* ext, const int64_t* rid,
+                         const int64_t* r2t, int64_t r2t_rows, int64_t r2t_cols, const int64_t* f2s, int64_t f2s_len,
+                         int64_t batch, int ratio, int ring, int swa, int64_t n, int64_t rows_c, int64_t rows_w,
+                         int64_t* ends, void* plan_c, void* plan_w) {
+  PlanDecodeArgs d{};
+  d.seq_lens = {seq, true};
+  d.rids = {rid, true};
+  d.req_to_token = {r2t, true};
+  d.full_to_state = {f2s, true};
+  d.r2t_rows = r2t_rows; d.r2t_cols = r2t_cols; d.f2s_len = f2s_len; d.batch = batch;
+  d.ratio = ratio; d.ring = ring; d.swa_page = swa;
+  d.out = static_cast<DecodePlan*>(plan_c);
+  if (!prefill) {
+    launch(cdiv(batch, kPlanThreads), kPlanThreads, true, [&] {
+      if (online) plan_decode_kernel<true>(d); else plan_decode_kernel<false>(d);
+    });
+    return;
+  }
+  PlanPrefillArgs a{d, {ext, true}, n, rows_c, rows_w, ends, static_cast<CompressPlan*>(plan_c), plan_w};
+  launch(1, kPrefillThreads, false, [&] {
+    if (online) plan_prefill_kernel<true>(a); else plan_prefill_kernel<false>(a);
+  });
+}
+
+extern "C" void emu_store(const float* kv, const uint8_t* plan, const float* w, float eps, const float* freqs,
+                          const int64_t* out_loc, int64_t loc_len, uint8_t* cache, int64_t page_bytes, int log2ps,
+                          int64_t rows, int ratio, int decode, int d) {
+  const StoreArgs a{kv,    plan,       w,      eps,  freqs, out_loc, true,
+                    loc_len, cache, page_bytes, log2ps, rows, ratio, bool(decode)};
+  launch(cdiv(rows, kStoreWarps), kStoreThreads, false, [&] {
+    if (d == 512) store_flashmla_kernel(a); else store_indexer_kernel(a);
+  });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++20 compiler")
+    root = tmp_path_factory.mktemp("dsv4_emu")
+    for name, text in SHIM.items():
+        (root / name).write_text(text)
+    (root / "driver.cpp").write_text(DRIVER)
+    lib = root / "libdsv4emu.so"
+    cmd = [
+        cxx,
+        "-std=c++20",
+        "-O1",
+        "-shared",
+        "-fPIC",
+        f"-I{root}",
+        f"-I{CSRC}",
+        str(root / "driver.cpp"),
+        "-o",
+        str(lib),
+        "-lpthread",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "barrier" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("needs a C++20 standard library with <barrier>")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return ctypes.CDLL(str(lib))
+
+
+i64, i32 = ctypes.c_int64, ctypes.c_int
+
+
+def _p(t: torch.Tensor | None):
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def _i64(t: torch.Tensor | None):
+    return None if t is None else t.long().contiguous()
+
+
+def _install(emu, monkeypatch, vec: bool = True) -> None:
+    """Route the Session driver's compress calls to the emulated kernels (outputs start as NaN)."""
+
+    def offline(decode, state, kv, ape, plan, plan_w, ratio):
+        out = torch.full((plan.shape[0], ape.shape[1]), float("nan"))
+        plan_w = plan_w if plan_w is not None else torch.zeros(0, 8, dtype=torch.uint8)
+        emu.emu_offline(
+            i32(ratio == 4),
+            i32(decode),
+            i32(state.dtype == torch.bfloat16),
+            i32(vec),
+            _p(state),
+            i64(state.shape[0]),
+            _p(kv),
+            i64(kv.shape[0]),
+            i64(kv.stride(0)),
+            _p(out),
+            _p(ape),
+            _p(plan),
+            i32(plan.shape[0]),
+            _p(plan_w),
+            i32(plan_w.shape[0]),
+            i32(ape.shape[1]),
+        )
+        return out
+
+    def online(decode, state, kv, ape, plan, plan_w):
+        out = torch.full((plan.shape[0], ape.shape[1]), float("nan"))
+        plan_w = plan_w if plan_w is not None else torch.zeros(0, 16, dtype=torch.uint8)
+        emu.emu_online(
+            i32(decode),
+            _p(state),
+            i64(state.shape[0]),
+            _p(kv),
+            i64(kv.shape[0]),
+            i64(kv.stride(0)),
+            _p(out),
+            _p(ape),
+            _p(plan),
+            i32(plan.shape[0]),
+            _p(plan_w),
+            i32(plan_w.shape[0]),
+            i32(ape.shape[1]),
+        )
+        return out
+
+    monkeypatch.setattr(ref, "compress_decode", lambda s, kv, ape, plan, r: offline(1, s, kv, ape, plan, None, r))
+    monkeypatch.setattr(ref, "compress_prefill", lambda s, kv, ape, pc, pw, r: offline(0, s, kv, ape, pc, pw, r))
+    monkeypatch.setattr(ref, "online_compress_decode", lambda s, kv, ape, plan: online(1, s, kv, ape, plan, None))
+    monkeypatch.setattr(ref, "online_compress_prefill", lambda s, kv, ape, pc, pw: online(0, s, kv, ape, pc, pw))
+
+
+def _random_session(ratio, mode, online, d, seed, state_dtype=torch.float32, long=False) -> Session:
+    rng = random.Random(seed)
+    lengths = [rng.randint(300, 420) if long else rng.randint(2 * ratio, 3 * ratio + 7) for _ in range(3)]
+    kvs, ape = make_inputs(ratio, d, lengths, seed=seed, bf16_exact=state_dtype == torch.bfloat16)
+    s = Session(kvs, ape, ratio, mode, online=online, state_dtype=state_dtype, seed=seed)
+    while s.cur != lengths:
+        left = [n - c for n, c in zip(lengths, s.cur, strict=True)]
+        if rng.random() < 0.4:
+            s.decode([x > 0 and rng.random() < 0.75 for x in left])
+        else:
+            choices = [0, 1, rng.randint(1, ratio + 3), rng.randint(1, 2 * ratio + 9), rng.randint(1, 300)]
+            s.extend([min(x, rng.choice(choices)) for x in left], pad=rng.randint(0, 2))
+    s.check()
+    return s
+
+
+@pytest.mark.parametrize(
+    ("ratio", "mode", "state_dtype", "vec"),
+    [
+        (4, "ring", torch.float32, True),
+        (4, "paged", torch.bfloat16, True),
+        (4, "ring", torch.float32, False),
+        (128, "paged", torch.float32, True),
+        (128, "ring", torch.bfloat16, False),
+    ],
+)
+def test_emulated_compress_kernels_match_fp64(emu, monkeypatch, ratio, mode, state_dtype, vec):
+    _install(emu, monkeypatch, vec)
+    _random_session(ratio, mode, False, 128, seed=ratio, state_dtype=state_dtype, long=ratio == 4)
+
+
+def test_emulated_online_kernels_match_fp64(emu, monkeypatch):
+    _install(emu, monkeypatch)
+    _random_session(128, "ring", True, 128, seed=3, long=True)
+
+
+def _emu_plans(emu, online, prefill, seq, ext, rid, r2t, f2s, ratio, ring, swa, n, like_c, like_w):
+    seq, ext, rid, r2t, f2s = (_i64(t) for t in (seq, ext, rid, r2t, f2s))
+    got_c = torch.empty_like(like_c)
+    got_w = torch.empty_like(like_w) if like_w is not None else None
+    ends = torch.empty(seq.shape[0], dtype=torch.int64)
+    rows, cols = r2t.shape if r2t is not None else (0, 0)
+    emu.emu_plan(
+        i32(online),
+        i32(prefill),
+        _p(seq),
+        _p(ext),
+        _p(rid),
+        _p(r2t),
+        i64(rows),
+        i64(cols),
+        _p(f2s),
+        i64(f2s.shape[0] if f2s is not None else 0),
+        i64(seq.shape[0]),
+        i32(ratio),
+        i32(ring),
+        i32(swa),
+        i64(n),
+        i64(like_c.shape[0]),
+        i64(like_w.shape[0] if like_w is not None else 0),
+        _p(ends),
+        _p(got_c),
+        _p(got_w),
+    )
+    return got_c, got_w
+
+
+@pytest.mark.parametrize("batch", [0, 3, 1100])
+def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
+    g = torch.Generator().manual_seed(batch)
+    seq = torch.randint(0, 1500, (batch,), generator=g)
+    ext = torch.minimum(seq, torch.randint(0, 300 if batch < 100 else 20, (batch,), generator=g))
+    rid = torch.randint(-1, 10, (batch,), generator=g).to(torch.int32)
+    n = int(ext.sum()) + 3
+    r2t = (torch.arange(10)[:, None] * 2048 + torch.arange(1024)).to(torch.int32)
+    full = torch.arange(10 * 2048)
+    f2s = torch.randperm(80, generator=g)[full // 256] * 256 + full % 256
+    f2s[::131] = -1
+    for ratio, ring in ((4, 8), (128, 256)):
+        for tables in ((None, None), (r2t, f2s)):
+            swa = 256 if tables[0] is not None else 0
+            want = plan_decode(seq, rid, *tables, ratio, ring, swa)
+            got, _ = _emu_plans(emu, 0, 0, seq, ext, rid, *tables, ratio, ring, swa, 0, want, None)
+            assert torch.equal(got, want)
+            want_c, want_w = plan_prefill(seq, ext, rid, *tables, ratio, ring, swa, n)
+            got_c, got_w = _emu_plans(emu, 0, 1, seq, ext, rid, *tables, ratio, ring, swa, n, want_c, want_w)
+            assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+    want = plan_online_decode(seq, rid)
+    got, _ = _emu_plans(emu, 1, 0, seq, ext, rid, None, None, 128, 1, 0, 0, want, None)
+    assert torch.equal(got, want)
+    want_c, want_w = plan_online_prefill(seq, ext, rid, n)
+    got_c, got_w = _emu_plans(emu, 1, 1, seq, ext, rid, None, None, 128, 1, 0, n, want_c, want_w)
+    assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("d", [512, 128])
+def test_emulated_store_kernels_write_the_reference_bytes(emu, d, decode):
+    g = torch.Generator().manual_seed(d + decode)
+    freqs = precompute_freqs(4096, 64, 160000.0, original_seq_len=65536, factor=16.0)
+    ratio = 4
+    if decode:
+        seq = torch.randint(1, 3000, (24,), generator=g)
+        seq[::2] = (seq[::2] // 4 + 1) * 4
+        plan = plan_decode(seq, torch.arange(24), None, None, ratio, 8)
+        out_loc = torch.randperm(500, generator=g)[:24] - 10
+    else:
+        seq, ext = torch.tensor([300, 41]), torch.tensor([200, 41])
+        plan, _ = plan_prefill(seq, ext, torch.arange(2), None, None, ratio, 8, 0, 241)
+        out_loc = torch.randperm(500, generator=g)[:241] - 10
+    kv = torch.randn(plan.shape[0], d, generator=g) * 3
+    w = torch.rand(d, generator=g) + 0.5
+    cache = torch.randint(0, 256, (32, cache_page_bytes(d, 16)), dtype=torch.uint8, generator=g)
+    before = cache.clone()
+    want = cache.clone()
+    compress_norm_rope_store(kv, plan, w, 1e-6, freqs, out_loc, want, 16, ratio, decode)
+    assert not torch.equal(want, before)
+    out_loc = out_loc.long()
+    emu.emu_store(
+        _p(kv),
+        _p(plan),
+        _p(w),
+        ctypes.c_float(1e-6),
+        _p(freqs),
+        _p(out_loc),
+        i64(out_loc.shape[0]),
+        _p(cache),
+        i64(cache.shape[1]),
+        i32(4),
+        i64(kv.shape[0]),
+        i32(ratio),
+        i32(decode),
+        i32(d),
+    )
+    assert torch.equal(cache, want)
