@@ -48,7 +48,7 @@ struct uint4 { uint32_t x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
 struct Dim { unsigned x = 0; };
-inline thread_local Dim threadIdx, blockIdx;
+inline thread_local Dim threadIdx, blockIdx, gridDim;
 inline thread_local std::barrier<>* g_block = nullptr;
 inline thread_local std::barrier<>* g_warp = nullptr;
 inline thread_local double* g_lanes = nullptr;
@@ -146,7 +146,7 @@ template <typename F>
 static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
   for (int64_t b = 0; b < blocks; ++b) {
     if (serial) {
-      for (int t = 0; t < threads; ++t) { blockIdx.x = b; threadIdx.x = t; kernel(); }
+      for (int t = 0; t < threads; ++t) { gridDim.x = blocks; blockIdx.x = b; threadIdx.x = t; kernel(); }
       continue;
     }
     std::barrier<> block(threads);
@@ -156,7 +156,8 @@ static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t)
       pool.emplace_back([&, t] {
-        blockIdx.x = b; threadIdx.x = t; g_block = &block; g_warp = warps[t / 32]; g_lanes = &lanes[t / 32 * 32];
+        gridDim.x = blocks; blockIdx.x = b; threadIdx.x = t;
+        g_block = &block; g_warp = warps[t / 32]; g_lanes = &lanes[t / 32 * 32];
         kernel();
       });
     for (auto& th : pool) th.join();
@@ -184,7 +185,7 @@ extern "C" void emu_offline(int c4, int decode, int state_bf16, int vec, void* s
       launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kPrefill, TS, float, V>(a); });
     }
     if (!decode) {
-      const int64_t copy_blocks = cdiv(rows_w * width / 4, kCopyThreads);
+      const int64_t copy_blocks = std::min<int64_t>(cdiv(rows_w * 32, kCopyThreads), 3);  // grid-stride loop
       launch(copy_blocks, kCopyThreads, true, [&] { write_rows_kernel<TS, float, V>(w, width); });
     }
   };

@@ -143,8 +143,8 @@ void launch_writes(const at::Tensor& state, const at::Tensor& kv_score, const at
   dispatch_offline(state, kv_score, [&](auto ts, auto ti, auto vec) {
     using TS = typename decltype(ts)::type;
     using TI = typename decltype(ti)::type;
-    launch(write_rows_kernel<TS, TI, decltype(vec)::value>, ceil_div(plan_w.size(0) * width / 4, kCopyThreads),
-           kCopyThreads, state, w, width);
+    const int64_t blocks = std::min<int64_t>(ceil_div(plan_w.size(0) * 32, kCopyThreads), kMaxWriteBlocks);
+    launch(write_rows_kernel<TS, TI, decltype(vec)::value>, blocks, kCopyThreads, state, w, width);
   });
 }
 

@@ -10,7 +10,7 @@
 // - c128 and online-c128 prefill: one block of 8 warps per (plan row, 128-channel split); warp w owns slots
 //   16w..16w+15, lane l channels 4l..4l+3 of the split; per-warp partial (max, sum, weighted sum) go through
 //   shared memory and are merged by the first 128 threads (one channel each).
-// - online-c128 decode and the prefill state writes: one thread per 4 elements.
+// - online-c128 decode: one thread per 4 elements; prefill state writes: one warp per persisted row.
 // Decode writes the new row before it compresses (c4 takes the new row's values from registers after the
 // state-dtype round trip; c128: the thread that writes a row element is the one that reads it back). Prefill
 // compression and the prefill state writes are separate launches, in that order. Every output element is
@@ -33,6 +33,7 @@ constexpr int kC128Warps = 8;
 constexpr int kC128Threads = 32 * kC128Warps;
 constexpr int kC128SlotsPerWarp = 128 / kC128Warps;
 constexpr int kCopyThreads = 256;
+constexpr int kMaxWriteBlocks = 512;
 
 struct DecodePlan {
   uint32_t seq_len;
@@ -463,21 +464,23 @@ __global__ void __launch_bounds__(kCopyThreads) online_decode_kernel(CompressArg
 
 // ------------------------------------------------------------------------------------------------ prefill writes
 
-// One thread per 4 elements of a persisted row: state[write_loc] = input[ragged_id] (whole row).
+// Persisted rows: state[write_loc] = input[ragged_id] (whole row). One warp per plan row, grid-stride over the
+// rows (the plan is padded to the token count, so the grid is capped), 4 elements per lane per step.
 template <typename TS, typename TI, bool kVec>
 __global__ void __launch_bounds__(kCopyThreads) write_rows_kernel(CompressArgs a, int64_t width) {
-  const int64_t quads = width / 4;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
-  if (t >= static_cast<int64_t>(a.num_rows) * quads) return;
-  const int64_t row = t / quads;
-  const int64_t c = (t % quads) * 4;
-  const WritePlan p = static_cast<const WritePlan*>(a.plan)[row];
-  if (p.ragged_id == kInvalid || p.write_loc < 0 || p.write_loc >= a.state_rows ||
-      static_cast<int64_t>(p.ragged_id) >= a.input_rows)
-    return;
-  const TI* src = static_cast<const TI*>(a.input) + static_cast<int64_t>(p.ragged_id) * a.in_stride;
-  TS* dst = static_cast<TS*>(a.state) + static_cast<int64_t>(p.write_loc) * width;
-  store4<kVec>(dst + c, load4<kVec>(src + c));
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t row = (static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x) >> 5; row < a.num_rows;
+       row += warps) {
+    const WritePlan p = static_cast<const WritePlan*>(a.plan)[row];
+    if (p.ragged_id == kInvalid || p.write_loc < 0 || p.write_loc >= a.state_rows ||
+        static_cast<int64_t>(p.ragged_id) >= a.input_rows)
+      continue;
+    const TI* src = static_cast<const TI*>(a.input) + static_cast<int64_t>(p.ragged_id) * a.in_stride;
+    TS* dst = static_cast<TS*>(a.state) + static_cast<int64_t>(p.write_loc) * width;
+#pragma unroll 4
+    for (int64_t c = lane * 4; c < width; c += 128) store4<kVec>(dst + c, load4<kVec>(src + c));
+  }
 }
 
 }  // namespace dsv4
