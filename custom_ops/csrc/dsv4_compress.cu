@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "error_format.h"
+
 #include "dsv4_compress_kernels.cuh"
 
 namespace dspark {
@@ -38,23 +40,24 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
 int64_t check_ape(const at::Tensor& ape, int64_t rows) {
   TORCH_CHECK_TYPE(ape.scalar_type() == at::kFloat, "ape: expected an fp32 tensor, got ", ape.scalar_type());
   TORCH_CHECK_VALUE(ape.dim() == 2 && ape.size(0) == rows && (ape.size(1) == 128 || ape.size(1) == 512),
-                    "ape: expected shape [", rows, ", D] with D in (128, 512), got ", ape.sizes());
+                    "ape: expected shape [", num(rows), ", D] with D in (128, 512), got ", dims(ape.sizes()));
   TORCH_CHECK_VALUE(ape.is_contiguous() && reinterpret_cast<uintptr_t>(ape.data_ptr()) % 16 == 0,
                     "ape: expected a contiguous, 16-byte aligned tensor");
   return ape.size(1);
 }
 
 void check_matrix(const at::Tensor& t, const char* name, int64_t cols) {
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == cols, name, ": expected shape [rows, ", cols, "], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == cols, name, ": expected shape [rows, ", num(cols), "], got ",
+                    dims(t.sizes()));
   TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, name, ": expected unit stride in the last dim, got strides ",
-                    t.strides());
+                    dims(t.strides()));
 }
 
 void check_plan(const at::Tensor& plan, const char* name, int64_t width, const at::Tensor& state) {
   TORCH_CHECK_TYPE(plan.scalar_type() == at::kByte, name, ": expected uint8 plan bytes, got ", plan.scalar_type());
   TORCH_CHECK_VALUE(plan.dim() == 2 && plan.size(1) == width && plan.is_contiguous(), name,
-                    ": expected a contiguous [rows, ", width, "] uint8 tensor, got shape ", plan.sizes());
-  TORCH_CHECK_VALUE((reinterpret_cast<uintptr_t>(plan.data_ptr()) % width) == 0, name, ": expected a ", width,
+                    ": expected a contiguous [rows, ", num(width), "] uint8 tensor, got shape ", dims(plan.sizes()));
+  TORCH_CHECK_VALUE((reinterpret_cast<uintptr_t>(plan.data_ptr()) % width) == 0, name, ": expected a ", num(width),
                     "-byte aligned plan");
   check_same_device(plan, name, state);
 }
@@ -62,7 +65,7 @@ void check_plan(const at::Tensor& plan, const char* name, int64_t width, const a
 int64_t check_args(const at::Tensor& state, const at::Tensor& kv_score, const at::Tensor& ape, int64_t ratio,
                    bool online) {
   TORCH_CHECK_VALUE(state.is_cuda(), "state: expected a CUDA tensor, got ", state.device());
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", ratio);
+  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
   const int64_t d = check_ape(ape, ratio == 4 ? 8 : 128);
   const int64_t width = (ratio == 4 ? 4 : 2) * d;
   if (online) {
@@ -72,8 +75,8 @@ int64_t check_args(const at::Tensor& state, const at::Tensor& kv_score, const at
     const auto s = state.scalar_type();
     TORCH_CHECK_TYPE(s == at::kFloat || s == at::kBFloat16, "state: expected float32 or bfloat16, got ", s);
     check_matrix(state, "state", width);
-    TORCH_CHECK_VALUE(state.size(0) % ratio == 0, "state: expected a multiple of ", ratio, " rows, got ",
-                      state.size(0));
+    TORCH_CHECK_VALUE(state.size(0) % ratio == 0, "state: expected a multiple of ", num(ratio), " rows, got ",
+                      num(state.size(0)));
   }
   TORCH_CHECK_VALUE(state.is_contiguous(), "state: expected a contiguous tensor");
   const auto k = kv_score.scalar_type();
@@ -89,7 +92,8 @@ bool aligned(const void* p, int64_t bytes) { return (reinterpret_cast<uintptr_t>
 // 16-byte (fp32) or 8-byte (bf16) vectors of 4 elements are legal for every row access.
 bool vector_ok(const at::Tensor& state, const at::Tensor& kv_score) {
   const int64_t s = 4 * state.element_size(), k = 4 * kv_score.element_size();
-  return aligned(state.data_ptr(), s) && aligned(kv_score.data_ptr(), k) && (kv_score.stride(0) * kv_score.element_size()) % k == 0;
+  return aligned(state.data_ptr(), s) && aligned(kv_score.data_ptr(), k) &&
+         (kv_score.stride(0) * kv_score.element_size()) % k == 0;
 }
 
 CompressArgs make_args(const at::Tensor& state, const at::Tensor& kv_score, const at::Tensor& ape,
@@ -152,8 +156,8 @@ at::Tensor compress_decode(at::Tensor& state, const at::Tensor& kv_score, const 
                            const at::Tensor& plan, int64_t ratio) {
   const int64_t d = check_args(state, kv_score, ape, ratio, false);
   check_plan(plan, "plan", 16, state);
-  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", kv_score.size(0),
-                    " rows (one per kv_score row), got ", plan.size(0));
+  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", num(kv_score.size(0)),
+                    " rows (one per kv_score row), got ", num(plan.size(0)));
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs a = make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d);
   const int64_t splits = d / kSplit;
@@ -197,8 +201,8 @@ at::Tensor online_compress_decode(at::Tensor& state, const at::Tensor& kv_score,
                                   const at::Tensor& plan) {
   const int64_t d = check_args(state, kv_score, ape, 128, true);
   check_plan(plan, "plan", 16, state);
-  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", kv_score.size(0),
-                    " rows (one per kv_score row), got ", plan.size(0));
+  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", num(kv_score.size(0)),
+                    " rows (one per kv_score row), got ", num(plan.size(0)));
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs a = make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d);
   const bool vec = vector_ok(state, kv_score);

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "error_format.h"
+
 #include "dsv4_compress_plan_kernels.cuh"
 
 namespace dspark {
@@ -16,17 +18,16 @@ namespace {
 IndexView index_view(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
   const auto d = t.scalar_type();
   TORCH_CHECK_TYPE(d == at::kInt || d == at::kLong, name, ": expected int32 or int64, got ", d);
-  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected a ", dim, "-D tensor, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected a ", num(dim), "-D tensor, got shape ", dims(t.sizes()));
   TORCH_CHECK_VALUE(t.device() == device, name, ": expected a tensor on ", device, ", got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, ": internal error, expected a contiguous copy");
   return IndexView{t.data_ptr(), d == at::kLong};
 }
 
 void check_ratio_ring(int64_t ratio, int64_t ring_size) {
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", ratio);
-  TORCH_CHECK_VALUE(ring_size >= (ratio == 4 ? 8 : 128) && ring_size % ratio == 0,
-                    "ring_size: expected a multiple of ", ratio, " that is >= ", ratio == 4 ? 8 : 128, ", got ",
-                    ring_size);
+  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
+  TORCH_CHECK_VALUE(ring_size >= (ratio == 4 ? 8 : 128) && ring_size % ratio == 0, "ring_size: expected a multiple of ",
+                    num(ratio), " that is >= ", num(ratio == 4 ? 8 : 128), ", got ", num(ring_size));
 }
 
 void launch(bool online, const PlanDecodeArgs& a, const at::Device& device) {
@@ -57,14 +58,15 @@ at::Tensor plan_decode(const at::Tensor& seq_lens_in, const at::Tensor& req_pool
   PlanDecodeArgs a{};
   a.seq_lens = index_view(seq_lens, "seq_lens", 1, device);
   a.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
-  TORCH_CHECK_VALUE(req_pool_indices.size(0) == seq_lens.size(0), "req_pool_indices: expected ", seq_lens.size(0),
-                    " entries (one per seq_lens entry), got ", req_pool_indices.size(0));
+  TORCH_CHECK_VALUE(req_pool_indices.size(0) == seq_lens.size(0), "req_pool_indices: expected ", num(seq_lens.size(0)),
+                    " entries (one per seq_lens entry), got ", num(req_pool_indices.size(0)));
   a.batch = seq_lens.size(0);
   a.ratio = static_cast<int>(ratio);
   a.ring = static_cast<int>(ring_size);
   if (req_to_token.has_value()) {
     TORCH_CHECK_VALUE(swa_page_size > 0 && swa_page_size % ring_size == 0,
-                      "swa_page_size: expected a positive multiple of ring_size=", ring_size, ", got ", swa_page_size);
+                      "swa_page_size: expected a positive multiple of ring_size=", num(ring_size), ", got ",
+                      num(swa_page_size));
     a.req_to_token = index_view(*req_to_token, "req_to_token", 2, device);
     a.full_to_state = index_view(*full_to_state, "full_to_state", 1, device);
     a.r2t_rows = req_to_token->size(0);
@@ -84,8 +86,8 @@ at::Tensor plan_online_decode(const at::Tensor& seq_lens_in, const at::Tensor& r
   PlanDecodeArgs a{};
   a.seq_lens = index_view(seq_lens, "seq_lens", 1, device);
   a.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
-  TORCH_CHECK_VALUE(req_pool_indices.size(0) == seq_lens.size(0), "req_pool_indices: expected ", seq_lens.size(0),
-                    " entries, got ", req_pool_indices.size(0));
+  TORCH_CHECK_VALUE(req_pool_indices.size(0) == seq_lens.size(0), "req_pool_indices: expected ", num(seq_lens.size(0)),
+                    " entries, got ", num(req_pool_indices.size(0)));
   a.batch = seq_lens.size(0);
   at::Tensor out = at::empty({a.batch, 16}, seq_lens.options().dtype(at::kByte));
   a.out = reinterpret_cast<DecodePlan*>(out.data_ptr<uint8_t>());
@@ -93,9 +95,8 @@ at::Tensor plan_online_decode(const at::Tensor& seq_lens_in, const at::Tensor& r
   return out;
 }
 
-int64_t check_tokens(const c10::SymInt& num_q_tokens) {
-  const int64_t n = num_q_tokens.expect_int();
-  TORCH_CHECK_VALUE(n >= 0 && n <= 65535, "num_q_tokens: expected 0..65535 (16-bit ragged ids), got ", n);
+int64_t check_tokens(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0 && n <= 65535, "num_q_tokens: expected 0..65535 (16-bit ragged ids), got ", num(n));
   return n;
 }
 
@@ -115,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor> plan_prefill(const at::Tensor& seq_lens_in, c
                                                 const std::optional<at::Tensor>& req_to_token_in,
                                                 const std::optional<at::Tensor>& full_to_state_in, int64_t ratio,
                                                 int64_t ring_size, int64_t swa_page_size,
-                                                const c10::SymInt& num_q_tokens) {
+                                                int64_t num_q_tokens) {
   const at::Tensor seq_lens = seq_lens_in.contiguous(), extend_lens = extend_lens_in.contiguous();
   const at::Tensor req_pool_indices = req_pool_indices_in.contiguous();
   std::optional<at::Tensor> req_to_token, full_to_state;
@@ -132,13 +133,14 @@ std::tuple<at::Tensor, at::Tensor> plan_prefill(const at::Tensor& seq_lens_in, c
   a.addr.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
   const int64_t batch = seq_lens.size(0);
   TORCH_CHECK_VALUE(extend_lens.size(0) == batch && req_pool_indices.size(0) == batch,
-                    "extend_lens/req_pool_indices: expected ", batch, " entries (one per seq_lens entry)");
+                    "extend_lens/req_pool_indices: expected ", num(batch), " entries (one per seq_lens entry)");
   a.addr.batch = batch;
   a.addr.ratio = static_cast<int>(ratio);
   a.addr.ring = static_cast<int>(ring_size);
   if (req_to_token.has_value()) {
     TORCH_CHECK_VALUE(swa_page_size > 0 && swa_page_size % ring_size == 0,
-                      "swa_page_size: expected a positive multiple of ring_size=", ring_size, ", got ", swa_page_size);
+                      "swa_page_size: expected a positive multiple of ring_size=", num(ring_size), ", got ",
+                      num(swa_page_size));
     a.addr.req_to_token = index_view(*req_to_token, "req_to_token", 2, device);
     a.addr.full_to_state = index_view(*full_to_state, "full_to_state", 1, device);
     a.addr.r2t_rows = req_to_token->size(0);
@@ -162,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> plan_prefill(const at::Tensor& seq_lens_in, c
 std::tuple<at::Tensor, at::Tensor> plan_online_prefill(const at::Tensor& seq_lens_in,
                                                        const at::Tensor& extend_lens_in,
                                                        const at::Tensor& req_pool_indices_in,
-                                                       const c10::SymInt& num_q_tokens) {
+                                                       int64_t num_q_tokens) {
   const at::Tensor seq_lens = seq_lens_in.contiguous(), extend_lens = extend_lens_in.contiguous();
   const at::Tensor req_pool_indices = req_pool_indices_in.contiguous();
   const auto device = seq_lens.device();
@@ -173,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> plan_online_prefill(const at::Tensor& seq_len
   a.addr.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
   const int64_t batch = seq_lens.size(0);
   TORCH_CHECK_VALUE(extend_lens.size(0) == batch && req_pool_indices.size(0) == batch,
-                    "extend_lens/req_pool_indices: expected ", batch, " entries (one per seq_lens entry)");
+                    "extend_lens/req_pool_indices: expected ", num(batch), " entries (one per seq_lens entry)");
   a.addr.batch = batch;
   a.addr.ratio = 128;
   a.num_tokens = n;

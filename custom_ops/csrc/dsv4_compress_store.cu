@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "error_format.h"
+
 #include "dsv4_compress_store_kernels.cuh"
 
 namespace dspark {
@@ -24,31 +26,31 @@ int64_t cache_page_bytes(int64_t d, int64_t page_size) {
 void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, const at::Tensor& norm_weight,
                               double eps, const at::Tensor& freqs, const at::Tensor& out_loc, at::Tensor& kvcache,
                               int64_t page_size, int64_t ratio, bool decode) {
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", ratio);
+  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
   TORCH_CHECK_VALUE(kv.is_cuda(), "kv: expected a CUDA tensor, got ", kv.device());
   TORCH_CHECK_VALUE(kv.dim() == 2 && (kv.size(1) == kIndexerDim || kv.size(1) == kHeadDim),
-                    "kv: expected shape [rows, 128 or 512], got ", kv.sizes());
+                    "kv: expected shape [rows, 128 or 512], got ", dims(kv.sizes()));
   TORCH_CHECK_TYPE(kv.scalar_type() == at::kFloat, "kv: expected float32, got ", kv.scalar_type());
   TORCH_CHECK_VALUE(kv.is_contiguous(), "kv: expected a contiguous tensor");
   const int64_t d = kv.size(1);
   TORCH_CHECK_TYPE(plan.scalar_type() == at::kByte, "plan: expected uint8 plan bytes, got ", plan.scalar_type());
   TORCH_CHECK_VALUE(plan.dim() == 2 && plan.size(1) == 16 && plan.is_contiguous() && plan.size(0) == kv.size(0),
-                    "plan: expected a contiguous [", kv.size(0), ", 16] uint8 tensor, got ", plan.sizes());
+                    "plan: expected a contiguous [", num(kv.size(0)), ", 16] uint8 tensor, got ", dims(plan.sizes()));
   TORCH_CHECK_VALUE(norm_weight.scalar_type() == at::kFloat && norm_weight.dim() == 1 && norm_weight.size(0) == d &&
                         norm_weight.is_contiguous(),
-                    "norm_weight: expected a contiguous fp32 [", d, "] tensor");
+                    "norm_weight: expected a contiguous fp32 [", num(d), "] tensor");
   TORCH_CHECK_VALUE(freqs.scalar_type() == at::kFloat && freqs.dim() == 2 && freqs.size(1) == kRopeDim &&
                         freqs.is_contiguous(),
-                    "freqs: expected a contiguous fp32 [max_pos, 64] table, got ", freqs.sizes());
+                    "freqs: expected a contiguous fp32 [max_pos, 64] table, got ", dims(freqs.sizes()));
   const auto lt = out_loc.scalar_type();
   TORCH_CHECK_TYPE((lt == at::kInt || lt == at::kLong) && out_loc.dim() == 1 && out_loc.is_contiguous(),
-                   "out_loc: expected a contiguous 1-D int32/int64 tensor, got ", lt, " ", out_loc.sizes());
+                   "out_loc: expected a contiguous 1-D int32/int64 tensor, got ", lt, " ", dims(out_loc.sizes()));
   TORCH_CHECK_VALUE(page_size >= 1 && (page_size & (page_size - 1)) == 0, "page_size: expected a power of two, got ",
-                    page_size);
+                    num(page_size));
   const int64_t width = cache_page_bytes(d, page_size);
-  TORCH_CHECK_VALUE(kvcache.scalar_type() == at::kByte && kvcache.dim() == 2 && kvcache.size(1) == width &&
-                        kvcache.is_contiguous(),
-                    "kvcache: expected a contiguous uint8 [pages, ", width, "] tensor, got ", kvcache.sizes());
+  TORCH_CHECK_VALUE(
+      kvcache.scalar_type() == at::kByte && kvcache.dim() == 2 && kvcache.size(1) == width && kvcache.is_contiguous(),
+      "kvcache: expected a contiguous uint8 [pages, ", num(width), "] tensor, got ", dims(kvcache.sizes()));
   check_on(plan, "plan", kv);
   check_on(norm_weight, "norm_weight", kv);
   check_on(freqs, "freqs", kv);
@@ -91,4 +93,6 @@ void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, cons
 }  // namespace dsv4
 }  // namespace dspark
 
-TORCH_LIBRARY_IMPL(dspark, CUDA, m) { m.impl("dsv4_compress_norm_rope_store", &dspark::dsv4::compress_norm_rope_store); }
+TORCH_LIBRARY_IMPL(dspark, CUDA, m) {
+  m.impl("dsv4_compress_norm_rope_store", &dspark::dsv4::compress_norm_rope_store);
+}

@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "error_format.h"
+
 #include "flashmla_writes_kernels.cuh"
 
 namespace dspark {
@@ -44,7 +46,7 @@ void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected)
 void check_index(const at::Tensor& t, const char* name, int64_t n, const at::Device& device) {
   const auto d = t.scalar_type();
   TORCH_CHECK_TYPE(d == at::kInt || d == at::kLong, name, " must have dtype in (int32, int64), got ", d);
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, ",), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, name, " must have shape (", num(n), ",), got ", dims(t.sizes()));
   TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, " like the first tensor argument, got ",
                     t.device());
 }
@@ -56,7 +58,7 @@ void check_device(const at::Tensor& t, const char* name, const at::Device& devic
 
 void check_unit_inner_stride(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name,
-                    " must have a unit stride in its last dim, got strides ", t.strides());
+                    " must have a unit stride in its last dim, got strides ", dims(t.strides()));
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -71,7 +73,8 @@ bool aligned16(const at::Tensor& t, std::initializer_list<int64_t> strides) {
 
 void check_rows(const at::Tensor& kv, const char* name) {
   check_float(kv, name);
-  TORCH_CHECK_VALUE(kv.dim() == 2 && kv.size(1) == kHeadDim, name, " must have shape (B, 512), got ", kv.sizes());
+  TORCH_CHECK_VALUE(kv.dim() == 2 && kv.size(1) == kHeadDim, name, " must have shape (B, 512), got ",
+                    dims(kv.sizes()));
   TORCH_CHECK_VALUE(kv.is_cuda(), name, " must be a CUDA tensor, got ", kv.device());
   check_unit_inner_stride(kv, name);
 }
@@ -79,17 +82,17 @@ void check_rows(const at::Tensor& kv, const char* name) {
 void check_weight(const at::Tensor& weight, const at::Tensor& kv) {
   check_dtype(weight, "weight", kv.scalar_type());
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == kHeadDim, "weight must have shape (512,), got ",
-                    weight.sizes());
+                    dims(weight.sizes()));
   check_unit_inner_stride(weight, "weight");
   check_device(weight, "weight", kv.device());
 }
 
-void check_eps(double eps) { TORCH_CHECK_VALUE(eps >= 0, "eps must be >= 0, got ", eps); }
+void check_eps(double eps) { TORCH_CHECK_VALUE(eps >= 0, "eps must be >= 0, got ", num(eps)); }
 
 void check_table(const at::Tensor& freqs, const at::Tensor& positions, int64_t n, const at::Device& device) {
   check_dtype(freqs, "freqs", at::kFloat);
   TORCH_CHECK_VALUE(freqs.dim() == 2 && freqs.size(1) == kRopeDim, "freqs must have shape (max_pos, 64), got ",
-                    freqs.sizes());
+                    dims(freqs.sizes()));
   TORCH_CHECK_VALUE(freqs.is_contiguous(), "freqs must be contiguous");
   check_device(freqs, "freqs", device);
   TORCH_CHECK_VALUE(aligned16(freqs.data_ptr()), "freqs must be 16-byte aligned");
@@ -104,14 +107,14 @@ void check_cache(const at::Tensor& out_loc, const at::Tensor& kvcache, int64_t p
                 const at::Device& device) {
   check_index(out_loc, "out_loc", n, device);
   TORCH_CHECK_VALUE(page_size >= 1 && (page_size & (page_size - 1)) == 0,
-                    "page_size must be a power of two >= 1, got ", page_size);
+                    "page_size must be a power of two >= 1, got ", num(page_size));
   const int64_t page_bytes = page_bytes_of(page_size);
   check_dtype(kvcache, "kvcache", at::kByte);
   TORCH_CHECK_VALUE(kvcache.dim() == 2 && kvcache.size(1) == page_bytes, "kvcache must have shape (num_pages, ",
-                    page_bytes, ") for page_size=", page_size, ", got ", kvcache.sizes());
+                    num(page_bytes), ") for page_size=", num(page_size), ", got ", dims(kvcache.sizes()));
   TORCH_CHECK_VALUE(kvcache.stride(1) == 1 && (kvcache.size(0) <= 1 || kvcache.stride(0) == page_bytes),
-                    "kvcache must have strides (", page_bytes, ", 1) (row stride == page bytes), got ",
-                    kvcache.strides());
+                    "kvcache must have strides (", num(page_bytes), ", 1) (row stride == page bytes), got ",
+                    dims(kvcache.strides()));
   check_device(kvcache, "kvcache", device);
   TORCH_CHECK_VALUE(aligned16(kvcache.data_ptr()), "kvcache must be 16-byte aligned");
 }
@@ -209,11 +212,12 @@ void norm_rope(const at::Tensor& in, const at::Tensor& out, const at::Tensor* we
 void fused_q_norm_rope(const at::Tensor& q, at::Tensor& q_out, double eps, const at::Tensor& freqs,
                        const at::Tensor& positions) {
   check_float(q, "q");
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == kHeadDim, "q must have shape (B, H, 512), got ", q.sizes());
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == kHeadDim, "q must have shape (B, H, 512), got ", dims(q.sizes()));
   TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got ", q.device());
   check_unit_inner_stride(q, "q");
   check_dtype(q_out, "q_out", q.scalar_type());
-  TORCH_CHECK_VALUE(q_out.sizes() == q.sizes(), "q_out must have shape ", q.sizes(), " like q, got ", q_out.sizes());
+  TORCH_CHECK_VALUE(q_out.sizes() == q.sizes(), "q_out must have shape ", dims(q.sizes()), " like q, got ",
+                    dims(q_out.sizes()));
   check_unit_inner_stride(q_out, "q_out");
   check_device(q_out, "q_out", q.device());
   check_eps(eps);
@@ -234,12 +238,12 @@ std::tuple<at::Tensor, at::Tensor> fused_q_indexer_rope_hadamard_quant(const at:
                                                                        double weight_scale, const at::Tensor& freqs,
                                                                        const at::Tensor& positions) {
   check_float(q, "q");
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == kIndexerDim, "q must have shape (B, H, 128), got ", q.sizes());
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == kIndexerDim, "q must have shape (B, H, 128), got ", dims(q.sizes()));
   TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got ", q.device());
   check_unit_inner_stride(q, "q");
   check_dtype(weight, "weight", q.scalar_type());
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == q.size(0) && weight.size(1) == q.size(1),
-                    "weight must have shape (B, H) like q, got ", weight.sizes());
+                    "weight must have shape (B, H) like q, got ", dims(weight.sizes()));
   check_device(weight, "weight", q.device());
   check_table(freqs, positions, q.size(0), q.device());
 
