@@ -28,7 +28,7 @@ from custom_ops.dsv4_compress_common import (
     read_compress_plan,
     read_decode_plan,
 )
-from custom_ops.flashmla_writes import _norm_factor, walsh_hadamard
+from custom_ops.flashmla_writes import rms_norm_factor, walsh_hadamard
 from custom_ops.fp8_layout import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -153,7 +153,7 @@ def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, r
     d = _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio)
     rows, loc, pos = _rows_to_store(plan, out_loc, ratio, decode)
     x = kv[rows].float()
-    y = x * _norm_factor(x, eps) * norm_weight
+    y = x * rms_norm_factor(x, eps) * norm_weight
     rope = apply_rope_interleaved(y[:, d - ROPE_DIM :], freqs[pos])
     if d == 512:
         codes, exponents = quantize_tiles_ue8m0(y[:, :NOPE_DIM].bfloat16().float())

@@ -44,6 +44,7 @@ __all__ = [
     "fused_norm_rope_inplace_reference",
     "fused_q_indexer_rope_hadamard_quant_reference",
     "fused_q_norm_rope_reference",
+    "rms_norm_factor",
     "store_flashmla_cache_reference",
     "walsh_hadamard",
 ]
@@ -187,7 +188,7 @@ def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
 # ---------------------------------------------------------------------------------------------- references
 
 
-def _norm_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 `1/sqrt(mean(x^2) + eps)` over the last dim (keepdim), with the fp64 steps described above."""
     ms = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
     return torch.reciprocal(torch.sqrt((ms + eps).double())).float()
@@ -219,7 +220,7 @@ def fused_k_norm_rope_flashmla_reference(
     Math: `y = x*nf*w` kept in fp32; rope `bf16(rot(y[448:]))`; nope `y[:448]` in 7 tiles with UE8M0 scales.
     """
     x = kv.float()
-    y = x * _norm_factor(x, eps) * weight.float()
+    y = x * rms_norm_factor(x, eps) * weight.float()
     rope = apply_rope_interleaved(y[:, NOPE_DIM:], freqs[positions.long()]).to(torch.bfloat16)
     codes, exponents = quantize_tiles_ue8m0(y[:, :NOPE_DIM])
     scatter_flashmla_rows(kvcache, page_size, out_loc, codes, rope, exponents)
@@ -241,7 +242,7 @@ def fused_q_norm_rope_reference(
     Rounding: `y = DType(x*nf)`; nope = y; rope = `DType(rot(fp32(y[448:])))` (double rounding on purpose).
     """
     x = q.float()
-    y = (x * _norm_factor(x, eps)).to(q.dtype)
+    y = (x * rms_norm_factor(x, eps)).to(q.dtype)
     rope = apply_rope_interleaved(y[..., NOPE_DIM:].float(), freqs[positions.long()][:, None, :])
     q_out.copy_(torch.cat([y[..., :NOPE_DIM], rope.to(q.dtype)], dim=-1))
 
@@ -262,7 +263,7 @@ def fused_norm_rope_inplace_reference(
     Rounding: `y = DType(x*nf*w)`; rope = `DType(rot(fp32(y[448:])))`.
     """
     x = kv.float()
-    y = (x * _norm_factor(x, eps) * weight.float()).to(kv.dtype)
+    y = (x * rms_norm_factor(x, eps) * weight.float()).to(kv.dtype)
     rope = apply_rope_interleaved(y[:, NOPE_DIM:].float(), freqs[positions.long()])
     kv.copy_(torch.cat([y[:, :NOPE_DIM], rope.to(kv.dtype)], dim=-1))
 
