@@ -139,30 +139,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_indexer_kernel(const Stor
     const float t[kPer] = {f.x, f.y, f.z, f.w};
     rotate_pairs(x, t);
   }
-  // Walsh-Hadamard butterflies h = 1, 2 (in registers), then h = 4 .. 64 across lanes (xor lane bit h / 4).
-  const float y0 = __fadd_rn(x[0], x[1]), y1 = __fsub_rn(x[0], x[1]);
-  const float y2 = __fadd_rn(x[2], x[3]), y3 = __fsub_rn(x[2], x[3]);
-  x[0] = __fadd_rn(y0, y2);
-  x[1] = __fadd_rn(y1, y3);
-  x[2] = __fsub_rn(y0, y2);
-  x[3] = __fsub_rn(y1, y3);
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const float other = __shfl_xor_sync(kFullMask, x[k], m);
-      x[k] = upper ? __fsub_rn(other, x[k]) : __fadd_rn(x[k], other);
-    }
-  }
-  float amax = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    x[k] = __fmul_rn(x[k], 0.08838834764831845f);  // fp32(128 ** -0.5)
-    amax = fmaxf(amax, fabsf(x[k]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  const float amax = hadamard128_amax(x, lane);
   const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
   const uint32_t codes = fp8x2(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale)) |
                          (fp8x2(__fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale)) << 16);

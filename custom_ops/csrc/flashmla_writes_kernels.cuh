@@ -282,6 +282,36 @@ struct IndexerArgs {
 };
 
 // fused_q_indexer_rope_hadamard_quant: one warp per (token, head), lane l owns dims [4 l, 4 l + 4).
+// 128-point Walsh-Hadamard transform of a row held as 4 floats per lane (lane l holds dims 4l .. 4l+3), scaled by
+// 128^-0.5, in place; returns the row's absolute maximum (warp-reduced). Stages h = 1, 2 run in registers, h = 4 ..
+// 64 across lanes (lane bit h / 4). Every step rounds to fp32 (`__f*_rn`) so the CPU reference can match bit for bit.
+__device__ __forceinline__ float hadamard128_amax(float (&x)[4], int lane) {
+  const float y0 = __fadd_rn(x[0], x[1]), y1 = __fsub_rn(x[0], x[1]);
+  const float y2 = __fadd_rn(x[2], x[3]), y3 = __fsub_rn(x[2], x[3]);
+  x[0] = __fadd_rn(y0, y2);
+  x[1] = __fadd_rn(y1, y3);
+  x[2] = __fsub_rn(y0, y2);
+  x[3] = __fsub_rn(y1, y3);
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float other = __shfl_xor_sync(kFullMask, x[k], m);
+      x[k] = upper ? __fsub_rn(other, x[k]) : __fadd_rn(x[k], other);
+    }
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[k] = __fmul_rn(x[k], 0.08838834764831845f);  // fp32(128 ** -0.5)
+    amax = fmaxf(amax, fabsf(x[k]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  return amax;
+}
+
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a) {
   const int lane = threadIdx.x & 31;
@@ -316,30 +346,7 @@ __global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a
     const float t[4] = {f.x, f.y, f.z, f.w};
     rotate_pairs(x, t);
   }
-  // Walsh-Hadamard, stages h = 1, 2 in registers, h = 4 .. 64 across lanes (lane bit h / 4).
-  float y0 = __fadd_rn(x[0], x[1]), y1 = __fsub_rn(x[0], x[1]);
-  float y2 = __fadd_rn(x[2], x[3]), y3 = __fsub_rn(x[2], x[3]);
-  x[0] = __fadd_rn(y0, y2);
-  x[2] = __fsub_rn(y0, y2);
-  x[1] = __fadd_rn(y1, y3);
-  x[3] = __fsub_rn(y1, y3);
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int k = 0; k < kIndexerLaneElems; ++k) {
-      const float other = __shfl_xor_sync(kFullMask, x[k], m);
-      x[k] = upper ? __fsub_rn(other, x[k]) : __fadd_rn(x[k], other);
-    }
-  }
-  float amax = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kIndexerLaneElems; ++k) {
-    x[k] = __fmul_rn(x[k], 0.08838834764831845f);  // fp32(128 ** -0.5)
-    amax = fmaxf(amax, fabsf(x[k]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  const float amax = hadamard128_amax(x, lane);
   const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
   const float inv = __fdiv_rn(1.0f, scale);
   const uint32_t codes = fp8x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv)) |
