@@ -144,22 +144,18 @@ def _is_node_list(value: object) -> bool:
 
 
 def _tensor_arg(graph: fx.Graph, value, operand: Callable[[fx.Node], Operand], k: int, name: str):
-    """Batched form of a non-pointwise op's tensor argument (lists: every element batched)."""
-    if _is_tensor_node(value):
-        op = operand(value)
-        if op.kind != "batched" and name != "indices":
-            return _broadcast_to_batch(graph, op, k)
-        if op.kind == "batched" and name == "indices":
-            raise BatchError("indices computed per branch")
-        return op.node if op.kind != "leaf" else _broadcast_to_batch(graph, op, k)
+    """Batched form of a non-pointwise op's argument. Index tensors must be shared and stay as they are; every
+    other tensor becomes `[K, ...]`: batched as is, shared expanded, per-branch leaves stacked."""
     if _is_node_list(value):
-        if name == "indices":
-            for v in value:
-                if _is_tensor_node(v) and operand(v).kind != "shared":
-                    raise BatchError("indices computed per branch")
-            return list(value)
         return [_tensor_arg(graph, v, operand, k, name) for v in value]
-    return value
+    if not _is_tensor_node(value):
+        return value
+    op = operand(value)
+    if name == "indices":
+        if op.kind != "shared":
+            raise BatchError("indices computed per branch")
+        return value
+    return op.node if op.kind == "batched" else _broadcast_to_batch(graph, op, k)
 
 
 def _broadcast_to_batch(graph: fx.Graph, op: Operand, k: int) -> fx.Node:

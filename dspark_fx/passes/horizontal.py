@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._pytree import tree_flatten
 
+from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches
 from dspark_fx.passes.batching import BatchError, Operand, batch_op
 from dspark_fx.passes.graph_utils import aten, call, op_name, shape_key, tensor_val
@@ -39,16 +39,7 @@ from dspark_fx.report import ClassReport, FusionReport, GroupReport, Rejection
 log = logging.getLogger("dspark_fx")
 
 
-@dataclass(frozen=True)
-class HorizontalFusionConfig:
-    min_branches: int = 2
-    max_leaf_numel: int = 1 << 16  # per-branch tensors stacked per call must be at most this small
-    batch_regions: bool = True
-
-
-def fuse_kv_branches(
-    graph: fx.Graph, config: HorizontalFusionConfig, input_names: list[str] | None = None
-) -> FusionReport:
+def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
     report = FusionReport()
     names = _Namer(graph, input_names)
     eliminate_common_subexpressions(graph)
@@ -73,7 +64,7 @@ def fuse_kv_branches(
     return report
 
 
-def _fuse_group(graph: fx.Graph, branches: list, config: HorizontalFusionConfig, names) -> GroupReport:
+def _fuse_group(graph: fx.Graph, branches: list, config: DsparkConfig, names) -> GroupReport:
     for branch in branches:
         gemm_branches.narrow_to_used_columns(branch)
     descriptions = [
@@ -123,7 +114,7 @@ def _classes(regions, widths, config):
                 first_miss.setdefault(r, (j, alignment.mismatch))
                 first_miss.setdefault(j, (r, alignment.mismatch))
         best = None
-        for candidate in {frozenset(a.mapping) for a in alignments.values()}:
+        for candidate in dict.fromkeys(frozenset(a.mapping) for a in alignments.values()):  # deterministic order
             members = [j for j, a in alignments.items() if a.covers(candidate)]
             score = (len(candidate), len(members))
             if len(members) + 1 >= config.min_branches and len(candidate) > 1 and (best is None or score > best[0]):

@@ -19,7 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 import custom_ops.multi_linear
 from dspark_fx.config import DsparkConfig
-from dspark_fx.passes.horizontal import HorizontalFusionConfig, fuse_kv_branches
+from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.report import FusionReport
 
 log = logging.getLogger("dspark_fx")
@@ -54,11 +54,7 @@ class DsparkPassManager(CustomGraphPass):
         before = _copy(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
         report = FusionReport()
         if self.config.horizontal_fusion:
-            report = fuse_kv_branches(
-                graph,
-                HorizontalFusionConfig(self.config.min_branches, self.config.max_leaf_numel, self.config.batch_regions),
-                self.input_names,
-            )
+            report = fuse_kv_branches(graph, self.config, self.input_names)
         self.reports.append(report)
         if report.groups:
             log.info("%s", report)
