@@ -79,37 +79,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_flashmla_kernel(const Sto
 #pragma unroll
     for (int i = 0; i < kLaneElems; ++i) x[i] = round_to<__nv_bfloat16>(x[i]);
   }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kLaneElems; ++i) amax = fmaxf(amax, fabsf(x[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-
-  const int64_t page_size = int64_t{1} << a.log2_page_size;
-  const int64_t slot = loc & (page_size - 1);
-  uint8_t* page_ptr = a.cache + (loc >> a.log2_page_size) * a.page_bytes;
-  uint8_t* value = page_ptr + slot * kValueBytes;
-  if (!rope_lane) {
-    const uint32_t e = ue8m0_exponent(amax);
-    const float inv = __uint_as_float((254u - e) << 23);
-    uint4 codes;
-    uint32_t* c = reinterpret_cast<uint32_t*>(&codes);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      c[k] = fp8x2(__fmul_rn(x[4 * k], inv), __fmul_rn(x[4 * k + 1], inv)) |
-             (fp8x2(__fmul_rn(x[4 * k + 2], inv), __fmul_rn(x[4 * k + 3], inv)) << 16);
-    }
-    reinterpret_cast<uint4*>(value)[lane] = codes;
-    if ((lane & 3) == 0) page_ptr[page_size * kValueBytes + slot * kScaleBytes + (lane >> 2)] = static_cast<uint8_t>(e);
-  } else {
-    uint4 out[2];
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out);
-#pragma unroll
-    for (int k = 0; k < kLaneElems / 2; ++k) o[k] = __float22bfloat162_rn(make_float2(x[2 * k], x[2 * k + 1]));
-    uint4* dst = reinterpret_cast<uint4*>(value + kNopeDim + (lane - kRopeLane0) * kLaneElems * 2);
-    dst[0] = out[0];
-    dst[1] = out[1];
-  }
+  store_flashmla_row(a.cache, a.page_bytes, a.log2_page_size, loc, lane, x);
 }
 
 __global__ void __launch_bounds__(kStoreThreads) store_indexer_kernel(const StoreArgs a) {

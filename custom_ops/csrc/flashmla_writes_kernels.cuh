@@ -156,6 +156,44 @@ struct FlashMLAWriteArgs {
   int64_t rows;
 };
 
+// Quantize one 512-dim row, held as kLaneElems floats per lane (lanes < kRopeLane0: nope, the rest: rope), and
+// write it into slot `loc` of the FlashMLA V4 paged cache: fp8 e4m3 nope codes with one UE8M0 scale byte per
+// 64-dim tile (4 lanes), bf16 rope. The whole warp must call it (tile amax is reduced with shuffles).
+__device__ __forceinline__ void store_flashmla_row(uint8_t* cache, int64_t page_bytes, int log2_page_size, int64_t loc,
+                                                   int lane, const float (&x)[kLaneElems]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kLaneElems; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+
+  const int64_t page_size = int64_t{1} << log2_page_size;
+  const int64_t slot = loc & (page_size - 1);
+  uint8_t* page_ptr = cache + (loc >> log2_page_size) * page_bytes;
+  uint8_t* value = page_ptr + slot * kValueBytes;
+  if (lane < kRopeLane0) {
+    const uint32_t e = ue8m0_exponent(amax);
+    const float inv = __uint_as_float((254u - e) << 23);
+    uint4 codes;
+    uint32_t* c = reinterpret_cast<uint32_t*>(&codes);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      c[k] = fp8x2(__fmul_rn(x[4 * k], inv), __fmul_rn(x[4 * k + 1], inv)) |
+             (fp8x2(__fmul_rn(x[4 * k + 2], inv), __fmul_rn(x[4 * k + 3], inv)) << 16);
+    }
+    reinterpret_cast<uint4*>(value)[lane] = codes;
+    if ((lane & 3) == 0) page_ptr[page_size * kValueBytes + slot * kScaleBytes + (lane >> 2)] = static_cast<uint8_t>(e);
+  } else {
+    uint4 out[2];
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out);
+#pragma unroll
+    for (int k = 0; k < kLaneElems / 2; ++k) o[k] = __float22bfloat162_rn(make_float2(x[2 * k], x[2 * k + 1]));
+    uint4* dst = reinterpret_cast<uint4*>(value + kNopeDim + (lane - kRopeLane0) * kLaneElems * 2);
+    dst[0] = out[0];
+    dst[1] = out[1];
+  }
+}
+
 // kNormRope: fused_k_norm_rope_flashmla (RMSNorm with weight + RoPE, fp32 until quantization);
 // otherwise store_flashmla_cache (rows already normed and roped).
 template <typename T, bool kVec, bool kNormRope>
@@ -181,41 +219,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) flashmla_write_kern
     }
   }
 
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kLaneElems; ++i) amax = fmaxf(amax, fabsf(x[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-
   const int64_t loc = load_index(a.out_loc, row, a.out_loc_64);
-  if (loc < 0) return;
-  const int64_t page_size = int64_t{1} << a.log2_page_size;
-  const int64_t page = loc >> a.log2_page_size;
-  const int64_t slot = loc & (page_size - 1);
-  uint8_t* page_ptr = a.cache + page * a.page_bytes;
-  uint8_t* value = page_ptr + slot * kValueBytes;
-
-  if (!rope_lane) {
-    const uint32_t e = ue8m0_exponent(amax);
-    const float inv = __uint_as_float((254u - e) << 23);
-    uint4 codes;
-    uint32_t* c = reinterpret_cast<uint32_t*>(&codes);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      c[k] = fp8x2(__fmul_rn(x[4 * k], inv), __fmul_rn(x[4 * k + 1], inv)) |
-             (fp8x2(__fmul_rn(x[4 * k + 2], inv), __fmul_rn(x[4 * k + 3], inv)) << 16);
-    }
-    reinterpret_cast<uint4*>(value)[lane] = codes;
-    if ((lane & 3) == 0) page_ptr[page_size * kValueBytes + slot * kScaleBytes + (lane >> 2)] = static_cast<uint8_t>(e);
-  } else {
-    uint4 out[2];
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out);
-#pragma unroll
-    for (int k = 0; k < kLaneElems / 2; ++k) o[k] = __float22bfloat162_rn(make_float2(x[2 * k], x[2 * k + 1]));
-    uint4* dst = reinterpret_cast<uint4*>(value + kNopeDim + (lane - kRopeLane0) * kLaneElems * 2);
-    dst[0] = out[0];
-    dst[1] = out[1];
-  }
+  if (loc < 0) return;  // uniform across the warp
+  store_flashmla_row(a.cache, a.page_bytes, a.log2_page_size, loc, lane, x);
 }
 
 struct NormRopeArgs {
