@@ -229,8 +229,7 @@ def plan_prefill(
     if extend_lens.shape != seq_lens.shape:
         raise ValueError(f"extend_lens: expected shape {tuple(seq_lens.shape)}, got {tuple(extend_lens.shape)}")
     _check_addressing(seq_lens.shape[0], req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
-    if not 0 <= num_q_tokens <= MAX_RAGGED:
-        raise ValueError(f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}")
+    _check_tokens(num_q_tokens)
     return torch.ops.dspark.dsv4_plan_prefill(
         seq_lens,
         extend_lens,
@@ -242,6 +241,11 @@ def plan_prefill(
         swa_page_size,
         num_q_tokens,
     )
+
+
+def _check_tokens(num_q_tokens: int) -> None:
+    if not 0 <= num_q_tokens <= MAX_RAGGED:
+        raise ValueError(f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}")
 
 
 def plan_online_decode(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -266,8 +270,7 @@ def plan_online_prefill(
     for name, t in (("extend_lens", extend_lens), ("req_pool_indices", req_pool_indices)):
         if t.shape != seq_lens.shape:
             raise ValueError(f"{name}: expected shape {tuple(seq_lens.shape)}, got {tuple(t.shape)}")
-    if not 0 <= num_q_tokens <= MAX_RAGGED:
-        raise ValueError(f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}")
+    _check_tokens(num_q_tokens)
     return torch.ops.dspark.dsv4_plan_online_prefill(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
 
 
