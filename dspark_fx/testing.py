@@ -71,7 +71,8 @@ class CaptureBackend:
     """A torch.compile backend that runs the dspark_fx passes and records each graph before and after them.
 
     `inner="aot_eager"` (default) executes the rewritten ATen graph eagerly (fast CPU tests, no codegen);
-    `inner="inductor"` compiles it for real.
+    `inner="inductor"` compiles it for real, with Inductor's FX graph and AOTAutograd caches off for these compiles:
+    a cache hit would skip the passes, and there would be nothing to record.
     """
 
     def __init__(self, config: DsparkConfig | None = None, inner: str = "aot_eager") -> None:
@@ -81,7 +82,8 @@ class CaptureBackend:
         self._backend = make_backend(config, inner=inner, observer=self._observe)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        return self._backend(gm, example_inputs, **kwargs)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            return self._backend(gm, example_inputs, **kwargs)
 
     def _observe(self, before: fx.Graph, after: fx.Graph, report: FusionReport) -> None:
         self.before.append(before)

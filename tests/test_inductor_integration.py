@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 import dspark_fx
 from dspark_fx.passes import manager as manager_module
 from dspark_fx.reference_draft import DraftKVWriter
-from dspark_fx.testing import assert_close_for_dtype, compile_counts
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts
 
 try:
     from torch._inductor.utils import fresh_cache
@@ -46,6 +46,17 @@ def _compile_once(backend, cfg):
     args = draft_inputs(cfg, 9)
     with torch.no_grad():
         assert_close_for_dtype(torch.compile(model, backend=backend)(*args), eager(*args))
+
+
+def test_capture_backend_observes_compiles_that_the_cache_would_serve():
+    cfg = small_config(write="return", num_layers=2)
+    with fresh_cache():
+        _compile_once(dspark_fx.make_backend(), cfg)  # the same graph is now in the FX graph cache
+        counters.clear()
+        capture = CaptureBackend(inner="inductor")
+        _compile_once(capture, cfg)
+        capture.assert_fused(n_groups=1, n_branches=[2])
+        assert counters["inductor"]["fxgraph_cache_hit"] == 0, dict(counters["inductor"])
 
 
 def test_fx_graph_cache_hits_and_misses(tmp_path, monkeypatch):
