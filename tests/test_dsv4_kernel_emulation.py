@@ -166,24 +166,28 @@ static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
 }
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// SM count the c128 launch shape is chosen for (c128_splits), set from Python to exercise every channel split.
+static int g_num_sms = 132;
+extern "C" void emu_set_num_sms(int n) { g_num_sms = n; }
+static void launch_c128(int64_t rows, int d, void (*kernel)(CompressArgs, int), const CompressArgs& a) {
+  const int splits = c128_splits(rows, d, g_num_sms);
+  launch(rows * splits, kC128Threads, false, [&] { kernel(a, splits); });
+}
+
 extern "C" void emu_offline(int c4, int decode, int state_bf16, int vec, void* state, int64_t state_rows,
                             const float* input, int64_t input_rows, int64_t in_stride, float* out, const float* ape,
                             const void* plan, int rows, const void* plan_w, int rows_w, int d) {
   const CompressArgs a{state, input, out, ape, plan, in_stride, state_rows, input_rows, rows, d};
   const CompressArgs w{state, input, nullptr, ape, plan_w, in_stride, state_rows, input_rows, rows_w, d};
-  const int64_t splits = d / kSplit, width = (c4 ? 4 : 2) * d;
+  const int64_t warps_per_row = d / kSplit, width = (c4 ? 4 : 2) * d;
   auto run = [&](auto ts, auto kv) {
     using TS = decltype(ts);
     constexpr bool V = decltype(kv)::value;
-    const int64_t c4_blocks = cdiv(rows * splits * 32, kC4Threads);
+    const int64_t c4_blocks = cdiv(rows * warps_per_row * 32, kC4Threads);
     if (c4 && decode) launch(c4_blocks, kC4Threads, true, [&] { c4_kernel<true, TS, float, V>(a); });
     if (c4 && !decode) launch(c4_blocks, kC4Threads, true, [&] { c4_kernel<false, TS, float, V>(a); });
-    if (!c4 && decode) {
-      launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kDecode, TS, float, V>(a); });
-    }
-    if (!c4 && !decode) {
-      launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kPrefill, TS, float, V>(a); });
-    }
+    if (!c4 && decode) launch_c128(rows, d, c128_kernel<C128Mode::kDecode, TS, float, V>, a);
+    if (!c4 && !decode) launch_c128(rows, d, c128_kernel<C128Mode::kPrefill, TS, float, V>, a);
     if (!decode) {
       const int64_t copy_blocks = std::min<int64_t>(cdiv(rows_w * 32, kCopyThreads), 3);  // grid-stride loop
       launch(copy_blocks, kCopyThreads, true, [&] { write_rows_kernel<TS, float, V>(w, width); });
@@ -202,9 +206,8 @@ extern "C" void emu_online(int decode, float* state, int64_t state_rows, const f
     launch(cdiv(rows * d / 4, kCopyThreads), kCopyThreads, true, [&] { online_decode_kernel<float, true>(a); });
     return;
   }
-  const int splits = d / kSplit;
-  launch(rows * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kOnlineCompress, float, float, true>(a); });
-  launch(rows_w * splits, kC128Threads, false, [&] { c128_kernel<C128Mode::kOnlineWrite, float, float, true>(w); });
+  launch_c128(rows, d, c128_kernel<C128Mode::kOnlineCompress, float, float, true>, a);
+  launch_c128(rows_w, d, c128_kernel<C128Mode::kOnlineWrite, float, float, true>, w);
 }
 
 extern "C" void emu_plan(int online, int prefill, const int64_t* seq, const int64_t* ext, const int64_t* rid,
@@ -284,8 +287,10 @@ def _i64(t: torch.Tensor | None):
     return None if t is None else t.long().contiguous()
 
 
-def _install(emu, monkeypatch, vec: bool = True) -> None:
-    """Route the Session driver's compress calls to the emulated kernels (outputs start as NaN)."""
+def _install(emu, monkeypatch, vec: bool = True, num_sms: int = 132) -> None:
+    """Route the Session driver's compress calls to the emulated kernels (outputs start as NaN); the c128 launch
+    shape is chosen as for a GPU with `num_sms` SMs."""
+    emu.emu_set_num_sms(i32(num_sms))
 
     def offline(decode, state, kv, ape, plan, plan_w, ratio):
         out = torch.full((plan.shape[0], ape.shape[1]), float("nan"))
@@ -353,23 +358,25 @@ def _random_session(ratio, mode, online, d, seed, state_dtype=torch.float32, lon
 
 
 @pytest.mark.parametrize(
-    ("ratio", "mode", "state_dtype", "vec"),
+    ("ratio", "mode", "state_dtype", "vec", "d", "num_sms"),
     [
-        (4, "ring", torch.float32, True),
-        (4, "paged", torch.bfloat16, True),
-        (4, "ring", torch.float32, False),
-        (128, "paged", torch.float32, True),
-        (128, "ring", torch.bfloat16, False),
+        (4, "ring", torch.float32, True, 128, 132),
+        (4, "paged", torch.bfloat16, True, 128, 132),
+        (4, "ring", torch.float32, False, 128, 132),
+        (128, "paged", torch.float32, True, 128, 132),
+        (128, "ring", torch.bfloat16, False, 128, 132),
+        (128, "ring", torch.float32, True, 512, 6),  # 1, 2 or 4 channel splits depending on the rows per call
     ],
 )
-def test_emulated_compress_kernels_match_fp64(emu, monkeypatch, ratio, mode, state_dtype, vec):
-    _install(emu, monkeypatch, vec)
-    _random_session(ratio, mode, False, 128, seed=ratio, state_dtype=state_dtype, long=ratio == 4)
+def test_emulated_compress_kernels_match_fp64(emu, monkeypatch, ratio, mode, state_dtype, vec, d, num_sms):
+    _install(emu, monkeypatch, vec, num_sms)
+    _random_session(ratio, mode, False, d, seed=ratio, state_dtype=state_dtype, long=ratio == 4)
 
 
-def test_emulated_online_kernels_match_fp64(emu, monkeypatch):
-    _install(emu, monkeypatch)
-    _random_session(128, "ring", True, 128, seed=3, long=True)
+@pytest.mark.parametrize(("d", "num_sms"), [(128, 132), (512, 6)])
+def test_emulated_online_kernels_match_fp64(emu, monkeypatch, d, num_sms):
+    _install(emu, monkeypatch, num_sms=num_sms)
+    _random_session(128, "ring", True, d, seed=3, long=True)
 
 
 def _emu_plans(emu, online, prefill, seq, ext, rid, r2t, f2s, ratio, ring, swa, n, like_c, like_w):

@@ -112,14 +112,31 @@ CompressArgs make_args(const at::Tensor& state, const at::Tensor& kv_score, cons
   return a;
 }
 
-template <typename Kernel, typename... Extra>
-void launch(Kernel kernel, int64_t blocks, int threads, const at::Tensor& state, const CompressArgs& a,
-            Extra... extra) {
+// Launches with programmatic dependent launch allowed: every kernel in dsv4_compress_kernels.cuh waits for the
+// previous kernel's memory (pdl_wait) before its first global access, so only the launch latency overlaps.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), int64_t blocks, int threads, const at::Tensor& state, Args... args) {
   if (blocks == 0) return;
   const c10::cuda::CUDAGuard guard(state.device());
-  kernel<<<static_cast<unsigned>(blocks), threads, 0, c10::cuda::getCurrentCUDAStream(state.device().index())>>>(
-      a, extra...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = c10::cuda::getCurrentCUDAStream(state.device().index());
+  config.attrs = &pdl;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
+// One block per (plan row, channel split) for the c128 kernel.
+template <typename... Params>
+void launch_c128(void (*kernel)(Params...), const at::Tensor& state, const CompressArgs& a) {
+  int num_sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, state.device().index()));
+  const int splits = c128_splits(a.num_rows, a.d, num_sms);
+  launch(kernel, static_cast<int64_t>(a.num_rows) * splits, kC128Threads, state, a, splits);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -160,15 +177,16 @@ at::Tensor compress_decode(at::Tensor& state, const at::Tensor& kv_score, const 
                     " rows (one per kv_score row), got ", num(plan.size(0)));
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs a = make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d);
-  const int64_t splits = d / kSplit;
+  const int64_t warps_per_row = d / kSplit;  // c4
   dispatch_offline(state, kv_score, [&](auto ts, auto ti, auto vec) {
     using TS = typename decltype(ts)::type;
     using TI = typename decltype(ti)::type;
     constexpr bool kVec = decltype(vec)::value;
     if (ratio == 4) {
-      launch(c4_kernel<true, TS, TI, kVec>, ceil_div(plan.size(0) * splits * 32, kC4Threads), kC4Threads, state, a);
+      launch(c4_kernel<true, TS, TI, kVec>, ceil_div(plan.size(0) * warps_per_row * 32, kC4Threads), kC4Threads, state,
+             a);
     } else {
-      launch(c128_kernel<C128Mode::kDecode, TS, TI, kVec>, plan.size(0) * splits, kC128Threads, state, a);
+      launch_c128(c128_kernel<C128Mode::kDecode, TS, TI, kVec>, state, a);
     }
   });
   return out;
@@ -181,16 +199,16 @@ at::Tensor compress_prefill(at::Tensor& state, const at::Tensor& kv_score, const
   check_plan(plan_w, "plan_w", 8, state);
   at::Tensor out = at::empty({plan_c.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs a = make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d);
-  const int64_t splits = d / kSplit;
+  const int64_t warps_per_row = d / kSplit;  // c4
   dispatch_offline(state, kv_score, [&](auto ts, auto ti, auto vec) {
     using TS = typename decltype(ts)::type;
     using TI = typename decltype(ti)::type;
     constexpr bool kVec = decltype(vec)::value;
     if (ratio == 4) {
-      launch(c4_kernel<false, TS, TI, kVec>, ceil_div(plan_c.size(0) * splits * 32, kC4Threads), kC4Threads, state,
-             a);
+      launch(c4_kernel<false, TS, TI, kVec>, ceil_div(plan_c.size(0) * warps_per_row * 32, kC4Threads), kC4Threads,
+             state, a);
     } else {
-      launch(c128_kernel<C128Mode::kPrefill, TS, TI, kVec>, plan_c.size(0) * splits, kC128Threads, state, a);
+      launch_c128(c128_kernel<C128Mode::kPrefill, TS, TI, kVec>, state, a);
     }
   });
   launch_writes(state, kv_score, ape, plan_w, d, (ratio == 4 ? 4 : 2) * d);
@@ -226,17 +244,15 @@ at::Tensor online_compress_prefill(at::Tensor& state, const at::Tensor& kv_score
   at::Tensor out = at::empty({plan_c.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs c = make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d);
   const CompressArgs w = make_args(state, kv_score, ape, plan_w, nullptr, d);
-  const int64_t splits = d / kSplit;
   const bool vec = vector_ok(state, kv_score);
   dispatch_dtype(kv_score.scalar_type(), "kv_score", [&](auto ti) {
     using TI = typename decltype(ti)::type;
     if (vec) {
-      launch(c128_kernel<C128Mode::kOnlineCompress, float, TI, true>, plan_c.size(0) * splits, kC128Threads, state, c);
-      launch(c128_kernel<C128Mode::kOnlineWrite, float, TI, true>, plan_w.size(0) * splits, kC128Threads, state, w);
+      launch_c128(c128_kernel<C128Mode::kOnlineCompress, float, TI, true>, state, c);
+      launch_c128(c128_kernel<C128Mode::kOnlineWrite, float, TI, true>, state, w);
     } else {
-      launch(c128_kernel<C128Mode::kOnlineCompress, float, TI, false>, plan_c.size(0) * splits, kC128Threads, state,
-             c);
-      launch(c128_kernel<C128Mode::kOnlineWrite, float, TI, false>, plan_w.size(0) * splits, kC128Threads, state, w);
+      launch_c128(c128_kernel<C128Mode::kOnlineCompress, float, TI, false>, state, c);
+      launch_c128(c128_kernel<C128Mode::kOnlineWrite, float, TI, false>, state, w);
     }
   });
   return out;

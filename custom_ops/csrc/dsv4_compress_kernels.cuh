@@ -7,9 +7,9 @@
 // vectors when the pointers allow it, kVec):
 // - c4: one warp per (plan row, 128-channel split); each lane holds the 8 window slots of its 4 channels in
 //   registers. 4 warps per block.
-// - c128 and online-c128 prefill: one block of 8 warps per (plan row, 128-channel split); warp w owns slots
-//   16w..16w+15, lane l channels 4l..4l+3 of the split; per-warp partial (max, sum, weighted sum) go through
-//   shared memory and are merged by the first 128 threads (one channel each).
+// - c128 and online-c128 prefill: one block per (plan row, channel split), `groups` slot groups of threads that
+//   each own 4 channels of the split (c128_splits); per-group partial (max, sum, weighted sum) go through shared
+//   memory and are merged one channel per thread.
 // - online-c128 decode: one thread per 4 elements; prefill state writes: one warp per persisted row.
 // Decode writes the new row before it compresses (c4 takes the new row's values from registers after the
 // state-dtype round trip; c128: the thread that writes a row element is the one that reads it back). Prefill
@@ -27,11 +27,9 @@ namespace dsv4 {
 
 constexpr float kNegMax = -3.402823466e38f;  // -FLT_MAX: masked score (never -inf, so no inf - inf)
 constexpr uint32_t kInvalid = 0xFFFFFFFFu;
-constexpr int kSplit = 128;  // channels per warp (c4) or per block (c128)
+constexpr int kSplit = 128;  // channels per warp (c4); the narrowest channel split of a c128 block
 constexpr int kC4Threads = 128;
-constexpr int kC128Warps = 8;
-constexpr int kC128Threads = 32 * kC128Warps;
-constexpr int kC128SlotsPerWarp = 128 / kC128Warps;
+constexpr int kC128Threads = 512;
 constexpr int kCopyThreads = 256;
 constexpr int kMaxWriteBlocks = 512;
 
@@ -115,6 +113,23 @@ __device__ __forceinline__ void set(float4& v, int k, float x) {
   else v.w = x;
 }
 
+// ------------------------------------------------------------------------------------------------ PDL
+
+// Programmatic dependent launch (sm_90+; both are no-ops when the kernel was launched without the attribute). Every
+// kernel here waits for the previous kernel's memory before its first global access, and lets the next kernel
+// start launching once its own loads are issued (triggering at kernel start measured slower on H200).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_next() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ arguments
 
 struct CompressArgs {
@@ -173,6 +188,7 @@ __device__ __forceinline__ void c4_slot(const CompressArgs& a, int i, int c, int
 // value a read after the write returns.
 template <bool kDecode, typename TS, typename TI, bool kVec>
 __global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
+  pdl_wait();
   const int splits = a.d / kSplit;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kC4Threads + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
@@ -223,6 +239,7 @@ __global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
       }
     }
   }
+  pdl_launch_next();
   if (!emit) {
     store4<true>(out, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
@@ -249,22 +266,32 @@ __global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
 
 enum class C128Mode { kDecode, kPrefill, kOnlineCompress, kOnlineWrite };
 
-// One block per (plan row, 128-channel split). Offline: slot j reads state row rp1*128 + j if j < buffer_len,
-// else input row last - 127 + j; ape row j. Online: slot j < seg_len reads input row last - seg_len + 1 + j,
-// ape row chunk_off + j; the segment state is merged with the stored one when chunk_off != 0.
+// Launch shape: one block of kC128Threads per (plan row, channel split of d / splits channels); the block is
+// kC128Threads / (d / splits / 4) slot groups of threads that own 4 channels each, group g holding slots g,
+// g + groups, g + 2 * groups, ... so the block reads whole consecutive rows at a time. Few rows: split the channels
+// until there are about as many blocks as SMs (measured on H200 for batch 1..256, BENCHMARKS.md).
+inline int c128_splits(int64_t rows, int d, int num_sms) {
+  int splits = 1;
+  while (rows * splits < num_sms && d / splits > kSplit) splits *= 2;
+  return splits;
+}
+
+// Offline: slot j reads state row rp1*128 + j if j < buffer_len, else input row last - 127 + j; ape row j.
+// Online: slot j < seg_len reads input row last - seg_len + 1 + j, ape row chunk_off + j; the segment state is
+// merged with the stored one when chunk_off != 0.
 template <C128Mode kMode, typename TS, typename TI, bool kVec>
-__global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
-  __shared__ float sm_m[kC128Warps][kSplit];
-  __shared__ float sm_l[kC128Warps][kSplit];
-  __shared__ float sm_a[kC128Warps][kSplit];
+__global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a, int splits) {
+  pdl_wait();
+  __shared__ float smem[3 * 4 * kC128Threads];  // per-group partial (max, sum, weighted sum) of every channel
   constexpr bool kOnline = kMode == C128Mode::kOnlineCompress || kMode == C128Mode::kOnlineWrite;
-  const int splits = a.d / kSplit;
-  const int row = blockIdx.x / splits;
-  const int base = (blockIdx.x % splits) * kSplit;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int c = base + lane * 4;
   const int d = a.d;
+  const int cw = d / splits;  // channels of this block
+  const int quads = cw / 4;
+  const int groups = kC128Threads / quads;
+  const int row = blockIdx.x / splits;
+  const int base = (blockIdx.x % splits) * cw;
+  const int g = threadIdx.x / quads;
+  const int c = base + (threadIdx.x % quads) * 4;
   const int64_t width = (kOnline ? 3 : 2) * static_cast<int64_t>(d);
   TS* state = static_cast<TS*>(a.state);
   const TI* input = static_cast<const TI*>(a.input);
@@ -279,8 +306,8 @@ __global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
     const DecodePlan p = static_cast<const DecodePlan*>(a.plan)[row];
     const bool active = p.write_loc >= 0 && p.write_loc < a.state_rows;
     rp = p.read_page_1;
-    // the warp that owns the written slot writes it, so the same threads read it back below
-    if (active && warp == (p.write_loc % 128) / kC128SlotsPerWarp) {
+    // the group that owns the written slot writes it, so the same threads read it back below
+    if (active && g == (p.write_loc % 128) % groups) {
       const TI* src = input + row * a.in_stride;
       TS* dst = state + p.write_loc * width;
       store4<kVec>(dst + c, load4<kVec>(src + c));
@@ -298,7 +325,8 @@ __global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
       ape_off = static_cast<int>((p.seq_len - count) % 128);
       first_token = last - count + 1;
       rp = p.read_page_1 >= 0 ? p.read_page_1 : p.read_page_0;
-      emit = emit && count >= 1 && ape_off + count <= 128 && first_token >= 0 && (ape_off == 0 || (rp >= 0 && rp < pages));
+      emit =
+          emit && count >= 1 && ape_off + count <= 128 && first_token >= 0 && (ape_off == 0 || (rp >= 0 && rp < pages));
       if constexpr (kMode == C128Mode::kOnlineWrite) {
         emit = emit && p.read_page_0 >= 0 && p.read_page_0 < pages;
       }
@@ -311,33 +339,35 @@ __global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
       first_token = last - 127;
     }
   }
-  float* out = a.out + static_cast<int64_t>(row) * d;
+  float* out = a.out + static_cast<int64_t>(row) * d + base;
   if (!emit) {
     if constexpr (kMode != C128Mode::kOnlineWrite) {
-      if (threadIdx.x < kSplit) out[base + threadIdx.x] = 0.f;
+      for (int ch = threadIdx.x; ch < cw; ch += kC128Threads) out[ch] = 0.f;
     }
     return;
   }
 
-  // per-thread partial over the warp's 16 slots
+  // per-thread partial over the group's slots, kBatch rows in flight at a time; decode reads all 128 slots from
+  // the state and offline prefill always has 128, so only online compression masks slots
+  constexpr bool kAllSlots = !kOnline;
   float4 m = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
   float4 l = make_float4(0.f, 0.f, 0.f, 0.f);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  constexpr int kBatch = 8;
-#pragma unroll
-  for (int b0 = 0; b0 < kC128SlotsPerWarp; b0 += kBatch) {
+  constexpr int kBatch = 4;
+#pragma unroll 1
+  for (int j0 = g; j0 < 128; j0 += kBatch * groups) {
     float4 kv[kBatch], sc[kBatch];
     bool ok[kBatch];
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      const int j = warp * kC128SlotsPerWarp + b0 + i;
-      ok[i] = j < count;
+      const int j = j0 + i * groups;
+      ok[i] = kAllSlots || j < count;
       if (!ok[i]) {
         kv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         sc[i] = make_float4(kNegMax, kNegMax, kNegMax, kNegMax);
         continue;
       }
-      if (j < buffer_len) {
+      if (kMode == C128Mode::kDecode || j < buffer_len) {
         const TS* r = state + (rp * 128 + j) * width;
         kv[i] = load4<kVec>(r + c);
         sc[i] = load4<kVec>(r + d + c);
@@ -366,48 +396,49 @@ __global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
       set(acc, k, ak);
     }
   }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    sm_m[warp][lane * 4 + k] = get(m, k);
-    sm_l[warp][lane * 4 + k] = get(l, k);
-    sm_a[warp][lane * 4 + k] = get(acc, k);
-  }
+  pdl_launch_next();
+  float* sm_m = smem;  // [groups][cw]
+  float* sm_l = sm_m + groups * cw;
+  float* sm_a = sm_l + groups * cw;
+  const int own = g * cw + (c - base);
+  store4<true>(sm_m + own, m);
+  store4<true>(sm_l + own, l);
+  store4<true>(sm_a + own, acc);
   __syncthreads();
-  if (threadIdx.x >= kSplit) return;
-  const int ch = threadIdx.x;
-  float big = kNegMax;
-#pragma unroll
-  for (int w = 0; w < kC128Warps; ++w) big = sm_l[w][ch] > 0.f ? fmaxf(big, sm_m[w][ch]) : big;
-  float total = 0.f, weighted = 0.f;
-#pragma unroll
-  for (int w = 0; w < kC128Warps; ++w) {
-    const float s = sm_l[w][ch] > 0.f ? __expf(sm_m[w][ch] - big) : 0.f;
-    total += sm_l[w][ch] * s;
-    weighted += sm_a[w][ch] * s;
-  }
-  float avg = weighted / total;
-  if constexpr (kOnline) {
-    if (ape_off != 0) {  // merge with the stored partial state (m1, l1, a1)
-      const TS* r = state + rp * width;
-      const float m1 = static_cast<float>(r[base + ch]);
-      const float l1 = static_cast<float>(r[d + base + ch]);
-      const float a1 = static_cast<float>(r[2 * d + base + ch]);
-      const float mm = fmaxf(m1, big);
-      const float w1 = l1 * __expf(m1 - mm);
-      const float w2 = total * __expf(big - mm);
-      avg = (a1 * w1 + avg * w2) / (w1 + w2);
-      total = w1 + w2;
-      big = mm;
+  for (int ch = threadIdx.x; ch < cw; ch += kC128Threads) {
+    float big = kNegMax;
+    for (int w = 0; w < groups; ++w) big = sm_l[w * cw + ch] > 0.f ? fmaxf(big, sm_m[w * cw + ch]) : big;
+    float total = 0.f, weighted = 0.f;
+    for (int w = 0; w < groups; ++w) {
+      const float lw = sm_l[w * cw + ch];
+      const float s = lw > 0.f ? __expf(sm_m[w * cw + ch] - big) : 0.f;
+      total += lw * s;
+      weighted += sm_a[w * cw + ch] * s;
     }
-  }
-  if constexpr (kMode == C128Mode::kOnlineWrite) {
-    const CompressPlan p = static_cast<const CompressPlan*>(a.plan)[row];
-    TS* dst = state + static_cast<int64_t>(p.read_page_0) * width;
-    dst[base + ch] = big;
-    dst[d + base + ch] = total;
-    dst[2 * d + base + ch] = avg;
-  } else {
-    out[base + ch] = avg;
+    float avg = weighted / total;
+    if constexpr (kOnline) {
+      if (ape_off != 0) {  // merge with the stored partial state (m1, l1, a1)
+        const TS* r = state + rp * width + base;
+        const float m1 = static_cast<float>(r[ch]);
+        const float l1 = static_cast<float>(r[d + ch]);
+        const float a1 = static_cast<float>(r[2 * d + ch]);
+        const float mm = fmaxf(m1, big);
+        const float w1 = l1 * __expf(m1 - mm);
+        const float w2 = total * __expf(big - mm);
+        avg = (a1 * w1 + avg * w2) / (w1 + w2);
+        total = w1 + w2;
+        big = mm;
+      }
+    }
+    if constexpr (kMode == C128Mode::kOnlineWrite) {
+      const CompressPlan p = static_cast<const CompressPlan*>(a.plan)[row];
+      TS* dst = state + static_cast<int64_t>(p.read_page_0) * width + base;
+      dst[ch] = big;
+      dst[d + ch] = total;
+      dst[2 * d + ch] = avg;
+    } else {
+      out[ch] = avg;
+    }
   }
 }
 
@@ -417,6 +448,7 @@ __global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a) {
 // the token, then either emit the average (last token of a chunk) or store the state.
 template <typename TI, bool kVec>
 __global__ void __launch_bounds__(kCopyThreads) online_decode_kernel(CompressArgs a) {
+  pdl_wait();
   const int quads = a.d / 4;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
   if (t >= static_cast<int64_t>(a.num_rows) * quads) return;
@@ -468,6 +500,7 @@ __global__ void __launch_bounds__(kCopyThreads) online_decode_kernel(CompressArg
 // rows (the plan is padded to the token count, so the grid is capped), 4 elements per lane per step.
 template <typename TS, typename TI, bool kVec>
 __global__ void __launch_bounds__(kCopyThreads) write_rows_kernel(CompressArgs a, int64_t width) {
+  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kCopyThreads / 32);
   for (int64_t row = (static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x) >> 5; row < a.num_rows;
