@@ -10,9 +10,12 @@ Per entry (fp32): `y = x * nf * w` (RMSNorm, the numerics of `custom_ops.flashml
 the last 64 dims with row `seq_len - ratio` of `freqs`, then by head dim:
 - D = 512, FlashMLA V4 cache (`custom_ops.fp8_layout`): the nope dims are rounded to bf16 and back, then
   quantized in 7 tiles of 64 with UE8M0 (rounded-up) scales; the RoPE dims are stored as bf16. 584 B/token.
-- D = 128, indexer cache: 128-point Walsh-Hadamard transform times 1/sqrt(128), then FP8 e4m3 with one plain
-  fp32 scale per token, `scale = max(amax, 1e-4) / 448`, `q = e4m3(y / scale)`. Page of `132 * page_size`
-  bytes: codes at `off * 128`, scales at `128 * page_size + off * 4`.
+- D = 128, indexer cache: 128-point Walsh-Hadamard transform times 1/sqrt(128), then
+  - FP8 (default): e4m3 with one plain fp32 scale per token, `scale = max(amax, 1e-4) / 448`,
+    `q = e4m3(y / scale)`. Page of `132 * page_size` bytes: codes at `off * 128`, scales at
+    `128 * page_size + off * 4`;
+  - FP4 (`fp4=True`): e2m1 codes with one UE8M0 exponent per 32 values (`custom_ops.fp4_layout`). Page of
+    `68 * page_size` bytes: codes at `off * 64`, exponents at `64 * page_size + off * 4`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from custom_ops.dsv4_compress_common import (
     read_decode_plan,
 )
 from custom_ops.flashmla_writes import rms_norm_factor, walsh_hadamard
+from custom_ops.fp4_layout import quantize_groups_e2m1
 from custom_ops.fp8_layout import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -42,22 +46,31 @@ from custom_ops.fp8_layout import (
 from custom_ops.rope import apply_rope_interleaved
 
 INDEXER_DIM = 128
-INDEXER_TOKEN_BYTES = INDEXER_DIM + 4
+SCALE_BYTES = 4  # per indexer token: one fp32 scale (FP8) or 4 UE8M0 exponents (FP4)
 
 LIB.define(
     "dsv4_compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float eps, Tensor freqs, "
-    "Tensor out_loc, Tensor(a!) kvcache, int page_size, int ratio, bool decode) -> ()"
+    "Tensor out_loc, Tensor(a!) kvcache, int page_size, int ratio, bool decode, bool fp4=False) -> ()"
 )
 
 
-def indexer_page_bytes(page_size: int) -> int:
-    """Bytes per page of the indexer FP8 cache: 128 codes + one fp32 scale per token."""
-    return INDEXER_TOKEN_BYTES * page_size
+def _indexer_code_bytes(fp4: bool) -> int:
+    return INDEXER_DIM // 2 if fp4 else INDEXER_DIM
 
 
-def cache_page_bytes(head_dim: int, page_size: int) -> int:
+def indexer_page_bytes(page_size: int, fp4: bool = False) -> int:
+    """Bytes per page of the indexer cache: per token 128 FP8 codes + an fp32 scale, or 64 bytes of FP4 codes +
+    4 UE8M0 exponents."""
+    return (_indexer_code_bytes(fp4) + SCALE_BYTES) * page_size
+
+
+def cache_page_bytes(head_dim: int, page_size: int, fp4: bool = False) -> int:
     """Row width of the cache `compress_norm_rope_store` writes for `head_dim` (512: FlashMLA, 128: indexer)."""
-    return flashmla_page_bytes(page_size) if head_dim == 512 else indexer_page_bytes(page_size)
+    if head_dim == 512:
+        if fp4:
+            raise ValueError("fp4: only the indexer cache (head_dim 128) has an FP4 layout")
+        return flashmla_page_bytes(page_size)
+    return indexer_page_bytes(page_size, fp4)
 
 
 def compress_norm_rope_store(
@@ -71,8 +84,9 @@ def compress_norm_rope_store(
     page_size: int,
     ratio: int,
     decode: bool,
+    fp4: bool = False,
 ) -> None:
-    """Normalize, rotate, quantize and store compressed entries into a paged FP8 cache.
+    """Normalize, rotate, quantize and store compressed entries into a paged FP8 (or FP4 indexer) cache.
 
     | arg | shape | dtype | mutated | notes |
     |---|---|---|---|---|
@@ -82,22 +96,25 @@ def compress_norm_rope_store(
     | eps | float | | | RMSNorm epsilon |
     | freqs | [max_pos, 64] | fp32 | no | interleaved cos/sin table (`custom_ops.rope.precompute_freqs`) |
     | out_loc | [N] (prefill) or [R] (decode) | int32/int64 | no | cache slot per query token / request; < 0 skips |
-    | kvcache | [pages, page_bytes] | uint8 | yes | `cache_page_bytes(D, page_size)` bytes per row |
+    | kvcache | [pages, page_bytes] | uint8 | yes | `cache_page_bytes(D, page_size, fp4)` bytes per row |
     | page_size | int | | | power of two |
     | ratio | int | | | 4 or 128 |
     | decode | bool | | | plan layout |
+    | fp4 | bool | | | indexer only (D = 128): FP4 e2m1 codes with UE8M0 group scales instead of FP8 |
     """
     torch.ops.dspark.dsv4_compress_norm_rope_store(
-        kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode
+        kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4
     )
 
 
-def _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio) -> int:
+def _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio, fp4) -> int:
     if ratio not in (4, 128):
         raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
     if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[1] not in (INDEXER_DIM, 512):
         raise ValueError(f"kv: expected shape [rows, 128 or 512], got {tuple(getattr(kv, 'shape', ()))}")
     d = kv.shape[1]
+    if fp4 and d != INDEXER_DIM:
+        raise ValueError(f"fp4: only the indexer store (kv of width {INDEXER_DIM}) has an FP4 layout, got width {d}")
     check_matrix("kv", kv, d, (torch.float32,))
     dev = kv.device
     check_plan("plan", plan, 16, dev)
@@ -111,7 +128,7 @@ def _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio) -> 
         raise TypeError(f"out_loc: expected a 1-D int32/int64 tensor, got {out_loc.dtype} {tuple(out_loc.shape)}")
     if isinstance(page_size, bool) or page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size: expected a power of two, got {page_size}")
-    width = cache_page_bytes(d, page_size)
+    width = cache_page_bytes(d, page_size, fp4)
     if kvcache.dtype != torch.uint8 or kvcache.dim() != 2 or kvcache.shape[1] != width:
         raise ValueError(f"kvcache: expected uint8 [pages, {width}], got {kvcache.dtype} {tuple(kvcache.shape)}")
     if not kvcache.is_contiguous():
@@ -138,19 +155,22 @@ def _rows_to_store(plan, out_loc, ratio: int, decode: bool):
     return rows, loc[rows], p.seq_len[rows] - ratio
 
 
-def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, codes: torch.Tensor, scale):
+def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, codes: torch.Tensor, scales):
+    """Write each token's code bytes at `off * C` and its 4 scale bytes at `C * page_size + off * 4` of its page."""
     flat = kvcache.view(-1)
+    codes, scales = codes.view(torch.uint8), scales.contiguous().view(torch.uint8)
+    code_bytes = codes.shape[1]
     page, off = loc // page_size, loc % page_size
-    base = page * indexer_page_bytes(page_size)
-    value = base[:, None] + off[:, None] * INDEXER_DIM + torch.arange(INDEXER_DIM, device=loc.device)
-    scale_at = base[:, None] + INDEXER_DIM * page_size + off[:, None] * 4 + torch.arange(4, device=loc.device)
-    flat[value.reshape(-1)] = codes.view(torch.uint8).reshape(-1)
-    flat[scale_at.reshape(-1)] = scale.contiguous().view(torch.uint8).reshape(-1)
+    base = page * (code_bytes + SCALE_BYTES) * page_size
+    value = base[:, None] + off[:, None] * code_bytes + torch.arange(code_bytes, device=loc.device)
+    scale_at = base[:, None] + code_bytes * page_size + off[:, None] * SCALE_BYTES
+    flat[value.reshape(-1)] = codes.reshape(-1)
+    flat[(scale_at + torch.arange(SCALE_BYTES, device=loc.device)).reshape(-1)] = scales.reshape(-1)
 
 
 @torch.library.impl(LIB, "dsv4_compress_norm_rope_store", "CPU")
-def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode):
-    d = _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio)
+def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
+    d = _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio, fp4)
     rows, loc, pos = _rows_to_store(plan, out_loc, ratio, decode)
     x = kv[rows].float()
     y = x * rms_norm_factor(x, eps) * norm_weight
@@ -160,13 +180,16 @@ def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, r
         scatter_flashmla_rows(kvcache, page_size, loc, codes, rope.bfloat16(), exponents)
         return
     y = walsh_hadamard(torch.cat([y[:, : d - ROPE_DIM], rope], 1)) * INDEXER_DIM**-0.5
+    if fp4:
+        _scatter_indexer(kvcache, page_size, loc, *quantize_groups_e2m1(y))
+        return
     scale = y.abs().amax(1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
     _scatter_indexer(kvcache, page_size, loc, quantize_e4m3(y / scale), scale)
 
 
 @torch.library.register_fake("dspark::dsv4_compress_norm_rope_store")
-def _store_fake(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode):
-    _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio)
+def _store_fake(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
+    _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio, fp4)
 
 
 _build.register_cuda_entry(LIB, "dsv4_compress_norm_rope_store")

@@ -249,13 +249,25 @@ class DSV4Compressor(torch.nn.Module):
         out_loc: torch.Tensor,
         kvcache: torch.Tensor,
         page_size: int,
+        fp4: bool = False,
     ) -> None:
-        """RMSNorm -> RoPE -> FP8 store of `out`'s entries into `kvcache` (`dsv4_compress_norm_rope_store`).
+        """RMSNorm -> RoPE -> FP8 (or FP4) store of `out`'s entries into `kvcache` (`dsv4_compress_norm_rope_store`).
 
         `out_loc`: cache slot per query token (prefill/extend) or per request (decode); negative skips.
-        `kvcache`: FlashMLA V4 layout for head_dim 512, indexer FP8 layout for 128 (`cache_page_bytes`).
+        `kvcache`: FlashMLA V4 layout for head_dim 512, indexer FP8 (or with `fp4`, FP4) layout for 128
+        (`cache_page_bytes`).
         """
         weight = self.norm_weight.detach().float()
         compress_norm_rope_store(
-            out.entries, out.plan, weight, self.norm_eps, freqs, out_loc, kvcache, page_size, self.ratio, out.decode
+            out.entries,
+            out.plan,
+            weight,
+            self.norm_eps,
+            freqs,
+            out_loc,
+            kvcache,
+            page_size,
+            self.ratio,
+            out.decode,
+            fp4,
         )

@@ -168,8 +168,8 @@ FREQS = precompute_freqs(8192, 64, 160000.0, original_seq_len=65536, factor=16.0
 
 
 @pytest.mark.parametrize("decode", [False, True])
-@pytest.mark.parametrize("d", [512, 128])
-def test_store_cuda_equals_cpu(d, decode):
+@pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
+def test_store_cuda_equals_cpu(d, fp4, decode):
     g = torch.Generator().manual_seed(d)
     ratio = 4
     if decode:
@@ -184,12 +184,13 @@ def test_store_cuda_equals_cpu(d, decode):
     kv = torch.randn(plan.shape[0], d, generator=g) * 4
     w = torch.rand(d, generator=g) + 0.5
     page_size = 64
-    cache = torch.randint(0, 256, (1024 // page_size, cache_page_bytes(d, page_size)), dtype=torch.uint8, generator=g)
+    shape = (1024 // page_size, cache_page_bytes(d, page_size, fp4))
+    cache = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     want = cache.clone()
-    compress_norm_rope_store(kv, plan, w, 1e-6, FREQS, out_loc, want, page_size, ratio, decode)
+    compress_norm_rope_store(kv, plan, w, 1e-6, FREQS, out_loc, want, page_size, ratio, decode, fp4)
     got = cache.cuda()
     compress_norm_rope_store(
-        kv.cuda(), plan.cuda(), w.cuda(), 1e-6, FREQS.cuda(), out_loc.cuda(), got, page_size, ratio, decode
+        kv.cuda(), plan.cuda(), w.cuda(), 1e-6, FREQS.cuda(), out_loc.cuda(), got, page_size, ratio, decode, fp4
     )
     diff = (got.cpu() != want).sum().item()
     assert diff <= max(1, want.numel() // 100000), f"{diff} bytes differ"

@@ -78,6 +78,7 @@ template <typename T> inline T __shfl_up_sync(unsigned, T v, int o) {
   return lane_exchange(v, lane - o, lane >= o);
 }
 using std::fmaxf;
+using std::fminf;
 """,
     "cuda_bf16.h": r"""
 #pragma once
@@ -236,11 +237,13 @@ extern "C" void emu_plan(int online, int prefill, const int64_t* seq, const int6
 
 extern "C" void emu_store(const float* kv, const uint8_t* plan, const float* w, float eps, const float* freqs,
                           const int64_t* out_loc, int64_t loc_len, uint8_t* cache, int64_t page_bytes, int log2ps,
-                          int64_t rows, int ratio, int decode, int d) {
+                          int64_t rows, int ratio, int decode, int d, int fp4) {
   const StoreArgs a{kv,    plan,       w,      eps,  freqs, out_loc, true,
                     loc_len, cache, page_bytes, log2ps, rows, ratio, bool(decode)};
   launch(cdiv(rows, kStoreWarps), kStoreThreads, false, [&] {
-    if (d == 512) store_flashmla_kernel(a); else store_indexer_kernel(a);
+    if (d == 512) store_flashmla_kernel(a);
+    else if (fp4) store_indexer_kernel<true>(a);
+    else store_indexer_kernel<false>(a);
   });
 }
 """
@@ -439,8 +442,8 @@ def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
 
 
 @pytest.mark.parametrize("decode", [True, False])
-@pytest.mark.parametrize("d", [512, 128])
-def test_emulated_store_kernels_write_the_reference_bytes(emu, d, decode):
+@pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
+def test_emulated_store_kernels_write_the_reference_bytes(emu, d, fp4, decode):
     g = torch.Generator().manual_seed(d + decode)
     freqs = precompute_freqs(4096, 64, 160000.0, original_seq_len=65536, factor=16.0)
     ratio = 4
@@ -455,10 +458,10 @@ def test_emulated_store_kernels_write_the_reference_bytes(emu, d, decode):
         out_loc = torch.randperm(500, generator=g)[:241] - 10
     kv = torch.randn(plan.shape[0], d, generator=g) * 3
     w = torch.rand(d, generator=g) + 0.5
-    cache = torch.randint(0, 256, (32, cache_page_bytes(d, 16)), dtype=torch.uint8, generator=g)
+    cache = torch.randint(0, 256, (32, cache_page_bytes(d, 16, fp4)), dtype=torch.uint8, generator=g)
     before = cache.clone()
     want = cache.clone()
-    compress_norm_rope_store(kv, plan, w, 1e-6, freqs, out_loc, want, 16, ratio, decode)
+    compress_norm_rope_store(kv, plan, w, 1e-6, freqs, out_loc, want, 16, ratio, decode, fp4)
     assert not torch.equal(want, before)
     out_loc = out_loc.long()
     emu.emu_store(
@@ -476,5 +479,6 @@ def test_emulated_store_kernels_write_the_reference_bytes(emu, d, decode):
         i32(ratio),
         i32(decode),
         i32(d),
+        i32(fp4),
     )
     assert torch.equal(cache, want)

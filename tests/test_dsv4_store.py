@@ -1,4 +1,4 @@
-"""compress_norm_rope_store: FlashMLA (D = 512) and indexer (D = 128) FP8 stores against an fp64 formula."""
+"""compress_norm_rope_store: FlashMLA (D = 512) and indexer (D = 128) FP8 / FP4 stores against an fp64 formula."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def _expected(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, hadamard: boo
     return y
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the e2m1 magnitudes, written out independently of fp4_layout
+
+
 def _decode_indexer(cache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
     flat = cache.view(-1)
     out = []
@@ -47,9 +50,28 @@ def _decode_indexer(cache: torch.Tensor, page_size: int, slots: torch.Tensor) ->
     return torch.stack(out)
 
 
-def _touched(cache: torch.Tensor, page_size: int, slots: list[int], d: int) -> torch.Tensor:
+def _decode_indexer_fp4(cache: torch.Tensor, page_size: int, slots: torch.Tensor):
+    """fp64 values and the per-32 scales 2^(e-127) of FP4 indexer slots (nibbles: even element low, bit 3 sign)."""
+    flat = cache.view(-1)
+    values, scales = [], []
+    for loc in slots.tolist():
+        base = (loc // page_size) * cache.shape[1]
+        off = loc % page_size
+        row = []
+        for byte in flat[base + off * 64 : base + off * 64 + 64].tolist():
+            for nibble in (byte & 0xF, byte >> 4):
+                row.append(-E2M1[nibble & 7] if nibble & 8 else E2M1[nibble & 7])
+        exps = flat[base + 64 * page_size + off * 4 : base + 64 * page_size + off * 4 + 4].double()
+        scale = torch.pow(2.0, exps - 127)
+        values.append(torch.tensor(row, dtype=torch.float64) * scale.repeat_interleave(32))
+        scales.append(scale)
+    return torch.stack(values), torch.stack(scales)
+
+
+def _touched(cache: torch.Tensor, page_size: int, slots: list[int], d: int, fp4: bool) -> torch.Tensor:
     """Mask of the bytes the store may write for `slots` (payload regions only)."""
     mask = torch.zeros(cache.numel(), dtype=torch.bool)
+    codes = 64 if fp4 else 128
     for loc in slots:
         base = (loc // page_size) * cache.shape[1]
         off = loc % page_size
@@ -57,17 +79,30 @@ def _touched(cache: torch.Tensor, page_size: int, slots: list[int], d: int) -> t
             mask[base + off * 576 : base + off * 576 + 576] = True
             mask[base + page_size * 576 + off * 8 : base + page_size * 576 + off * 8 + 7] = True
         else:
-            mask[base + off * 128 : base + off * 128 + 128] = True
-            mask[base + 128 * page_size + off * 4 : base + 128 * page_size + off * 4 + 4] = True
+            mask[base + off * codes : base + off * codes + codes] = True
+            mask[base + codes * page_size + off * 4 : base + codes * page_size + off * 4 + 4] = True
     return mask
 
 
-def _check_store(kv, w, pos, slots, cache, before, page_size):
+def _check_fp4(got: torch.Tensor, scales: torch.Tensor, want: torch.Tensor) -> None:
+    """Per group of 32: the scale is the smallest power of two >= amax / 6, every value the nearest e2m1 step."""
+    groups = want.reshape(-1, 4, 32)
+    floor = groups.abs().amax(-1).clamp(min=1e-4) / 6
+    assert (scales >= floor * (1 - 1e-6)).all() and (scales < 2 * floor * (1 + 1e-6)).all()
+    v = groups.abs() / scales[..., None]
+    half_step = torch.where(v < 2, 0.25, torch.where(v < 4, 0.5, 1.0)) * scales[..., None]
+    err = (got.reshape(-1, 4, 32) - groups).abs()
+    assert (err <= half_step * (1 + 1e-5) + 1e-7).all(), (err / half_step).amax()
+
+
+def _check_store(kv, w, pos, slots, cache, before, page_size, fp4=False):
     d = kv.shape[1]
     want = _expected(kv, w, pos, hadamard=d == 128)
-    untouched = ~_touched(cache, page_size, slots.tolist(), d)
+    untouched = ~_touched(cache, page_size, slots.tolist(), d, fp4)
     assert torch.equal(cache.view(-1)[untouched], before.view(-1)[untouched]), "bytes outside the slots changed"
-    if d == 512:
+    if fp4:
+        _check_fp4(*_decode_indexer_fp4(cache, page_size, slots), want)
+    elif d == 512:
         got = dequantize_flashmla_cache(cache, page_size, slots).double()
         tiles = want[:, :448].reshape(-1, 7, 64).abs().amax(-1).clamp(min=1e-4)
         scale = torch.exp2(torch.ceil(torch.log2(tiles / 448)))
@@ -80,9 +115,9 @@ def _check_store(kv, w, pos, slots, cache, before, page_size):
         assert ((got - want).abs() <= amax / 448 * 16 + 1e-6).all()
 
 
-@pytest.mark.parametrize("d", [512, 128])
+@pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
 @pytest.mark.parametrize("ratio", [4, 128])
-def test_prefill_store(d, ratio):
+def test_prefill_store(d, fp4, ratio):
     g = torch.Generator().manual_seed(d + ratio)
     seq = torch.tensor([3 * ratio + 1, 2 * ratio])
     ext = torch.tensor([2 * ratio + 3, 2 * ratio])
@@ -93,20 +128,21 @@ def test_prefill_store(d, ratio):
     page_size = 16
     out_loc = torch.randperm(1024, generator=g)[:n] + 1
     out_loc[int(plan_c.view(torch.int32)[1, 1]) & 0xFFFF] = -1  # the second entry's slot: skipped
-    cache = torch.randint(0, 256, (1040 // page_size, cache_page_bytes(d, page_size)), dtype=torch.uint8, generator=g)
+    shape = (1040 // page_size, cache_page_bytes(d, page_size, fp4))
+    cache = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     before = cache.clone()
-    compress_norm_rope_store(kv, plan_c, w, EPS, FREQS, out_loc, cache, page_size, ratio, decode=False)
+    compress_norm_rope_store(kv, plan_c, w, EPS, FREQS, out_loc, cache, page_size, ratio, decode=False, fp4=fp4)
     c = plan_c.view(torch.int32)
     valid = (c[:, 0] != -1).nonzero().squeeze(1)
     ragged = c[valid, 1] & 0xFFFF
     keep = out_loc[ragged] >= 0
     rows, slots = valid[keep], out_loc[ragged[keep]]
     assert valid.numel() == 5 and rows.numel() == 4  # 3 + 2 windows closed, one slot negative
-    _check_store(kv[rows], w, c[rows, 0].long() - ratio, slots, cache, before, page_size)
+    _check_store(kv[rows], w, c[rows, 0].long() - ratio, slots, cache, before, page_size, fp4)
 
 
-@pytest.mark.parametrize("d", [512, 128])
-def test_decode_store_skips_rows_without_entries(d):
+@pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
+def test_decode_store_skips_rows_without_entries(d, fp4):
     g = torch.Generator().manual_seed(d)
     ratio = 4
     seq = torch.tensor([8, 9, 12, 16, 0], dtype=torch.int32)
@@ -115,21 +151,22 @@ def test_decode_store_skips_rows_without_entries(d):
     kv = torch.randn(5, d, generator=g)
     w = torch.rand(d, generator=g) + 0.5
     out_loc = torch.tensor([3, 5, -1, 6, 7], dtype=torch.int32)
-    cache = torch.randint(0, 256, (4, cache_page_bytes(d, 2)), dtype=torch.uint8, generator=g)
+    cache = torch.randint(0, 256, (4, cache_page_bytes(d, 2, fp4)), dtype=torch.uint8, generator=g)
     before = cache.clone()
-    compress_norm_rope_store(kv, plan, w, EPS, FREQS, out_loc, cache, 2, ratio, decode=True)
+    compress_norm_rope_store(kv, plan, w, EPS, FREQS, out_loc, cache, 2, ratio, decode=True, fp4=fp4)
     rows = torch.tensor([0, 3])  # row 1: 9 % 4 != 0; row 2: slot -1; row 4: padded
-    _check_store(kv[rows], w, seq[rows].long() - ratio, out_loc[rows].long(), cache, before, 2)
+    _check_store(kv[rows], w, seq[rows].long() - ratio, out_loc[rows].long(), cache, before, 2, fp4)
 
 
-def test_opcheck_store():
+@pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, True)])
+def test_opcheck_store(d, fp4):
     g = torch.Generator().manual_seed(0)
     plan = plan_decode(torch.tensor([8, 128]), torch.tensor([0, 1]), None, None, 4, 8)
-    cache = torch.zeros(4, cache_page_bytes(512, 2), dtype=torch.uint8)
+    cache = torch.zeros(4, cache_page_bytes(d, 2, fp4), dtype=torch.uint8)
     args = (
-        torch.randn(2, 512, generator=g),
+        torch.randn(2, d, generator=g),
         plan,
-        torch.ones(512),
+        torch.ones(d),
         EPS,
         FREQS,
         torch.tensor([1, 4]),
@@ -137,6 +174,7 @@ def test_opcheck_store():
         2,
         4,
         True,
+        fp4,
     )
     torch.library.opcheck(torch.ops.dspark.dsv4_compress_norm_rope_store, args)
 
@@ -151,6 +189,7 @@ def test_opcheck_store():
         (lambda a: a.update(kvcache=torch.zeros(4, 100, dtype=torch.uint8)), ValueError, "kvcache"),
         (lambda a: a.update(page_size=3), ValueError, "page_size"),
         (lambda a: a.update(ratio=2), ValueError, "ratio"),
+        (lambda a: a.update(fp4=True), ValueError, "fp4"),
     ],
 )
 def test_store_bad_inputs(change, err, match):

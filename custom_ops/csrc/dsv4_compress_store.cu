@@ -18,14 +18,14 @@ void check_on(const at::Tensor& t, const char* name, const at::Tensor& kv) {
   TORCH_CHECK_VALUE(t.device() == kv.device(), name, ": expected a tensor on ", kv.device(), ", got ", t.device());
 }
 
-int64_t cache_page_bytes(int64_t d, int64_t page_size) {
-  if (d == kIndexerDim) return (kIndexerDim + 4) * page_size;
+int64_t cache_page_bytes(int64_t d, int64_t page_size, bool fp4) {
+  if (d == kIndexerDim) return ((fp4 ? kIndexerDim / 2 : kIndexerDim) + 4) * page_size;
   return ((kValueBytes + kScaleBytes) * page_size + kValueBytes - 1) / kValueBytes * kValueBytes;
 }
 
 void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, const at::Tensor& norm_weight,
                               double eps, const at::Tensor& freqs, const at::Tensor& out_loc, at::Tensor& kvcache,
-                              int64_t page_size, int64_t ratio, bool decode) {
+                              int64_t page_size, int64_t ratio, bool decode, bool fp4) {
   TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
   TORCH_CHECK_VALUE(kv.is_cuda(), "kv: expected a CUDA tensor, got ", kv.device());
   TORCH_CHECK_VALUE(kv.dim() == 2 && (kv.size(1) == kIndexerDim || kv.size(1) == kHeadDim),
@@ -33,6 +33,8 @@ void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, cons
   TORCH_CHECK_TYPE(kv.scalar_type() == at::kFloat, "kv: expected float32, got ", kv.scalar_type());
   TORCH_CHECK_VALUE(kv.is_contiguous(), "kv: expected a contiguous tensor");
   const int64_t d = kv.size(1);
+  TORCH_CHECK_VALUE(!fp4 || d == kIndexerDim,
+                    "fp4: only the indexer store (kv of width 128) has an FP4 layout, got width ", num(d));
   TORCH_CHECK_TYPE(plan.scalar_type() == at::kByte, "plan: expected uint8 plan bytes, got ", plan.scalar_type());
   TORCH_CHECK_VALUE(plan.dim() == 2 && plan.size(1) == 16 && plan.is_contiguous() && plan.size(0) == kv.size(0),
                     "plan: expected a contiguous [", num(kv.size(0)), ", 16] uint8 tensor, got ", dims(plan.sizes()));
@@ -47,7 +49,7 @@ void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, cons
                    "out_loc: expected a contiguous 1-D int32/int64 tensor, got ", lt, " ", dims(out_loc.sizes()));
   TORCH_CHECK_VALUE(page_size >= 1 && (page_size & (page_size - 1)) == 0, "page_size: expected a power of two, got ",
                     num(page_size));
-  const int64_t width = cache_page_bytes(d, page_size);
+  const int64_t width = cache_page_bytes(d, page_size, fp4);
   TORCH_CHECK_VALUE(
       kvcache.scalar_type() == at::kByte && kvcache.dim() == 2 && kvcache.size(1) == width && kvcache.is_contiguous(),
       "kvcache: expected a contiguous uint8 [pages, ", num(width), "] tensor, got ", dims(kvcache.sizes()));
@@ -60,6 +62,8 @@ void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, cons
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name,
                       ": expected a 16-byte aligned tensor (CUDA kernel)");
   }
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(kvcache.data_ptr()) % 4 == 0,
+                    "kvcache: expected a 4-byte aligned tensor (CUDA kernel)");
   if (kv.size(0) == 0) return;
 
   StoreArgs a{};
@@ -83,8 +87,10 @@ void compress_norm_rope_store(const at::Tensor& kv, const at::Tensor& plan, cons
   const unsigned blocks = static_cast<unsigned>((a.rows + kStoreWarps - 1) / kStoreWarps);
   if (d == kHeadDim) {
     store_flashmla_kernel<<<blocks, kStoreThreads, 0, stream>>>(a);
+  } else if (fp4) {
+    store_indexer_kernel<true><<<blocks, kStoreThreads, 0, stream>>>(a);
   } else {
-    store_indexer_kernel<<<blocks, kStoreThreads, 0, stream>>>(a);
+    store_indexer_kernel<false><<<blocks, kStoreThreads, 0, stream>>>(a);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -6,7 +6,8 @@
 // - D = 512: one warp per entry, lane l owns dims [16 l, 16 l + 16) (lanes 0..27 the 7 nope tiles, 28..31 RoPE);
 //   the normed nope values are rounded to bf16 and back before the UE8M0 tile quantization.
 // - D = 128 (indexer): one warp per entry, lane l owns dims [4 l, 4 l + 4); RoPE on lanes 16..31, Walsh-Hadamard
-//   (stages 1, 2 in registers, 4..64 across lanes) times 1/sqrt(128), FP8 with one plain fp32 scale per entry.
+//   (stages 1, 2 in registers, 4..64 across lanes) times 1/sqrt(128), then FP8 with one plain fp32 scale per
+//   entry, or (kFp4) e2m1 codes with one UE8M0 exponent per 32 dims (8 lanes), as in custom_ops/fp4_layout.py.
 #pragma once
 
 #include "dsv4_compress_kernels.cuh"
@@ -17,6 +18,17 @@ namespace dsv4 {
 
 constexpr int kStoreWarps = 8;
 constexpr int kStoreThreads = 32 * kStoreWarps;
+constexpr int kFp4GroupLanes = 8;  // 32 dims per UE8M0 exponent
+constexpr float kE2m1Max = 6.0f;
+
+// e2m1 code of y * inv (inv a power of two): magnitude = number of thresholds strictly below min(|y * inv|, 6)
+// (nearest e2m1 value, ties to the smaller), sign bit 0x8 only with a nonzero magnitude.
+__device__ __forceinline__ uint32_t e2m1_code(float y, float inv) {
+  const float v = fminf(fabsf(__fmul_rn(y, inv)), kE2m1Max);
+  const uint32_t magnitude = static_cast<uint32_t>((v > 0.25f) + (v > 0.75f) + (v > 1.25f) + (v > 1.75f) + (v > 2.5f) +
+                                                   (v > 3.5f) + (v > 5.0f));
+  return magnitude | (y < 0.0f && magnitude != 0u ? 0x8u : 0u);
+}
 
 struct StoreArgs {
   const float* kv;  // [rows, d] fp32 contiguous
@@ -82,6 +94,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_flashmla_kernel(const Sto
   store_flashmla_row(a.cache, a.page_bytes, a.log2_page_size, loc, lane, x);
 }
 
+template <bool kFp4>
 __global__ void __launch_bounds__(kStoreThreads) store_indexer_kernel(const StoreArgs a) {
   constexpr int kPer = kIndexerDim / 32;                      // 4 dims per lane
   constexpr int kRopeLane = (kIndexerDim - kRopeDim) / kPer;  // 16
@@ -109,15 +122,24 @@ __global__ void __launch_bounds__(kStoreThreads) store_indexer_kernel(const Stor
     const float t[kPer] = {f.x, f.y, f.z, f.w};
     rotate_pairs(x, t);
   }
-  const float amax = hadamard128_amax(x, lane);
-  const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
-  const uint32_t codes = fp8x2(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale)) |
-                         (fp8x2(__fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale)) << 16);
   const int64_t page_size = int64_t{1} << a.log2_page_size;
   const int64_t slot = loc & (page_size - 1);
   uint8_t* page_ptr = a.cache + (loc >> a.log2_page_size) * a.page_bytes;
-  reinterpret_cast<uint32_t*>(page_ptr + slot * kIndexerDim)[lane] = codes;
-  if (lane == 0) *reinterpret_cast<float*>(page_ptr + page_size * kIndexerDim + slot * 4) = scale;
+  if constexpr (kFp4) {
+    const uint32_t e = ue8m0_exponent(hadamard128_amax<kFp4GroupLanes>(x, lane), kE2m1Max);
+    const float inv = __uint_as_float((254u - e) << 23);
+    const uint32_t codes = e2m1_code(x[0], inv) | (e2m1_code(x[1], inv) << 4) | (e2m1_code(x[2], inv) << 8) |
+                           (e2m1_code(x[3], inv) << 12);
+    reinterpret_cast<uint16_t*>(page_ptr + slot * (kIndexerDim / 2))[lane] = static_cast<uint16_t>(codes);
+    if (lane % kFp4GroupLanes == 0) page_ptr[page_size * (kIndexerDim / 2) + slot * 4 + lane / kFp4GroupLanes] = e;
+  } else {
+    const float amax = hadamard128_amax(x, lane);
+    const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+    const uint32_t codes = fp8x2(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale)) |
+                           (fp8x2(__fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale)) << 16);
+    reinterpret_cast<uint32_t*>(page_ptr + slot * kIndexerDim)[lane] = codes;
+    if (lane == 0) *reinterpret_cast<float*>(page_ptr + page_size * kIndexerDim + slot * 4) = scale;
+  }
 }
 
 }  // namespace dsv4

@@ -134,9 +134,9 @@ __device__ __forceinline__ uint32_t fp8x2(float a, float b) {
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
-// UE8M0 exponent of max(amax, 1e-4) / 448, rounded up.
-__device__ __forceinline__ uint32_t ue8m0_exponent(float amax) {
-  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max));
+// UE8M0 exponent of max(amax, 1e-4) / qmax (448 for e4m3, 6 for e2m1), rounded up.
+__device__ __forceinline__ uint32_t ue8m0_exponent(float amax, float qmax = kFp8Max) {
+  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, kAmaxFloor), qmax));
   return ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
 }
 
@@ -289,8 +289,10 @@ struct IndexerArgs {
 
 // fused_q_indexer_rope_hadamard_quant: one warp per (token, head), lane l owns dims [4 l, 4 l + 4).
 // 128-point Walsh-Hadamard transform of a row held as 4 floats per lane (lane l holds dims 4l .. 4l+3), scaled by
-// 128^-0.5, in place; returns the row's absolute maximum (warp-reduced). Stages h = 1, 2 run in registers, h = 4 ..
-// 64 across lanes (lane bit h / 4). Every step rounds to fp32 (`__f*_rn`) so the CPU reference can match bit for bit.
+// 128^-0.5, in place; returns the absolute maximum over each group of kGroupLanes lanes (32: the whole row; 8: the
+// 32 dims of an FP4 group). Stages h = 1, 2 run in registers, h = 4 .. 64 across lanes (lane bit h / 4). Every step
+// rounds to fp32 (`__f*_rn`) so the CPU reference can match bit for bit.
+template <int kGroupLanes = 32>
 __device__ __forceinline__ float hadamard128_amax(float (&x)[4], int lane) {
   const float y0 = __fadd_rn(x[0], x[1]), y1 = __fsub_rn(x[0], x[1]);
   const float y2 = __fadd_rn(x[2], x[3]), y3 = __fsub_rn(x[2], x[3]);
@@ -314,7 +316,7 @@ __device__ __forceinline__ float hadamard128_amax(float (&x)[4], int lane) {
     amax = fmaxf(amax, fabsf(x[k]));
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  for (int o = kGroupLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
   return amax;
 }
 
