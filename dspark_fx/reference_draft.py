@@ -127,7 +127,7 @@ class DraftKVLayer(nn.Module):
             self.v_proj = nn.Linear(cfg.hidden, cfg.kv_size, bias=bias, dtype=cfg.dtype)
         else:
             self.qkv_proj = nn.Linear(cfg.hidden, cfg.q_size + 2 * cfg.kv_size, bias=bias, dtype=cfg.dtype)
-        self.k_norm_weight = nn.Parameter(torch.empty(cfg.head_dim, dtype=cfg.dtype))
+        self.k_norm_weight = nn.Parameter(torch.ones(cfg.head_dim, dtype=cfg.dtype))
 
     def project(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
