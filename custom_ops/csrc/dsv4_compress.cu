@@ -112,8 +112,14 @@ CompressArgs make_args(const at::Tensor& state, const at::Tensor& kv_score, cons
   return a;
 }
 
-// Launches with programmatic dependent launch allowed: every kernel in dsv4_compress_kernels.cuh waits for the
-// previous kernel's memory (pdl_wait) before its first global access, so only the launch latency overlaps.
+int device_attribute(cudaDeviceAttr attr, const at::Tensor& on) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, on.device().index()));
+  return value;
+}
+
+// Launches with programmatic dependent launch allowed (sm_90+): every kernel in dsv4_compress_kernels.cuh waits
+// for the previous kernel's memory (pdl_wait) before its first global access, so only the launch latency overlaps.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, const at::Tensor& state, Args... args) {
   if (blocks == 0) return;
@@ -126,16 +132,14 @@ void launch(void (*kernel)(Params...), int64_t blocks, int threads, const at::Te
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = c10::cuda::getCurrentCUDAStream(state.device().index());
   config.attrs = &pdl;
-  config.numAttrs = 1;
+  config.numAttrs = device_attribute(cudaDevAttrComputeCapabilityMajor, state) >= 9 ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
 // One block per (plan row, channel split) for the c128 kernel.
 template <typename... Params>
 void launch_c128(void (*kernel)(Params...), const at::Tensor& state, const CompressArgs& a) {
-  int num_sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, state.device().index()));
-  const int splits = c128_splits(a.num_rows, a.d, num_sms);
+  const int splits = c128_splits(a.num_rows, a.d, device_attribute(cudaDevAttrMultiProcessorCount, state));
   launch(kernel, static_cast<int64_t>(a.num_rows) * splits, kC128Threads, state, a, splits);
 }
 
