@@ -46,7 +46,7 @@ from custom_ops.fp8_layout import (
 from custom_ops.rope import apply_rope_interleaved
 
 INDEXER_DIM = 128
-SCALE_BYTES = 4  # per indexer token: one fp32 scale (FP8) or 4 UE8M0 exponents (FP4)
+INDEXER_SCALE_BYTES = 4  # per token: one fp32 scale (FP8) or 4 UE8M0 exponents (FP4)
 
 LIB.define(
     "dsv4_compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float eps, Tensor freqs, "
@@ -54,14 +54,10 @@ LIB.define(
 )
 
 
-def _indexer_code_bytes(fp4: bool) -> int:
-    return INDEXER_DIM // 2 if fp4 else INDEXER_DIM
-
-
 def indexer_page_bytes(page_size: int, fp4: bool = False) -> int:
     """Bytes per page of the indexer cache: per token 128 FP8 codes + an fp32 scale, or 64 bytes of FP4 codes +
     4 UE8M0 exponents."""
-    return (_indexer_code_bytes(fp4) + SCALE_BYTES) * page_size
+    return ((INDEXER_DIM // 2 if fp4 else INDEXER_DIM) + INDEXER_SCALE_BYTES) * page_size
 
 
 def cache_page_bytes(head_dim: int, page_size: int, fp4: bool = False) -> int:
@@ -161,11 +157,11 @@ def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, c
     codes, scales = codes.view(torch.uint8), scales.contiguous().view(torch.uint8)
     code_bytes = codes.shape[1]
     page, off = loc // page_size, loc % page_size
-    base = page * (code_bytes + SCALE_BYTES) * page_size
+    base = page * (code_bytes + INDEXER_SCALE_BYTES) * page_size
     value = base[:, None] + off[:, None] * code_bytes + torch.arange(code_bytes, device=loc.device)
-    scale_at = base[:, None] + code_bytes * page_size + off[:, None] * SCALE_BYTES
+    scale_at = base[:, None] + code_bytes * page_size + off[:, None] * INDEXER_SCALE_BYTES
     flat[value.reshape(-1)] = codes.reshape(-1)
-    flat[(scale_at + torch.arange(SCALE_BYTES, device=loc.device)).reshape(-1)] = scales.reshape(-1)
+    flat[(scale_at + torch.arange(INDEXER_SCALE_BYTES, device=loc.device)).reshape(-1)] = scales.reshape(-1)
 
 
 @torch.library.impl(LIB, "dsv4_compress_norm_rope_store", "CPU")

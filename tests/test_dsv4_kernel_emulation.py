@@ -295,14 +295,9 @@ def _install(emu, monkeypatch, vec: bool = True, num_sms: int = 132) -> None:
     shape is chosen as for a GPU with `num_sms` SMs."""
     emu.emu_set_num_sms(i32(num_sms))
 
-    def offline(decode, state, kv, ape, plan, plan_w, ratio):
-        out = torch.full((plan.shape[0], ape.shape[1]), float("nan"))
-        plan_w = plan_w if plan_w is not None else torch.zeros(0, 8, dtype=torch.uint8)
-        emu.emu_offline(
-            i32(ratio == 4),
-            i32(decode),
-            i32(state.dtype == torch.bfloat16),
-            i32(vec),
+    def _tensor_args(state, kv, out, ape, plan, plan_w):
+        """The arguments emu_offline and emu_online share, after their flags."""
+        return (
             _p(state),
             i64(state.shape[0]),
             _p(kv),
@@ -316,6 +311,17 @@ def _install(emu, monkeypatch, vec: bool = True, num_sms: int = 132) -> None:
             i32(plan_w.shape[0]),
             i32(ape.shape[1]),
         )
+
+    def offline(decode, state, kv, ape, plan, plan_w, ratio):
+        out = torch.full((plan.shape[0], ape.shape[1]), float("nan"))
+        plan_w = plan_w if plan_w is not None else torch.zeros(0, 8, dtype=torch.uint8)
+        emu.emu_offline(
+            i32(ratio == 4),
+            i32(decode),
+            i32(state.dtype == torch.bfloat16),
+            i32(vec),
+            *_tensor_args(state, kv, out, ape, plan, plan_w),
+        )
         return out
 
     def online(decode, state, kv, ape, plan, plan_w):
@@ -323,18 +329,7 @@ def _install(emu, monkeypatch, vec: bool = True, num_sms: int = 132) -> None:
         plan_w = plan_w if plan_w is not None else torch.zeros(0, 16, dtype=torch.uint8)
         emu.emu_online(
             i32(decode),
-            _p(state),
-            i64(state.shape[0]),
-            _p(kv),
-            i64(kv.shape[0]),
-            i64(kv.stride(0)),
-            _p(out),
-            _p(ape),
-            _p(plan),
-            i32(plan.shape[0]),
-            _p(plan_w),
-            i32(plan_w.shape[0]),
-            i32(ape.shape[1]),
+            *_tensor_args(state, kv, out, ape, plan, plan_w),
         )
         return out
 

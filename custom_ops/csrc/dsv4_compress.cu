@@ -162,6 +162,23 @@ void dispatch_offline(const at::Tensor& state, const at::Tensor& kv_score, F&& f
   });
 }
 
+// The compress launch of a decode (kDecode) or prefill step: c4 one warp per (plan row, 128 channels), c128 one
+// block per (plan row, channel split).
+template <bool kDecode>
+void launch_compress(const at::Tensor& state, const at::Tensor& kv_score, const CompressArgs& a, int64_t ratio) {
+  dispatch_offline(state, kv_score, [&](auto ts, auto ti, auto vec) {
+    using TS = typename decltype(ts)::type;
+    using TI = typename decltype(ti)::type;
+    constexpr bool kVec = decltype(vec)::value;
+    if (ratio == 4) {
+      const int64_t warps = static_cast<int64_t>(a.num_rows) * (a.d / kSplit);
+      launch(c4_kernel<kDecode, TS, TI, kVec>, ceil_div(warps * 32, kC4Threads), kC4Threads, state, a);
+    } else {
+      launch_c128(c128_kernel<kDecode ? C128Mode::kDecode : C128Mode::kPrefill, TS, TI, kVec>, state, a);
+    }
+  });
+}
+
 void launch_writes(const at::Tensor& state, const at::Tensor& kv_score, const at::Tensor& ape,
                    const at::Tensor& plan_w, int64_t d, int64_t width) {
   const CompressArgs w = make_args(state, kv_score, ape, plan_w, nullptr, d);
@@ -180,19 +197,7 @@ at::Tensor compress_decode(at::Tensor& state, const at::Tensor& kv_score, const 
   TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", num(kv_score.size(0)),
                     " rows (one per kv_score row), got ", num(plan.size(0)));
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
-  const CompressArgs a = make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d);
-  const int64_t warps_per_row = d / kSplit;  // c4
-  dispatch_offline(state, kv_score, [&](auto ts, auto ti, auto vec) {
-    using TS = typename decltype(ts)::type;
-    using TI = typename decltype(ti)::type;
-    constexpr bool kVec = decltype(vec)::value;
-    if (ratio == 4) {
-      launch(c4_kernel<true, TS, TI, kVec>, ceil_div(plan.size(0) * warps_per_row * 32, kC4Threads), kC4Threads, state,
-             a);
-    } else {
-      launch_c128(c128_kernel<C128Mode::kDecode, TS, TI, kVec>, state, a);
-    }
-  });
+  launch_compress<true>(state, kv_score, make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d), ratio);
   return out;
 }
 
@@ -202,19 +207,7 @@ at::Tensor compress_prefill(at::Tensor& state, const at::Tensor& kv_score, const
   check_plan(plan_c, "plan_c", 16, state);
   check_plan(plan_w, "plan_w", 8, state);
   at::Tensor out = at::empty({plan_c.size(0), d}, kv_score.options().dtype(at::kFloat));
-  const CompressArgs a = make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d);
-  const int64_t warps_per_row = d / kSplit;  // c4
-  dispatch_offline(state, kv_score, [&](auto ts, auto ti, auto vec) {
-    using TS = typename decltype(ts)::type;
-    using TI = typename decltype(ti)::type;
-    constexpr bool kVec = decltype(vec)::value;
-    if (ratio == 4) {
-      launch(c4_kernel<false, TS, TI, kVec>, ceil_div(plan_c.size(0) * warps_per_row * 32, kC4Threads), kC4Threads,
-             state, a);
-    } else {
-      launch_c128(c128_kernel<C128Mode::kPrefill, TS, TI, kVec>, state, a);
-    }
-  });
+  launch_compress<false>(state, kv_score, make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d), ratio);
   launch_writes(state, kv_score, ape, plan_w, d, (ratio == 4 ? 4 : 2) * d);
   return out;
 }
