@@ -9,7 +9,15 @@ from custom_ops import (  # noqa: F401  (_library defines the dspark namespace f
     flashmla_writes,
     multi_linear,
 )
+from custom_ops.checks import checks, checks_enabled, set_checks
 from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
 from custom_ops.rope import precompute_freqs
 
-__all__ = ["dequantize_flashmla_cache", "flashmla_page_bytes", "precompute_freqs"]
+__all__ = [
+    "checks",
+    "checks_enabled",
+    "dequantize_flashmla_cache",
+    "flashmla_page_bytes",
+    "precompute_freqs",
+    "set_checks",
+]

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from custom_ops import checks
+
 __all__ = [
     "CUDA_FLAGS",
     "BuildError",
@@ -135,6 +137,7 @@ def load(verbose: bool = False) -> Path:
         except (RuntimeError, OSError) as e:
             raise BuildError(f"building the dspark CUDA ops in {build_dir} failed: {e}") from e
         _loaded = library_path()
+        checks.attach_native(_loaded)
         return _loaded
 
 
@@ -155,6 +158,7 @@ def load_prebuilt() -> bool:
             log.warning("could not load the prebuilt dspark CUDA ops %s (%s); rebuilding on first use", path, e)
             return False
         _loaded = path
+        checks.attach_native(path)
         return True
 
 
