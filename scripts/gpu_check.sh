@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, CUDA extension build, every CUDA-marked test, the benchmarks.
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all]   (logs under $OUT, default ./gpu_out)
+# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize]   (logs under $OUT, default ./gpu_out)
+# sanitize: build, then scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and
+# synccheck (every tensor its own allocation); the summary of each tool goes to $OUT/sanitize.txt.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -13,6 +15,17 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 if [ -f custom_ops/build.py ] && [ "$what" != bench ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
+fi
+if [ "$what" = sanitize ]; then
+  sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+  for tool in memcheck racecheck initcheck synccheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+      python3 scripts/sanitize_driver.py >"$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || status=1
+    echo "$tool rc=$rc $(grep -h 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" | tee -a "$OUT/sanitize.txt"
+  done
+  exit $status
 fi
 if [ "$what" != bench ]; then
   python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1

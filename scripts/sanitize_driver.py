@@ -1,0 +1,135 @@
+"""Call every dspark CUDA kernel at small and edge sizes: the workload `compute-sanitizer` checks.
+
+`bash scripts/gpu_check.sh sanitize` runs this script under memcheck, racecheck, initcheck and synccheck (with
+`PYTORCH_NO_CUDA_MEMORY_CACHING=1`, so every tensor is its own allocation and an out-of-bounds access cannot
+hide inside a cached block). The calls cover empty and single-row batches, odd sizes, strided inputs, negative
+and out-of-range slots, positions and request ids (which the kernels must skip), and every DSV4 compressor path
+(c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores).
+The script itself only checks that the results are finite where rows were written; the sanitizer does the rest.
+
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import custom_ops
+from custom_ops import _build
+from custom_ops.dsv4_compress_store import cache_page_bytes
+from custom_ops.dsv4_compressor import DSV4Compressor, PagedAddressing
+from custom_ops.fp8_layout import flashmla_page_bytes
+from custom_ops.rope import precompute_freqs
+
+DEV = "cuda"
+MAX_POS = 64
+
+
+def slots_with_edges(n: int, capacity: int, gen: torch.Generator) -> torch.Tensor:
+    """n distinct valid slots, with a negative, a just-out-of-range and a huge slot mixed in where n allows."""
+    slots = torch.randperm(max(capacity, 1), generator=gen)[:n].to(torch.int64)
+    edges = [-1, capacity, 2**62 + 7]
+    for i, value in enumerate(edges[: n // 3]):
+        slots[3 * i + 1] = value
+    return slots
+
+
+def positions_with_edges(n: int, gen: torch.Generator) -> torch.Tensor:
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    if n >= 4:
+        pos[1], pos[3] = -1, MAX_POS
+    return pos
+
+
+def flashmla_ops(gen: torch.Generator) -> None:
+    freqs = precompute_freqs(MAX_POS, device=DEV)
+    for page_size in (1, 64):
+        num_pages = 3
+        cache = torch.zeros(num_pages, flashmla_page_bytes(page_size), dtype=torch.uint8, device=DEV)
+        for b in (0, 1, 7, 33):
+            for dtype in (torch.bfloat16, torch.float32):
+                for index_dtype in (torch.int32, torch.int64):
+                    wide = torch.randn(b, 640, generator=gen).to(dtype).to(DEV)
+                    kv = wide[:, 64:576]  # row-strided view
+                    weight = torch.randn(512, generator=gen).to(dtype).to(DEV)
+                    pos = positions_with_edges(b, gen).to(index_dtype).to(DEV)
+                    loc64 = slots_with_edges(b, num_pages * page_size, gen)
+                    loc = (loc64.clamp(max=2**31 - 1) if index_dtype == torch.int32 else loc64).to(index_dtype)
+                    loc = loc.to(DEV)
+                    torch.ops.dspark.fused_k_norm_rope_flashmla(kv, weight, 1e-6, freqs, pos, loc, cache, page_size)
+                    torch.ops.dspark.store_flashmla_cache(kv, loc, cache, page_size)
+                    inplace = kv.clone()
+                    torch.ops.dspark.fused_norm_rope_inplace(inplace, weight, 1e-6, freqs, pos)
+                    q = torch.randn(b, 3, 512, generator=gen).to(dtype).to(DEV)
+                    q_out = torch.empty_like(q)
+                    torch.ops.dspark.fused_q_norm_rope(q, q_out, 1e-6, freqs, pos)
+                    qi = torch.randn(b, 5, 128, generator=gen).to(dtype).to(DEV)
+                    wi = torch.randn(b, 5, generator=gen).to(dtype).to(DEV)
+                    torch.ops.dspark.fused_q_indexer_rope_hadamard_quant(qi, wi, 0.1, freqs, pos)
+
+
+def dsv4_compressor(gen: torch.Generator, ratio: int, online: bool, paged: bool, head_dim: int) -> None:
+    hidden = 64
+    comp = DSV4Compressor(hidden, head_dim, ratio, online=online, device=DEV)
+    comp.reset_parameters(gen)
+    comp.to(DEV)
+    bs, rids = 3, torch.tensor([2, -1, 0], device=DEV)
+    addressing = None
+    if paged:
+        ctx, swa_page = 1024, 256
+        req_to_token = torch.arange(bs * ctx, dtype=torch.int32, device=DEV).view(bs, ctx)
+        addressing = PagedAddressing(req_to_token, torch.arange(bs * ctx, device=DEV), swa_page)
+        state = comp.new_state(num_rows=(bs * ctx // swa_page) * comp.window)
+    else:
+        state = comp.new_state(bs)
+    fp4 = head_dim == 128 and not online
+    page_size = 64
+    cache = torch.zeros(4, cache_page_bytes(head_dim, page_size, fp4), dtype=torch.uint8, device=DEV)
+    freqs = precompute_freqs(4 * ratio + 8, device=DEV)
+    seq = torch.zeros(bs, dtype=torch.int64, device=DEV)
+    for lens in ([ratio + 1, 2, 2 * ratio], [ratio - 1, 3, 1]):
+        ext = torch.tensor(lens, device=DEV)
+        seq = seq + ext
+        x = torch.randn(int(ext.sum()), hidden, generator=gen).to(DEV)
+        out = comp(x, state, seq, rids, extend_lens=ext, addressing=addressing)
+        loc = slots_with_edges(x.shape[0], cache.shape[0] * page_size, gen).to(DEV)
+        comp.store(out, freqs, loc, cache, page_size, fp4=fp4)
+    for _ in range(ratio + 1):
+        seq = seq + 1
+        x = torch.randn(bs, hidden, generator=gen).to(DEV)
+        out = comp(x, state, seq, rids, addressing=addressing)
+        loc = slots_with_edges(bs, cache.shape[0] * page_size, gen).to(DEV)
+        comp.store(out, freqs, loc, cache, page_size, fp4=fp4)
+
+
+def multi_linear(gen: torch.Generator) -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        weights = [torch.randn(rows, 256, generator=gen).to(dtype).to(DEV) for rows in (48, 17, 64)]
+        biases = [None, torch.randn(17, generator=gen).to(dtype).to(DEV), None]
+        for tokens in (0, 1, 7, 16, 64, 65):
+            x = torch.randn(tokens, 320, generator=gen).to(dtype).to(DEV)[:, 32:288]
+            out = torch.ops.dspark.multi_linear(x, weights, [0, 1, 8], [48, 16, 40], biases)
+            assert torch.isfinite(out).all()
+
+
+def main() -> None:
+    _build.load()
+    gen = torch.Generator().manual_seed(0)
+    flashmla_ops(gen)
+    for ratio, online, paged in ((4, False, False), (4, False, True), (128, False, False), (128, True, False)):
+        for head_dim in (512, 128):
+            dsv4_compressor(gen, ratio, online, paged, head_dim)
+    multi_linear(gen)
+    with custom_ops.checks():
+        loc = torch.tensor([0, 10**9], device=DEV)
+        cache = torch.zeros(1, flashmla_page_bytes(64), dtype=torch.uint8, device=DEV)
+        try:
+            torch.ops.dspark.store_flashmla_cache(torch.randn(2, 512, device=DEV), loc, cache, 64)
+        except ValueError as e:
+            print("checking mode raised:", e)
+    torch.cuda.synchronize()
+    print("sanitize driver: all kernels called")
+
+
+if __name__ == "__main__":
+    main()
