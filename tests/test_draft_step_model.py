@@ -1,0 +1,56 @@
+"""The HF-style draft of `benchmarks/draft_step.py` under the dspark passes (tiny dims, fp32, no Inductor codegen):
+it matches eager, the context K/V GEMMs of all layers become one `dspark.multi_linear` with one batched k_norm/RoPE,
+and context lengths share one symbolic graph (plus the T=1 graph)."""
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+draft_step = importlib.import_module("draft_step")
+
+CFG = draft_step.SMALL
+LAYERS = CFG.num_layers
+
+
+def _eager_and_compiled():
+    torch._dynamo.reset()
+    model = draft_step.build_draft(CFG, "cpu", torch.float32)
+    capture = CaptureBackend()
+    return model, torch.compile(copy.deepcopy(model), backend=capture), capture
+
+
+def _inputs(ctx_len: int) -> tuple:
+    return draft_step.draft_inputs(CFG, ctx_len, "cpu", torch.float32, seed=ctx_len)
+
+
+def test_context_kv_of_all_layers_fuse_into_one_multi_linear():
+    model, compiled, capture = _eager_and_compiled()
+    with torch.no_grad():
+        inputs = _inputs(9)
+        assert_close_for_dtype(compiled(*inputs), model(*inputs))
+    (report,) = capture.reports
+    (context,) = [group for group in report.groups if group.activation == "target_hidden"]
+    weights = [branch.split("[")[0] for branch in context.branches]
+    assert weights == [f"layers.{i}.{proj}_proj.weight" for i in range(LAYERS) for proj in ("k", "v")]
+    assert sorted(len(cls.branches) for cls in context.classes) == [LAYERS, LAYERS]  # K norm+RoPE, V views
+    before, after = op_counts(capture.before[0]), op_counts(capture.after[0])
+    assert before["aten.mm"] == 9 * LAYERS and before["dspark.multi_linear"] == 0
+    # context K/V: one group; per layer q/k/v and gate/up: one group each; o_proj and down_proj stay mm
+    assert after["dspark.multi_linear"] == 1 + 2 * LAYERS and after["aten.mm"] == 2 * LAYERS
+    assert after["aten.rsqrt"] == before["aten.rsqrt"] - (LAYERS - 1)  # the context k_norms run once
+
+
+def test_context_lengths_share_one_symbolic_graph():
+    model, compiled, capture = _eager_and_compiled()
+    with compile_counts() as counts, torch.no_grad():
+        for ctx_len in (1, 7, 16, 40):
+            inputs = _inputs(ctx_len)
+            assert_close_for_dtype(compiled(*inputs), model(*inputs))
+    assert counts["frames"] <= 2, f"compiled {counts['frames']} graphs for 4 context lengths"
+    capture.assert_fused(n_groups=1 + 2 * LAYERS)
