@@ -463,7 +463,7 @@ def test_other_ops_bad_inputs():
         ops.fused_q_indexer_rope_hadamard_quant(torch.randn(2, 3, 128), torch.randn(3, 2), 0.1, freqs, pos)
     with pytest.raises(ValueError, match=r"kv must have shape \(B, 512\)"):
         ops.fused_norm_rope_inplace(torch.randn(2, 576), torch.randn(512), EPS, freqs, pos)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         ops.fused_norm_rope_inplace(torch.randn(2, 512), torch.randn(512), -1.0, freqs, pos)
     with pytest.raises(ValueError, match="kvcache must have strides"):
         ops.store_flashmla_cache(torch.randn(2, 512), pos, torch.zeros(1152, 2, dtype=torch.uint8).t(), 1)
