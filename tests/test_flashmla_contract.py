@@ -15,10 +15,10 @@ from test_flashmla_writes import (
     EPS,
     MAX_POS,
     _assert_cache_acceptance,
-    _assert_rows_close,
     _fp8_ordinal,
     _gen,
     _k_inputs,
+    _tol,
     _written_mask,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -455,7 +455,10 @@ def _assert_matches_reference(name, got, want, before, valid, args):
         return
     if name in ("fused_q_norm_rope", "fused_norm_rope_inplace"):
         assert torch.equal(_bits(got[~valid]), _bits(before[~valid]))
-        _assert_rows_close(got[valid], want[valid], got.dtype)
+        tol = _tol(got.dtype)
+        torch.testing.assert_close(got[valid].double(), want[valid].double(), rtol=2 * tol, atol=4 * tol)
+        if valid.any():  # bit for bit except rare rounding ties (a few elements of a small batch)
+            assert (got[valid] == want[valid]).float().mean() >= 0.99
         return
     (got_q, got_w), (want_q, want_w) = got, want
     assert not _bits(got_q[~valid]).any() and not got_w[~valid].any()
@@ -470,9 +473,10 @@ def _reference_result(name, args):
     return ref[MUTATED[name]] if name in MUTATED else out
 
 
-def _run_cuda(name, args, graph):
+def _run_cuda(name, args, graph, checks_in_capture=False):
     """Run the op on CUDA copies of `args`, eagerly or as the replay of a captured CUDA graph (the mutated tensor
-    reset to its initial contents before the replay). Returns the result on CPU."""
+    reset to its initial contents before the replay; checking mode on during the capture if `checks_in_capture`).
+    Returns the result on CPU."""
     dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     mutated = dev.get(MUTATED.get(name))
     initial = mutated.clone() if mutated is not None else None
@@ -485,7 +489,7 @@ def _run_cuda(name, args, graph):
             _call(name, dev)  # warm-up: builds / loads the library outside the capture
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with custom_ops.checks(checks_in_capture), torch.cuda.graph(g):
             out = _call(name, dev)
         if mutated is not None:
             mutated.copy_(initial)
@@ -596,8 +600,7 @@ def test_cuda_checking_mode_is_skipped_during_graph_capture():
     valid = _break_rows(name, args)
     before = args["kvcache"].clone()
     want = _reference_result(name, args)
-    with custom_ops.checks():
-        got = _run_cuda(name, args, graph=True)
+    got = _run_cuda(name, args, graph=True, checks_in_capture=True)
     _assert_matches_reference(name, got, want, before, valid, args)
 
 
