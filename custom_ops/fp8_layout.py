@@ -24,6 +24,8 @@ Scale rule (UE8M0, exponent rounded UP): per tile `sraw = max(amax, 1e-4) / 448`
 
 import torch
 
+from custom_ops.checks import check_index_range
+
 HEAD_DIM = 512
 NOPE_DIM = 448
 ROPE_DIM = 64
@@ -160,8 +162,9 @@ def scatter_flashmla_rows(
 
 
 def dequantize_flashmla_cache(kvcache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """Decode the tokens at `slots` (N,) (all >= 0) of a V4 cache to fp32 (N, 512): nope codes times
-    `2^(e-127)`, rope as the stored bf16 values."""
+    """Decode the tokens at `slots` (N,) of a V4 cache to fp32 (N, 512): nope codes times `2^(e-127)`, rope as the
+    stored bf16 values. Every slot must lie in `[0, num_pages * page_size)` (`ValueError` otherwise; a debugging
+    helper, so it reads the slots on the host)."""
     if kvcache.dtype != torch.uint8 or kvcache.dim() != 2:
         raise TypeError(f"kvcache must be a 2-D uint8 tensor, got {kvcache.dtype} with {kvcache.dim()} dims")
     if kvcache.shape[1] != flashmla_page_bytes(page_size):
@@ -169,6 +172,8 @@ def dequantize_flashmla_cache(kvcache: torch.Tensor, page_size: int, slots: torc
             f"kvcache rows must be {flashmla_page_bytes(page_size)} bytes for page_size={page_size}, "
             f"got {kvcache.shape[1]}"
         )
+    capacity = kvcache.shape[0] * page_size
+    check_index_range("slots", slots, capacity, f"slots must be in [0, {capacity}) of this cache", negative_skips=False)
     flat = kvcache.reshape(-1)
     value_base, scale_base = flashmla_slot_offsets(slots, page_size)
     dev = kvcache.device

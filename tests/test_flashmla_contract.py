@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
 from custom_ops import flashmla_writes as fw
+from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
 
 ops = torch.ops.dspark
 
@@ -246,6 +247,16 @@ def test_references_skip_out_of_range_rows(name):
     sub_q, sub_w = REFERENCES[name](*_subset(name, want, rows).values())
     assert torch.equal(_bits(got[0][rows]), _bits(sub_q)) and torch.equal(got[1][rows], sub_w)
     assert not _bits(got[0][~valid]).any() and not got[1][~valid].any()
+
+
+@pytest.mark.parametrize("slot", [-1, -(2**40), 2 * 4, 2**62])
+def test_dequantize_rejects_out_of_range_slots(slot):
+    """A negative slot used to decode bytes from the end of the cache (negative indexing), a large one raised an
+    IndexError about a byte offset."""
+    cache = torch.randint(0, 256, (4, flashmla_page_bytes(2)), dtype=torch.uint8, generator=_gen(9))
+    message = f"slots[1] = {slot} is out of range: slots must be in [0, 8) of this cache"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dequantize_flashmla_cache(cache, 2, torch.tensor([0, slot]))
 
 
 # ---------------------------------------------------------------------------------------------- CPU: structure
@@ -648,3 +659,14 @@ def test_cuda_device_mismatch_names_the_argument_and_the_anchor(name, arg, messa
     args[arg] = args[arg].cpu()
     with pytest.raises(ValueError, match=re.escape(message)):
         _call(name, args)
+
+
+@pytest.mark.cuda
+def test_cuda_too_many_rows_raises_instead_of_wrapping_the_grid():
+    """Broadcast rows can exceed one grid (2**31 - 1 blocks of 8 rows); the block count must not wrap."""
+    rows = 8 * 2**32 + 8  # 2**32 + 1 blocks: a 32-bit grid size would wrap to 1
+    kv = torch.zeros(1, 512, device="cuda").expand(rows, 512)
+    out_loc = torch.full((1,), -1, device="cuda").expand(rows)
+    cache = torch.zeros(1, flashmla_page_bytes(2), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="too many rows for one launch"):
+        ops.store_flashmla_cache(kv, out_loc, cache, 2)

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -188,6 +189,8 @@ void launch(Kernel kernel, const Args& args, int64_t rows, const at::Device& dev
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(device);
   const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  // Broadcast (stride-0) inputs can ask for more rows than one grid holds; never let the block count wrap.
+  TORCH_CHECK_VALUE(blocks <= std::numeric_limits<int32_t>::max(), "too many rows for one launch: ", num(rows));
   kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream(device.index())>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
