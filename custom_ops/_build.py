@@ -168,7 +168,9 @@ def register_cuda_entry(lib: torch.library.Library, name: str) -> None:
 
     def entry(*args: object, **kwargs: object) -> object:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        device = tensors[0].device
+        # The first non-CPU tensor picks the backend (a CPU tensor mixed into a CUDA call reaches the binding, whose
+        # device check names it).
+        device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
         if device.type != "cuda":
             raise NotImplementedError(f"{qualname} has CPU and CUDA kernels only, got a tensor on {device}")
         load()

@@ -18,14 +18,23 @@ Numerics shared by the CPU references and the CUDA kernels (they agree bit for b
 the sum of squares is accumulated in fp64 (exact for bf16/fp16 inputs, so independent of the reduction order),
 `ms = fp32(sum / D)`, `nf = fp32(1 / sqrt(fp64(ms + eps)))` (fp32 `ms + eps`), every later product and sum is a
 separately rounded fp32 operation (no FMA contraction). This deviates from sglang's `rsqrtf` on purpose: it makes
-the reference and the kernel agree exactly, and it is more accurate. `positions` index the table without a bounds
-check on CUDA (as in the reference systems); `out_loc < 0` rows are skipped, larger slot ids are not checked.
+the reference and the kernel agree exactly, and it is more accurate.
+
+Input contract (docs/contract.md): structural checks raise on every device (CPU impl, fake impl, CUDA binding)
+before anything is written. Index values: `positions` must lie in `[0, max_pos)` (no sentinel), `out_loc` in
+`[0, num_pages * page_size)`, and a negative slot id skips the row. The CPU impls raise `ValueError` naming the
+argument and the entry before the first write; the CUDA kernels skip a row whose index is out of range (no host
+sync; in checking mode, `custom_ops.set_checks(True)`, the binding raises the CPU message instead). The `*_reference`
+functions follow the kernels' skip rule, so they are the oracle for CUDA runs with out-of-range rows.
 """
+
+import math
 
 import torch
 
 from custom_ops import _build
 from custom_ops._library import LIB
+from custom_ops.checks import check_index_range
 from custom_ops.fp8_layout import (
     FP8_MAX,
     HEAD_DIM,
@@ -36,7 +45,7 @@ from custom_ops.fp8_layout import (
     quantize_tiles_ue8m0,
     scatter_flashmla_rows,
 )
-from custom_ops.rope import apply_rope_interleaved
+from custom_ops.rope import apply_rope_interleaved, rope_table_rows
 
 __all__ = [
     "INDEXER_DIM",
@@ -55,6 +64,10 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------- validation
+#
+# Structural checks (types, dtypes, shapes, strides, devices, alignment, scalars) run in the CPU impls and in the
+# fake impls; csrc/flashmla_writes.cu runs the same checks in the same order. The first tensor argument (`kv` or
+# `q`) fixes the device; every other tensor is named when it is elsewhere.
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:
@@ -75,9 +88,9 @@ def _shape(name: str, t: torch.Tensor, expected: tuple[object, ...], what: str) 
         raise ValueError(f"{name} must have shape {what}, got {tuple(t.shape)}")
 
 
-def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
+def _device(name: str, t: torch.Tensor, anchor: str, device: torch.device) -> None:
     if t.device != device:
-        raise ValueError(f"{name} must be on {device} like the first tensor argument, got {t.device}")
+        raise ValueError(f"{name} must be on {device} like {anchor}, got {t.device}")
 
 
 def _inner_contiguous(name: str, t: torch.Tensor) -> None:
@@ -85,17 +98,58 @@ def _inner_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a unit stride in its last dim, got strides {tuple(t.stride())}")
 
 
-def _check_table(freqs: object, positions: object, n: object, device: torch.device) -> None:
+def _aligned16(name: str, t: torch.Tensor) -> None:
+    """The kernels read `freqs` and write `kvcache` with 16-byte accesses. Checked through the storage offset (the
+    allocators align every storage to at least 64 bytes), so CPU, fake and CUDA tensors agree."""
+    if t.storage_offset() * t.element_size() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned, got a storage offset of {t.storage_offset()} elements")
+
+
+def _rows_disjoint(name: str, t: torch.Tensor) -> None:
+    """The kernels write the (..., D) rows of `t` in parallel: no two rows may share memory. Sufficient test: in
+    order of increasing stride, every batch dim steps past the whole block spanned by the dims before it."""
+    if t.numel() == 0:
+        return
+    span = t.shape[-1]
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim() - 1) if t.shape[d] > 1):
+        if stride < span:
+            raise ValueError(
+                f"{name} must not overlap itself (its rows are written in parallel), got shape {tuple(t.shape)} "
+                f"and strides {tuple(t.stride())}"
+            )
+        span += (size - 1) * stride
+
+
+def _check_eps(eps: object) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def _check_weight_scale(weight_scale: object) -> None:
+    if isinstance(weight_scale, bool) or not isinstance(weight_scale, (int, float)):
+        raise TypeError(f"weight_scale must be a float, got {type(weight_scale).__name__}")
+    if not math.isfinite(weight_scale):
+        raise ValueError(f"weight_scale must be finite, got {weight_scale}")
+
+
+def _check_index(name: str, t: object, n: int, anchor: str, device: torch.device) -> None:
+    t = _tensor(name, t)
+    _dtype(name, t, _INDEX_DTYPES)
+    _shape(name, t, (n,), f"({n},)")
+    _device(name, t, anchor, device)
+
+
+def _check_table(freqs: object, positions: object, n: int, anchor: str, device: torch.device) -> None:
     freqs = _tensor("freqs", freqs)
     _dtype("freqs", freqs, (torch.float32,))
     _shape("freqs", freqs, (None, ROPE_DIM), f"(max_pos, {ROPE_DIM})")
     if not freqs.is_contiguous():
         raise ValueError("freqs must be contiguous")
-    _device("freqs", freqs, device)
-    positions = _tensor("positions", positions)
-    _dtype("positions", positions, _INDEX_DTYPES)
-    _shape("positions", positions, (n,), f"({n},)")
-    _device("positions", positions, device)
+    _device("freqs", freqs, anchor, device)
+    _aligned16("freqs", freqs)
+    _check_index("positions", positions, n, anchor, device)
 
 
 def _check_rows(name: str, kv: object, dim: int) -> torch.Tensor:
@@ -106,26 +160,16 @@ def _check_rows(name: str, kv: object, dim: int) -> torch.Tensor:
     return kv
 
 
-def _check_weight(weight: object, dtype: torch.dtype, device: torch.device) -> None:
+def _check_weight(weight: object, kv: torch.Tensor) -> None:
     weight = _tensor("weight", weight)
-    _dtype("weight", weight, (dtype,))
+    _dtype("weight", weight, (kv.dtype,))
     _shape("weight", weight, (HEAD_DIM,), f"({HEAD_DIM},)")
     _inner_contiguous("weight", weight)
-    _device("weight", weight, device)
+    _device("weight", weight, "kv", kv.device)
 
 
-def _check_eps(eps: object) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-
-
-def _check_cache(out_loc: object, kvcache: object, page_size: object, n: object, device: torch.device) -> None:
-    out_loc = _tensor("out_loc", out_loc)
-    _dtype("out_loc", out_loc, _INDEX_DTYPES)
-    _shape("out_loc", out_loc, (n,), f"({n},)")
-    _device("out_loc", out_loc, device)
+def _check_cache(out_loc: object, kvcache: object, page_size: object, kv: torch.Tensor) -> None:
+    _check_index("out_loc", out_loc, kv.shape[0], "kv", kv.device)
     page_bytes = flashmla_page_bytes(page_size)
     kvcache = _tensor("kvcache", kvcache)
     _dtype("kvcache", kvcache, (torch.uint8,))
@@ -134,15 +178,16 @@ def _check_cache(out_loc: object, kvcache: object, page_size: object, n: object,
         raise ValueError(
             f"kvcache must have strides ({page_bytes}, 1) (row stride == page bytes), got {tuple(kvcache.stride())}"
         )
-    _device("kvcache", kvcache, device)
+    _device("kvcache", kvcache, "kv", kv.device)
+    _aligned16("kvcache", kvcache)
 
 
 def _check_k(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size) -> None:
     kv = _check_rows("kv", kv, HEAD_DIM)
-    _check_weight(weight, kv.dtype, kv.device)
+    _check_weight(weight, kv)
     _check_eps(eps)
-    _check_table(freqs, positions, kv.shape[0], kv.device)
-    _check_cache(out_loc, kvcache, page_size, kv.shape[0], kv.device)
+    _check_table(freqs, positions, kv.shape[0], "kv", kv.device)
+    _check_cache(out_loc, kvcache, page_size, kv)
 
 
 def _check_q(q, q_out, eps, freqs, positions) -> None:
@@ -154,21 +199,23 @@ def _check_q(q, q_out, eps, freqs, positions) -> None:
     _dtype("q_out", q_out, (q.dtype,))
     _shape("q_out", q_out, tuple(q.shape), f"{tuple(q.shape)} like q")
     _inner_contiguous("q_out", q_out)
-    _device("q_out", q_out, q.device)
+    _rows_disjoint("q_out", q_out)
+    _device("q_out", q_out, "q", q.device)
     _check_eps(eps)
-    _check_table(freqs, positions, q.shape[0], q.device)
+    _check_table(freqs, positions, q.shape[0], "q", q.device)
 
 
 def _check_inplace(kv, weight, eps, freqs, positions) -> None:
     kv = _check_rows("kv", kv, HEAD_DIM)
-    _check_weight(weight, kv.dtype, kv.device)
+    _rows_disjoint("kv", kv)
+    _check_weight(weight, kv)
     _check_eps(eps)
-    _check_table(freqs, positions, kv.shape[0], kv.device)
+    _check_table(freqs, positions, kv.shape[0], "kv", kv.device)
 
 
 def _check_store(kv, out_loc, kvcache, page_size) -> None:
     kv = _check_rows("kv", kv, HEAD_DIM)
-    _check_cache(out_loc, kvcache, page_size, kv.shape[0], kv.device)
+    _check_cache(out_loc, kvcache, page_size, kv)
 
 
 def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
@@ -179,10 +226,35 @@ def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
     weight = _tensor("weight", weight)
     _dtype("weight", weight, (q.dtype,))
     _shape("weight", weight, tuple(q.shape[:2]), f"{tuple(q.shape[:2])} (B, H) like q")
-    _device("weight", weight, q.device)
-    if isinstance(weight_scale, bool) or not isinstance(weight_scale, (int, float)):
-        raise TypeError(f"weight_scale must be a float, got {type(weight_scale).__name__}")
-    _check_table(freqs, positions, q.shape[0], q.device)
+    _device("weight", weight, "q", q.device)
+    _check_weight_scale(weight_scale)
+    _check_table(freqs, positions, q.shape[0], "q", q.device)
+
+
+# Index values (docs/contract.md): the CPU impls raise for an out-of-range entry before any write; the CUDA kernels
+# skip such rows, and raise the same message in checking mode (csrc/flashmla_writes.cu words it identically).
+
+
+def _position_range(max_pos: int) -> tuple[int, str]:
+    """Exclusive upper bound of `positions` and the text of the error for an entry outside `[0, max_pos)`."""
+    return max_pos, f"positions must be in [0, {max_pos}), the rows of freqs"
+
+
+def _slot_range(num_pages: int, page_size: int) -> tuple[int, str]:
+    """Exclusive upper bound of `out_loc` (the cache's capacity) and the text of the error for a slot beyond it."""
+    capacity = num_pages * page_size
+    return capacity, (
+        f"slot ids must be < num_pages * page_size = {num_pages} * {page_size} = {capacity}; "
+        "a negative id skips the row"
+    )
+
+
+def _check_positions(freqs: torch.Tensor, positions: torch.Tensor) -> None:
+    check_index_range("positions", positions, *_position_range(freqs.shape[0]), negative_skips=False)
+
+
+def _check_slots(out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int) -> None:
+    check_index_range("out_loc", out_loc, *_slot_range(kvcache.shape[0], page_size))
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -212,18 +284,20 @@ def fused_k_norm_rope_flashmla_reference(
     | `weight` | (512,) | as `kv` | no | RMSNorm gamma |
     | `eps` | float | | | |
     | `freqs` | (max_pos, 64) | fp32 | no | contiguous, `precompute_freqs` |
-    | `positions` | (B,) | int32/int64 | no | table row per token |
-    | `out_loc` | (B,) | int32/int64 | no | slot id; `< 0` skips the row |
+    | `positions` | (B,) | int32/int64 | no | table row per token, in `[0, max_pos)` |
+    | `out_loc` | (B,) | int32/int64 | no | slot id in `[0, num_pages * page_size)`; `< 0` skips the row |
     | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1) |
     | `page_size` | int | | | power of two |
 
     Math: `y = x*nf*w` kept in fp32; rope `bf16(rot(y[448:]))`; nope `y[:448]` in 7 tiles with UE8M0 scales.
+    A row whose position or slot is out of range writes nothing (the CUDA kernel's rule).
     """
     x = kv.float()
     y = x * rms_norm_factor(x, eps) * weight.float()
-    rope = apply_rope_interleaved(y[:, NOPE_DIM:], freqs[positions.long()]).to(torch.bfloat16)
+    table, valid = rope_table_rows(freqs, positions)
+    rope = apply_rope_interleaved(y[:, NOPE_DIM:], table).to(torch.bfloat16)
     codes, exponents = quantize_tiles_ue8m0(y[:, :NOPE_DIM])
-    scatter_flashmla_rows(kvcache, page_size, out_loc, codes, rope, exponents)
+    scatter_flashmla_rows(kvcache, page_size, torch.where(valid, out_loc, -1), codes, rope, exponents)
 
 
 def fused_q_norm_rope_reference(
@@ -240,11 +314,14 @@ def fused_q_norm_rope_reference(
     | `positions` | (B,) | int32/int64 | no | |
 
     Rounding: `y = DType(x*nf)`; nope = y; rope = `DType(rot(fp32(y[448:])))` (double rounding on purpose).
+    The `q_out` rows of a token whose position is out of range are left as they are (the CUDA kernel's rule).
     """
     x = q.float()
     y = (x * rms_norm_factor(x, eps)).to(q.dtype)
-    rope = apply_rope_interleaved(y[..., NOPE_DIM:].float(), freqs[positions.long()][:, None, :])
-    q_out.copy_(torch.cat([y[..., :NOPE_DIM], rope.to(q.dtype)], dim=-1))
+    table, valid = rope_table_rows(freqs, positions)
+    rope = apply_rope_interleaved(y[..., NOPE_DIM:].float(), table[:, None, :])
+    rows = torch.cat([y[..., :NOPE_DIM], rope.to(q.dtype)], dim=-1)
+    q_out.copy_(torch.where(valid[:, None, None], rows, q_out))
 
 
 def fused_norm_rope_inplace_reference(
@@ -261,11 +338,13 @@ def fused_norm_rope_inplace_reference(
     | `positions` | (B,) | int32/int64 | no | |
 
     Rounding: `y = DType(x*nf*w)`; rope = `DType(rot(fp32(y[448:])))`.
+    A row whose position is out of range is left unchanged (the CUDA kernel's rule).
     """
     x = kv.float()
     y = (x * rms_norm_factor(x, eps) * weight.float()).to(kv.dtype)
-    rope = apply_rope_interleaved(y[:, NOPE_DIM:].float(), freqs[positions.long()])
-    kv.copy_(torch.cat([y[:, :NOPE_DIM], rope.to(kv.dtype)], dim=-1))
+    table, valid = rope_table_rows(freqs, positions)
+    rope = apply_rope_interleaved(y[:, NOPE_DIM:].float(), table)
+    kv.copy_(torch.where(valid[:, None], torch.cat([y[:, :NOPE_DIM], rope.to(kv.dtype)], dim=-1), kv))
 
 
 def store_flashmla_cache_reference(
@@ -276,9 +355,11 @@ def store_flashmla_cache_reference(
     | arg | shape | dtype | mutated | notes |
     |---|---|---|---|---|
     | `kv` | (B, 512) | bf16/fp16/fp32 | no | last-dim stride 1 |
-    | `out_loc` | (B,) | int32/int64 | no | `< 0` skips the row |
+    | `out_loc` | (B,) | int32/int64 | no | slot id in `[0, num_pages * page_size)`; `< 0` skips the row |
     | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1) |
     | `page_size` | int | | | power of two |
+
+    A row whose slot is out of range writes nothing (the CUDA kernel's rule).
     """
     codes, exponents = quantize_tiles_ue8m0(kv[:, :NOPE_DIM].float())
     scatter_flashmla_rows(kvcache, page_size, out_loc, codes, kv[:, NOPE_DIM:].to(torch.bfloat16), exponents)
@@ -315,14 +396,17 @@ def fused_q_indexer_rope_hadamard_quant_reference(
     | returns `q_fp8` | (B, H, 128) | float8_e4m3fn | new | `e4m3(y / scale)` |
     | returns `weights_out` | (B, H, 1) | fp32 | new | `weight * weight_scale * scale` |
 
-    `scale = max(amax(|y|), 1e-4) / 448` (plain fp32, not a power of two).
+    `scale = max(amax(|y|), 1e-4) / 448` (plain fp32, not a power of two). A token whose position is out of range
+    gets zero codes and a zero weight in every head (the CUDA kernel's rule): it contributes nothing.
     """
     x = q.float()
-    rope = apply_rope_interleaved(x[..., ROPE_DIM:], freqs[positions.long()][:, None, :])
+    table, valid = rope_table_rows(freqs, positions)
+    rope = apply_rope_interleaved(x[..., ROPE_DIM:], table[:, None, :])
     y = walsh_hadamard(torch.cat([x[..., :ROPE_DIM], rope], dim=-1)) * INDEXER_DIM**-0.5
     scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX
-    q_fp8 = quantize_e4m3(y * torch.reciprocal(scale))
-    weights_out = (weight.float() * weight_scale)[..., None] * scale
+    codes = quantize_e4m3(y * torch.reciprocal(scale)).view(torch.uint8)
+    q_fp8 = torch.where(valid[:, None, None], codes, 0).view(torch.float8_e4m3fn)
+    weights_out = torch.where(valid[:, None, None], (weight.float() * weight_scale)[..., None] * scale, 0.0)
     return q_fp8, weights_out
 
 
@@ -331,26 +415,32 @@ def fused_q_indexer_rope_hadamard_quant_reference(
 
 def _k_cpu(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size) -> None:
     _check_k(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size)
+    _check_positions(freqs, positions)
+    _check_slots(out_loc, kvcache, page_size)
     fused_k_norm_rope_flashmla_reference(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size)
 
 
 def _q_cpu(q, q_out, eps, freqs, positions) -> None:
     _check_q(q, q_out, eps, freqs, positions)
+    _check_positions(freqs, positions)
     fused_q_norm_rope_reference(q, q_out, eps, freqs, positions)
 
 
 def _inplace_cpu(kv, weight, eps, freqs, positions) -> None:
     _check_inplace(kv, weight, eps, freqs, positions)
+    _check_positions(freqs, positions)
     fused_norm_rope_inplace_reference(kv, weight, eps, freqs, positions)
 
 
 def _store_cpu(kv, out_loc, kvcache, page_size) -> None:
     _check_store(kv, out_loc, kvcache, page_size)
+    _check_slots(out_loc, kvcache, page_size)
     store_flashmla_cache_reference(kv, out_loc, kvcache, page_size)
 
 
 def _indexer_cpu(q, weight, weight_scale, freqs, positions) -> tuple[torch.Tensor, torch.Tensor]:
     _check_indexer(q, weight, weight_scale, freqs, positions)
+    _check_positions(freqs, positions)
     return fused_q_indexer_rope_hadamard_quant_reference(q, weight, weight_scale, freqs, positions)
 
 

@@ -14,6 +14,8 @@ Layout of one token (584 payload bytes, two regions of its page), `page_bytes = 
 | `[page_size*584, page_bytes)`           | page tail padding (pages are padded to a multiple of 576)   |
 
 with slot `loc`, `page = loc // page_size`, `o = loc % page_size`; the page is row `page` of the 2-D uint8 cache.
+Valid slots are `[0, num_pages * page_size)`; a slot is compared with that capacity before it is turned into a
+byte offset (int64), so no slot id can overflow into another page. Negative slots mean "skip this row".
 
 Scale rule (UE8M0, exponent rounded UP): per tile `sraw = max(amax, 1e-4) / 448` (fp32), exponent byte
 `e = biased_exponent(sraw) + (mantissa(sraw) != 0)`, so `2^(e-127) >= sraw`; codes are
@@ -21,6 +23,8 @@ Scale rule (UE8M0, exponent rounded UP): per tile `sraw = max(amax, 1e-4) / 448`
 """
 
 import torch
+
+from custom_ops.checks import check_index_range
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -32,11 +36,13 @@ SCALE_BYTES = 8
 TOKEN_BYTES = VALUE_BYTES + SCALE_BYTES
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+MAX_PAGE_SIZE = 1 << 30
 
 __all__ = [
     "AMAX_FLOOR",
     "FP8_MAX",
     "HEAD_DIM",
+    "MAX_PAGE_SIZE",
     "NOPE_DIM",
     "NUM_TILES",
     "ROPE_DIM",
@@ -59,8 +65,8 @@ __all__ = [
 def _check_page_size(page_size: int) -> None:
     if isinstance(page_size, bool) or not isinstance(page_size, int):
         raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two in [1, 2**30], got {page_size}")
 
 
 def flashmla_page_bytes(page_size: int) -> int:
@@ -104,7 +110,10 @@ def quantize_tiles_ue8m0(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def flashmla_slot_offsets(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat byte offsets (int64) of the value slot and of the scale slot of each non-negative slot id."""
+    """Flat byte offsets (int64) of the value slot and of the scale slot of each slot id.
+
+    Every slot must lie in `[0, num_pages * page_size)` of the cache it addresses (mask others first, as
+    `scatter_flashmla_rows` does): a larger id gives an offset outside the cache or, past 2**63, a wrapped one."""
     page_bytes = flashmla_page_bytes(page_size)
     slots = slots.to(torch.int64)
     page = torch.div(slots, page_size, rounding_mode="floor")
@@ -121,18 +130,22 @@ def scatter_flashmla_rows(
     rope_bf16: torch.Tensor,
     exponents: torch.Tensor,
 ) -> None:
-    """Write N tokens into `kvcache` (num_pages, page_bytes) uint8 in place; rows with `out_loc < 0` are skipped.
+    """Write N tokens into `kvcache` (num_pages, page_bytes) uint8 in place; a row whose slot is outside
+    `[0, num_pages * page_size)` (negative: the skip sentinel; too large: out of range) is skipped.
 
-    `codes` uint8 (N, 448), `rope_bf16` bf16 (N, 64), `exponents` uint8 (N, 7). Exactly 583 bytes per valid token
-    are written; nothing else changes. No host sync: skipped rows are routed to the never-written scale padding byte
-    of slot 0 (they write back the byte that is already there), so the index set has a static shape.
+    `codes` uint8 (N, 448), `rope_bf16` bf16 (N, 64), `exponents` uint8 (N, 7). Exactly 583 bytes per written token
+    change; nothing else does. The slot is compared with the capacity before any offset is computed, so a huge slot
+    id cannot wrap into another page. No host sync: skipped rows are routed to the never-written scale padding byte
+    of slot 0 (they write back the byte that is already there), so the index set has a static shape. This is the
+    CUDA kernels' skip rule; the ops' CPU paths raise for out-of-range slots before calling it.
     """
     n = out_loc.shape[0]
     if n == 0 or kvcache.numel() == 0:
         return
     flat = kvcache.view(-1)
-    keep = (out_loc >= 0)[:, None]
-    value_base, scale_base = flashmla_slot_offsets(out_loc.clamp(min=0), page_size)
+    slots = out_loc.to(torch.int64)
+    keep = (slots >= 0) & (slots < kvcache.shape[0] * page_size)
+    value_base, scale_base = flashmla_slot_offsets(torch.where(keep, slots, 0), page_size)
     dummy = page_size * VALUE_BYTES + SCALE_BYTES - 1
     payload = torch.cat([codes, rope_bf16.contiguous().view(torch.uint8), exponents], dim=1)
     dev = out_loc.device
@@ -143,14 +156,15 @@ def scatter_flashmla_rows(
         ],
         dim=1,
     )
-    index = torch.where(keep, index, dummy)
-    payload = torch.where(keep, payload, flat[dummy])
+    index = torch.where(keep[:, None], index, dummy)
+    payload = torch.where(keep[:, None], payload, flat[dummy])
     flat.index_put_((index.reshape(-1),), payload.reshape(-1))
 
 
 def dequantize_flashmla_cache(kvcache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """Decode the tokens at `slots` (N,) (all >= 0) of a V4 cache to fp32 (N, 512): nope codes times
-    `2^(e-127)`, rope as the stored bf16 values."""
+    """Decode the tokens at `slots` (N,) of a V4 cache to fp32 (N, 512): nope codes times `2^(e-127)`, rope as the
+    stored bf16 values. Every slot must lie in `[0, num_pages * page_size)` (`ValueError` otherwise; a debugging
+    helper, so it reads the slots on the host)."""
     if kvcache.dtype != torch.uint8 or kvcache.dim() != 2:
         raise TypeError(f"kvcache must be a 2-D uint8 tensor, got {kvcache.dtype} with {kvcache.dim()} dims")
     if kvcache.shape[1] != flashmla_page_bytes(page_size):
@@ -158,6 +172,8 @@ def dequantize_flashmla_cache(kvcache: torch.Tensor, page_size: int, slots: torc
             f"kvcache rows must be {flashmla_page_bytes(page_size)} bytes for page_size={page_size}, "
             f"got {kvcache.shape[1]}"
         )
+    capacity = kvcache.shape[0] * page_size
+    check_index_range("slots", slots, capacity, f"slots must be in [0, {capacity}) of this cache", negative_skips=False)
     flat = kvcache.reshape(-1)
     value_base, scale_base = flashmla_slot_offsets(slots, page_size)
     dev = kvcache.device

@@ -3,13 +3,14 @@
 The ops take a real fp32 table `freqs` of shape (max_pos, rope_dim) laid out `[cos0, sin0, cos1, sin1, ...]`;
 row `positions[b]` rotates pair j `(r[2j], r[2j+1])` of token b:
 `r'[2j] = r[2j]*c - r[2j+1]*s`, `r'[2j+1] = r[2j]*s + r[2j+1]*c` with `(c, s) = (freqs[p, 2j], freqs[p, 2j+1])`.
+Positions have no sentinel: a position outside `[0, max_pos)` is out of range (`rope_table_rows` reports it).
 """
 
 import math
 
 import torch
 
-__all__ = ["apply_rope_interleaved", "precompute_freqs"]
+__all__ = ["apply_rope_interleaved", "precompute_freqs", "rope_table_rows"]
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_seq_len: int) -> float:
@@ -59,3 +60,15 @@ def apply_rope_interleaved(r: torch.Tensor, table_rows: torch.Tensor) -> torch.T
     c, s = table_rows[..., 0::2], table_rows[..., 1::2]
     re, im = r[..., 0::2], r[..., 1::2]
     return torch.stack([re * c - im * s, re * s + im * c], dim=-1).flatten(-2)
+
+
+def rope_table_rows(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather `freqs[positions]` without wrapping: returns the rows (N, dim) and a bool (N,) mask of the positions
+    inside `[0, max_pos)`. Rows of out-of-range positions are zeros (nothing is read through a negative or too
+    large index), so callers can skip those rows. No host sync; works for an empty table."""
+    pos = positions.long()
+    valid = (pos >= 0) & (pos < freqs.shape[0])
+    if freqs.shape[0] == 0:
+        return freqs.new_zeros(pos.shape[0], freqs.shape[1]), valid
+    rows = freqs[torch.where(valid, pos, 0)]
+    return torch.where(valid[:, None], rows, 0.0), valid

@@ -28,11 +28,20 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _k_inputs(b, *, page_size=64, dtype=torch.bfloat16, pos_dtype=torch.int64, loc_dtype=torch.int32,
-              row_stride=1536, seed=0, skip_every=5):
+def _k_inputs(
+    b,
+    *,
+    page_size=64,
+    dtype=torch.bfloat16,
+    pos_dtype=torch.int64,
+    loc_dtype=torch.int32,
+    row_stride=1536,
+    seed=0,
+    skip_every=5,
+):
     """Fresh random K inputs; kv is the last 512 columns of a (b, row_stride) buffer; the cache is poisoned."""
     g = _gen(seed)
-    kv = torch.randn(b, row_stride, generator=g).to(dtype)[:, row_stride - 512:]
+    kv = torch.randn(b, row_stride, generator=g).to(dtype)[:, row_stride - 512 :]
     weight = (1 + 0.3 * torch.randn(512, generator=g)).to(dtype)
     freqs = precompute_freqs(MAX_POS)
     positions = torch.randint(0, MAX_POS, (b,), generator=g).to(pos_dtype)
@@ -82,6 +91,37 @@ def _fp64_k_rows(kv, weight, eps, freqs, positions):
     x = kv.double()
     y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
     return y[:, :448], _fp64_rope(y[:, 448:], freqs.double()[positions.long()])
+
+
+def _fp64_q_rows(q, eps, freqs, positions):
+    """fp64 weightless RMSNorm + RoPE of (B, H, 512) rows."""
+    x = q.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    return torch.cat([y[..., :448], _fp64_rope(y[..., 448:], freqs.double()[positions.long()][:, None, :])], -1)
+
+
+def _fp64_norm_rope_rows(kv, weight, eps, freqs, positions):
+    """fp64 RMSNorm with weight + RoPE of (B, 512) rows."""
+    nope64, rope64 = _fp64_k_rows(kv, weight, eps, freqs, positions)
+    return torch.cat([nope64, rope64], -1)
+
+
+def _sylvester(n):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def _check_indexer_fp64(q_fp8, w_out, q, weight, weight_scale, freqs, positions):
+    """Indexer outputs against fp64: RoPE, Hadamard / sqrt(128), codes within FP8 rounding of y / scale."""
+    x = q.double()
+    x = torch.cat([x[..., :64], _fp64_rope(x[..., 64:], freqs.double()[positions.long()][:, None, :])], -1)
+    y = x @ _sylvester(128).T / math.sqrt(128)
+    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448
+    deq = q_fp8.double() * scale
+    assert ((deq - y).abs() <= y.abs() * 2.0**-4 + scale * 2.0**-9 + 1e-12).all()
+    torch.testing.assert_close(w_out.double(), weight.double()[..., None] * weight_scale * scale, rtol=1e-5, atol=0)
 
 
 def _check_nope_bytes(values, scales, y64):
@@ -257,10 +297,7 @@ def test_q_norm_rope_matches_fp64(dtype, pos_dtype):
     pos = torch.randint(0, MAX_POS, (b,), generator=g).to(pos_dtype)
     ops.fused_q_norm_rope(q, q_out, EPS, freqs, pos)
     assert wide[:, 0].isnan().all() and wide[:, h + 1].isnan().all()
-    x = q.double()
-    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + EPS)
-    rope = _fp64_rope(y[..., 448:], freqs.double()[pos.long()][:, None, :])
-    want = torch.cat([y[..., :448], rope], -1)
+    want = _fp64_q_rows(q, EPS, freqs, pos)
     # rope is rounded twice (of the DType-rounded norm output): absolute slack of a few ulps of O(1) values
     torch.testing.assert_close(q_out.double(), want, rtol=2 * _tol(dtype), atol=4 * _tol(dtype))
     # the rounding points: nope = DType(x*nf) exactly as the reference computes it
@@ -272,9 +309,7 @@ def test_q_norm_rope_matches_fp64(dtype, pos_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_norm_rope_inplace_matches_fp64(dtype):
     kv, weight, freqs, pos, _, _ = _k_inputs(9, dtype=dtype, row_stride=512)
-    x = kv.double()
-    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + EPS) * weight.double()
-    want = torch.cat([y[:, :448], _fp64_rope(y[:, 448:], freqs.double()[pos])], -1)
+    want = _fp64_norm_rope_rows(kv, weight, EPS, freqs, pos)
     ops.fused_norm_rope_inplace(kv, weight, EPS, freqs, pos)
     torch.testing.assert_close(kv.double(), want, rtol=2 * _tol(dtype), atol=4 * _tol(dtype))
 
@@ -292,13 +327,6 @@ def test_store_matches_fp64_and_layout(page_size):
     _check_nope_bytes(values, scales, kv[keep][:, :448].double())
 
 
-def _sylvester(n):
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_indexer_matches_fp64(dtype):
     g = _gen(2)
@@ -311,13 +339,7 @@ def test_indexer_matches_fp64(dtype):
     q_fp8, w_out = ops.fused_q_indexer_rope_hadamard_quant(q, weight, ws, freqs, pos)
     assert q_fp8.dtype == torch.float8_e4m3fn and q_fp8.shape == (b, h, 128)
     assert w_out.dtype == torch.float32 and w_out.shape == (b, h, 1)
-    x = q.double()
-    x = torch.cat([x[..., :64], _fp64_rope(x[..., 64:], freqs.double()[pos][:, None, :])], -1)
-    y = x @ _sylvester(128).T / math.sqrt(128)
-    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448
-    deq = q_fp8.double() * scale
-    assert ((deq - y).abs() <= y.abs() * 2.0**-4 + scale * 2.0**-9 + 1e-12).all()
-    torch.testing.assert_close(w_out.double(), weight.double()[..., None] * ws * scale, rtol=1e-5, atol=0)
+    _check_indexer_fp64(q_fp8, w_out, q, weight, ws, freqs, pos)
 
 
 def test_walsh_hadamard_natural_order():
@@ -441,7 +463,7 @@ def test_other_ops_bad_inputs():
         ops.fused_q_indexer_rope_hadamard_quant(torch.randn(2, 3, 128), torch.randn(3, 2), 0.1, freqs, pos)
     with pytest.raises(ValueError, match=r"kv must have shape \(B, 512\)"):
         ops.fused_norm_rope_inplace(torch.randn(2, 576), torch.randn(512), EPS, freqs, pos)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         ops.fused_norm_rope_inplace(torch.randn(2, 512), torch.randn(512), -1.0, freqs, pos)
     with pytest.raises(ValueError, match="kvcache must have strides"):
         ops.store_flashmla_cache(torch.randn(2, 512), pos, torch.zeros(1152, 2, dtype=torch.uint8).t(), 1)
@@ -652,8 +674,10 @@ def test_cuda_graph_capture_replay():
     eager_out = step()
     torch.cuda.synchronize()
     for r, e in zip(replayed, (cache, cache_unfused, q_out, *eager_out), strict=True):
-        assert torch.equal(r.view(torch.uint8) if r.dtype == torch.float8_e4m3fn else r,
-                           e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
+        assert torch.equal(
+            r.view(torch.uint8) if r.dtype == torch.float8_e4m3fn else r,
+            e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e,
+        )
 
 
 @pytest.mark.cuda

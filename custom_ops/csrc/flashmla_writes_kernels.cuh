@@ -6,6 +6,10 @@
 //
 // Thread mapping of the 512-wide kernels: one warp per row, lane l owns dims [16 l, 16 l + 16). Lanes 0..27 own
 // the 7 nope tiles (4 lanes per 64-wide tile), lanes 28..31 the 64 RoPE dims (8 interleaved pairs each).
+//
+// Index values are not validated on the host (docs/contract.md): a row whose slot or position is out of range is
+// skipped by the whole warp before anything is read through that index (`flashmla_slot_in_range`,
+// `position_in_range`); what the skipped row leaves is stated per kernel.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -96,6 +100,15 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is6
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// Whether `loc` is a slot of a cache of `num_pages` pages of 2^log2_page_size slots: 0 <= loc < capacity. Compares
+// the page index (a shift, no multiplication), so a huge slot id can never wrap into another page's offset.
+__device__ __forceinline__ bool flashmla_slot_in_range(int64_t loc, int64_t num_pages, int log2_page_size) {
+  return loc >= 0 && (loc >> log2_page_size) < num_pages;
+}
+
+// Whether `pos` is a row of a RoPE table with `max_pos` rows (positions have no sentinel).
+__device__ __forceinline__ bool position_in_range(int64_t pos, int64_t max_pos) { return pos >= 0 && pos < max_pos; }
+
 // Row norm factor (see the file header); every lane returns the same value (xor butterflies are symmetric).
 __device__ __forceinline__ float norm_factor(const float (&x)[kLaneElems], float eps) {
   double ss = 0.0;
@@ -107,7 +120,7 @@ __device__ __forceinline__ float norm_factor(const float (&x)[kLaneElems], float
   return __double2float_rn(1.0 / sqrt(static_cast<double>(__fadd_rn(ms, eps))));
 }
 
-// 16 fp32 table entries [cos, sin, ...] of position `pos` for RoPE lane `lane` (>= kRopeLane0).
+// 16 fp32 table entries [cos, sin, ...] of position `pos` (in range) for RoPE lane `lane` (>= kRopeLane0).
 __device__ __forceinline__ void load_rope_table(const float* freqs, int64_t pos, int lane, float (&t)[kLaneElems]) {
   const float4* src = reinterpret_cast<const float4*>(freqs + pos * kRopeDim + (lane - kRopeLane0) * kLaneElems);
 #pragma unroll
@@ -146,11 +159,15 @@ struct FlashMLAWriteArgs {
   const void* weight;
   float eps;
   const float* freqs;
+  int64_t max_pos;  // rows of freqs
   const void* positions;
+  int64_t positions_stride;  // elements
   bool positions_64;
   const void* out_loc;
+  int64_t out_loc_stride;  // elements
   bool out_loc_64;
   uint8_t* cache;
+  int64_t num_pages;
   int64_t page_bytes;
   int log2_page_size;
   int64_t rows;
@@ -158,7 +175,8 @@ struct FlashMLAWriteArgs {
 
 // Quantize one 512-dim row, held as kLaneElems floats per lane (lanes < kRopeLane0: nope, the rest: rope), and
 // write it into slot `loc` of the FlashMLA V4 paged cache: fp8 e4m3 nope codes with one UE8M0 scale byte per
-// 64-dim tile (4 lanes), bf16 rope. The whole warp must call it (tile amax is reduced with shuffles).
+// 64-dim tile (4 lanes), bf16 rope. The whole warp must call it (tile amax is reduced with shuffles). `loc` must be
+// a slot of the cache: check it with flashmla_slot_in_range first (offsets are int64 and trust it).
 __device__ __forceinline__ void store_flashmla_row(uint8_t* cache, int64_t page_bytes, int log2_page_size, int64_t loc,
                                                    int lane, const float (&x)[kLaneElems]) {
   float amax = 0.0f;
@@ -201,12 +219,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) flashmla_write_kern
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= a.rows) return;
+  // Skipped rows write nothing. The indices are the same on every lane, so the whole warp leaves together.
+  const int64_t loc = load_index(a.out_loc, row * a.out_loc_stride, a.out_loc_64);
+  if (!flashmla_slot_in_range(loc, a.num_pages, a.log2_page_size)) return;
+  int64_t pos = 0;
+  if constexpr (kNormRope) {
+    pos = load_index(a.positions, row * a.positions_stride, a.positions_64);
+    if (!position_in_range(pos, a.max_pos)) return;
+  }
   const bool rope_lane = lane >= kRopeLane0;
 
   float x[kLaneElems];
   load_row<T, kLaneElems, kVec>(static_cast<const T*>(a.kv) + row * a.kv_row_stride + lane * kLaneElems, x);
   if constexpr (kNormRope) {
-    const int64_t pos = rope_lane ? load_index(a.positions, row, a.positions_64) : 0;
     const float nf = norm_factor(x, a.eps);
     float w[kLaneElems];
     load_row<T, kLaneElems, kVec>(static_cast<const T*>(a.weight) + lane * kLaneElems, w);
@@ -218,9 +243,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) flashmla_write_kern
       rotate_pairs(x, tab);
     }
   }
-
-  const int64_t loc = load_index(a.out_loc, row, a.out_loc_64);
-  if (loc < 0) return;  // uniform across the warp
   store_flashmla_row(a.cache, a.page_bytes, a.log2_page_size, loc, lane, x);
 }
 
@@ -234,12 +256,15 @@ struct NormRopeArgs {
   const void* weight;  // read only when kWeight
   float eps;
   const float* freqs;
+  int64_t max_pos;  // rows of freqs
   const void* positions;
+  int64_t positions_stride;  // elements
   bool positions_64;
 };
 
 // kWeight: fused_norm_rope_inplace (y = DType(x*nf*w)); otherwise fused_q_norm_rope (y = DType(x*nf)).
-// RoPE acts on the DType-rounded y and is rounded to DType again.
+// RoPE acts on the DType-rounded y and is rounded to DType again. A row whose position is out of range is not
+// written (fused_q_norm_rope: that q_out row keeps its contents; fused_norm_rope_inplace: that kv row is unchanged).
 template <typename T, bool kVec, bool kWeight>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) norm_rope_kernel(const NormRopeArgs a) {
   const int lane = threadIdx.x & 31;
@@ -247,12 +272,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) norm_rope_kernel(co
   if (row >= a.rows) return;
   const int64_t b = row / a.heads;
   const int64_t h = row - b * a.heads;
+  const int64_t pos = load_index(a.positions, b * a.positions_stride, a.positions_64);
+  if (!position_in_range(pos, a.max_pos)) return;  // the same on every lane
   const bool rope_lane = lane >= kRopeLane0;
 
   float x[kLaneElems];
   load_row<T, kLaneElems, kVec>(
       static_cast<const T*>(a.in) + b * a.in_stride_b + h * a.in_stride_h + lane * kLaneElems, x);
-  const int64_t pos = rope_lane ? load_index(a.positions, b, a.positions_64) : 0;
   const float nf = norm_factor(x, a.eps);
   if constexpr (kWeight) {
     float w[kLaneElems];
@@ -279,7 +305,9 @@ struct IndexerArgs {
   int64_t w_stride_b, w_stride_h;
   float weight_scale;
   const float* freqs;
+  int64_t max_pos;  // rows of freqs
   const void* positions;
+  int64_t positions_stride;  // elements
   bool positions_64;
   uint8_t* q_fp8;      // (rows, 128) contiguous
   float* weights_out;  // (rows,)
@@ -288,6 +316,7 @@ struct IndexerArgs {
 };
 
 // fused_q_indexer_rope_hadamard_quant: one warp per (token, head), lane l owns dims [4 l, 4 l + 4).
+// A token whose position is out of range gets zero codes and a zero weight (its fresh outputs are defined).
 // 128-point Walsh-Hadamard transform of a row held as 4 floats per lane (lane l holds dims 4l .. 4l+3), scaled by
 // 128^-0.5, in place; returns the absolute maximum over each group of kGroupLanes lanes (32: the whole row; 8: the
 // 32 dims of an FP4 group). Stages h = 1, 2 run in registers, h = 4 .. 64 across lanes (lane bit h / 4). Every step
@@ -328,6 +357,13 @@ __global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a
   const int64_t b = row / a.heads;
   const int64_t h = row - b * a.heads;
   constexpr int kRopeLane = (kIndexerDim - kRopeDim) / kIndexerLaneElems;  // 16
+  uint32_t* codes_out = reinterpret_cast<uint32_t*>(a.q_fp8 + row * kIndexerDim) + lane;
+  const int64_t pos = load_index(a.positions, b * a.positions_stride, a.positions_64);
+  if (!position_in_range(pos, a.max_pos)) {  // the same on every lane
+    *codes_out = 0u;
+    if (lane == 0) a.weights_out[row] = 0.0f;
+    return;
+  }
 
   float x[kIndexerLaneElems];
   const T* src = static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h + lane * kIndexerLaneElems;
@@ -349,7 +385,6 @@ __global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a
     for (int k = 0; k < kIndexerLaneElems; ++k) x[k] = Cvt<T>::to_float(src[k]);
   }
   if (lane >= kRopeLane) {
-    const int64_t pos = load_index(a.positions, b, a.positions_64);
     const float4 f = *reinterpret_cast<const float4*>(a.freqs + pos * kRopeDim + (lane - kRopeLane) * 4);
     const float t[4] = {f.x, f.y, f.z, f.w};
     rotate_pairs(x, t);
@@ -359,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a
   const float inv = __fdiv_rn(1.0f, scale);
   const uint32_t codes = fp8x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv)) |
                          (fp8x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv)) << 16);
-  reinterpret_cast<uint32_t*>(a.q_fp8 + row * kIndexerDim)[lane] = codes;
+  *codes_out = codes;
   if (lane == 0) {
     const float w = Cvt<T>::to_float(static_cast<const T*>(a.weight)[b * a.w_stride_b + h * a.w_stride_h]);
     a.weights_out[row] = __fmul_rn(__fmul_rn(w, a.weight_scale), scale);

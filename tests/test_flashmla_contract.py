@@ -1,0 +1,672 @@
+"""The input contract (docs/contract.md) of the five FlashMLA-write / norm-RoPE ops.
+
+CPU: structural errors from the CPU impl and the fake impl alike; out-of-range slots and positions raise a
+`ValueError` naming the argument and the entry before anything is written; negative slots skip the row. The
+`*_reference` functions follow the CUDA kernels' skip rule and are the oracle of the CUDA tests here: a row whose
+index is out of range writes nothing (eagerly and in a CUDA-graph replay), huge slot ids never wrap into another
+page, and checking mode (`custom_ops.checks()`) raises the CPU path's message word for word.
+"""
+
+import re
+
+import pytest
+import torch
+from test_flashmla_writes import (
+    EPS,
+    MAX_POS,
+    _assert_cache_acceptance,
+    _fp8_ordinal,
+    _gen,
+    _k_inputs,
+    _tol,
+    _written_mask,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import custom_ops
+from custom_ops import flashmla_writes as fw
+from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
+
+ops = torch.ops.dspark
+
+K_OPS = ("fused_k_norm_rope_flashmla", "store_flashmla_cache")
+ROPE_OPS = (
+    "fused_k_norm_rope_flashmla",
+    "fused_q_norm_rope",
+    "fused_norm_rope_inplace",
+    "fused_q_indexer_rope_hadamard_quant",
+)
+ALL_OPS = (*ROPE_OPS, "store_flashmla_cache")
+MUTATED = {
+    "fused_k_norm_rope_flashmla": "kvcache",
+    "store_flashmla_cache": "kvcache",
+    "fused_q_norm_rope": "q_out",
+    "fused_norm_rope_inplace": "kv",
+}
+REFERENCES = {
+    "fused_k_norm_rope_flashmla": fw.fused_k_norm_rope_flashmla_reference,
+    "store_flashmla_cache": fw.store_flashmla_cache_reference,
+    "fused_q_norm_rope": fw.fused_q_norm_rope_reference,
+    "fused_norm_rope_inplace": fw.fused_norm_rope_inplace_reference,
+    "fused_q_indexer_rope_hadamard_quant": fw.fused_q_indexer_rope_hadamard_quant_reference,
+}
+HEADS = 3
+PAGE_SIZE = 2
+HUGE = 2**62  # slot * page_bytes wraps to slot % 2**62 * page_bytes in int64 for page_size 2 (1728 = 27 * 2**6)
+
+
+def _inputs(name, b=8, seed=0, page_size=PAGE_SIZE):
+    """Fresh random arguments of op `name` (CPU, schema order, every slot and position valid); the mutated tensor
+    is poisoned (random cache bytes, NaN q_out) and `kv` is a row-strided view."""
+    kv, weight, freqs, pos, loc, cache = _k_inputs(b, page_size=page_size, seed=seed, loc_dtype=torch.int64)
+    g = _gen(seed + 1000)
+    if name == "fused_k_norm_rope_flashmla":
+        return dict(
+            kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos, out_loc=loc, kvcache=cache, page_size=page_size
+        )
+    if name == "store_flashmla_cache":
+        return dict(kv=kv, out_loc=loc, kvcache=cache, page_size=page_size)
+    if name == "fused_q_norm_rope":
+        q = torch.randn(b, HEADS, 512, generator=g).to(torch.bfloat16)
+        return dict(q=q, q_out=torch.full_like(q, float("nan")), eps=EPS, freqs=freqs, positions=pos)
+    if name == "fused_norm_rope_inplace":
+        return dict(kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos)
+    q = torch.randn(b, HEADS, 128, generator=g).to(torch.bfloat16)
+    weight = torch.randn(b, HEADS, generator=g).to(torch.bfloat16)
+    return dict(q=q, weight=weight, weight_scale=0.01, freqs=freqs, positions=pos)
+
+
+def _call(name, args):
+    return getattr(ops, name)(*args.values())
+
+
+def _bits(t):
+    """Bit pattern of `t` (NaN poison compares equal to itself)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu().clone()
+
+
+def _snapshot(name, args):
+    return _bits(args[MUTATED[name]]) if name in MUTATED else None
+
+
+def _assert_unchanged(name, args, snapshot):
+    if name in MUTATED:
+        assert torch.equal(_bits(args[MUTATED[name]]), snapshot)
+
+
+def _slot_message(i, value, num_pages, page_size):
+    cap = num_pages * page_size
+    return (
+        f"out_loc[{i}] = {value} is out of range: slot ids must be < num_pages * page_size = "
+        f"{num_pages} * {page_size} = {cap}; a negative id skips the row"
+    )
+
+
+def _position_message(i, value, max_pos=MAX_POS):
+    return f"positions[{i}] = {value} is out of range: positions must be in [0, {max_pos}), the rows of freqs"
+
+
+def _unused_slot(args):
+    """A slot of the cache that no row addresses (where a wrapped huge slot id would land)."""
+    used = set(args["out_loc"].tolist())
+    return next(s for s in range(args["kvcache"].shape[0] * args["page_size"]) if s not in used)
+
+
+# ---------------------------------------------------------------------------------------------- CPU: slots
+
+
+@pytest.mark.parametrize("name", K_OPS)
+def test_huge_slot_raises_before_any_write(name):
+    args = _inputs(name)
+    target = _unused_slot(args)
+    args["out_loc"][5] = HUGE + target
+    before = _snapshot(name, args)
+    with pytest.raises(ValueError, match=re.escape(_slot_message(5, HUGE + target, args["kvcache"].shape[0], 2))):
+        _call(name, args)
+    _assert_unchanged(name, args, before)
+
+
+@pytest.mark.parametrize("name", K_OPS)
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
+def test_slot_beyond_capacity_raises_before_any_write(name, loc_dtype):
+    args = _inputs(name)
+    capacity = args["kvcache"].shape[0] * PAGE_SIZE
+    args["out_loc"][6] = capacity
+    args["out_loc"][7] = capacity + 100
+    args["out_loc"] = args["out_loc"].to(loc_dtype)
+    before = _snapshot(name, args)
+    with pytest.raises(ValueError, match=re.escape(_slot_message(6, capacity, args["kvcache"].shape[0], 2))):
+        _call(name, args)
+    _assert_unchanged(name, args, before)
+
+
+@pytest.mark.parametrize("name", K_OPS)
+def test_zero_page_cache(name):
+    args = _inputs(name)
+    args["kvcache"] = args["kvcache"][:0]
+    first = int((args["out_loc"] >= 0).nonzero()[0])
+    message = _slot_message(first, int(args["out_loc"][first]), 0, PAGE_SIZE)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _call(name, args)
+    args["out_loc"] = -1 - args["out_loc"].abs()
+    _call(name, args)  # every row skipped: a no-op
+
+
+@pytest.mark.parametrize("name", K_OPS)
+def test_negative_slots_are_skipped_not_errors(name):
+    args = _inputs(name)
+    args["out_loc"][:] = torch.tensor([-1, -2, -(2**40), -(2**63)] * 2)
+    before = _snapshot(name, args)
+    _call(name, args)
+    _assert_unchanged(name, args, before)
+
+
+# ---------------------------------------------------------------------------------------------- CPU: positions
+
+
+@pytest.mark.parametrize("name", ROPE_OPS)
+@pytest.mark.parametrize("value", [-1, -MAX_POS, MAX_POS, 2**31 - 1])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_out_of_range_position_raises_before_any_write(name, value, pos_dtype):
+    args = _inputs(name)
+    args["positions"][4] = value
+    args["positions"][6] = -5
+    args["positions"] = args["positions"].to(pos_dtype)
+    before = _snapshot(name, args)
+    with pytest.raises(ValueError, match=re.escape(_position_message(4, value))):
+        _call(name, args)
+    _assert_unchanged(name, args, before)
+
+
+@pytest.mark.parametrize("name", ROPE_OPS)
+def test_empty_rope_table(name):
+    args = _inputs(name)
+    args["freqs"] = args["freqs"][:0]
+    with pytest.raises(ValueError, match=re.escape(_position_message(0, int(args["positions"][0]), 0))):
+        _call(name, args)
+    empty = _inputs(name, b=0)
+    empty["freqs"] = empty["freqs"][:0]
+    _call(name, empty)
+
+
+# ---------------------------------------------------------------------------------------------- CPU: references
+
+
+def _break_rows(name, args):
+    """Make rows 1, 3, 5 and 7 out of range (positions -1 / max_pos, slots capacity / huge); returns the mask of
+    the rows that stay valid."""
+    valid = torch.ones(args["positions" if "positions" in args else "out_loc"].shape[0], dtype=torch.bool)
+    if "positions" in args:
+        args["positions"][1] = -1
+        args["positions"][3] = MAX_POS
+        valid[[1, 3]] = False
+    if "out_loc" in args:
+        capacity = args["kvcache"].shape[0] * args["page_size"]
+        args["out_loc"][5] = capacity
+        args["out_loc"][7] = HUGE + _unused_slot(args)
+        valid[[5, 7]] = False
+    return valid
+
+
+def _subset(name, args, rows):
+    """The arguments restricted to `rows` (the mutated tensor is shared, not copied)."""
+    out = dict(args)
+    for key in ("kv", "q", "positions", "out_loc"):
+        if key in out and not (name == "fused_norm_rope_inplace" and key == "kv"):
+            out[key] = out[key][rows]
+    if name == "fused_q_indexer_rope_hadamard_quant":
+        out["weight"] = out["weight"][rows]
+    if name == "fused_q_norm_rope":
+        out["q_out"] = out["q_out"][rows]
+    return out
+
+
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_references_skip_out_of_range_rows(name):
+    """The references (the CUDA oracle) write exactly what the valid rows alone write; skipped rows leave nothing
+    (kvcache, q_out, kv) or zero codes and weights (indexer)."""
+    args = _inputs(name)
+    valid = _break_rows(name, args)
+    rows = valid.nonzero().squeeze(1)
+    want = _inputs(name)
+    _break_rows(name, want)
+    if name == "fused_norm_rope_inplace":
+        kept = want["kv"][rows].clone()
+        fw.fused_norm_rope_inplace_reference(kept, want["weight"], EPS, want["freqs"], want["positions"][rows])
+        want["kv"][rows] = kept
+    elif name == "fused_q_norm_rope":
+        sub = torch.full_like(want["q_out"][rows], float("nan"))
+        fw.fused_q_norm_rope_reference(want["q"][rows], sub, EPS, want["freqs"], want["positions"][rows])
+        want["q_out"][rows] = sub
+    elif name in K_OPS:
+        REFERENCES[name](*_subset(name, want, rows).values())
+    got = REFERENCES[name](*args.values())
+    if name in MUTATED:
+        assert torch.equal(_bits(args[MUTATED[name]]), _bits(want[MUTATED[name]]))
+        return
+    sub_q, sub_w = REFERENCES[name](*_subset(name, want, rows).values())
+    assert torch.equal(_bits(got[0][rows]), _bits(sub_q)) and torch.equal(got[1][rows], sub_w)
+    assert not _bits(got[0][~valid]).any() and not got[1][~valid].any()
+
+
+@pytest.mark.parametrize("slot", [-1, -(2**40), 2 * 4, 2**62])
+def test_dequantize_rejects_out_of_range_slots(slot):
+    """A negative slot used to decode bytes from the end of the cache (negative indexing), a large one raised an
+    IndexError about a byte offset."""
+    cache = torch.randint(0, 256, (4, flashmla_page_bytes(2)), dtype=torch.uint8, generator=_gen(9))
+    message = f"slots[1] = {slot} is out of range: slots must be in [0, 8) of this cache"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dequantize_flashmla_cache(cache, 2, torch.tensor([0, slot]))
+
+
+# ---------------------------------------------------------------------------------------------- CPU: structure
+
+
+def _offset_copy(t, elements):
+    """A copy of `t` whose storage offset is `elements` (16-byte misaligned for small offsets)."""
+    buf = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)
+    view = buf[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _structural_cases():
+    """(id, op, change(args) -> dict, exception, message regex): rules every impl (CPU, fake, CUDA) enforces."""
+    return [
+        (
+            "cache misaligned",
+            "fused_k_norm_rope_flashmla",
+            lambda a: {"kvcache": _offset_copy(a["kvcache"], 8)},
+            ValueError,
+            "kvcache must be 16-byte aligned",
+        ),
+        (
+            "store cache misaligned",
+            "store_flashmla_cache",
+            lambda a: {"kvcache": _offset_copy(a["kvcache"], 4)},
+            ValueError,
+            "kvcache must be 16-byte aligned",
+        ),
+        (
+            "freqs misaligned",
+            "fused_q_norm_rope",
+            lambda a: {"freqs": _offset_copy(a["freqs"], 2)},
+            ValueError,
+            "freqs must be 16-byte aligned",
+        ),
+        (
+            "page_size too large",
+            "fused_k_norm_rope_flashmla",
+            lambda a: {"page_size": 2**31},
+            ValueError,
+            r"page_size must be a power of two in \[1, 2\*\*30\]",
+        ),
+        (
+            "store page_size 2**62",
+            "store_flashmla_cache",
+            lambda a: {"page_size": 2**62},
+            ValueError,
+            r"page_size must be a power of two in \[1, 2\*\*30\]",
+        ),
+        (
+            "eps inf",
+            "fused_k_norm_rope_flashmla",
+            lambda a: {"eps": float("inf")},
+            ValueError,
+            "eps must be finite and >= 0",
+        ),
+        ("eps nan", "fused_q_norm_rope", lambda a: {"eps": float("nan")}, ValueError, "eps must be finite and >= 0"),
+        (
+            "eps negative",
+            "fused_norm_rope_inplace",
+            lambda a: {"eps": -1e-6},
+            ValueError,
+            "eps must be finite and >= 0",
+        ),
+        (
+            "weight_scale nan",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight_scale": float("nan")},
+            ValueError,
+            "weight_scale must be finite",
+        ),
+        (
+            "weight_scale inf",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight_scale": float("inf")},
+            ValueError,
+            "weight_scale must be finite",
+        ),
+        (
+            "weight_scale -inf",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight_scale": float("-inf")},
+            ValueError,
+            "weight_scale must be finite",
+        ),
+        (
+            "q_out broadcast",
+            "fused_q_norm_rope",
+            lambda a: {"q_out": a["q_out"][:1].expand_as(a["q_out"])},
+            ValueError,
+            "q_out must not overlap itself",
+        ),
+        (
+            "q_out heads overlap",
+            "fused_q_norm_rope",
+            lambda a: {"q_out": a["q_out"].as_strided(a["q_out"].shape, (HEADS * 512, 256, 1))},
+            ValueError,
+            "q_out must not overlap itself",
+        ),
+        (
+            "kv rows overlap",
+            "fused_norm_rope_inplace",
+            lambda a: {"kv": a["kv"].as_strided(a["kv"].shape, (256, 1))},
+            ValueError,
+            "kv must not overlap itself",
+        ),
+        (
+            "positions 2-D",
+            "fused_norm_rope_inplace",
+            lambda a: {"positions": a["positions"][:, None]},
+            ValueError,
+            "positions must have shape",
+        ),
+        (
+            "out_loc float",
+            "store_flashmla_cache",
+            lambda a: {"out_loc": a["out_loc"].float()},
+            TypeError,
+            "out_loc must have dtype",
+        ),
+        (
+            "indexer weight dtype",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight": a["weight"].float()},
+            TypeError,
+            "weight must have dtype",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _structural_cases(), ids=lambda c: c[0])
+def test_structural_errors_cpu_and_fake(case):
+    _, name, change, exc, match = case
+    args = _inputs(name)
+    args.update(change(args))
+    before = _snapshot(name, args)
+    with pytest.raises(exc, match=match):
+        _call(name, args)
+    _assert_unchanged(name, args, before)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        with pytest.raises(exc, match=match):
+            _call(name, fake)
+
+
+def test_valid_layouts_still_accepted():
+    """The overlap and alignment rules reject only overlapping rows and misaligned data, not strided layouts."""
+    args = _inputs("fused_q_norm_rope")
+    wide = torch.full((8, HEADS, 1024), float("nan"), dtype=torch.bfloat16)
+    args["q_out"] = wide[:, :, 512:]  # disjoint rows with a gap: strides (3072, 1024, 1)
+    _call("fused_q_norm_rope", args)
+    interleaved = torch.empty(HEADS, 8, 512, dtype=torch.bfloat16).transpose(0, 1)  # strides (512, 4096, 1)
+    args["q_out"] = interleaved
+    _call("fused_q_norm_rope", args)
+    args = _inputs("fused_k_norm_rope_flashmla")
+    args["kvcache"] = args["kvcache"][1:]  # a view of a larger cache, starting at a page boundary
+    args["out_loc"] = torch.randperm(args["kvcache"].shape[0] * PAGE_SIZE)[:8]
+    _call("fused_k_norm_rope_flashmla", args)
+
+
+@pytest.mark.parametrize(
+    ("name", "arg", "message"),
+    [
+        ("fused_k_norm_rope_flashmla", "kvcache", "kvcache must be on cpu like kv, got meta"),
+        ("fused_k_norm_rope_flashmla", "kv", "weight must be on meta like kv, got cpu"),
+        ("fused_k_norm_rope_flashmla", "out_loc", "out_loc must be on cpu like kv, got meta"),
+        ("fused_q_norm_rope", "q", "q_out must be on meta like q, got cpu"),
+        ("fused_q_norm_rope", "positions", "positions must be on cpu like q, got meta"),
+        ("fused_norm_rope_inplace", "freqs", "freqs must be on cpu like kv, got meta"),
+        ("store_flashmla_cache", "kv", "out_loc must be on meta like kv, got cpu"),
+        ("fused_q_indexer_rope_hadamard_quant", "weight", "weight must be on cpu like q, got meta"),
+    ],
+)
+def test_device_mismatch_names_the_argument_and_the_anchor(name, arg, message):
+    """The first tensor argument fixes the device; the message names the mismatching argument and that anchor."""
+    args = _inputs(name)
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _call(name, args)
+
+
+def test_fake_impl_does_not_read_index_values():
+    """Under torch.compile the fake impl sees no data: out-of-range values are not an error there."""
+    args = _inputs("fused_k_norm_rope_flashmla")
+    args["positions"][0] = -1
+    args["out_loc"][1] = HUGE
+    with FakeTensorMode() as mode:
+        _call(
+            "fused_k_norm_rope_flashmla",
+            {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()},
+        )
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+
+def _effective_slots(args, valid):
+    return torch.where(valid, args["out_loc"], -1)
+
+
+def _assert_matches_reference(name, got, want, before, valid, args):
+    """A kernel result `got` (on CPU) against the reference result `want` of the same inputs."""
+    if name in K_OPS:
+        _assert_cache_acceptance(got, want, before, args["page_size"], _effective_slots(args, valid))
+        return
+    if name in ("fused_q_norm_rope", "fused_norm_rope_inplace"):
+        assert torch.equal(_bits(got[~valid]), _bits(before[~valid]))
+        tol = _tol(got.dtype)
+        torch.testing.assert_close(got[valid].double(), want[valid].double(), rtol=2 * tol, atol=4 * tol)
+        if valid.any():  # bit for bit except rare rounding ties (a few elements of a small batch)
+            assert (got[valid] == want[valid]).float().mean() >= 0.99
+        return
+    (got_q, got_w), (want_q, want_w) = got, want
+    assert not _bits(got_q[~valid]).any() and not got_w[~valid].any()
+    codes_got, codes_want = got_q[valid].view(torch.uint8), want_q[valid].view(torch.uint8)
+    assert ((_fp8_ordinal(codes_got) - _fp8_ordinal(codes_want)).abs() <= 1).all()
+    torch.testing.assert_close(got_w[valid], want_w[valid], rtol=1e-6, atol=0)
+
+
+def _reference_result(name, args):
+    ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    out = REFERENCES[name](*ref.values())
+    return ref[MUTATED[name]] if name in MUTATED else out
+
+
+def _run_cuda(name, args, graph, checks_in_capture=False):
+    """Run the op on CUDA copies of `args`, eagerly or as the replay of a captured CUDA graph (the mutated tensor
+    reset to its initial contents before the replay; checking mode on during the capture if `checks_in_capture`).
+    Returns the result on CPU."""
+    dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    mutated = dev.get(MUTATED.get(name))
+    initial = mutated.clone() if mutated is not None else None
+    if not graph:
+        out = _call(name, dev)
+    else:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _call(name, dev)  # warm-up: builds / loads the library outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with custom_ops.checks(checks_in_capture), torch.cuda.graph(g):
+            out = _call(name, dev)
+        if mutated is not None:
+            mutated.copy_(initial)
+        g.replay()
+    torch.cuda.synchronize()
+    if mutated is not None:
+        return mutated.cpu()
+    return tuple(t.cpu() for t in out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_cuda_out_of_range_rows_skipped(name, graph):
+    """Negative / too large positions, slots at or beyond the capacity and a huge slot that would wrap onto an
+    unused slot: every such row is skipped, every other byte of the output is as the reference leaves it."""
+    args = _inputs(name, b=64, seed=3)
+    valid = _break_rows(name, args)
+    before = args[MUTATED[name]].clone() if name in MUTATED else None
+    want = _reference_result(name, args)
+    got = _run_cuda(name, args, graph)
+    _assert_matches_reference(name, got, want, before, valid, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", K_OPS)
+@pytest.mark.parametrize("huge", [HUGE, 2**63 - 1, 2**62 + 2**40])
+def test_cuda_overflow_slot_skipped(name, huge):
+    args = _inputs(name, b=16, seed=4)
+    target = _unused_slot(args)
+    args["out_loc"][3] = huge + target
+    valid = torch.ones(16, dtype=torch.bool)
+    valid[3] = False
+    before = args["kvcache"].clone()
+    got = _run_cuda(name, args, graph=False)
+    _assert_cache_acceptance(got, _reference_result(name, args), before, PAGE_SIZE, _effective_slots(args, valid))
+    mask = _written_mask(got, PAGE_SIZE, torch.tensor([target]))
+    assert torch.equal(got[mask], before[mask])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", K_OPS)
+def test_cuda_zero_page_cache_is_a_no_op(name):
+    args = _inputs(name, b=8)
+    args["kvcache"] = args["kvcache"][:0]
+    assert _run_cuda(name, args, graph=False).numel() == 0
+
+
+def _set_entries(key, entries, dtype=None):
+    """change(args): a copy of index tensor `key` with {row: value} `entries` (a callable value gets the args)."""
+
+    def change(args):
+        t = args[key].clone()
+        for row, value in entries.items():
+            t[row] = value(args) if callable(value) else value
+        return {key: t if dtype is None else t.to(dtype)}
+
+    return change
+
+
+def _capacity(args):
+    return args["kvcache"].shape[0] * args["page_size"]
+
+
+def _value_error_cases():
+    """(id, op, change(args)): inputs with an out-of-range index; CPU raises, CUDA checking mode must match."""
+    cases = []
+    for name in K_OPS:
+        cases += [
+            (f"{name} slot = capacity", name, _set_entries("out_loc", {2: _capacity, 4: -1})),
+            (f"{name} huge slot", name, _set_entries("out_loc", {0: -1, 1: HUGE + 1})),
+            (f"{name} int32 slot", name, _set_entries("out_loc", {6: 2**31 - 1}, torch.int32)),
+            (f"{name} zero pages", name, lambda a: {"kvcache": a["kvcache"][:0]}),
+        ]
+    for name in ROPE_OPS:
+        cases += [
+            (f"{name} negative position", name, _set_entries("positions", {1: -1})),
+            (f"{name} position = max_pos", name, _set_entries("positions", {0: MAX_POS - 1, 2: MAX_POS, 3: -1})),
+            (f"{name} int32 position", name, _set_entries("positions", {5: -7}, torch.int32)),
+        ]
+    return cases
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", _value_error_cases(), ids=lambda c: c[0])
+def test_cuda_checking_mode_raises_the_cpu_message(case):
+    _, name, change = case
+    args = _inputs(name, b=8, seed=5)
+    args.update(change(args))
+    with pytest.raises(ValueError) as cpu:
+        _call(name, args)
+    dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    before = _snapshot(name, dev)
+    with custom_ops.checks(), pytest.raises(ValueError) as gpu:
+        _call(name, dev)
+    assert str(gpu.value) == str(cpu.value)
+    _assert_unchanged(name, dev, before)
+    assert not custom_ops.checks_enabled()
+    _call(name, dev)  # checks off again: the kernel skips the row
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_cuda_checking_mode_is_skipped_during_graph_capture():
+    """A sync is not allowed while capturing: with checks on, the captured op skips the bad row instead."""
+    name = "fused_k_norm_rope_flashmla"
+    args = _inputs(name, b=16, seed=6)
+    valid = _break_rows(name, args)
+    before = args["kvcache"].clone()
+    want = _reference_result(name, args)
+    got = _run_cuda(name, args, graph=True, checks_in_capture=True)
+    _assert_matches_reference(name, got, want, before, valid, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_cuda_strided_index_tensors(name):
+    """positions / out_loc may be strided views (e.g. a column of a (B, 2) tensor); the kernels honour the stride."""
+    args = _inputs(name, b=40, seed=7)
+    for key in ("positions", "out_loc"):
+        if key in args:
+            junk = torch.full_like(args[key], 2**30)
+            args[key] = torch.stack([args[key], junk], 1)[:, 0]
+            assert args[key].stride(0) == 2
+    valid = torch.ones(40, dtype=torch.bool)
+    before = args[MUTATED[name]].clone() if name in MUTATED else None
+    got = _run_cuda(name, args, graph=False)
+    _assert_matches_reference(name, got, _reference_result(name, args), before, valid, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", _structural_cases(), ids=lambda c: c[0])
+def test_cuda_structural_errors_match_cpu(case):
+    _, name, change, exc, match = case
+    args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _inputs(name).items()}
+    args.update(change(args))
+    before = _snapshot(name, args)
+    with pytest.raises(exc, match=match):
+        _call(name, args)
+    _assert_unchanged(name, args, before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("name", "arg", "message"),
+    [
+        ("fused_k_norm_rope_flashmla", "kvcache", "kvcache must be on cuda:0 like kv, got cpu"),
+        ("fused_k_norm_rope_flashmla", "kv", "weight must be on cpu like kv, got cuda:0"),
+        ("fused_q_norm_rope", "positions", "positions must be on cuda:0 like q, got cpu"),
+        ("store_flashmla_cache", "out_loc", "out_loc must be on cuda:0 like kv, got cpu"),
+        ("fused_q_indexer_rope_hadamard_quant", "freqs", "freqs must be on cuda:0 like q, got cpu"),
+    ],
+)
+def test_cuda_device_mismatch_names_the_argument_and_the_anchor(name, arg, message):
+    args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _inputs(name).items()}
+    args[arg] = args[arg].cpu()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _call(name, args)
+
+
+@pytest.mark.cuda
+def test_cuda_too_many_rows_raises_instead_of_wrapping_the_grid():
+    """Broadcast rows can exceed one grid (2**31 - 1 blocks of 8 rows); the block count must not wrap."""
+    rows = 8 * 2**32 + 8  # 2**32 + 1 blocks: a 32-bit grid size would wrap to 1
+    kv = torch.zeros(1, 512, device="cuda").expand(rows, 512)
+    out_loc = torch.full((1,), -1, device="cuda").expand(rows)
+    cache = torch.zeros(1, flashmla_page_bytes(2), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="too many rows for one launch"):
+        ops.store_flashmla_cache(kv, out_loc, cache, 2)

@@ -1,0 +1,299 @@
+"""The FlashMLA-write / norm-RoPE CUDA kernels (`custom_ops/csrc/flashmla_writes_kernels.cuh`), compiled for the
+host with the CUDA shim of test_dsv4_kernel_emulation and run on CPU tensors.
+
+This runs the kernels' own index handling without a GPU: rows whose slot or position is out of range (negative
+positions, positions past the table, slots at or past the capacity, huge slot ids that would wrap in int64) must be
+skipped exactly as the `*_reference` functions skip them, strided `positions` / `out_loc` must be read through
+their strides, and every other byte must stay as it was. The arguments are packed like csrc/flashmla_writes.cu
+packs them. GPU numerics (and the bindings) are checked by the CUDA tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_dsv4_kernel_emulation import SHIM
+from test_flashmla_contract import (
+    ALL_OPS,
+    HUGE,
+    MUTATED,
+    _assert_matches_reference,
+    _break_rows,
+    _inputs,
+    _reference_result,
+    _unused_slot,
+)
+
+CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
+
+DRIVER = r"""
+#include "flashmla_writes_kernels.cuh"
+#include <thread>
+#include <vector>
+using namespace dspark;
+
+// Blocks one after the other; each block's threads as OS threads, one barrier per warp for the shuffles.
+template <typename F>
+static void launch(int64_t rows, F&& kernel) {
+  for (int64_t b = 0; b < (rows + kWarpsPerBlock - 1) / kWarpsPerBlock; ++b) {
+    std::barrier<> block(kThreads);
+    std::vector<std::barrier<>*> warps;
+    std::vector<double> lanes(kThreads);
+    for (int w = 0; w < kWarpsPerBlock; ++w) warps.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < kThreads; ++t)
+      pool.emplace_back([&, t] {
+        blockIdx.x = b; threadIdx.x = t;
+        g_block = &block; g_warp = warps[t / 32]; g_lanes = &lanes[t / 32 * 32];
+        kernel();
+      });
+    for (auto& th : pool) th.join();
+    for (auto* w : warps) delete w;
+  }
+}
+
+template <typename F>
+static void with_dtype(int bf16, int vec, F&& f) {
+  if (bf16 && vec) f(__nv_bfloat16{}, std::true_type{});
+  if (bf16 && !vec) f(__nv_bfloat16{}, std::false_type{});
+  if (!bf16 && vec) f(float{}, std::true_type{});
+  if (!bf16 && !vec) f(float{}, std::false_type{});
+}
+
+extern "C" void emu_flashmla_write(int norm_rope, int bf16, int vec, const FlashMLAWriteArgs* a) {
+  with_dtype(bf16, vec, [&](auto t, auto v) {
+    using T = decltype(t);
+    constexpr bool V = decltype(v)::value;
+    launch(a->rows, [&] {
+      if (norm_rope) flashmla_write_kernel<T, V, true>(*a); else flashmla_write_kernel<T, V, false>(*a);
+    });
+  });
+}
+
+extern "C" void emu_norm_rope(int weighted, int bf16, int vec, const NormRopeArgs* a) {
+  with_dtype(bf16, vec, [&](auto t, auto v) {
+    using T = decltype(t);
+    constexpr bool V = decltype(v)::value;
+    launch(a->rows, [&] { if (weighted) norm_rope_kernel<T, V, true>(*a); else norm_rope_kernel<T, V, false>(*a); });
+  });
+}
+
+extern "C" void emu_indexer(int bf16, int vec, const IndexerArgs* a) {
+  with_dtype(bf16, vec, [&](auto t, auto v) {
+    using T = decltype(t);
+    constexpr bool V = decltype(v)::value;
+    launch(a->rows, [&] { indexer_q_kernel<T, V>(*a); });
+  });
+}
+"""
+
+_p, _i64, _f32, _b = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_bool
+
+
+class _WriteArgs(ctypes.Structure):
+    _fields_ = [  # the ctypes layout of FlashMLAWriteArgs
+        ("kv", _p), ("kv_row_stride", _i64), ("weight", _p), ("eps", _f32), ("freqs", _p), ("max_pos", _i64),
+        ("positions", _p), ("positions_stride", _i64), ("positions_64", _b), ("out_loc", _p),
+        ("out_loc_stride", _i64), ("out_loc_64", _b), ("cache", _p), ("num_pages", _i64), ("page_bytes", _i64),
+        ("log2_page_size", ctypes.c_int), ("rows", _i64),
+    ]  # fmt: skip
+
+
+class _NormRopeArgs(ctypes.Structure):
+    _fields_ = [  # the ctypes layout of NormRopeArgs
+        ("inp", _p), ("in_stride_b", _i64), ("in_stride_h", _i64), ("out", _p), ("out_stride_b", _i64),
+        ("out_stride_h", _i64), ("heads", ctypes.c_int), ("rows", _i64), ("weight", _p), ("eps", _f32),
+        ("freqs", _p), ("max_pos", _i64), ("positions", _p), ("positions_stride", _i64), ("positions_64", _b),
+    ]  # fmt: skip
+
+
+class _IndexerArgs(ctypes.Structure):
+    _fields_ = [  # the ctypes layout of IndexerArgs
+        ("q", _p), ("q_stride_b", _i64), ("q_stride_h", _i64), ("weight", _p), ("w_stride_b", _i64),
+        ("w_stride_h", _i64), ("weight_scale", _f32), ("freqs", _p), ("max_pos", _i64), ("positions", _p),
+        ("positions_stride", _i64), ("positions_64", _b), ("q_fp8", _p), ("weights_out", _p),
+        ("heads", ctypes.c_int), ("rows", _i64),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++20 compiler")
+    root = tmp_path_factory.mktemp("flashmla_emu")
+    for name, text in SHIM.items():
+        (root / name).write_text(text)
+    (root / "driver.cpp").write_text(DRIVER)
+    lib = root / "libflashmlaemu.so"
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{root}", f"-I{CSRC}", str(root / "driver.cpp")]
+    res = subprocess.run([*cmd, "-o", str(lib), "-lpthread"], capture_output=True, text=True)
+    if res.returncode != 0 and "barrier" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("needs a C++20 standard library with <barrier>")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _vec(*views: tuple[torch.Tensor, tuple[int, ...]]) -> bool:
+    """The binding's choice of the 16-byte-load kernel: aligned pointers and strides."""
+    return all(_ptr(t) % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in strides) for t, strides in views)
+
+
+def _table(args) -> dict:
+    pos = args["positions"]
+    return dict(
+        freqs=_ptr(args["freqs"]),
+        max_pos=args["freqs"].shape[0],
+        positions=_ptr(pos),
+        positions_stride=pos.stride(0),
+        positions_64=pos.dtype == torch.int64,
+    )
+
+
+def _run_write(emu, name, args):
+    kv, cache, loc, page_size = args["kv"], args["kvcache"], args["out_loc"], args["page_size"]
+    norm_rope = name == "fused_k_norm_rope_flashmla"
+    a = _WriteArgs(
+        kv=_ptr(kv),
+        kv_row_stride=kv.stride(0),
+        out_loc=_ptr(loc),
+        out_loc_stride=loc.stride(0),
+        out_loc_64=loc.dtype == torch.int64,
+        cache=_ptr(cache),
+        num_pages=cache.shape[0],
+        page_bytes=cache.shape[1],
+        log2_page_size=page_size.bit_length() - 1,
+        rows=kv.shape[0],
+    )
+    vec = _vec((kv, (kv.stride(0),)))
+    if norm_rope:
+        for key, value in _table(args).items():
+            setattr(a, key, value)
+        a.weight, a.eps = _ptr(args["weight"]), args["eps"]
+        vec = vec and _ptr(args["weight"]) % 16 == 0
+    emu.emu_flashmla_write(int(norm_rope), int(kv.dtype == torch.bfloat16), int(vec), ctypes.byref(a))
+
+
+def _run_norm_rope(emu, name, args):
+    weighted = name == "fused_norm_rope_inplace"
+    src = args["kv"] if weighted else args["q"]
+    dst = args["kv"] if weighted else args["q_out"]
+    heads = 1 if weighted else src.shape[1]
+    stride_h = (lambda t: 0) if weighted else (lambda t: t.stride(1))
+    a = _NormRopeArgs(
+        inp=_ptr(src),
+        in_stride_b=src.stride(0),
+        in_stride_h=stride_h(src),
+        out=_ptr(dst),
+        out_stride_b=dst.stride(0),
+        out_stride_h=stride_h(dst),
+        heads=heads,
+        rows=src.shape[0] * heads,
+        eps=args["eps"],
+        weight=_ptr(args["weight"]) if weighted else 0,
+        **_table(args),
+    )
+    vec = _vec((src, (src.stride(0), stride_h(src))), (dst, (dst.stride(0), stride_h(dst))))
+    vec = vec and (not weighted or _ptr(args["weight"]) % 16 == 0)
+    emu.emu_norm_rope(int(weighted), int(src.dtype == torch.bfloat16), int(vec), ctypes.byref(a))
+
+
+def _run_indexer(emu, args):
+    q, weight = args["q"], args["weight"]
+    b, h, _ = q.shape
+    q_fp8 = torch.full((b, h, 128), 0x55, dtype=torch.uint8)  # poisoned: every byte must be written
+    weights_out = torch.full((b, h, 1), float("nan"))
+    a = _IndexerArgs(
+        q=_ptr(q),
+        q_stride_b=q.stride(0),
+        q_stride_h=q.stride(1),
+        weight=_ptr(weight),
+        w_stride_b=weight.stride(0),
+        w_stride_h=weight.stride(1),
+        weight_scale=args["weight_scale"],
+        q_fp8=_ptr(q_fp8),
+        weights_out=_ptr(weights_out),
+        heads=h,
+        rows=b * h,
+        **_table(args),
+    )
+    esize = q.element_size()
+    vec = all(x * esize % (4 * esize) == 0 for x in (_ptr(q), q.stride(0) * esize, q.stride(1) * esize))
+    emu.emu_indexer(int(q.dtype == torch.bfloat16), int(vec), ctypes.byref(a))
+    return q_fp8.view(torch.float8_e4m3fn), weights_out
+
+
+def _run_emulated(emu, name, args):
+    """The kernel of op `name` on `args` (CPU tensors, mutated in place); returns what _run_cuda returns."""
+    if name in ("fused_k_norm_rope_flashmla", "store_flashmla_cache"):
+        _run_write(emu, name, args)
+    elif name in ("fused_q_norm_rope", "fused_norm_rope_inplace"):
+        _run_norm_rope(emu, name, args)
+    else:
+        return _run_indexer(emu, args)
+    return args[MUTATED[name]]
+
+
+def _case(name, b, seed, dtype, pos_dtype, loc_dtype):
+    args = _inputs(name, b=b, seed=seed)
+    for key, value in (("kv", dtype), ("q", dtype), ("positions", pos_dtype), ("out_loc", loc_dtype)):
+        if key in args:
+            args[key] = args[key].to(value)
+    for key in ("weight", "q_out"):
+        if key in args:
+            args[key] = args[key].to(dtype)
+    return args
+
+
+@pytest.mark.parametrize("name", ALL_OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_emulated_kernels_skip_out_of_range_rows(emu, name, dtype):
+    """Negative / too large positions, slots at the capacity and a huge slot that would wrap onto an unused slot
+    (int64 slots): the kernels skip exactly the rows the references skip; nothing else changes."""
+    args = _case(name, 24, 11, dtype, torch.int64, torch.int64)
+    valid = _break_rows(name, args)
+    before = args[MUTATED[name]].clone() if name in MUTATED else None
+    want = _reference_result(name, args)
+    got = _run_emulated(emu, name, args)
+    _assert_matches_reference(name, got, want, before, valid, args)
+
+
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_emulated_kernels_read_strided_int32_indices(emu, name):
+    """int32 `positions` / `out_loc` as strided column views, with out-of-range entries."""
+    args = _case(name, 16, 12, torch.bfloat16, torch.int32, torch.int32)
+    valid = torch.ones(16, dtype=torch.bool)
+    if "positions" in args:
+        args["positions"][[2, 9]] = torch.tensor([-3, 2**31 - 1], dtype=torch.int32)
+        valid[[2, 9]] = False
+    if "out_loc" in args:
+        args["out_loc"][11] = 2**31 - 1
+        valid[11] = False
+    for key in ("positions", "out_loc"):
+        if key in args:
+            args[key] = torch.stack([args[key], torch.zeros_like(args[key])], 1)[:, 0]
+    before = args[MUTATED[name]].clone() if name in MUTATED else None
+    want = _reference_result(name, args)
+    got = _run_emulated(emu, name, args)
+    _assert_matches_reference(name, got, want, before, valid, args)
+
+
+@pytest.mark.parametrize("huge", [HUGE, 2**63 - 1])
+def test_emulated_huge_slot_does_not_wrap(emu, huge):
+    args = _case("store_flashmla_cache", 8, 13, torch.float32, torch.int64, torch.int64)
+    args["out_loc"][1] = huge + _unused_slot(args) if huge == HUGE else huge
+    valid = torch.ones(8, dtype=torch.bool)
+    valid[1] = False
+    before = args["kvcache"].clone()
+    want = _reference_result("store_flashmla_cache", args)
+    got = _run_emulated(emu, "store_flashmla_cache", args)
+    _assert_matches_reference("store_flashmla_cache", got, want, before, valid, args)
