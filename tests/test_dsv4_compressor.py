@@ -41,7 +41,7 @@ def test_compressor_split_equals_whole_sequence(ratio, online, state_dtype):
     g = torch.Generator().manual_seed(ratio)
     comp = DSV4Compressor(64, 128, ratio, online=online, state_dtype=state_dtype)
     comp.reset_parameters(g)
-    x = torch.randn(2 * ratio + 5, 64, generator=g)
+    x = torch.randn(2 * ratio + 7, 64, generator=g)
     state = comp.new_state(3)
     rid = torch.tensor([1])
     got = {}

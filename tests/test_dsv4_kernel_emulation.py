@@ -23,7 +23,8 @@ import torch
 from test_dsv4_reference import Session, make_inputs
 
 import custom_ops  # noqa: F401
-from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops import dsv4_compress_plan as cp
+from custom_ops.dsv4_compress_plan import plan_decode, plan_prefill
 from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
 from custom_ops.rope import precompute_freqs
 
@@ -32,6 +33,7 @@ CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 SHIM = {
     "cuda_runtime.h": r"""
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -76,6 +78,13 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) {
 template <typename T> inline T __shfl_up_sync(unsigned, T v, int o) {
   const int lane = threadIdx.x & 31;
   return lane_exchange(v, lane - o, lane >= o);
+}
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
+  std::atomic_ref<unsigned long long> word(*p);
+  unsigned long long old = word.load();
+  while (v < old && !word.compare_exchange_weak(old, v)) {
+  }
+  return old;
 }
 using std::fmaxf;
 using std::fminf;
@@ -214,7 +223,8 @@ extern "C" void emu_online(int decode, float* state, int64_t state_rows, const f
 extern "C" void emu_plan(int online, int prefill, const int64_t* seq, const int64_t* ext, const int64_t* rid,
                          const int64_t* r2t, int64_t r2t_rows, int64_t r2t_cols, const int64_t* f2s, int64_t f2s_len,
                          int64_t batch, int ratio, int ring, int swa, int64_t n, int64_t rows_c, int64_t rows_w,
-                         int64_t* ends, void* plan_c, void* plan_w) {
+                         int64_t* ends, void* plan_c, void* plan_w, int64_t seq_max, int64_t rid_hi, int64_t swa_hi,
+                         unsigned long long* problem) {
   PlanDecodeArgs d{};
   d.seq_lens = {seq, true};
   d.rids = {rid, true};
@@ -222,6 +232,7 @@ extern "C" void emu_plan(int online, int prefill, const int64_t* seq, const int6
   d.full_to_state = {f2s, true};
   d.r2t_rows = r2t_rows; d.r2t_cols = r2t_cols; d.f2s_len = f2s_len; d.batch = batch;
   d.ratio = ratio; d.ring = ring; d.swa_page = swa;
+  d.seq_max = seq_max; d.rid_hi = rid_hi; d.swa_hi = swa_hi; d.problem = problem;
   d.out = static_cast<DecodePlan*>(plan_c);
   if (!prefill) {
     launch(cdiv(batch, kPlanThreads), kPlanThreads, true, [&] {
@@ -377,12 +388,17 @@ def test_emulated_online_kernels_match_fp64(emu, monkeypatch, d, num_sms):
     _random_session(128, "ring", True, d, seed=3, long=True)
 
 
-def _emu_plans(emu, online, prefill, seq, ext, rid, r2t, f2s, ratio, ring, swa, n, like_c, like_w):
+def _emu_plans(emu, online, prefill, seq, ext, rid, r2t, f2s, ratio, ring, swa, n, like_c, like_w, check):
+    """Run an emulated planner kernel; returns its plans and, with `check`, the reported (rank, flat index)."""
     seq, ext, rid, r2t, f2s = (_i64(t) for t in (seq, ext, rid, r2t, f2s))
     got_c = torch.empty_like(like_c)
     got_w = torch.empty_like(like_w) if like_w is not None else None
     ends = torch.empty(seq.shape[0], dtype=torch.int64)
     rows, cols = r2t.shape if r2t is not None else (0, 0)
+    addr = None if online else cp._Addressing(r2t, f2s, ratio, ring, swa)
+    seq_max, rid_hi = cp._seq_limit(addr)[0], cp._request_limit(addr)[0]
+    swa_hi = (cp.STATE_ROWS // ring) * swa if r2t is not None else 0
+    problem = torch.tensor([NO_PROBLEM], dtype=torch.int64)
     emu.emu_plan(
         i32(online),
         i32(prefill),
@@ -404,12 +420,57 @@ def _emu_plans(emu, online, prefill, seq, ext, rid, r2t, f2s, ratio, ring, swa, 
         _p(ends),
         _p(got_c),
         _p(got_w),
+        i64(seq_max),
+        i64(rid_hi),
+        i64(swa_hi),
+        _p(problem if check else None),
     )
-    return got_c, got_w
+    key = int(problem)
+    reported = None if key == NO_PROBLEM else (key >> 56, key & ((1 << 56) - 1))
+    return got_c, got_w, reported
+
+
+NO_PROBLEM = 2**63 - 1
+
+
+def _expect_problem(problems: cp.Problems, reported) -> None:
+    """The kernel reported the CPU path's first problem (rank and flat index)."""
+    first = problems.first()
+    assert reported == (None if first is None else (first.rank, first.flat)), (reported, first)
+
+
+def _check_planners(emu, seq, ext, rid, tables, ratio, ring, n, check) -> None:
+    """The emulated offline planners write the bytes of the CUDA-semantics reference and, with `check`, report its
+    first problem."""
+    swa = 256 if tables[0] is not None else 0
+    want, problems = cp.decode_plan_unchecked(seq, rid, *tables, ratio, ring, swa)
+    got, _, reported = _emu_plans(emu, 0, 0, seq, ext, rid, *tables, ratio, ring, swa, 0, want, None, check)
+    assert torch.equal(got, want)
+    if check:
+        _expect_problem(problems, reported)
+    (want_c, want_w), problems = cp.prefill_plan_unchecked(seq, ext, rid, *tables, ratio, ring, swa, n)
+    got_c, got_w, reported = _emu_plans(emu, 0, 1, seq, ext, rid, *tables, ratio, ring, swa, n, want_c, want_w, check)
+    assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+    if check:
+        _expect_problem(problems, reported)
+
+
+def _check_online_planners(emu, seq, ext, rid, n, check) -> None:
+    want, problems = cp.online_decode_plan_unchecked(seq, rid)
+    got, _, reported = _emu_plans(emu, 1, 0, seq, ext, rid, None, None, 128, 1, 0, 0, want, None, check)
+    assert torch.equal(got, want)
+    if check:
+        _expect_problem(problems, reported)
+    (want_c, want_w), problems = cp.online_prefill_plan_unchecked(seq, ext, rid, n)
+    got_c, got_w, reported = _emu_plans(emu, 1, 1, seq, ext, rid, None, None, 128, 1, 0, n, want_c, want_w, check)
+    assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+    if check:
+        _expect_problem(problems, reported)
 
 
 @pytest.mark.parametrize("batch", [0, 3, 1100])
 def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
+    """Random batches whose positions partly run past the page table (rows skipped, the first one reported)."""
     g = torch.Generator().manual_seed(batch)
     seq = torch.randint(0, 1500, (batch,), generator=g)
     ext = torch.minimum(seq, torch.randint(0, 300 if batch < 100 else 20, (batch,), generator=g))
@@ -419,21 +480,52 @@ def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     full = torch.arange(10 * 2048)
     f2s = torch.randperm(80, generator=g)[full // 256] * 256 + full % 256
     f2s[::131] = -1
+    check = batch < 100  # checking mode costs a second pass over the requests
     for ratio, ring in ((4, 8), (128, 256)):
         for tables in ((None, None), (r2t, f2s)):
-            swa = 256 if tables[0] is not None else 0
-            want = plan_decode(seq, rid, *tables, ratio, ring, swa)
-            got, _ = _emu_plans(emu, 0, 0, seq, ext, rid, *tables, ratio, ring, swa, 0, want, None)
-            assert torch.equal(got, want)
-            want_c, want_w = plan_prefill(seq, ext, rid, *tables, ratio, ring, swa, n)
-            got_c, got_w = _emu_plans(emu, 0, 1, seq, ext, rid, *tables, ratio, ring, swa, n, want_c, want_w)
-            assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
-    want = plan_online_decode(seq, rid)
-    got, _ = _emu_plans(emu, 1, 0, seq, ext, rid, None, None, 128, 1, 0, 0, want, None)
-    assert torch.equal(got, want)
-    want_c, want_w = plan_online_prefill(seq, ext, rid, n)
-    got_c, got_w = _emu_plans(emu, 1, 1, seq, ext, rid, None, None, 128, 1, 0, n, want_c, want_w)
-    assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+            _check_planners(emu, seq, ext, rid, tables, ratio, ring, n, check)
+    _check_online_planners(emu, seq, ext, rid, n, check)
+
+
+def test_emulated_planners_skip_and_report_out_of_range_values(emu):
+    """Every kind of out-of-range value, fixed one kind at a time so that each rank is the first problem once: the
+    kernels skip exactly the rows the reference skips and report the problem the CPU path raises."""
+    g = torch.Generator().manual_seed(5)
+    batch = 40
+    seq = torch.randint(1, 600, (batch,), generator=g)
+    ext = torch.minimum(seq, torch.randint(1, 40, (batch,), generator=g))
+    rid = torch.arange(batch) % 11 - 1
+    picks = torch.randperm(batch, generator=g)[:6].tolist()
+    good_ext = ext.clone()
+    ext[picks[0]], ext[picks[1]] = -3, 70000
+    seq[picks[2]] = 2**40  # past int32 positions
+    rid[picks[3]], rid[picks[4]] = 2**33 + 1, 2**62  # wrap in int32, overflow int64 when multiplied
+    rid[picks[5]], seq[picks[5]] = 2, ext[picks[5]] - 1  # shorter than its extend
+    r2t = (torch.arange(10)[:, None] * 1024 + torch.arange(1024)).to(torch.int64)
+    r2t[3] = 10 * 1024 + 7  # past full_to_state
+    f2s = torch.arange(10 * 1024)
+    f2s[5 * 1024 : 6 * 1024] = 2**45  # state rows beyond int32
+    f2s[7 * 1024 + 10 : 7 * 1024 + 500] = -1  # unmapped: skipped, never reported
+    tokens = int(good_ext.sum())
+    stages = [
+        (lambda: None, tokens - 5),
+        (lambda: ext.copy_(good_ext), tokens - 5),  # the extends end past num_q_tokens
+        (lambda: None, tokens),  # a seq_len shorter than its extend
+        (lambda: seq.copy_(torch.maximum(seq, ext)), tokens),  # a seq_len past int32
+        (lambda: seq.copy_(seq.clamp(max=600)), tokens),  # request ids
+        (lambda: rid.copy_(torch.where(rid > 9, -1, rid)), tokens),  # req_to_token entries (paged)
+        (lambda: r2t[3].copy_(torch.arange(3 * 1024, 4 * 1024)), tokens),  # full_to_state entries (paged)
+    ]
+    ranks = []
+    for change, n in stages:
+        change()
+        first = cp.prefill_plan_unchecked(seq, ext, rid, r2t, f2s, 4, 8, 256, n)[1].first()
+        ranks.append(first.rank)
+        for ratio, ring in ((4, 8), (128, 128)):
+            for tables in ((None, None), (r2t, f2s)):
+                _check_planners(emu, seq, ext, rid, tables, ratio, ring, n, True)
+        _check_online_planners(emu, seq, ext, rid, n, True)
+    assert ranks == list(range(7))
 
 
 @pytest.mark.parametrize("decode", [True, False])
