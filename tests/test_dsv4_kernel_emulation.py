@@ -401,7 +401,7 @@ def _first(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
-def _decode_corruptions(ratio: int, online: bool, rows: int):
+def decode_corruptions(ratio: int, online: bool, rows: int):
     """(field, corrupt): `corrupt(bad, neutral)` edits the int32 words of two copies of a decode plan: `bad` gets an
     out-of-range row, `neutral` the same row as the CPU path accepts it with the effect a skipping kernel has
     (padding; or, for a row whose window read is bad, a row that writes but does not close its window)."""
@@ -448,8 +448,8 @@ def _decode_corruptions(ratio: int, online: bool, rows: int):
     return [*cases, ("read_page_0", page(2, -7))] if ratio == 4 else cases
 
 
-def _prefill_corruptions(ratio: int, online: bool, rows: int, inputs: int):
-    """As `_decode_corruptions`, for the two plans of a prefill (every corrupted row becomes padding)."""
+def prefill_corruptions(ratio: int, online: bool, rows: int, inputs: int):
+    """As `decode_corruptions`, for the two plans of a prefill (every corrupted row becomes padding)."""
     window = 8 if ratio == 4 else 128
 
     def field(plan: int, col: int, value, pick=lambda w: w[:, 0] != -1, keep=0):
@@ -485,7 +485,7 @@ def _prefill_corruptions(ratio: int, online: bool, rows: int, inputs: int):
     ]
 
 
-def _corruption_case(ratio: int, online: bool, decode: bool, g: torch.Generator):
+def corruption_case(ratio: int, online: bool, decode: bool, g: torch.Generator):
     """A random state, input and ape, and valid plans of 3-4 requests."""
     d = 128
     window = 8 if ratio == 4 else 128
@@ -508,7 +508,8 @@ def _corruption_case(ratio: int, online: bool, decode: bool, g: torch.Generator)
     return state, torch.randn(n, in_width, generator=g), ape, plans
 
 
-def _cpu_compress(online, decode, state, kv, ape, plans, ratio):
+def run_compress(online, decode, state, kv, ape, plans, ratio):
+    """The registered compress op of (online, decode) on the tensors' device."""
     ops = torch.ops.dspark
     if online:
         op = ops.dsv4_online_compress_decode if decode else ops.dsv4_online_compress_prefill
@@ -530,20 +531,20 @@ def test_emulated_compress_kernels_skip_out_of_range_plan_rows(emu, ratio, onlin
     """A plan row that would read or write outside the state or the input: the CPU path raises naming the field;
     the kernels skip the row and leave exactly what the CPU path leaves for the plan with that row neutralized."""
     g = torch.Generator().manual_seed(ratio + 2 * online + decode)
-    state, kv, ape, plans = _corruption_case(ratio, online, decode, g)
+    state, kv, ape, plans = corruption_case(ratio, online, decode, g)
     if decode:
-        corruptions = _decode_corruptions(ratio, online, state.shape[0])
+        corruptions = decode_corruptions(ratio, online, state.shape[0])
     else:
-        corruptions = _prefill_corruptions(ratio, online, state.shape[0], kv.shape[0])
+        corruptions = prefill_corruptions(ratio, online, state.shape[0], kv.shape[0])
     for field, corrupt in corruptions:
         bad, good = [p.clone() for p in plans], [p.clone() for p in plans]
         corrupt([p.view(torch.int32) for p in bad], [p.view(torch.int32) for p in good])
         before = state.clone()
         with pytest.raises(ValueError, match=rf"\]\.{field} = -?\d+ is out of range"):
-            _cpu_compress(online, decode, state, kv, ape, bad, ratio)
+            run_compress(online, decode, state, kv, ape, bad, ratio)
         assert torch.equal(state, before), "the CPU path wrote before raising"
         want_state = state.clone()
-        want = _cpu_compress(online, decode, want_state, kv, ape, good, ratio)
+        want = run_compress(online, decode, want_state, kv, ape, good, ratio)
         got_state = state.clone()
         got = _emu_compress(emu, online, decode, got_state, kv, ape, bad, ratio)
         exact = 1e-5 if online else 0.0
@@ -650,9 +651,9 @@ def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     _check_online_planners(emu, seq, ext, rid, n, check)
 
 
-def test_emulated_planners_skip_and_report_out_of_range_values(emu):
-    """Every kind of out-of-range value, fixed one kind at a time so that each rank is the first problem once: the
-    kernels skip exactly the rows the reference skips and report the problem the CPU path raises."""
+def planner_problem_stages():
+    """Planner inputs (seq, ext, rid, r2t, f2s, num_q_tokens) with every kind of out-of-range value, fixed one kind
+    at a time, so that stage k's first problem has rank k (ERR_*); the paged tables also hold unmapped entries."""
     g = torch.Generator().manual_seed(5)
     batch = 40
     seq = torch.randint(1, 600, (batch,), generator=g)
@@ -679,11 +680,16 @@ def test_emulated_planners_skip_and_report_out_of_range_values(emu):
         (lambda: rid.copy_(torch.where(rid > 9, -1, rid)), tokens),  # req_to_token entries (paged)
         (lambda: r2t[3].copy_(torch.arange(3 * 1024, 4 * 1024)), tokens),  # full_to_state entries (paged)
     ]
-    ranks = []
     for change, n in stages:
         change()
-        first = cp.prefill_plan_unchecked(seq, ext, rid, r2t, f2s, 4, 8, 256, n)[1].first()
-        ranks.append(first.rank)
+        yield seq.clone(), ext.clone(), rid.clone(), r2t.clone(), f2s.clone(), n
+
+
+def test_emulated_planners_skip_and_report_out_of_range_values(emu):
+    """The kernels skip exactly the rows the reference skips and report the problem the CPU path raises."""
+    ranks = []
+    for seq, ext, rid, r2t, f2s, n in planner_problem_stages():
+        ranks.append(cp.prefill_plan_unchecked(seq, ext, rid, r2t, f2s, 4, 8, 256, n)[1].first().rank)
         for ratio, ring in ((4, 8), (128, 128)):
             for tables in ((None, None), (r2t, f2s)):
                 _check_planners(emu, seq, ext, rid, tables, ratio, ring, n, True)
@@ -695,7 +701,7 @@ STORE_FREQS = precompute_freqs(4096, 64, 160000.0, original_seq_len=65536, facto
 STORE_PAGE = 16
 
 
-def _store_case(d: int, fp4: bool, decode: bool):
+def store_case(d: int, fp4: bool, decode: bool):
     """Random entries, their plan (ratio 4), out_loc (some negative) and a poisoned cache of 32 pages of 16."""
     g = torch.Generator().manual_seed(d + decode)
     if decode:
@@ -741,7 +747,7 @@ STORE_LAYOUTS = [(512, False), (128, False), (128, True)]
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize(("d", "fp4"), STORE_LAYOUTS)
 def test_emulated_store_kernels_write_the_reference_bytes(emu, d, fp4, decode):
-    kv, plan, w, out_loc, cache = _store_case(d, fp4, decode)
+    kv, plan, w, out_loc, cache = store_case(d, fp4, decode)
     before = cache.clone()
     want = cache.clone()
     compress_norm_rope_store(kv, plan, w, 1e-6, STORE_FREQS, out_loc, want, STORE_PAGE, 4, decode, fp4)
@@ -750,7 +756,7 @@ def test_emulated_store_kernels_write_the_reference_bytes(emu, d, fp4, decode):
     assert torch.equal(cache, want)
 
 
-def _storing_rows(plan, out_loc, decode):
+def storing_rows(plan, out_loc, decode):
     """Plan rows that store, and the out_loc index of each."""
     rows = stored_rows(plan, 4, decode)
     stores = rows.valid & (row_slots(rows, out_loc) >= 0)
@@ -762,8 +768,8 @@ def _storing_rows(plan, out_loc, decode):
 def test_emulated_store_kernels_skip_slots_past_the_cache(emu, d, fp4, decode):
     """Slots at the cache's end, 2^40 and 2^62 + 5 (whose byte offset overflows int64 and used to land in another
     page): the CPU path raises naming out_loc; the kernel writes the CPU path's bytes for those slots set to -1."""
-    kv, plan, w, out_loc, cache = _store_case(d, fp4, decode)
-    rows, source = _storing_rows(plan, out_loc, decode)
+    kv, plan, w, out_loc, cache = store_case(d, fp4, decode)
+    rows, source = storing_rows(plan, out_loc, decode)
     picks = source[rows[torch.tensor([0, 1, -1])]]
     bad = out_loc.clone()
     bad[picks] = torch.tensor([32 * STORE_PAGE, 2**40, 2**62 + 5])
@@ -782,8 +788,8 @@ def test_emulated_store_kernels_skip_slots_past_the_cache(emu, d, fp4, decode):
 def test_emulated_store_kernels_skip_positions_past_freqs(emu, d, fp4, decode):
     """A RoPE position past the freqs table: the CPU path raises naming the plan's seq_len; the kernel skips the row
     (it used to read past the table)."""
-    kv, plan, w, out_loc, cache = _store_case(d, fp4, decode)
-    rows, source = _storing_rows(plan, out_loc, decode)
+    kv, plan, w, out_loc, cache = store_case(d, fp4, decode)
+    rows, source = storing_rows(plan, out_loc, decode)
     pos = read_compress_plan(plan).seq_len[rows] - 4 if not decode else read_decode_plan(plan).seq_len[rows] - 4
     max_pos = int(pos.median())
     freqs = STORE_FREQS[:max_pos].contiguous()

@@ -96,7 +96,7 @@ def _check_fp4(got: torch.Tensor, scales: torch.Tensor, want: torch.Tensor) -> N
     assert (err <= half_step * (1 + 1e-5) + 1e-7).all(), (err / half_step).amax()
 
 
-def _check_store(kv, w, pos, slots, cache, before, page_size, fp4=False):
+def check_store(kv, w, pos, slots, cache, before, page_size, fp4=False):
     d = kv.shape[1]
     want = _expected(kv, w, pos, hadamard=d == 128)
     untouched = ~_touched(cache, page_size, slots.tolist(), d, fp4)
@@ -139,7 +139,7 @@ def test_prefill_store(d, fp4, ratio):
     keep = out_loc[ragged] >= 0
     rows, slots = valid[keep], out_loc[ragged[keep]]
     assert valid.numel() == 5 and rows.numel() == 4  # 3 + 2 windows closed, one slot negative
-    _check_store(kv[rows], w, c[rows, 0].long() - ratio, slots, cache, before, page_size, fp4)
+    check_store(kv[rows], w, c[rows, 0].long() - ratio, slots, cache, before, page_size, fp4)
 
 
 @pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
@@ -156,7 +156,7 @@ def test_decode_store_skips_rows_without_entries(d, fp4):
     before = cache.clone()
     compress_norm_rope_store(kv, plan, w, EPS, FREQS, out_loc, cache, 2, ratio, decode=True, fp4=fp4)
     rows = torch.tensor([0, 3])  # row 1: 9 % 4 != 0; row 2: slot -1; row 4: padded
-    _check_store(kv[rows], w, seq[rows].long() - ratio, out_loc[rows].long(), cache, before, 2, fp4)
+    check_store(kv[rows], w, seq[rows].long() - ratio, out_loc[rows].long(), cache, before, 2, fp4)
 
 
 @pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, True)])
