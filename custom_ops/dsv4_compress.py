@@ -1,7 +1,7 @@
 """Offline DeepSeek-V4 KV compression (c4 with overlap, c128): decode and prefill/extend ops.
 
 Each compressed entry is a per-channel softmax-gated pooling over a window of raw projection rows
-(spec §1.2): `out[d] = sum_j softmax_j(sc[j, d] + ape[j, d]) * kv[j, d]`, fp32 math.
+(docs/dsv4_compress.md): `out[d] = sum_j softmax_j(sc[j, d] + ape[j, d]) * kv[j, d]`, fp32 math.
 
 - c4: window of 8 slots, `ape` `[8, D]`, rows `| kv_ov | kv_fr | sc_ov | sc_fr |` (4D wide). Slots 0..3 are
   the previous 4 tokens' overlap halves (masked with kv = 0, score = -FLT_MAX for the first window, i.e.
@@ -9,13 +9,20 @@ Each compressed entry is a per-channel softmax-gated pooling over a window of ra
 - c128: window of 128 slots, `ape` `[128, D]`, rows `| kv | sc |` (2D wide).
 
 The state is a flat buffer of raw rows, `[rows, last_dim]` (rows a multiple of ratio; page p = rows
-`[p*ratio, (p+1)*ratio)`), fp32 or bf16; reads convert to fp32. Row order per spec §5: **decode writes the
-new token's row first and then compresses, reading every window slot from the state; prefill compresses
-first (slots `j < buffer_len` from the state, the rest from the ragged input) and then writes the rows of
-`plan_w`** (the writes may overwrite rows the compression reads).
+`[p*ratio, (p+1)*ratio)`), fp32 or bf16; reads convert to fp32. Row order: **decode writes the new token's row
+first and then compresses, reading every window slot from the state; prefill compresses first (slots
+`j < buffer_len` from the state, the rest from the ragged input) and then writes the rows of `plan_w`** (the
+writes may overwrite rows the compression reads).
 
 Outputs are fresh fp32 `[plan rows, D]` tensors; rows that produce no entry (invalid plan rows, decode rows
 whose `seq_len % ratio != 0`) are zero. Decode row b pairs with request b; prefill row k with `plan_c[k]`.
+
+Plan values (docs/contract.md): a plan row is padding when it has the invalid pattern (DecodePlan: `write_loc <
+0`; CompressPlan: `seq_len == 0xFFFFFFFF`; WritePlan: `ragged_id == 0xFFFFFFFF` or `write_loc < 0`). Every
+other row must address rows inside `state` and `kv_score` (`check_decode_plan_values`,
+`check_prefill_plan_values`): on CPU (and on CUDA in checking mode) a row that does not raises `ValueError`
+(`"plan[i].write_loc = v is out of range: ..."`) before anything is written; the CUDA kernels skip such a row
+(decode: no write if `write_loc` is out of range, no entry if a read page is).
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ from custom_ops.dsv4_compress_common import (
     check_head_dim,
     check_matrix,
     check_plan,
+    check_plan_field,
+    check_ratio,
+    check_rows,
+    page_range,
     read_compress_plan,
     read_decode_plan,
     read_write_plan,
@@ -45,9 +56,9 @@ LIB.define(
 )
 
 
-def _check(state, kv_score, ape, ratio: int) -> int:
-    if ratio not in (4, 128):
-        raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
+def check_compress_args(state, kv_score, ape, ratio: int) -> int:
+    """Structural checks shared by the decode and prefill ops; returns the head dim D."""
+    check_ratio(ratio)
     d = check_head_dim(ape, window_of(ratio))
     width = (4 if ratio == 4 else 2) * d
     check_matrix("state", state, width, STATE_DTYPES)
@@ -59,6 +70,81 @@ def _check(state, kv_score, ape, ratio: int) -> int:
     check_device("kv_score", kv_score, state.device)
     check_device("ape", ape, state.device)
     return d
+
+
+def check_decode_args(state, kv_score, ape, plan, ratio: int) -> int:
+    """Structural checks of `dsv4_compress_decode` (CPU and fake impls); returns D."""
+    d = check_compress_args(state, kv_score, ape, ratio)
+    check_plan("plan", plan, 16, state.device)
+    check_rows("plan", plan, kv_score.shape[0], "one per kv_score row")
+    return d
+
+
+def check_prefill_args(state, kv_score, ape, plan_c, plan_w, ratio: int) -> int:
+    """Structural checks of `dsv4_compress_prefill` (CPU and fake impls); returns D."""
+    d = check_compress_args(state, kv_score, ape, ratio)
+    check_plan("plan_c", plan_c, 16, state.device)
+    check_plan("plan_w", plan_w, 8, state.device)
+    return d
+
+
+def _read_pages(read_page_0: torch.Tensor, read_page_1: torch.Tensor, ratio: int):
+    """The page fields a window reads: c4 both (overlap and fresh half), c128 read_page_1."""
+    return (
+        [("read_page_1", read_page_1), ("read_page_0", read_page_0)] if ratio == 4 else [("read_page_1", read_page_1)]
+    )
+
+
+def _outside(page: torch.Tensor, pages: int) -> torch.Tensor:
+    return (page < 0) | (page >= pages)
+
+
+def check_decode_plan_values(plan: torch.Tensor, state_rows: int, ratio: int) -> None:
+    """Raise `ValueError` for the first non-padding DecodePlan row that writes outside the state or, when it
+    closes a window, reads a page outside the state or is not the last row of its page."""
+    p = read_decode_plan(plan)
+    pages = state_rows // ratio
+    big = p.valid & (p.write_loc >= state_rows)
+    check_plan_field("plan", "write_loc", p.write_loc, big, f"expected < {state_rows} (rows of state)")
+    emit = p.valid & (p.seq_len % ratio == 0)
+    for field, page in _read_pages(p.read_page_0, p.read_page_1, ratio):
+        check_plan_field("plan", field, page, emit & _outside(page, pages), page_range(pages))
+    last = p.read_page_1 * ratio + ratio - 1
+    check_plan_field(
+        "plan",
+        "write_loc",
+        p.write_loc,
+        emit & (p.write_loc != last),
+        lambda i: f"expected read_page_1 * {ratio} + {ratio - 1} = {int(last[i])} (the window's last row)",
+    )
+
+
+def check_prefill_plan_values(
+    plan_c: torch.Tensor, plan_w: torch.Tensor, state_rows: int, input_rows: int, ratio: int
+) -> None:
+    """Raise `ValueError` for the first non-padding plan row that reads or writes outside `state` / `kv_score`."""
+    c = read_compress_plan(plan_c)
+    window = window_of(ratio)
+    rows_what = f"expected < {input_rows} (rows of kv_score)"
+    check_plan_field("plan_c", "ragged_id", c.ragged_id, c.valid & (c.ragged_id >= input_rows), rows_what)
+    long_buffer = c.valid & (c.buffer_len > window)
+    check_plan_field("plan_c", "buffer_len", c.buffer_len, long_buffer, f"expected <= {window} (window slots)")
+    first = window - 1 - c.buffer_len
+    check_plan_field(
+        "plan_c",
+        "ragged_id",
+        c.ragged_id,
+        c.valid & (c.ragged_id < first),
+        lambda i: f"expected >= {int(first[i])} (window - 1 - buffer_len: the window's first input row)",
+    )
+    buffered = c.valid & (c.buffer_len > 0)
+    pages = state_rows // ratio
+    for field, page in _read_pages(c.read_page_0, c.read_page_1, ratio):
+        check_plan_field("plan_c", field, page, buffered & _outside(page, pages), page_range(pages))
+    w = read_write_plan(plan_w)
+    check_plan_field("plan_w", "ragged_id", w.ragged_id, w.valid & (w.ragged_id >= input_rows), rows_what)
+    big = w.valid & (w.write_loc >= state_rows)
+    check_plan_field("plan_w", "write_loc", w.write_loc, big, f"expected < {state_rows} (rows of state)")
 
 
 def compress_decode(
@@ -101,10 +187,6 @@ def compress_prefill(
     Returns fp32 `[C, D]`, row k for `plan_c[k]`.
     """
     return torch.ops.dspark.dsv4_compress_prefill(state, kv_score, ape, plan_c, plan_w, ratio)
-
-
-def _in_range(page: torch.Tensor, pages: int) -> torch.Tensor:
-    return (page >= 0) & (page < pages)
 
 
 def _pool(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -157,21 +239,14 @@ def _window(
 
 @torch.library.impl(LIB, "dsv4_compress_decode", "CPU")
 def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
-    d = _check(state, kv_score, ape, ratio)
-    check_plan("plan", plan, 16, state.device)
-    if plan.shape[0] != kv_score.shape[0]:
-        raise ValueError(f"plan: expected {kv_score.shape[0]} rows (one per kv_score row), got {plan.shape[0]}")
+    d = check_decode_args(state, kv_score, ape, plan, ratio)
+    check_decode_plan_values(plan, state.shape[0], ratio)
     p = read_decode_plan(plan)
     out = kv_score.new_zeros((plan.shape[0], d), dtype=torch.float32)
-    pages = state.shape[0] // ratio
-    active = (p.valid & (p.write_loc < state.shape[0])).nonzero().squeeze(1)
+    active = p.valid.nonzero().squeeze(1)
     state[p.write_loc[active]] = kv_score[active].to(state.dtype)
     # the new row is the window's last slot: the last row of page read_page_1
-    readable = (p.seq_len % ratio == 0) & _in_range(p.read_page_1, pages)
-    readable &= p.write_loc == p.read_page_1 * ratio + ratio - 1
-    if ratio == 4:
-        readable &= _in_range(p.read_page_0, pages)
-    emit = active[readable[active]]
+    emit = (p.valid & (p.seq_len % ratio == 0)).nonzero().squeeze(1)
     window = window_of(ratio)
     kv, sc = _window(
         state,
@@ -190,17 +265,11 @@ def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
 
 @torch.library.impl(LIB, "dsv4_compress_prefill", "CPU")
 def _compress_prefill_cpu(state, kv_score, ape, plan_c, plan_w, ratio):
-    d = _check(state, kv_score, ape, ratio)
-    check_plan("plan_c", plan_c, 16, state.device)
-    check_plan("plan_w", plan_w, 8, state.device)
+    d = check_prefill_args(state, kv_score, ape, plan_c, plan_w, ratio)
+    check_prefill_plan_values(plan_c, plan_w, state.shape[0], kv_score.shape[0], ratio)
     c = read_compress_plan(plan_c)
     out = kv_score.new_zeros((plan_c.shape[0], d), dtype=torch.float32)
-    pages = state.shape[0] // ratio
-    pages_ok = _in_range(c.read_page_1, pages)
-    if ratio == 4:
-        pages_ok &= _in_range(c.read_page_0, pages)
-    readable = (c.buffer_len == 0) | pages_ok
-    emit = (c.valid & (c.ragged_id < kv_score.shape[0]) & readable).nonzero().squeeze(1)
+    emit = c.valid.nonzero().squeeze(1)
     kv, sc = _window(
         state,
         kv_score,
@@ -214,23 +283,20 @@ def _compress_prefill_cpu(state, kv_score, ape, plan_c, plan_w, ratio):
     )
     out[emit] = _pool(kv, sc, ape)
     w = read_write_plan(plan_w)
-    keep = (w.valid & (w.ragged_id < kv_score.shape[0]) & (w.write_loc < state.shape[0])).nonzero().squeeze(1)
+    keep = w.valid.nonzero().squeeze(1)
     state[w.write_loc[keep]] = kv_score[w.ragged_id[keep]].to(state.dtype)
     return out
 
 
 @torch.library.register_fake("dspark::dsv4_compress_decode")
 def _compress_decode_fake(state, kv_score, ape, plan, ratio):
-    d = _check(state, kv_score, ape, ratio)
-    check_plan("plan", plan, 16, state.device)
+    d = check_decode_args(state, kv_score, ape, plan, ratio)
     return kv_score.new_empty((plan.shape[0], d), dtype=torch.float32)
 
 
 @torch.library.register_fake("dspark::dsv4_compress_prefill")
 def _compress_prefill_fake(state, kv_score, ape, plan_c, plan_w, ratio):
-    d = _check(state, kv_score, ape, ratio)
-    check_plan("plan_c", plan_c, 16, state.device)
-    check_plan("plan_w", plan_w, 8, state.device)
+    d = check_prefill_args(state, kv_score, ape, plan_c, plan_w, ratio)
     return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)
 
 

@@ -1,11 +1,17 @@
 """Shared helpers of the DeepSeek-V4 compressor ops: plan field readers and argument checks.
 
-The readers turn the uint8 plan bytes of spec §4.1 (see `dsv4_compress_plan`) into int64 columns with a
-validity mask; they are used by the CPU references, the store op and the tests.
+The readers turn the uint8 plan bytes (layouts in `dsv4_compress_plan` and docs/dsv4_compress.md) into int64
+columns with a validity mask; they are used by the CPU references, the store op and the tests.
+
+The checks follow docs/contract.md. Structural checks (`check_*` of shapes, dtypes, devices) run in the CPU
+impls and in the fake impls alike, so an op called directly and an op traced by `torch.compile` reject the same
+inputs. Value checks of plan bytes (`check_plan_field`) run where index values are validated (CPU, and CUDA in
+checking mode); the CUDA bindings raise the same messages (`csrc/dsv4_checks.h`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -14,6 +20,9 @@ FLT_MAX = torch.finfo(torch.float32).max
 HEAD_DIMS = (128, 512)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1
+U32_INVALID = 0xFFFFFFFF  # seq_len / ragged_id of an invalid plan row
 
 
 class DecodeRows(NamedTuple):
@@ -38,7 +47,8 @@ class CompressRows(NamedTuple):
 
 
 class WriteRows(NamedTuple):
-    """WritePlan columns (int64); `valid` marks rows with a valid ragged id and a non-negative write_loc."""
+    """WritePlan columns (int64, ragged_id read as u32); `valid` marks rows whose ragged_id is not 0xFFFFFFFF and
+    whose write_loc is not negative (a negative state row skips the row)."""
 
     ragged_id: torch.Tensor
     write_loc: torch.Tensor
@@ -58,20 +68,22 @@ def read_decode_plan(plan: torch.Tensor) -> DecodeRows:
 def read_compress_plan(plan: torch.Tensor) -> CompressRows:
     w = _words(plan, 16)
     seq = w[:, 0] & 0xFFFFFFFF
-    return CompressRows(seq, w[:, 1] & 0xFFFF, (w[:, 1] >> 16) & 0xFFFF, w[:, 2], w[:, 3], seq != 0xFFFFFFFF)
+    return CompressRows(seq, w[:, 1] & 0xFFFF, (w[:, 1] >> 16) & 0xFFFF, w[:, 2], w[:, 3], seq != U32_INVALID)
 
 
 def read_write_plan(plan: torch.Tensor) -> WriteRows:
     w = _words(plan, 8)
-    return WriteRows(w[:, 0], w[:, 1], (w[:, 0] >= 0) & (w[:, 1] >= 0))
+    ragged = w[:, 0] & 0xFFFFFFFF
+    return WriteRows(ragged, w[:, 1], (ragged != U32_INVALID) & (w[:, 1] >= 0))
 
 
-def check_plan(name: str, plan: torch.Tensor, width: int, device: torch.device) -> None:
-    if plan.dtype != torch.uint8:
-        raise TypeError(f"{name}: expected uint8 plan bytes, got {plan.dtype}")
-    if plan.dim() != 2 or plan.shape[1] != width or not plan.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous [rows, {width}] uint8 tensor, got shape {tuple(plan.shape)}")
-    check_device(name, plan, device)
+def check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
+    """`t` is a tensor of one of `dtypes` (TypeError otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}: expected {names}, got {t.dtype}")
 
 
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -79,23 +91,63 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
 
 
-def check_matrix(name: str, t: torch.Tensor, cols: int, dtypes: tuple[torch.dtype, ...]) -> None:
+def check_index(name: str, t: object, ndim: int, device: torch.device | None = None) -> None:
+    """An int32 / int64 index tensor with `ndim` dims (on `device` if given)."""
+    check_tensor(name, t, INDEX_DTYPES)
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None:
+        check_device(name, t, device)
+
+
+def check_plan(name: str, plan: object, width: int, device: torch.device) -> None:
+    check_tensor(name, plan, (torch.uint8,))
+    if plan.dim() != 2 or plan.shape[1] != width or not plan.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous [rows, {width}] uint8 tensor, got shape {tuple(plan.shape)}")
+    check_device(name, plan, device)
+
+
+def check_rows(name: str, plan: torch.Tensor, rows: int, what: str) -> None:
+    """`plan` has exactly `rows` rows (`what` says why)."""
+    if plan.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} rows ({what}), got {plan.shape[0]}")
+
+
+def check_matrix(name: str, t: object, cols: int, dtypes: tuple[torch.dtype, ...]) -> None:
     """A 2-D tensor with `cols` columns, unit inner stride and one of `dtypes`."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name}: expected {names}, got {t.dtype}")
+    check_tensor(name, t, dtypes)
     if t.dim() != 2 or t.shape[1] != cols:
         raise ValueError(f"{name}: expected shape [rows, {cols}], got {tuple(t.shape)}")
     if cols > 1 and t.stride(1) != 1:
         raise ValueError(f"{name}: expected unit stride in the last dim, got strides {t.stride()}")
 
 
-def check_head_dim(ape: torch.Tensor, rows: int) -> int:
-    """Validate `ape` ([rows, D] fp32, D in HEAD_DIMS) and return D."""
-    if not isinstance(ape, torch.Tensor) or ape.dtype != torch.float32:
-        raise TypeError(f"ape: expected an fp32 tensor, got {getattr(ape, 'dtype', type(ape).__name__)}")
+def check_head_dim(ape: object, rows: int) -> int:
+    """Validate `ape` (contiguous [rows, D] fp32, D in HEAD_DIMS) and return D."""
+    check_tensor("ape", ape, (torch.float32,))
     if ape.dim() != 2 or ape.shape[0] != rows or ape.shape[1] not in HEAD_DIMS:
         raise ValueError(f"ape: expected shape [{rows}, D] with D in {HEAD_DIMS}, got {tuple(ape.shape)}")
+    if not ape.is_contiguous():
+        raise ValueError("ape: expected a contiguous tensor")
     return ape.shape[1]
+
+
+def check_ratio(ratio: int) -> None:
+    if ratio not in (4, 128):
+        raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
+
+
+def check_plan_field(
+    plan_name: str, field: str, values: torch.Tensor, bad: torch.Tensor, what: str | Callable[[int], str]
+) -> None:
+    """Raise `ValueError("<plan>[<i>].<field> = <v> is out of range: <what>")` for the first row `i` where `bad`
+    is set (`what` may depend on the row). A CUDA kernel skips such a row instead."""
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        text = what(i) if callable(what) else what
+        raise ValueError(f"{plan_name}[{i}].{field} = {int(values[i])} is out of range: {text}")
+
+
+def page_range(pages: int) -> str:
+    """The valid range of a page field, as the messages state it."""
+    return f"expected >= 0 and < {pages} (pages of state)"

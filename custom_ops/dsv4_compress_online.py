@@ -1,4 +1,4 @@
-"""Online c128 DeepSeek-V4 KV compression: one running softmax state per request (spec §7).
+"""Online c128 DeepSeek-V4 KV compression: one running softmax state per request (docs/dsv4_compress.md).
 
 State row (fp32 `[slots, 3D]`): `| m (running max of the score) | l (sum of exp(s - m)) | a (normalized
 weighted average of kv) |`; a cleared row is `m = -inf, l = 0, a = 0`. Token update with
@@ -16,6 +16,11 @@ merge the same way. The result equals offline c128 up to fp32 rounding.
   before pass 2 writes.
 
 Outputs are fresh fp32 tensors (decode `[B, D]`, prefill `[C, D]` for `plan_c`); rows without an entry are zero.
+
+Plan values (docs/contract.md): padding rows are DecodePlan rows with `write_loc < 0` and CompressPlan rows with
+`seq_len == 0xFFFFFFFF` or `read_page_0 < 0` (the request's slot). Every other row must address slots inside
+`state` and rows inside `kv_score`, and a segment must lie inside one 128-chunk; on CPU (and on CUDA in checking
+mode) the first row that does not raises `ValueError` before anything is written, the CUDA kernels skip it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from custom_ops.dsv4_compress_common import (
     check_head_dim,
     check_matrix,
     check_plan,
+    check_plan_field,
+    check_rows,
     read_compress_plan,
     read_decode_plan,
 )
@@ -44,7 +51,8 @@ LIB.define(
 )
 
 
-def _check(state, kv_score, ape) -> int:
+def check_online_args(state, kv_score, ape) -> int:
+    """Structural checks shared by the online ops; returns the head dim D."""
     d = check_head_dim(ape, ONLINE_RATIO)
     check_matrix("state", state, 3 * d, (torch.float32,))
     check_matrix("kv_score", kv_score, 2 * d, INPUT_DTYPES)
@@ -53,6 +61,66 @@ def _check(state, kv_score, ape) -> int:
     check_device("kv_score", kv_score, state.device)
     check_device("ape", ape, state.device)
     return d
+
+
+def check_online_decode_args(state, kv_score, ape, plan) -> int:
+    """Structural checks of `dsv4_online_compress_decode` (CPU and fake impls); returns D."""
+    d = check_online_args(state, kv_score, ape)
+    check_plan("plan", plan, 16, state.device)
+    check_rows("plan", plan, kv_score.shape[0], "one per kv_score row")
+    return d
+
+
+def check_online_prefill_args(state, kv_score, ape, plan_c, plan_w) -> int:
+    """Structural checks of `dsv4_online_compress_prefill` (CPU and fake impls); returns D."""
+    d = check_online_args(state, kv_score, ape)
+    check_plan("plan_c", plan_c, 16, state.device)
+    check_plan("plan_w", plan_w, 16, state.device)
+    return d
+
+
+def _slots_what(slots: int) -> str:
+    return f"expected < {slots} (rows of state)"
+
+
+def check_online_decode_plan_values(plan: torch.Tensor, slots: int) -> None:
+    """Raise `ValueError` for the first non-padding row that writes, or (not starting a chunk) reads, a slot
+    outside the state."""
+    p = read_decode_plan(plan)
+    check_plan_field("plan", "write_loc", p.write_loc, p.valid & (p.write_loc >= slots), _slots_what(slots))
+    loads = p.valid & ((p.seq_len - 1) % ONLINE_RATIO != 0)
+    outside = (p.read_page_0 < 0) | (p.read_page_0 >= slots)
+    check_plan_field(
+        "plan", "read_page_0", p.read_page_0, loads & outside, f"expected >= 0 and < {slots} (rows of state)"
+    )
+
+
+def segment_rows(plan: torch.Tensor) -> tuple[CompressRows, torch.Tensor]:
+    """CompressPlan columns of online segments and the non-padding rows (valid seq_len, slot >= 0)."""
+    c = read_compress_plan(plan)
+    return c, c.valid & (c.read_page_0 >= 0)
+
+
+def check_online_segment_values(name: str, plan: torch.Tensor, slots: int, input_rows: int) -> None:
+    """Raise `ValueError` for the first non-padding segment row that is not inside one 128-chunk or that
+    addresses rows outside `kv_score` or slots outside the state."""
+    c, valid = segment_rows(plan)
+    hi = torch.minimum(c.seq_len, (c.seq_len - 1) % ONLINE_RATIO + 1)
+    check_plan_field(
+        name,
+        "buffer_len",
+        c.buffer_len,
+        valid & ((c.buffer_len < 1) | (c.buffer_len > hi)),
+        lambda i: f"expected 1..{int(hi[i])} (a segment of the 128-chunk that ends at seq_len = {int(c.seq_len[i])})",
+    )
+    rows_what = f"expected < {input_rows} (rows of kv_score)"
+    check_plan_field(name, "ragged_id", c.ragged_id, valid & (c.ragged_id >= input_rows), rows_what)
+    early = valid & (c.ragged_id + 1 < c.buffer_len)
+    check_plan_field(
+        name, "ragged_id", c.ragged_id, early, lambda i: f"expected >= {int(c.buffer_len[i]) - 1} (buffer_len - 1)"
+    )
+    check_plan_field(name, "read_page_0", c.read_page_0, valid & (c.read_page_0 >= slots), _slots_what(slots))
+    check_plan_field(name, "read_page_1", c.read_page_1, valid & (c.read_page_1 >= slots), _slots_what(slots))
 
 
 def online_compress_decode(
@@ -105,25 +173,20 @@ def _split(rows: torch.Tensor, d: int):
 
 @torch.library.impl(LIB, "dsv4_online_compress_decode", "CPU")
 def _online_decode_cpu(state, kv_score, ape, plan):
-    d = _check(state, kv_score, ape)
-    check_plan("plan", plan, 16, state.device)
-    if plan.shape[0] != kv_score.shape[0]:
-        raise ValueError(f"plan: expected {kv_score.shape[0]} rows (one per kv_score row), got {plan.shape[0]}")
+    d = check_online_decode_args(state, kv_score, ape, plan)
+    check_online_decode_plan_values(plan, state.shape[0])
     p = read_decode_plan(plan)
     out = kv_score.new_zeros((plan.shape[0], d), dtype=torch.float32)
-    slots = state.shape[0]
     off = (p.seq_len - 1) % ONLINE_RATIO
-    fresh = off == 0
-    ok = p.valid & (p.write_loc < slots) & (fresh | ((p.read_page_0 >= 0) & (p.read_page_0 < slots)))
-    b = ok.nonzero().squeeze(1)
+    b = p.valid.nonzero().squeeze(1)
     kv = kv_score[b].float()
     s = kv[:, d:] + ape[off[b]]
-    old = state[p.read_page_0[b].clamp(0, max(slots - 1, 0))]
+    fresh = (off[b] == 0)[:, None]
+    old = state[torch.where(fresh[:, 0], 0, p.read_page_0[b])]
     m1, l1, a1 = _split(old, d)
-    empty = fresh[b][:, None]
-    m1 = m1.masked_fill(empty, -torch.inf)
-    l1 = l1.masked_fill(empty, 0.0)
-    a1 = a1.masked_fill(empty, 0.0)
+    m1 = m1.masked_fill(fresh, -torch.inf)
+    l1 = l1.masked_fill(fresh, 0.0)
+    a1 = a1.masked_fill(fresh, 0.0)
     m, total, a = _merge(m1, l1, a1, s, torch.ones_like(s), kv[:, :d])
     closes = off[b] == ONLINE_RATIO - 1
     out[b[closes]] = a[closes]
@@ -132,23 +195,13 @@ def _online_decode_cpu(state, kv_score, ape, plan):
     return out
 
 
-def _segments(state, kv_score, ape, c: CompressRows, d: int):
-    """Reduce each valid segment (merged with its stored partial state) to (rows, m, l, a)."""
-    slots = state.shape[0]
+def _segments(state, kv_score, ape, plan: torch.Tensor, d: int):
+    """Reduce each non-padding segment (merged with its stored partial state) to (rows, slots, m, l, a)."""
+    c, valid = segment_rows(plan)
     seg = c.buffer_len
-    start = c.seq_len - seg
-    chunk_off = start % ONLINE_RATIO
+    chunk_off = (c.seq_len - seg) % ONLINE_RATIO
     load = torch.where(c.read_page_1 >= 0, c.read_page_1, c.read_page_0)
-    merge = chunk_off != 0
-    ok = (
-        c.valid
-        & (seg >= 1)
-        & (chunk_off + seg <= ONLINE_RATIO)
-        & (c.ragged_id < kv_score.shape[0])
-        & (c.ragged_id + 1 >= seg)
-        & (~merge | ((load >= 0) & (load < slots)))
-    )
-    k = ok.nonzero().squeeze(1)
+    k = valid.nonzero().squeeze(1)
     i = torch.arange(ONLINE_RATIO, device=state.device)
     inside = i < seg[k, None]
     tok = torch.where(inside, c.ragged_id[k, None] - seg[k, None] + 1 + i, 0)
@@ -159,43 +212,37 @@ def _segments(state, kv_score, ape, c: CompressRows, d: int):
     e = torch.exp(s - m[:, None])
     total = e.sum(1)
     a = (e * x[..., :d]).sum(1) / total
-    old = state[load[k].clamp(0, max(slots - 1, 0))]
+    fresh = (chunk_off[k] == 0)[:, None]
+    old = state[torch.where(fresh[:, 0], 0, load[k])]
     m1, l1, a1 = _split(old, d)
-    fresh = ~merge[k][:, None]
     m1 = m1.masked_fill(fresh, -torch.inf)
     l1 = l1.masked_fill(fresh, 0.0)
     a1 = a1.masked_fill(fresh, 0.0)
-    return k, *_merge(m1, l1, a1, m, total, a)
+    return k, c.read_page_0[k], *_merge(m1, l1, a1, m, total, a)
 
 
 @torch.library.impl(LIB, "dsv4_online_compress_prefill", "CPU")
 def _online_prefill_cpu(state, kv_score, ape, plan_c, plan_w):
-    d = _check(state, kv_score, ape)
-    check_plan("plan_c", plan_c, 16, state.device)
-    check_plan("plan_w", plan_w, 16, state.device)
+    d = check_online_prefill_args(state, kv_score, ape, plan_c, plan_w)
+    for name, plan in (("plan_c", plan_c), ("plan_w", plan_w)):
+        check_online_segment_values(name, plan, state.shape[0], kv_score.shape[0])
     out = kv_score.new_zeros((plan_c.shape[0], d), dtype=torch.float32)
-    k, _, _, a = _segments(state, kv_score, ape, read_compress_plan(plan_c), d)
+    k, _, _, _, a = _segments(state, kv_score, ape, plan_c, d)
     out[k] = a
-    w = read_compress_plan(plan_w)
-    k, m, total, a = _segments(state, kv_score, ape, w, d)
-    dest = w.read_page_0[k]
-    keep = (dest >= 0) & (dest < state.shape[0])
-    state[dest[keep]] = torch.cat([m, total, a], 1)[keep]
+    _, dest, m, total, a = _segments(state, kv_score, ape, plan_w, d)
+    state[dest] = torch.cat([m, total, a], 1)
     return out
 
 
 @torch.library.register_fake("dspark::dsv4_online_compress_decode")
 def _online_decode_fake(state, kv_score, ape, plan):
-    d = _check(state, kv_score, ape)
-    check_plan("plan", plan, 16, state.device)
+    d = check_online_decode_args(state, kv_score, ape, plan)
     return kv_score.new_empty((plan.shape[0], d), dtype=torch.float32)
 
 
 @torch.library.register_fake("dspark::dsv4_online_compress_prefill")
 def _online_prefill_fake(state, kv_score, ape, plan_c, plan_w):
-    d = _check(state, kv_score, ape)
-    check_plan("plan_c", plan_c, 16, state.device)
-    check_plan("plan_w", plan_w, 16, state.device)
+    d = check_online_prefill_args(state, kv_score, ape, plan_c, plan_w)
     return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)
 
 

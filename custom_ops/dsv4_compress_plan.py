@@ -1,6 +1,6 @@
 """Planners for the DeepSeek-V4 KV compressor: decode and prefill/extend plans as device tensors.
 
-Plans use the binary layouts of spec §4.1 (little-endian, stored as uint8 tensors):
+Plans use these binary layouts (little-endian, stored as uint8 tensors; docs/dsv4_compress.md):
 
 | struct | bytes | fields |
 |---|---|---|
@@ -13,9 +13,10 @@ Invalid rows: DecodePlan `{0xFFFFFFFF, -1, -1, -1}`, CompressPlan `{0xFFFFFFFF, 
 
 State addressing (`state_loc(rid, pos)`, a row of the flat state buffer; page = row // ratio):
 - ring (per-request ring, the default when `req_to_token` is None): `rid * ring_size + pos % ring_size`.
-  With `ring_size = window` (8 for c4, 128 for c128) this is the spec's "legacy" addressing.
+  With `ring_size = window` (8 for c4, 128 for c128) this is the legacy per-request layout.
 - paged (SWA-page rings): `swa = full_to_state[req_to_token[rid, pos]]`,
-  `(swa // swa_page_size) * ring_size + swa % ring_size`.
+  `(swa // swa_page_size) * ring_size + swa % ring_size`; a negative table entry means "unmapped": the row
+  that needs it is skipped.
 
 Plans are built with sync-free, fixed-shape torch ops (CompositeExplicitAutograd), so the same implementation
 serves CPU and CUDA tensors and can be captured in a CUDA graph; once the CUDA library is loaded, every
@@ -26,22 +27,53 @@ invalid rows to `min(N, N // ratio + B)` compress rows (an upper bound on the nu
 and `N` write rows, where `N = num_q_tokens` and `B = seq_lens.numel()`. Query tokens past `sum(extend_lens)`,
 and requests with a negative `req_pool_indices` entry, produce no rows.
 
-Online c128 plans (spec §7): one state slot per request (`slot = req_pool_indices[b]`). Decode:
-`{seq_len, slot, slot, -1}`. Prefill: each request's extend range is split into chunk-aligned segments; a
-segment that closes a 128-chunk gives a CompressPlan row in `plan_c`, the trailing partial segment one in
-`plan_w`; both carry `(seq_len = last position + 1, ragged_id = last token, buffer_len = segment length,
-read_page_0 = slot, read_page_1 = -1)`. Sizes: `min(N, N // 128 + B)` and `min(N, B)` rows.
+Online c128 plans: one state slot per request (`slot = req_pool_indices[b]`). Decode: `{seq_len, slot, slot,
+-1}`. Prefill: each request's extend range is split into chunk-aligned segments; a segment that closes a
+128-chunk gives a CompressPlan row in `plan_c`, the trailing partial segment one in `plan_w`; both carry
+`(seq_len = last position + 1, ragged_id = last token, buffer_len = segment length, read_page_0 = slot,
+read_page_1 = -1)`. Sizes: `min(N, N // 128 + B)` and `min(N, B)` rows.
+
+Argument checks (docs/contract.md). Structure (`check_*_args`, shared by the implementations and the fake
+impls): raises on every device. Index values: every plan field is an int32 / u32 / u16, so a value that would
+not fit (or that addresses past `req_to_token` / `full_to_state`) never reaches a plan; the row that needs it
+is invalid instead. On CPU (and on CUDA in checking mode) the first such value raises `ValueError`
+(`"<arg>[<i>] = <v> is out of range: <what>"`); the problems are ranked (`ERR_*`): the lowest rank wins, then
+the lowest (flat) index. The CUDA planner kernels report the same (rank, index) in checking mode.
+- `extend_lens[b]` must lie in `0..N`, and `sum(extend_lens)` must not exceed N (every request);
+- for each request with `req_pool_indices[b] >= 0` (decode: and `seq_lens[b] > 0`): `seq_lens[b] >=
+  extend_lens[b]` (prefill), `seq_lens[b] <= 2^31 - 1` (paged: `<=` the columns of `req_to_token`), and
+  `req_pool_indices[b] < 2^31 // ring_size` (ring: rows of a ring must be int32), `< req_to_token.shape[0]`
+  (paged) or `< 2^31` (online);
+- paged lookups: `req_to_token` entries `< full_to_state.shape[0]`, `full_to_state` entries whose state row
+  fits int32. Negative entries of either table are unmapped (the row is skipped, no error).
+A request that fails one of the request checks produces no rows (on CUDA: the rest of the batch is planned as
+usual; a negative extend length counts as 0 for the ragged offsets).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from custom_ops._library import LIB
+from custom_ops.checks import must_check_values
+from custom_ops.dsv4_compress_common import INT32_MAX, check_index, check_ratio
 
 INVALID_U32 = -1  # 0xFFFFFFFF stored in an int32 field
 MAX_RAGGED = 65535  # ragged ids are u16 in CompressPlan
 ONLINE_RATIO = 128
+STATE_ROWS = 2**31  # state rows and slots are int32 plan fields
+
+# Ranks of the value problems a planner finds (csrc/dsv4_compress_plan_kernels.cuh uses the same numbers).
+ERR_EXTEND_RANGE = 0
+ERR_EXTEND_SUM = 1
+ERR_SEQ_BELOW_EXTEND = 2
+ERR_SEQ_MAX = 3
+ERR_REQUEST = 4
+ERR_REQ_TO_TOKEN = 5
+ERR_FULL_TO_STATE = 6
 
 LIB.define(
     "dsv4_plan_decode(Tensor seq_lens, Tensor req_pool_indices, Tensor? req_to_token, "
@@ -68,72 +100,268 @@ def compress_rows_bound(num_q_tokens: int | torch.SymInt, batch: int | torch.Sym
     return torch.sym_min(num_q_tokens, num_q_tokens // ratio + batch)
 
 
-def _check_ratio(ratio: int) -> None:
-    if ratio not in (4, 128):
-        raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
+# ------------------------------------------------------------------------------------------------ structure
 
 
-def _check_index(name: str, t: torch.Tensor, ndim: int = 1) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name}: expected int32 or int64, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim}-D, got shape {tuple(t.shape)}")
+def _check_batch(seq_lens: torch.Tensor, **others: torch.Tensor) -> None:
+    """`seq_lens` and every other per-request tensor: 1-D int32/int64 with B entries, on seq_lens' device."""
+    check_index("seq_lens", seq_lens, 1)
+    for name, t in others.items():
+        check_index(name, t, 1, seq_lens.device)
+        if t.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"{name}: expected {seq_lens.shape[0]} entries (one per seq_lens entry), got {t.shape[0]}")
 
 
 def _check_addressing(
-    batch: int,
-    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
     req_to_token: torch.Tensor | None,
     full_to_state: torch.Tensor | None,
     ratio: int,
     ring_size: int,
     swa_page_size: int,
 ) -> None:
-    _check_ratio(ratio)
-    _check_index("req_pool_indices", req_pool_indices)
-    if req_pool_indices.shape[0] != batch:
-        raise ValueError(
-            f"req_pool_indices: expected {batch} entries (one per seq_lens entry), got {req_pool_indices.shape[0]}"
-        )
-    if ring_size < window_of(ratio) or ring_size % ratio:
-        raise ValueError(f"ring_size: expected a multiple of {ratio} that is >= {window_of(ratio)}, got {ring_size}")
+    check_ratio(ratio)
+    window = window_of(ratio)
+    if not window <= ring_size <= INT32_MAX or ring_size % ratio:
+        raise ValueError(f"ring_size: expected a multiple of {ratio} in {window}..{INT32_MAX}, got {ring_size}")
     if (req_to_token is None) != (full_to_state is None):
         raise ValueError("req_to_token/full_to_state: pass both (paged addressing) or neither (ring addressing)")
-    if req_to_token is not None:
-        _check_index("req_to_token", req_to_token, 2)
-        _check_index("full_to_state", full_to_state)
-        if swa_page_size <= 0 or swa_page_size % ring_size:
-            raise ValueError(
-                f"swa_page_size: expected a positive multiple of ring_size={ring_size}, got {swa_page_size}"
-            )
+    if req_to_token is None:
+        return
+    check_index("req_to_token", req_to_token, 2, seq_lens.device)
+    check_index("full_to_state", full_to_state, 1, seq_lens.device)
+    if not 0 < swa_page_size <= INT32_MAX or swa_page_size % ring_size:
+        raise ValueError(
+            f"swa_page_size: expected a positive multiple of ring_size={ring_size} up to {INT32_MAX}, "
+            f"got {swa_page_size}"
+        )
+
+
+def _check_tokens(num_q_tokens: int | torch.SymInt) -> None:
+    if not 0 <= num_q_tokens <= MAX_RAGGED:
+        raise ValueError(f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}")
+
+
+def check_plan_decode_args(
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor | None,
+    full_to_state: torch.Tensor | None,
+    ratio: int,
+    ring_size: int,
+    swa_page_size: int = 0,
+) -> None:
+    """Structural checks of `dsv4_plan_decode` (types, shapes, devices, scalar arguments)."""
+    _check_batch(seq_lens, req_pool_indices=req_pool_indices)
+    _check_addressing(seq_lens, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
+
+
+def check_plan_prefill_args(
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor | None,
+    full_to_state: torch.Tensor | None,
+    ratio: int,
+    ring_size: int,
+    swa_page_size: int,
+    num_q_tokens: int | torch.SymInt,
+) -> None:
+    """Structural checks of `dsv4_plan_prefill`."""
+    _check_batch(seq_lens, extend_lens=extend_lens, req_pool_indices=req_pool_indices)
+    _check_addressing(seq_lens, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
+    _check_tokens(num_q_tokens)
+
+
+def check_plan_online_decode_args(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
+    """Structural checks of `dsv4_plan_online_decode`."""
+    _check_batch(seq_lens, req_pool_indices=req_pool_indices)
+
+
+def check_plan_online_prefill_args(
+    seq_lens: torch.Tensor, extend_lens: torch.Tensor, req_pool_indices: torch.Tensor, num_q_tokens
+) -> None:
+    """Structural checks of `dsv4_plan_online_prefill`."""
+    _check_batch(seq_lens, extend_lens=extend_lens, req_pool_indices=req_pool_indices)
+    _check_tokens(num_q_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ values
+
+
+class PlanProblem(NamedTuple):
+    """The first out-of-range index value a planner found: rank (`ERR_*`), argument, flat and full index."""
+
+    rank: int
+    name: str
+    flat: int
+    index: tuple[int, ...]
+    value: int
+    what: str
+
+    def message(self) -> str:
+        label = ", ".join(str(i) for i in self.index)
+        return f"{self.name}[{label}] = {self.value} is out of range: {self.what}"
+
+
+class Problems:
+    """Out-of-range index values found while planning, as device masks (no host sync until `first()`)."""
+
+    def __init__(self) -> None:
+        self._found: list[tuple[int, str, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[int], str]]] = []
+
+    def add(
+        self,
+        rank: int,
+        name: str,
+        table: torch.Tensor,
+        flat: torch.Tensor,
+        bad: torch.Tensor,
+        what: Callable[[int], str],
+    ) -> None:
+        """Entries `flat[bad]` (flat indices into `table`) are out of range; `what(flat)` says what is valid."""
+        self._found.append((rank, name, table, flat, bad, what))
+
+    def first(self) -> PlanProblem | None:
+        """The problem of the lowest rank with the lowest flat index (syncs), or None."""
+        best = None
+        for rank, name, table, flat, bad, what in self._found:
+            if not bool(bad.any()):
+                continue
+            i = int(flat[bad].min())
+            if best is None or (rank, i) < best[:2]:
+                best = (rank, i, name, table, what)
+        if best is None:
+            return None
+        rank, i, name, table, what = best
+        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), tuple(table.shape)))
+        return PlanProblem(rank, name, i, index, int(table.reshape(-1)[i]), what(i))
+
+    def raise_if_checking(self, like: torch.Tensor) -> None:
+        """CPU (and CUDA in checking mode): raise the first problem as `ValueError`."""
+        if must_check_values(like):
+            problem = self.first()
+            if problem is not None:
+                raise ValueError(problem.message())
+
+
+class _Addressing(NamedTuple):
+    req_to_token: torch.Tensor | None
+    full_to_state: torch.Tensor | None
+    ratio: int
+    ring: int
+    swa_page: int
+
+
+def _seq_limit(addr: _Addressing | None) -> tuple[int, str]:
+    """Largest valid seq_len and how the messages state it."""
+    if addr is not None and addr.req_to_token is not None and addr.req_to_token.shape[1] <= INT32_MAX:
+        cols = addr.req_to_token.shape[1]
+        return cols, f"expected <= {cols} (columns of req_to_token)"
+    return INT32_MAX, f"expected <= {INT32_MAX} (int32 positions)"
+
+
+def _request_limit(addr: _Addressing | None) -> tuple[int, str]:
+    """Exclusive bound of a request id and how the messages state it (addr None: online, slot = request id)."""
+    if addr is None:
+        return STATE_ROWS, f"expected < {STATE_ROWS} (int32 state slots)"
+    if addr.req_to_token is not None:
+        rows = addr.req_to_token.shape[0]
+        return rows, f"expected < {rows} (rows of req_to_token)"
+    hi = STATE_ROWS // addr.ring
+    return hi, f"expected < {hi} (a ring of {addr.ring} rows per request, int32 state rows)"
+
+
+def _check_requests(
+    problems: Problems,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    active: torch.Tensor,
+    addr: _Addressing | None,
+) -> torch.Tensor:
+    """seq_lens and req_pool_indices of the active requests; returns the requests that pass."""
+    seq, rid = seq_lens.long(), req_pool_indices.long()
+    index = torch.arange(seq.shape[0], device=seq.device)
+    seq_max, seq_what = _seq_limit(addr)
+    long_seq = active & (seq > seq_max)
+    problems.add(ERR_SEQ_MAX, "seq_lens", seq_lens, index, long_seq, lambda _: seq_what)
+    rid_hi, rid_what = _request_limit(addr)
+    bad_rid = active & (rid >= rid_hi)
+    problems.add(ERR_REQUEST, "req_pool_indices", req_pool_indices, index, bad_rid, lambda _: rid_what)
+    return active & ~long_seq & ~bad_rid
+
+
+def _check_extends(
+    problems: Problems,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_q_tokens,
+    addr: _Addressing | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Request checks of a prefill: returns (requests that plan rows, inclusive ends of the ragged ranges,
+    extend lengths used for the ragged offsets: clamped to 0..N + 1)."""
+    seq, ext, rid = seq_lens.long(), extend_lens.long(), req_pool_indices.long()
+    n = num_q_tokens
+    index = torch.arange(seq.shape[0], device=seq.device)
+    bad_ext = (ext < 0) | (ext > n)
+    problems.add(
+        ERR_EXTEND_RANGE, "extend_lens", extend_lens, index, bad_ext, lambda _: f"expected 0..{n} (num_q_tokens)"
+    )
+    ext_used = ext.clamp(0, n + 1)
+    ends = torch.cumsum(ext_used, 0)
+    past = ends > n
+    problems.add(
+        ERR_EXTEND_SUM,
+        "extend_lens",
+        extend_lens,
+        index,
+        past,
+        lambda b: f"sum(extend_lens[:{b + 1}]) = {int(ends[b])} exceeds num_q_tokens = {n}",
+    )
+    active = rid >= 0
+    short = active & (seq < ext)
+    problems.add(
+        ERR_SEQ_BELOW_EXTEND,
+        "seq_lens",
+        seq_lens,
+        index,
+        short,
+        lambda b: f"expected >= extend_lens[{b}] = {int(ext[b])}",
+    )
+    ok = _check_requests(problems, seq_lens, req_pool_indices, active & ~short, addr)
+    return ok & ~bad_ext & ~past, ends, ext_used
 
 
 def _state_loc(
-    rid: torch.Tensor,
-    pos: torch.Tensor,
-    ok: torch.Tensor,
-    req_to_token: torch.Tensor | None,
-    full_to_state: torch.Tensor | None,
-    ring_size: int,
-    swa_page_size: int,
+    problems: Problems, rid: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, addr: _Addressing
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """State row of (rid, pos) as int64, and the updated validity mask (positions outside `req_to_token` and
-    unmapped SWA slots are invalid).
+    """State row of (rid, pos) as int64, and the updated validity mask. `rid` and `pos` must be in range (request
+    checks) where `ok`; unmapped (negative) table entries make the row invalid, out-of-range ones are problems.
 
-    Entries where `ok` is False are clamped to safe indices and must be ignored by the caller.
+    Entries where `ok` is False hold safe values and must be ignored by the caller.
     """
-    if req_to_token is None:
-        return rid * ring_size + pos % ring_size, ok
-    ok = ok & (rid < req_to_token.shape[0]) & (pos < req_to_token.shape[1])
-    r = torch.where(ok, rid, 0).clamp(0, req_to_token.shape[0] - 1)
-    p = torch.where(ok, pos, 0).clamp(0, req_to_token.shape[1] - 1)
-    full = req_to_token[r, p].long()
-    full_ok = (full >= 0) & (full < full_to_state.shape[0])
-    swa = full_to_state[full.clamp(0, full_to_state.shape[0] - 1)].long()
-    ok = ok & full_ok & (swa >= 0)
-    return (swa // swa_page_size) * ring_size + swa % ring_size, ok
+    rid = torch.where(ok, rid, 0)
+    pos = torch.where(ok, pos, 0)
+    if addr.req_to_token is None:
+        return rid * addr.ring + pos % addr.ring, ok
+    r2t, f2s = addr.req_to_token, addr.full_to_state
+    if r2t.numel() == 0:
+        return torch.zeros_like(rid), ok & False
+    full = r2t[rid, pos].long()
+    bad_full = ok & (full >= f2s.shape[0])
+    what_full = f"expected < {f2s.shape[0]} (entries of full_to_state; negative entries are unmapped)"
+    problems.add(ERR_REQ_TO_TOKEN, "req_to_token", r2t, rid * r2t.shape[1] + pos, bad_full, lambda _: what_full)
+    ok = ok & (full >= 0) & ~bad_full
+    full = torch.where(ok, full, 0)
+    swa = f2s[full].long() if f2s.numel() else torch.zeros_like(full)
+    swa_hi = (STATE_ROWS // addr.ring) * addr.swa_page
+    bad_swa = ok & (swa >= swa_hi)
+    what_swa = f"expected < {swa_hi} (state rows must fit in int32; negative entries are unmapped)"
+    problems.add(ERR_FULL_TO_STATE, "full_to_state", f2s, full, bad_swa, lambda _: what_swa)
+    ok = ok & (swa >= 0) & ~bad_swa
+    swa = torch.where(ok, swa, 0)
+    return (swa // addr.swa_page) * addr.ring + swa % addr.ring, ok
 
 
 def _pack_rows(fields: list[torch.Tensor], valid: torch.Tensor, invalid: list[int]) -> torch.Tensor:
@@ -151,19 +379,132 @@ def _compact(rows: torch.Tensor, valid: torch.Tensor, out_rows, invalid: list[in
     return out[:out_rows].contiguous().view(torch.uint8)
 
 
-def _ragged_tokens(seq_lens: torch.Tensor, extend_lens: torch.Tensor, num_q_tokens: int):
-    """Per query token t < num_q_tokens: batch id, offset j in its extend, position, and validity."""
+class _Tokens(NamedTuple):
+    """Per query token t < num_q_tokens: its request b, offset j in the extend, position, and whether it belongs
+    to a request that plans rows."""
+
+    t: torch.Tensor
+    b: torch.Tensor
+    j: torch.Tensor
+    pos: torch.Tensor
+    valid: torch.Tensor
+
+
+def _ragged_tokens(seq_lens, ok, ends, ext, num_q_tokens) -> _Tokens:
     seq = seq_lens.long()
-    ext = extend_lens.long()
     batch = seq.shape[0]
-    ends = torch.cumsum(ext, 0)
     t = torch.arange(num_q_tokens, device=seq.device)
+    if batch == 0:
+        return _Tokens(t, t, t, t, torch.zeros_like(t, dtype=torch.bool))
     b = torch.searchsorted(ends, t, right=True)
-    valid = b < batch
-    bc = b.clamp(max=max(batch - 1, 0))
-    j = t - (ends[bc] - ext[bc]) if batch else t
-    pos = seq[bc] - ext[bc] + j if batch else t
-    return t, bc, j, pos, valid
+    bc = b.clamp(max=batch - 1)
+    j = t - (ends[bc] - ext[bc])
+    return _Tokens(t, bc, j, seq[bc] - ext[bc] + j, (b < batch) & ok[bc])
+
+
+DECODE_INVALID = [INVALID_U32, -1, -1, -1]
+COMPRESS_INVALID = [INVALID_U32, 0, -1, -1]
+WRITE_INVALID = [INVALID_U32, -1]
+
+
+def decode_plan_unchecked(
+    seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size=0
+) -> tuple[torch.Tensor, Problems]:
+    """The decode plan with the CUDA semantics (rows with out-of-range values are invalid) and the problems."""
+    addr = _Addressing(req_to_token, full_to_state, ratio, ring_size, swa_page_size)
+    problems = Problems()
+    seq = seq_lens.long()
+    rid = req_pool_indices.long()
+    ok = _check_requests(problems, seq_lens, req_pool_indices, (seq > 0) & (rid >= 0), addr)
+    pos1 = seq - 1
+    pos0 = (pos1 - ratio).clamp(min=0)
+    write_loc, ok = _state_loc(problems, rid, pos1, ok, addr)
+    loc0, ok = _state_loc(problems, rid, pos0, ok, addr)
+    rows = _pack_rows([seq, write_loc, loc0 // ratio, write_loc // ratio], ok, DECODE_INVALID)
+    return rows.contiguous().view(torch.uint8), problems
+
+
+def prefill_plan_unchecked(
+    seq_lens,
+    extend_lens,
+    req_pool_indices,
+    req_to_token,
+    full_to_state,
+    ratio,
+    ring_size,
+    swa_page_size,
+    num_q_tokens,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], Problems]:
+    """The prefill plans with the CUDA semantics and the problems (see `decode_plan_unchecked`)."""
+    addr = _Addressing(req_to_token, full_to_state, ratio, ring_size, swa_page_size)
+    problems = Problems()
+    batch = seq_lens.shape[0]
+    window = window_of(ratio)
+    ok, ends, ext = _check_extends(problems, seq_lens, extend_lens, req_pool_indices, num_q_tokens, addr)
+    t, b, j, pos, valid = _ragged_tokens(seq_lens, ok, ends, ext, num_q_tokens)
+    rid = req_pool_indices.long()[b] if batch else b
+
+    event = valid & ((pos + 1) % ratio == 0)
+    buffer_len = (window - (j + 1)).clamp(min=0)
+    use_buf = buffer_len > 0
+    loc1, ok1 = _state_loc(problems, rid, pos, event & use_buf, addr)
+    loc0, ok1 = _state_loc(problems, rid, (pos - ratio).clamp(min=0), ok1, addr)
+    event = event & (ok1 | ~use_buf)
+    rp0 = torch.where(use_buf, loc0 // ratio, -1)
+    rp1 = torch.where(use_buf, loc1 // ratio, b)
+    c_rows = _pack_rows([pos + 1, t | (buffer_len << 16), rp0, rp1], event, COMPRESS_INVALID)
+    plan_c = _compact(c_rows, event, compress_rows_bound(num_q_tokens, batch, ratio), COMPRESS_INVALID)
+
+    seq = seq_lens.long()[b] if batch else pos
+    first_w = (seq // ratio) * ratio - (ratio if ratio == 4 else 0)
+    keep = pos >= first_w
+    if ratio == 4 and req_to_token is not None:
+        keep = keep | (pos % swa_page_size >= swa_page_size - ratio)
+    write_loc, write = _state_loc(problems, rid, pos, valid & keep, addr)
+    w_rows = _pack_rows([t, write_loc], write, WRITE_INVALID)
+    return (plan_c, _compact(w_rows, write, num_q_tokens, WRITE_INVALID)), problems
+
+
+def online_decode_plan_unchecked(seq_lens, req_pool_indices) -> tuple[torch.Tensor, Problems]:
+    """The online decode plan with the CUDA semantics and the problems (see `decode_plan_unchecked`)."""
+    problems = Problems()
+    seq = seq_lens.long()
+    slot = req_pool_indices.long()
+    ok = _check_requests(problems, seq_lens, req_pool_indices, (seq > 0) & (slot >= 0), None)
+    rows = _pack_rows([seq, slot, slot, torch.full_like(slot, -1)], ok, DECODE_INVALID)
+    return rows.contiguous().view(torch.uint8), problems
+
+
+def online_prefill_plan_unchecked(
+    seq_lens, extend_lens, req_pool_indices, num_q_tokens
+) -> tuple[tuple[torch.Tensor, torch.Tensor], Problems]:
+    """The online prefill plans with the CUDA semantics and the problems (see `decode_plan_unchecked`)."""
+    problems = Problems()
+    batch = seq_lens.shape[0]
+    ok, ends, ext = _check_extends(problems, seq_lens, extend_lens, req_pool_indices, num_q_tokens, None)
+    t, b, j, pos, valid = _ragged_tokens(seq_lens, ok, ends, ext, num_q_tokens)
+    slot = req_pool_indices.long()[b] if batch else b
+    seq = seq_lens.long()[b] if batch else pos
+    seg_len = torch.minimum(j, pos % ONLINE_RATIO) + 1
+    closes = valid & ((pos + 1) % ONLINE_RATIO == 0)
+    trailing = valid & (pos == seq - 1) & ~closes
+    rows = [pos + 1, t | (seg_len << 16), slot, torch.full_like(slot, -1)]
+    plan_c = _compact(
+        _pack_rows(rows, closes, COMPRESS_INVALID),
+        closes,
+        compress_rows_bound(num_q_tokens, batch, ONLINE_RATIO),
+        COMPRESS_INVALID,
+    )
+    plan_w = _compact(
+        _pack_rows(rows, trailing, COMPRESS_INVALID),
+        trailing,
+        torch.sym_min(num_q_tokens, batch),
+        COMPRESS_INVALID,
+    )
+    return (plan_c, plan_w), problems
+
+
+# ------------------------------------------------------------------------------------------------ ops
 
 
 def plan_decode(
@@ -188,10 +529,8 @@ def plan_decode(
     | swa_page_size | int | | SWA page size, paged addressing only |
 
     Row: `write_loc = state_loc(pos1)`, `read_page_0 = state_loc(max(pos1 - ratio, 0)) // ratio`,
-    `read_page_1 = write_loc // ratio`, with `pos1 = seq_len - 1`.
+    `read_page_1 = write_loc // ratio`, with `pos1 = seq_len - 1`. Value checks: see the module docstring.
     """
-    _check_index("seq_lens", seq_lens)
-    _check_addressing(seq_lens.shape[0], req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
     return torch.ops.dspark.dsv4_plan_decode(
         seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size
     )
@@ -212,24 +551,18 @@ def plan_prefill(
 
     | arg | shape | dtype | notes |
     |---|---|---|---|
-    | seq_lens | [B] | int32/int64 | length after this extend |
+    | seq_lens | [B] | int32/int64 | length after this extend (>= extend_lens) |
     | extend_lens | [B] | int32/int64 | new tokens; request b's are ragged rows `sum(extend_lens[:b]) + j` |
     | req_pool_indices | [B] | int32/int64 | request id; negative: the request's tokens produce no rows |
     | req_to_token, full_to_state | | | as in `plan_decode` (None, None: ring addressing) |
     | ratio, ring_size, swa_page_size | int | | as in `plan_decode` |
-    | num_q_tokens | int | | N, rows of the ragged input (<= 65535) |
+    | num_q_tokens | int | | N, rows of the ragged input (<= 65535, >= sum(extend_lens)) |
 
     Compress row for every token with `(pos + 1) % ratio == 0`: `buffer_len = window - min(j + 1, window)`
     leading window slots come from the state; read pages as in decode when `buffer_len > 0`, otherwise
     `(-1, b)`. Write row for every token that later calls need: `pos >= (seq_len // ratio) * ratio - (4 if c4)`,
-    plus, for c4 with paged addressing, the last 4 tokens of every SWA page.
+    plus, for c4 with paged addressing, the last 4 tokens of every SWA page. Value checks: see the module docstring.
     """
-    _check_index("seq_lens", seq_lens)
-    _check_index("extend_lens", extend_lens)
-    if extend_lens.shape != seq_lens.shape:
-        raise ValueError(f"extend_lens: expected shape {tuple(seq_lens.shape)}, got {tuple(extend_lens.shape)}")
-    _check_addressing(seq_lens.shape[0], req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
-    _check_tokens(num_q_tokens)
     return torch.ops.dspark.dsv4_plan_prefill(
         seq_lens,
         extend_lens,
@@ -243,19 +576,8 @@ def plan_prefill(
     )
 
 
-def _check_tokens(num_q_tokens: int) -> None:
-    if not 0 <= num_q_tokens <= MAX_RAGGED:
-        raise ValueError(f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}")
-
-
 def plan_online_decode(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor) -> torch.Tensor:
     """Online c128 decode plan (uint8 `[B, 16]`): `{seq_len, slot, slot, -1}` with `slot = req_pool_indices[b]`."""
-    _check_index("seq_lens", seq_lens)
-    _check_index("req_pool_indices", req_pool_indices)
-    if req_pool_indices.shape != seq_lens.shape:
-        raise ValueError(
-            f"req_pool_indices: expected shape {tuple(seq_lens.shape)}, got {tuple(req_pool_indices.shape)}"
-        )
     return torch.ops.dspark.dsv4_plan_online_decode(seq_lens, req_pool_indices)
 
 
@@ -264,32 +586,17 @@ def plan_online_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online c128 prefill plans: chunk-closing segments (`[min(N, N//128 + B), 16]`) and trailing
     partial segments (`[min(N, B), 16]`), both CompressPlan rows (see the module docstring)."""
-    _check_index("seq_lens", seq_lens)
-    _check_index("extend_lens", extend_lens)
-    _check_index("req_pool_indices", req_pool_indices)
-    for name, t in (("extend_lens", extend_lens), ("req_pool_indices", req_pool_indices)):
-        if t.shape != seq_lens.shape:
-            raise ValueError(f"{name}: expected shape {tuple(seq_lens.shape)}, got {tuple(t.shape)}")
-    _check_tokens(num_q_tokens)
     return torch.ops.dspark.dsv4_plan_online_prefill(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
-
-
-DECODE_INVALID = [INVALID_U32, -1, -1, -1]
-COMPRESS_INVALID = [INVALID_U32, 0, -1, -1]
-WRITE_INVALID = [INVALID_U32, -1]
 
 
 @torch.library.impl(LIB, "dsv4_plan_decode", "CompositeExplicitAutograd")
 def _plan_decode_impl(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size=0):
-    seq = seq_lens.long()
-    rid = req_pool_indices.long()
-    ok = (seq > 0) & (rid >= 0)
-    pos1 = seq - 1
-    pos0 = (pos1 - ratio).clamp(min=0)
-    write_loc, ok = _state_loc(rid, pos1, ok, req_to_token, full_to_state, ring_size, swa_page_size)
-    loc0, ok = _state_loc(rid, pos0, ok, req_to_token, full_to_state, ring_size, swa_page_size)
-    rows = _pack_rows([seq, write_loc, loc0 // ratio, write_loc // ratio], ok, DECODE_INVALID)
-    return rows.contiguous().view(torch.uint8)
+    check_plan_decode_args(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
+    plan, problems = decode_plan_unchecked(
+        seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size
+    )
+    problems.raise_if_checking(seq_lens)
+    return plan
 
 
 @torch.library.impl(LIB, "dsv4_plan_prefill", "CompositeExplicitAutograd")
@@ -304,71 +611,32 @@ def _plan_prefill_impl(
     swa_page_size,
     num_q_tokens,
 ):
-    batch = seq_lens.shape[0]
-    window = window_of(ratio)
-    t, b, j, pos, valid = _ragged_tokens(seq_lens, extend_lens, num_q_tokens)
-    rid = req_pool_indices.long()[b] if batch else b
-    valid = valid & (rid >= 0) & (pos >= 0)
-
-    event = valid & ((pos + 1) % ratio == 0)
-    buffer_len = (window - (j + 1)).clamp(min=0)
-    use_buf = buffer_len > 0
-    loc1, ok1 = _state_loc(rid, pos, event & use_buf, req_to_token, full_to_state, ring_size, swa_page_size)
-    loc0, ok1 = _state_loc(rid, (pos - ratio).clamp(min=0), ok1, req_to_token, full_to_state, ring_size, swa_page_size)
-    event = event & (ok1 | ~use_buf)
-    rp0 = torch.where(use_buf, loc0 // ratio, -1)
-    rp1 = torch.where(use_buf, loc1 // ratio, b)
-    c_rows = _pack_rows([pos + 1, t | (buffer_len << 16), rp0, rp1], event, COMPRESS_INVALID)
-    plan_c = _compact(c_rows, event, compress_rows_bound(num_q_tokens, batch, ratio), COMPRESS_INVALID)
-
-    seq = seq_lens.long()[b] if batch else pos
-    first_w = (seq // ratio) * ratio - (ratio if ratio == 4 else 0)
-    keep = pos >= first_w
-    if ratio == 4 and req_to_token is not None:
-        keep = keep | (pos % swa_page_size >= swa_page_size - ratio)
-    write = valid & keep
-    write_loc, write = _state_loc(rid, pos, write, req_to_token, full_to_state, ring_size, swa_page_size)
-    w_rows = _pack_rows([t, write_loc], write, WRITE_INVALID)
-    return plan_c, _compact(w_rows, write, num_q_tokens, WRITE_INVALID)
+    args = (seq_lens, extend_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
+    check_plan_prefill_args(*args, num_q_tokens)
+    plans, problems = prefill_plan_unchecked(*args, num_q_tokens)
+    problems.raise_if_checking(seq_lens)
+    return plans
 
 
 @torch.library.impl(LIB, "dsv4_plan_online_decode", "CompositeExplicitAutograd")
 def _plan_online_decode_impl(seq_lens, req_pool_indices):
-    seq = seq_lens.long()
-    slot = req_pool_indices.long()
-    ok = (seq > 0) & (slot >= 0)
-    rows = _pack_rows([seq, slot, slot, torch.full_like(slot, -1)], ok, DECODE_INVALID)
-    return rows.contiguous().view(torch.uint8)
+    check_plan_online_decode_args(seq_lens, req_pool_indices)
+    plan, problems = online_decode_plan_unchecked(seq_lens, req_pool_indices)
+    problems.raise_if_checking(seq_lens)
+    return plan
 
 
 @torch.library.impl(LIB, "dsv4_plan_online_prefill", "CompositeExplicitAutograd")
 def _plan_online_prefill_impl(seq_lens, extend_lens, req_pool_indices, num_q_tokens):
-    batch = seq_lens.shape[0]
-    t, b, j, pos, valid = _ragged_tokens(seq_lens, extend_lens, num_q_tokens)
-    slot = req_pool_indices.long()[b] if batch else b
-    seq = seq_lens.long()[b] if batch else pos
-    valid = valid & (slot >= 0) & (pos >= 0)
-    seg_len = torch.minimum(j, pos % ONLINE_RATIO) + 1
-    closes = valid & ((pos + 1) % ONLINE_RATIO == 0)
-    trailing = valid & (pos == seq - 1) & ~closes
-    rows = [pos + 1, t | (seg_len << 16), slot, torch.full_like(slot, -1)]
-    plan_c = _compact(
-        _pack_rows(rows, closes, COMPRESS_INVALID),
-        closes,
-        compress_rows_bound(num_q_tokens, batch, ONLINE_RATIO),
-        COMPRESS_INVALID,
-    )
-    plan_w = _compact(
-        _pack_rows(rows, trailing, COMPRESS_INVALID),
-        trailing,
-        torch.sym_min(num_q_tokens, batch),
-        COMPRESS_INVALID,
-    )
-    return plan_c, plan_w
+    check_plan_online_prefill_args(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
+    plans, problems = online_prefill_plan_unchecked(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
+    problems.raise_if_checking(seq_lens)
+    return plans
 
 
 @torch.library.register_fake("dspark::dsv4_plan_decode")
 def _plan_decode_fake(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size=0):
+    check_plan_decode_args(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
     return seq_lens.new_empty((seq_lens.shape[0], 16), dtype=torch.uint8)
 
 
@@ -384,6 +652,17 @@ def _plan_prefill_fake(
     swa_page_size,
     num_q_tokens,
 ):
+    check_plan_prefill_args(
+        seq_lens,
+        extend_lens,
+        req_pool_indices,
+        req_to_token,
+        full_to_state,
+        ratio,
+        ring_size,
+        swa_page_size,
+        num_q_tokens,
+    )
     rows_c = compress_rows_bound(num_q_tokens, seq_lens.shape[0], ratio)
     return (
         seq_lens.new_empty((rows_c, 16), dtype=torch.uint8),
@@ -393,11 +672,13 @@ def _plan_prefill_fake(
 
 @torch.library.register_fake("dspark::dsv4_plan_online_decode")
 def _plan_online_decode_fake(seq_lens, req_pool_indices):
+    check_plan_online_decode_args(seq_lens, req_pool_indices)
     return seq_lens.new_empty((seq_lens.shape[0], 16), dtype=torch.uint8)
 
 
 @torch.library.register_fake("dspark::dsv4_plan_online_prefill")
 def _plan_online_prefill_fake(seq_lens, extend_lens, req_pool_indices, num_q_tokens):
+    check_plan_online_prefill_args(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
     batch = seq_lens.shape[0]
     return (
         seq_lens.new_empty((compress_rows_bound(num_q_tokens, batch, ONLINE_RATIO), 16), dtype=torch.uint8),

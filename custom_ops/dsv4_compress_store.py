@@ -1,10 +1,17 @@
-"""`compress_norm_rope_store`: RMSNorm -> RoPE -> FP8 store of compressed entries (spec §6).
+"""`compress_norm_rope_store`: RMSNorm -> RoPE -> FP8 store of compressed entries (docs/dsv4_compress.md).
 
 Row i of `kv` (the output of a compress op) pairs with plan row i:
 - prefill plans (CompressPlan): rows with `seq_len == 0xFFFFFFFF` are skipped; slot `out_loc[ragged_id]`;
 - decode plans (DecodePlan): rows with `seq_len % ratio != 0`, `write_loc < 0` or `read_page_0 < 0` (padding)
   are skipped; slot `out_loc[i]`.
 Slots `< 0` are skipped. The entry's RoPE position is `seq_len - ratio` (the first position of its window).
+Rows with `seq_len < ratio` store nothing.
+
+Index values (docs/contract.md): every `out_loc` entry must be `< pages * page_size` (a slot of `kvcache`), a
+stored prefill row's `ragged_id` must be `< len(out_loc)`, and a stored row's RoPE position must be a row of
+`freqs`. On CPU (and on CUDA in checking mode) the first violation raises `ValueError` before any byte is
+written; the CUDA kernel skips the row (its slot is compared with the cache size before it is turned into a
+byte offset, so a huge slot id can never land in another page). A decode `out_loc` has one entry per plan row.
 
 Per entry (fp32): `y = x * nf * w` (RMSNorm, the numerics of `custom_ops.flashmla_writes`), interleaved RoPE of
 the last 64 dims with row `seq_len - ratio` of `freqs`, then by head dim:
@@ -20,14 +27,22 @@ the last 64 dims with row `seq_len - ratio` of `freqs`, then by head dim:
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from custom_ops import _build
 from custom_ops._library import LIB
+from custom_ops.checks import check_index_range
 from custom_ops.dsv4_compress_common import (
     check_device,
-    check_matrix,
+    check_index,
     check_plan,
+    check_plan_field,
+    check_ratio,
+    check_rows,
+    check_tensor,
     read_compress_plan,
     read_decode_plan,
 )
@@ -103,52 +118,95 @@ def compress_norm_rope_store(
     )
 
 
-def _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio, fp4) -> int:
-    if ratio not in (4, 128):
-        raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[1] not in (INDEXER_DIM, 512):
-        raise ValueError(f"kv: expected shape [rows, 128 or 512], got {tuple(getattr(kv, 'shape', ()))}")
+def check_store_args(
+    kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size: int, ratio: int, decode: bool, fp4: bool
+) -> int:
+    """Structural checks of `dsv4_compress_norm_rope_store` (CPU and fake impls); returns the head dim D."""
+    check_ratio(ratio)
+    check_tensor("kv", kv, (torch.float32,))
+    if kv.dim() != 2 or kv.shape[1] not in (INDEXER_DIM, 512):
+        raise ValueError(f"kv: expected shape [rows, 128 or 512], got {tuple(kv.shape)}")
+    if not kv.is_contiguous():
+        raise ValueError("kv: expected a contiguous tensor")
     d = kv.shape[1]
     if fp4 and d != INDEXER_DIM:
         raise ValueError(f"fp4: only the indexer store (kv of width {INDEXER_DIM}) has an FP4 layout, got width {d}")
-    check_matrix("kv", kv, d, (torch.float32,))
     dev = kv.device
     check_plan("plan", plan, 16, dev)
-    if plan.shape[0] != kv.shape[0]:
-        raise ValueError(f"plan: expected {kv.shape[0]} rows (one per kv row), got {plan.shape[0]}")
-    if norm_weight.dtype != torch.float32 or tuple(norm_weight.shape) != (d,):
-        raise ValueError(f"norm_weight: expected fp32 [{d}], got {norm_weight.dtype} {tuple(norm_weight.shape)}")
-    if freqs.dtype != torch.float32 or freqs.dim() != 2 or freqs.shape[1] != ROPE_DIM or not freqs.is_contiguous():
+    check_rows("plan", plan, kv.shape[0], "one per kv row")
+    check_tensor("norm_weight", norm_weight, (torch.float32,))
+    if tuple(norm_weight.shape) != (d,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight: expected a contiguous [{d}] tensor, got shape {tuple(norm_weight.shape)}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
+    check_tensor("freqs", freqs, (torch.float32,))
+    if freqs.dim() != 2 or freqs.shape[1] != ROPE_DIM or not freqs.is_contiguous():
         raise ValueError(f"freqs: expected a contiguous fp32 [max_pos, {ROPE_DIM}] table, got {tuple(freqs.shape)}")
-    if out_loc.dtype not in (torch.int32, torch.int64) or out_loc.dim() != 1:
-        raise TypeError(f"out_loc: expected a 1-D int32/int64 tensor, got {out_loc.dtype} {tuple(out_loc.shape)}")
+    check_index("out_loc", out_loc, 1)
+    if decode and out_loc.shape[0] != kv.shape[0]:
+        raise ValueError(f"out_loc: expected {kv.shape[0]} entries (one per plan row), got {out_loc.shape[0]}")
     if isinstance(page_size, bool) or page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size: expected a power of two, got {page_size}")
     width = cache_page_bytes(d, page_size, fp4)
-    if kvcache.dtype != torch.uint8 or kvcache.dim() != 2 or kvcache.shape[1] != width:
-        raise ValueError(f"kvcache: expected uint8 [pages, {width}], got {kvcache.dtype} {tuple(kvcache.shape)}")
-    if not kvcache.is_contiguous():
-        raise ValueError("kvcache: expected a contiguous tensor")
+    check_tensor("kvcache", kvcache, (torch.uint8,))
+    if kvcache.dim() != 2 or kvcache.shape[1] != width or not kvcache.is_contiguous():
+        raise ValueError(f"kvcache: expected a contiguous uint8 [pages, {width}] tensor, got {tuple(kvcache.shape)}")
     for name, t in (("norm_weight", norm_weight), ("freqs", freqs), ("out_loc", out_loc), ("kvcache", kvcache)):
         check_device(name, t, dev)
     return d
 
 
-def _rows_to_store(plan, out_loc, ratio: int, decode: bool):
-    """Indices of the rows to store, their slots and RoPE positions (CPU: data-dependent shapes are fine)."""
+class StoredRows(NamedTuple):
+    """Plan rows that hold an entry to store (`valid`), the `out_loc` index of each row and its seq_len."""
+
+    valid: torch.Tensor
+    source: torch.Tensor
+    seq_len: torch.Tensor
+
+
+def stored_rows(plan: torch.Tensor, ratio: int, decode: bool) -> StoredRows:
     if decode:
         p = read_decode_plan(plan)
-        ok = p.valid & (p.seq_len % ratio == 0) & (p.read_page_0 >= 0) & (p.seq_len >= ratio)
-        ok = ok & (torch.arange(plan.shape[0], device=plan.device) < out_loc.shape[0])
-        src = torch.arange(plan.shape[0], device=plan.device)
+        valid = p.valid & (p.read_page_0 >= 0) & (p.seq_len % ratio == 0)
+        source = torch.arange(plan.shape[0], device=plan.device)
     else:
         p = read_compress_plan(plan)
-        ok = p.valid & (p.ragged_id < out_loc.shape[0]) & (p.seq_len >= ratio)
-        src = p.ragged_id
-    loc = out_loc.long()[src.clamp(0, max(out_loc.shape[0] - 1, 0))] if out_loc.numel() else src
-    ok = ok & (loc >= 0)
-    rows = ok.nonzero().squeeze(1)
-    return rows, loc[rows], p.seq_len[rows] - ratio
+        valid, source = p.valid, p.ragged_id
+    return StoredRows(valid & (p.seq_len >= ratio), source, p.seq_len)
+
+
+def row_slots(rows: StoredRows, out_loc: torch.Tensor) -> torch.Tensor:
+    """The `out_loc` entry of every plan row (int64; -1 where the row has none)."""
+    if out_loc.shape[0] == 0:
+        return torch.full_like(rows.source, -1)
+    return out_loc.long()[rows.source.clamp(0, out_loc.shape[0] - 1)]
+
+
+def check_store_values(
+    plan: torch.Tensor, out_loc: torch.Tensor, max_pos: int, pages: int, page_size: int, ratio: int, decode: bool
+) -> None:
+    """Raise `ValueError` for the first `out_loc` entry outside the cache, then for the first plan row with an entry
+    whose `out_loc` index does not exist, then for the first row that stores (slot >= 0) at a RoPE position that is
+    not a row of `freqs`."""
+    slots = pages * page_size
+    check_index_range("out_loc", out_loc, slots, f"expected < {slots} ({pages} pages of {page_size} slots in kvcache)")
+    rows = stored_rows(plan, ratio, decode)
+    entries = out_loc.shape[0]
+    check_plan_field(
+        "plan",
+        "ragged_id",
+        rows.source,
+        rows.valid & (rows.source >= entries),
+        f"expected < {entries} (entries of out_loc)",
+    )
+    stores = rows.valid & (row_slots(rows, out_loc) >= 0)
+    check_plan_field(
+        "plan",
+        "seq_len",
+        rows.seq_len,
+        stores & (rows.seq_len - ratio >= max_pos),
+        f"expected <= {max_pos - 1 + ratio} (the RoPE position seq_len - {ratio} must be a row of freqs)",
+    )
 
 
 def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, codes: torch.Tensor, scales):
@@ -166,9 +224,15 @@ def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, c
 
 @torch.library.impl(LIB, "dsv4_compress_norm_rope_store", "CPU")
 def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
-    d = _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio, fp4)
-    rows, loc, pos = _rows_to_store(plan, out_loc, ratio, decode)
-    x = kv[rows].float()
+    d = check_store_args(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4)
+    check_store_values(plan, out_loc, freqs.shape[0], kvcache.shape[0], page_size, ratio, decode)
+    plan_rows = stored_rows(plan, ratio, decode)
+    loc = row_slots(plan_rows, out_loc)
+    rows = (plan_rows.valid & (loc >= 0)).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    loc, pos = loc[rows], plan_rows.seq_len[rows] - ratio
+    x = kv[rows]
     y = x * rms_norm_factor(x, eps) * norm_weight
     rope = apply_rope_interleaved(y[:, d - ROPE_DIM :], freqs[pos])
     if d == 512:
@@ -185,7 +249,7 @@ def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, r
 
 @torch.library.register_fake("dspark::dsv4_compress_norm_rope_store")
 def _store_fake(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
-    _check(kv, plan, norm_weight, freqs, out_loc, kvcache, page_size, ratio, fp4)
+    check_store_args(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4)
 
 
 _build.register_cuda_entry(LIB, "dsv4_compress_norm_rope_store")

@@ -15,7 +15,7 @@ out.entries[out.valid]  # compressed entries; out.request / out.window say whose
 comp.store(out, freqs, out_loc, kvcache, page_size)  # RMSNorm -> RoPE -> FP8 into a paged cache
 ```
 
-`compress_sequence` is the stateless whole-sequence computation (spec §1.4) that every split of a sequence
+`compress_sequence` is the stateless whole-sequence computation (docs/dsv4_compress.md) that every split of a sequence
 into calls must reproduce.
 """
 
@@ -26,8 +26,16 @@ from typing import NamedTuple
 
 import torch
 
+from custom_ops.checks import check_index_range, must_check_values
 from custom_ops.dsv4_compress import compress_decode, compress_prefill
-from custom_ops.dsv4_compress_common import FLT_MAX, read_compress_plan, read_decode_plan
+from custom_ops.dsv4_compress_common import (
+    FLT_MAX,
+    STATE_DTYPES,
+    check_index,
+    check_tensor,
+    read_compress_plan,
+    read_decode_plan,
+)
 from custom_ops.dsv4_compress_online import online_compress_decode, online_compress_prefill
 from custom_ops.dsv4_compress_plan import (
     plan_decode,
@@ -41,7 +49,7 @@ from custom_ops.dsv4_compress_store import compress_norm_rope_store
 
 @dataclass(frozen=True)
 class PagedAddressing:
-    """SWA-page ring addressing of the offline state (spec §3.2): `state row = (swa // swa_page_size) *
+    """SWA-page ring addressing of the offline state (docs/dsv4_compress.md): `state row = (swa // swa_page_size) *
     ring_size + swa % ring_size` with `swa = full_to_state[req_to_token[rid, pos]]`."""
 
     req_to_token: torch.Tensor
@@ -212,6 +220,8 @@ class DSV4Compressor(torch.nn.Module):
         """`forward` from precomputed projection rows `kv_score [N, 2*coff*D]`."""
         if self.online and addressing is not None:
             raise ValueError("addressing: online c128 uses one state slot per request (req_pool_indices)")
+        if addressing is None:
+            self._check_capacity(state, req_pool_indices)
         paged = (addressing.req_to_token, addressing.full_to_state) if addressing else (None, None)
         swa = addressing.swa_page_size if addressing else 0
         ape = self.kernel_ape()
@@ -241,6 +251,19 @@ class DSV4Compressor(torch.nn.Module):
         request = torch.where(valid, request, -1)
         window = torch.where(valid, rows.seq_len // r - 1, -1)
         return CompressOutput(entries, plan, valid, request, window, extend_lens is None)
+
+    def _check_capacity(self, state: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
+        """Ring and online addressing: on CPU (and on CUDA in checking mode) every request id must own a ring (a
+        slot) inside `state`; on CUDA a request outside it is skipped by the kernels. Paged addressing has no
+        per-request rows: its request ids are checked by the planner against `req_to_token`."""
+        check_tensor("state", state, STATE_DTYPES)
+        check_index("req_pool_indices", req_pool_indices, 1)
+        if not must_check_values(req_pool_indices):
+            return
+        per_request = 1 if self.online else self.window
+        capacity = state.shape[0] // per_request
+        what = f"expected < {capacity} (requests of state: {state.shape[0]} rows, {per_request} per request)"
+        check_index_range("req_pool_indices", req_pool_indices, capacity, what)
 
     def store(
         self,

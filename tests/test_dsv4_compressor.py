@@ -41,7 +41,7 @@ def test_compressor_split_equals_whole_sequence(ratio, online, state_dtype):
     g = torch.Generator().manual_seed(ratio)
     comp = DSV4Compressor(64, 128, ratio, online=online, state_dtype=state_dtype)
     comp.reset_parameters(g)
-    x = torch.randn(2 * ratio + 5, 64, generator=g)
+    x = torch.randn(2 * ratio + 7, 64, generator=g)
     state = comp.new_state(3)
     rid = torch.tensor([1])
     got = {}
@@ -104,3 +104,30 @@ def test_compressor_store_writes_normed_roped_entries():
     torch.testing.assert_close(got, y, atol=0.15, rtol=0.07)
     untouched = dequantize_flashmla_cache(cache, 8, torch.tensor([2, 4, 14]))
     assert not untouched.any()
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("ratio", "online"), [(4, False), (128, False), (128, True)])
+def test_compressor_rejects_requests_outside_the_state(ratio, online, idx_dtype):
+    """`new_state(num_requests=1)` with `req_pool_indices=[1]`: prefill used to raise nothing and leave the state
+    unchanged, and the next decode differed from the whole sequence. CPU raises naming req_pool_indices."""
+    g = torch.Generator().manual_seed(ratio)
+    comp = DSV4Compressor(64, 128, ratio, online=online)
+    comp.reset_parameters(g)
+    state = comp.new_state(1)
+    before = state.clone()
+    n = ratio + 3
+    x = torch.randn(n + 1, 64, generator=g)
+    seq, rid = torch.tensor([n], dtype=idx_dtype), torch.tensor([1], dtype=idx_dtype)
+    match = r"req_pool_indices\[0\] = 1 is out of range: expected < 1 \(requests of state"
+    with pytest.raises(ValueError, match=match):
+        comp(x[:n], state, seq, rid, extend_lens=seq.clone())
+    with pytest.raises(ValueError, match=match):
+        comp(x[n:], state, seq + 1, rid)
+    assert torch.equal(state, before)
+    rid.zero_()
+    comp(x[:n], state, seq, rid, extend_lens=seq.clone())
+    out = comp(x[n:], state, seq + 1, rid)
+    want = compress_sequence(comp.kv_score(x), comp.kernel_ape(), ratio)
+    got = out.entries[out.valid] if out.valid.any() else want[:0]
+    torch.testing.assert_close(got, want[want.shape[0] - got.shape[0] :], atol=1e-5, rtol=1e-5)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401
 from custom_ops.dsv4_compress import compress_decode, compress_prefill
@@ -85,27 +86,101 @@ def _decode_args(ratio=4):
     return {"state": state, "kv_score": kv, "ape": ape, "plan": plan, "ratio": ratio}
 
 
-@pytest.mark.parametrize(
-    ("change", "err", "match"),
-    [
-        (lambda a: a.update(ratio=8), ValueError, "ratio"),
-        (lambda a: a.update(state=a["state"].half()), TypeError, "state"),
-        (lambda a: a.update(state=a["state"][:, :-1]), ValueError, "state"),
-        (lambda a: a.update(state=a["state"][:-1]), ValueError, "state"),
-        (lambda a: a.update(kv_score=a["kv_score"].double()), TypeError, "kv_score"),
-        (lambda a: a.update(kv_score=a["kv_score"][:, ::2]), ValueError, "kv_score"),
-        (lambda a: a.update(ape=a["ape"][:4]), ValueError, "ape"),
-        (lambda a: a.update(ape=a["ape"].bfloat16()), TypeError, "ape"),
-        (lambda a: a.update(plan=a["plan"].view(torch.int32)), TypeError, "plan"),
-        (lambda a: a.update(plan=a["plan"][:1]), ValueError, "plan"),
-        (lambda a: a.update(plan=a["plan"][:, :8].contiguous()), ValueError, "plan"),
-    ],
-)
-def test_decode_bad_inputs(change, err, match):
+def call_op(op, args: dict, fake: bool):
+    """Call a registered op on real tensors, or (fake) on fake copies: its fake impl, which torch.compile runs."""
+    if not fake:
+        return op(*args.values())
+    with FakeTensorMode() as mode:
+        return op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args.values()])
+
+
+DECODE_BAD_STRUCTURE = [
+    (lambda a: a.update(ratio=8), ValueError, "ratio"),
+    (lambda a: a.update(state=a["state"].half()), TypeError, "state"),
+    (lambda a: a.update(state=a["state"][:, :-1]), ValueError, "state"),
+    (lambda a: a.update(state=a["state"][:-1]), ValueError, "state"),
+    (lambda a: a.update(kv_score=a["kv_score"].double()), TypeError, "kv_score"),
+    (lambda a: a.update(kv_score=a["kv_score"][:, ::2]), ValueError, "kv_score"),
+    (lambda a: a.update(ape=a["ape"][:4]), ValueError, "ape"),
+    (lambda a: a.update(ape=a["ape"].bfloat16()), TypeError, "ape"),
+    (lambda a: a.update(ape=a["ape"].t().contiguous().t()), ValueError, "ape"),
+    (lambda a: a.update(plan=a["plan"].view(torch.int32)), TypeError, "plan"),
+    (lambda a: a.update(plan=a["plan"][:1]), ValueError, "plan"),
+    (lambda a: a.update(plan=a["plan"][:, :8].contiguous()), ValueError, "plan"),
+]
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize(("change", "err", "match"), DECODE_BAD_STRUCTURE)
+def test_decode_bad_inputs(change, err, match, fake):
+    """The CPU impl and the fake impl share one check function: the fake used to accept a plan whose row count
+    differs from kv_score's."""
     args = _decode_args()
     change(args)
     with pytest.raises(err, match=match):
-        compress_decode(**args)
+        call_op(ops.dsv4_compress_decode, args, fake)
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_online_decode_fake_checks_plan_rows(fake):
+    state = torch.zeros(2, 3 * D)
+    plan = plan_online_decode(torch.tensor([1, 2]), torch.tensor([0, 1]))
+    args = {"state": state, "kv_score": torch.zeros(3, 2 * D), "ape": torch.zeros(128, D), "plan": plan}
+    with pytest.raises(ValueError, match=r"plan: expected 3 rows \(one per kv_score row\), got 2"):
+        call_op(ops.dsv4_online_compress_decode, args, fake)
+
+
+def _ring_step(ratio: int, decode: bool, rid: int, rings: int = 1):
+    """Plans of request `rid` (one step of ratio + 1 tokens, or a decode closing a window) on a state of `rings`."""
+    g = torch.Generator().manual_seed(ratio)
+    ring = 8 if ratio == 4 else 128
+    width = (4 if ratio == 4 else 2) * D
+    state = torch.randn(rings * ring, width, generator=g)
+    ape = torch.randn(8 if ratio == 4 else 128, D, generator=g)
+    rids = torch.tensor([rid])
+    if decode:
+        plans = (plan_decode(torch.tensor([2 * ratio]), rids, None, None, ratio, ring),)
+        return state, torch.randn(1, width, generator=g), ape, plans
+    seq = torch.tensor([2 * ratio + 1])
+    plans = plan_prefill(seq, torch.tensor([ratio + 1]), rids, None, None, ratio, ring, 0, ratio + 1)
+    return state, torch.randn(ratio + 1, width, generator=g), ape, plans
+
+
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_cpu_compress_rejects_plan_rows_outside_the_state(ratio, decode):
+    """A plan for request 1 on a state that holds one request used to leave the state unchanged without an error.
+    CPU raises naming the plan field before anything is written."""
+    state, kv, ape, plans = _ring_step(ratio, decode, rid=1)
+    before = state.clone()
+    op = ops.dsv4_compress_decode if decode else ops.dsv4_compress_prefill
+    field = "plan" if decode else "plan_[cw]"
+    with pytest.raises(ValueError, match=rf"{field}\[0\]\.(write_loc|read_page_[01]) = \d+ is out of range: expected"):
+        op(state, kv, ape, *plans, ratio)
+    assert torch.equal(state, before)
+    state, kv, ape, plans = _ring_step(ratio, decode, rid=1, rings=2)
+    op(state, kv, ape, *plans, ratio)  # the same plan on a state with room for request 1
+    assert not torch.equal(state, torch.cat([before, before]))
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_cpu_online_compress_rejects_slots_outside_the_state(decode):
+    g = torch.Generator().manual_seed(3)
+    state = torch.randn(2, 3 * D, generator=g)
+    state[:, D : 2 * D] = state[:, D : 2 * D].abs() + 1
+    ape = torch.randn(128, D, generator=g)
+    seq, rid = torch.tensor([130]), torch.tensor([2])
+    before = state.clone()
+    if decode:
+        with pytest.raises(
+            ValueError, match=r"plan\[0\]\.write_loc = 2 is out of range: expected < 2 \(rows of state\)"
+        ):
+            ops.dsv4_online_compress_decode(state, torch.randn(1, 2 * D), ape, plan_online_decode(seq, rid))
+    else:
+        plan_c, plan_w = plan_online_prefill(seq, torch.tensor([2]), rid, 2)
+        with pytest.raises(ValueError, match=r"plan_w\[0\]\.read_page_0 = 2 is out of range: expected < 2"):
+            ops.dsv4_online_compress_prefill(state, torch.randn(2, 2 * D), ape, plan_c, plan_w)
+    assert torch.equal(state, before)
 
 
 def test_online_rejects_bf16_state():

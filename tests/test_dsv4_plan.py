@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -10,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401
 from custom_ops import dsv4_compress_plan as cp
-from custom_ops.dsv4_compress_common import read_compress_plan
+from custom_ops.dsv4_compress_common import read_compress_plan, read_write_plan
 from custom_ops.dsv4_compress_plan import (
     plan_decode,
     plan_online_decode,
@@ -73,7 +74,7 @@ def test_prefill_plan_bytes_and_order():
 
 @pytest.mark.parametrize("j_first", [0, 1, 5, 127])
 def test_c128_prefill_plan_reads_pages_when_buffered(j_first):
-    """buffer_len = 128 - min(j + 1, 128); the read pages are written back for c128 too (spec §4.3 [!])."""
+    """buffer_len = 128 - min(j + 1, 128); the read pages are written for c128 too, not only for c4."""
     prefix = 128 - 1 - j_first
     r2t, f2s = _paged(2, 1024, seed=3)
     plan_c, _ = plan_prefill(
@@ -156,33 +157,104 @@ def test_opcheck_planners():
     torch.library.opcheck(ops.dsv4_plan_online_prefill, (seq, ext, rid, 55))
 
 
+PREFILL_ARGS = {
+    "seq_lens": torch.tensor([5]),
+    "extend_lens": torch.tensor([5]),
+    "req_pool_indices": torch.tensor([0]),
+    "req_to_token": None,
+    "full_to_state": None,
+    "ratio": 4,
+    "ring_size": 8,
+    "swa_page_size": 0,
+    "num_q_tokens": 5,
+}
+
+BAD_STRUCTURE = [
+    ({"ratio": 3}, ValueError, "ratio"),
+    ({"ratio": 8}, ValueError, "ratio"),
+    ({"ring_size": 4}, ValueError, "ring_size"),
+    ({"ring_size": 6}, ValueError, "ring_size"),
+    ({"ring_size": 2**32}, ValueError, "ring_size"),
+    ({"seq_lens": torch.tensor([1.0])}, TypeError, "seq_lens"),
+    ({"seq_lens": torch.tensor([[5]])}, ValueError, "seq_lens"),
+    ({"req_pool_indices": torch.tensor([0, 1])}, ValueError, "req_pool_indices"),
+    ({"req_pool_indices": torch.tensor([0.0])}, TypeError, "req_pool_indices"),
+    ({"req_to_token": torch.zeros(2, 8, dtype=torch.int32)}, ValueError, "full_to_state"),
+    ({"full_to_state": torch.zeros(8, dtype=torch.int64)}, ValueError, "full_to_state"),
+    (
+        {"req_to_token": torch.zeros(2, 8, dtype=torch.int32), "full_to_state": torch.zeros(8)},
+        TypeError,
+        "full_to_state",
+    ),
+    (
+        {"req_to_token": torch.zeros(8, dtype=torch.int32), "full_to_state": torch.zeros(8, dtype=torch.int64)},
+        ValueError,
+        "req_to_token",
+    ),
+    (
+        {"req_to_token": torch.zeros(2, 8, dtype=torch.int32), "full_to_state": torch.zeros(8, dtype=torch.int64)},
+        ValueError,
+        "swa_page_size",
+    ),
+    (
+        {
+            "req_to_token": torch.zeros(2, 8, dtype=torch.int32),
+            "full_to_state": torch.zeros(8, dtype=torch.int64),
+            "swa_page_size": 12,
+        },
+        ValueError,
+        "swa_page_size",
+    ),
+    ({"num_q_tokens": 65536}, ValueError, "num_q_tokens"),
+    ({"num_q_tokens": -1}, ValueError, "num_q_tokens"),
+    ({"extend_lens": torch.tensor([1, 2])}, ValueError, "extend_lens"),
+    ({"extend_lens": torch.tensor([1.0])}, TypeError, "extend_lens"),
+]
+
+
+def _call(op, args, fake: bool):
+    """Call `op` on real tensors, or (fake) on fake copies: the fake impl, which torch.compile runs."""
+    if not fake:
+        return op(*args)
+    with FakeTensorMode() as mode:
+        return op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize(("kwargs", "err", "match"), BAD_STRUCTURE)
+def test_prefill_planner_op_checks_structure(kwargs, err, match, fake):
+    """The registered op (and its fake impl, which torch.compile runs) rejects bad arguments, not just a wrapper."""
+    args = {**PREFILL_ARGS, **kwargs}
+    with pytest.raises(err, match=match):
+        _call(torch.ops.dspark.dsv4_plan_prefill, args.values(), fake)
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"), [c for c in BAD_STRUCTURE if "extend_lens" not in c[0] and "num_q_tokens" not in c[0]]
+)
+def test_decode_planner_op_checks_structure(kwargs, err, match, fake):
+    args = {**PREFILL_ARGS, **kwargs}
+    del args["extend_lens"], args["num_q_tokens"]
+    with pytest.raises(err, match=match):
+        _call(torch.ops.dspark.dsv4_plan_decode, args.values(), fake)
+
+
+@pytest.mark.parametrize("fake", [False, True])
 @pytest.mark.parametrize(
     ("kwargs", "err", "match"),
-    [
-        ({"ratio": 3}, ValueError, "ratio"),
-        ({"ring_size": 4}, ValueError, "ring_size"),
-        ({"seq_lens": torch.tensor([1.0])}, TypeError, "seq_lens"),
-        ({"req_pool_indices": torch.tensor([0, 1])}, ValueError, "req_pool_indices"),
-        ({"req_to_token": torch.zeros(2, 8, dtype=torch.int32)}, ValueError, "full_to_state"),
-        ({"num_q_tokens": 70000}, ValueError, "num_q_tokens"),
-        ({"extend_lens": torch.tensor([1, 2])}, ValueError, "extend_lens"),
-    ],
+    [c for c in BAD_STRUCTURE if set(c[0]) <= {"seq_lens", "extend_lens", "req_pool_indices", "num_q_tokens"}],
 )
-def test_prefill_plan_bad_inputs(kwargs, err, match):
-    args = {
-        "seq_lens": torch.tensor([5]),
-        "extend_lens": torch.tensor([5]),
-        "req_pool_indices": torch.tensor([0]),
-        "req_to_token": None,
-        "full_to_state": None,
-        "ratio": 4,
-        "ring_size": 8,
-        "swa_page_size": 0,
-        "num_q_tokens": 5,
-    }
-    args.update(kwargs)
+def test_online_planner_ops_check_structure(kwargs, err, match, fake):
+    a = {**PREFILL_ARGS, **kwargs}
+    ops = torch.ops.dspark
     with pytest.raises(err, match=match):
-        plan_prefill(**args)
+        _call(
+            ops.dsv4_plan_online_prefill,
+            (a["seq_lens"], a["extend_lens"], a["req_pool_indices"], a["num_q_tokens"]),
+            fake,
+        )
+        _call(ops.dsv4_plan_online_decode, (a["seq_lens"], a["req_pool_indices"]), fake)
 
 
 def test_paged_plan_bad_swa_page_size():
@@ -191,11 +263,109 @@ def test_paged_plan_bad_swa_page_size():
         plan_decode(torch.tensor([5]), torch.tensor([0]), r2t, f2s, 128, 128, 200)
 
 
-def test_paged_plans_skip_positions_outside_the_page_table():
+def test_paged_plans_skip_unmapped_slots():
+    """Negative table entries are unmapped: the row that needs one is invalid, never an error."""
     r2t, f2s = _paged(2, 256)
-    f2s[5] = -1  # an unmapped slot
-    seq = torch.tensor([300, 6, 9, 8])  # pos 299 >= 256 columns; pos 5 unmapped; rid 7 >= 2 rows
-    rid = torch.tensor([0, 0, 7, 1])
-    p = plan_decode(seq, rid, r2t, f2s, 4, 8, 256).view(torch.int32)
-    assert (p[:3] == torch.tensor([-1, -1, -1, -1], dtype=torch.int32)).all()
-    assert p[3, 0] == 8 and p[3, 1] >= 0
+    f2s[5] = -1  # an unmapped SWA slot
+    r2t[1, 7] = -1  # an unmapped token
+    p = plan_decode(torch.tensor([6, 8, 9]), torch.tensor([0, 1, 1]), r2t, f2s, 4, 8, 256).view(torch.int32)
+    assert p[0].tolist() == [-1, -1, -1, -1] and p[1].tolist() == [-1, -1, -1, -1]
+    assert p[2, 0] == 9 and p[2, 1] >= 0
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda seq, rid, r2t, f2s: seq.fill_(300), r"seq_lens\[0\] = 300 is out of range: expected <= 256"),
+        (lambda seq, rid, r2t, f2s: rid.fill_(2), r"req_pool_indices\[0\] = 2 is out of range: expected < 2 \(rows"),
+        (
+            lambda seq, rid, r2t, f2s: r2t[1, 3].fill_(512),
+            r"req_to_token\[1, 3\] = 512 is out of range: expected < 512",
+        ),
+        (lambda seq, rid, r2t, f2s: f2s[r2t[1, 3]].fill_(2**40), r"full_to_state\[259\] = 1099511627776 is out"),
+    ],
+)
+def test_paged_plans_reject_out_of_range_values(change, match):
+    """CPU: a position past the page table, a request id past its rows and table entries past the next table (or
+    whose state row does not fit int32) raise ValueError naming the argument and the entry."""
+    r2t, f2s = _paged(2, 256)
+    seq, rid = torch.tensor([4]), torch.tensor([1])
+    change(seq, rid, r2t, f2s)
+    with pytest.raises(ValueError, match=match):
+        plan_decode(seq, rid, r2t, f2s, 4, 8, 256)
+    with pytest.raises(ValueError, match=match):
+        plan_prefill(seq, torch.tensor([4]), rid, r2t, f2s, 4, 8, 256, 4)
+
+
+WRAPPING_REQUESTS = [(4, 2**29 + 1), (128, 2**25 + 1)]  # rid * ring_size + pos wraps in int32
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("ratio", "rid"), WRAPPING_REQUESTS)
+def test_planners_reject_request_ids_whose_state_rows_wrap(ratio, rid, idx_dtype):
+    """A request id whose ring lies past 2^31 state rows used to wrap into another request's rows (c4: row 10 of
+    request 1, c128: row 132). CPU raises naming req_pool_indices; the CUDA semantics mark the rows invalid."""
+    ring = 8 if ratio == 4 else 128
+    seq = torch.tensor([ratio + 2, ratio], dtype=idx_dtype)
+    rids = torch.tensor([0, rid], dtype=idx_dtype)
+    match = rf"req_pool_indices\[1\] = {rid} is out of range: expected < {2**31 // ring} "
+    with pytest.raises(ValueError, match=match):
+        plan_decode(seq, rids, None, None, ratio, ring)
+    with pytest.raises(ValueError, match=match):
+        plan_prefill(seq, seq.clone(), rids, None, None, ratio, ring, 0, int(seq.sum()))
+    plan, _ = cp.decode_plan_unchecked(seq, rids, None, None, ratio, ring)
+    assert plan.view(torch.int32)[1].tolist() == [-1, -1, -1, -1]
+    (plan_c, plan_w), _ = cp.prefill_plan_unchecked(seq, seq.clone(), rids, None, None, ratio, ring, 0, int(seq.sum()))
+    w = read_write_plan(plan_w)
+    assert (w.ragged_id[w.valid] < ratio + 2).all() and (w.write_loc[w.valid] < ring).all()
+    assert (read_compress_plan(plan_c).ragged_id[read_compress_plan(plan_c).valid] < ratio + 2).all()
+
+
+def test_online_planners_reject_slots_past_int32():
+    """Online slot 2^32 + 1 used to be narrowed to slot 1."""
+    seq, rids = torch.tensor([3, 5]), torch.tensor([0, 2**32 + 1])
+    with pytest.raises(ValueError, match=r"req_pool_indices\[1\] = 4294967297 is out of range: expected < 2147483648"):
+        plan_online_decode(seq, rids)
+    with pytest.raises(ValueError, match=r"req_pool_indices\[1\] = 4294967297"):
+        plan_online_prefill(seq, seq.clone(), rids, 8)
+    plan, _ = cp.online_decode_plan_unchecked(seq, rids)
+    assert plan.view(torch.int32)[1].tolist() == [-1, -1, -1, -1]
+    (_, plan_w), _ = cp.online_prefill_plan_unchecked(seq, seq.clone(), rids, 8)
+    assert read_compress_plan(plan_w).read_page_0[read_compress_plan(plan_w).valid].tolist() == [0]
+
+
+@pytest.mark.parametrize("online", [False, True])
+@pytest.mark.parametrize(
+    ("seq", "ext", "n", "match"),
+    [
+        ([8, 4], [8, 4], 5, r"extend_lens\[0\] = 8 is out of range: expected 0..5 \(num_q_tokens\)"),
+        ([8, 4], [4, 4], 5, r"extend_lens\[1\] = 4 is out of range: sum\(extend_lens\[:2\]\) = 8 exceeds num_q"),
+        ([8, 3], [4, 4], 8, r"seq_lens\[1\] = 3 is out of range: expected >= extend_lens\[1\] = 4"),
+        ([8, 4], [-1, 4], 8, r"extend_lens\[0\] = -1 is out of range"),
+    ],
+)
+def test_prefill_planners_reject_inconsistent_extends(seq, ext, n, match, online):
+    """`x` with 5 rows and extend_lens [8, 4] used to plan valid=[True, False, False]; seq_lens < extend_lens was
+    accepted. CPU raises; the CUDA semantics skip every row of the affected request and keep the others."""
+    seq, ext, rids = torch.tensor(seq), torch.tensor(ext), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=match):
+        if online:
+            plan_online_prefill(seq, ext, rids, n)
+        else:
+            plan_prefill(seq, ext, rids, None, None, 4, 8, 0, n)
+    if online:
+        (plan_c, plan_w), problems = cp.online_prefill_plan_unchecked(seq, ext, rids, n)
+    else:
+        (plan_c, plan_w), problems = cp.prefill_plan_unchecked(seq, ext, rids, None, None, 4, 8, 0, n)
+    assert re.match(match, problems.first().message())
+    bad = int(problems.first().index[0])
+    ends = torch.cumsum(ext.clamp(0, n + 1), 0)
+    affected = {b for b in range(2) if b == bad or bool(ends[b] > n) or bool(ext[b] < 0) or bool(seq[b] < ext[b])}
+    ragged = read_compress_plan(plan_c).ragged_id[read_compress_plan(plan_c).valid].tolist()
+    if not online:
+        w = read_write_plan(plan_w)
+        ragged += w.ragged_id[w.valid].tolist()
+    else:
+        ragged += read_compress_plan(plan_w).ragged_id[read_compress_plan(plan_w).valid].tolist()
+    owners = {int(torch.searchsorted(ends, torch.tensor(r), right=True)) for r in ragged}
+    assert owners == set(range(2)) - affected

@@ -1,13 +1,16 @@
 // Torch binding of the DeepSeek-V4 compression kernels: argument checks (ValueError / TypeError in Python, the
-// rules of custom_ops/dsv4_compress.py and dsv4_compress_online.py), dtype dispatch, launches on the current
-// stream (prefill: compress launch, then state-write launch) and registration under the CUDA key.
+// rules of custom_ops/dsv4_compress.py and dsv4_compress_online.py; in checking mode also the plan values, with the
+// CPU path's messages: dsv4_checks.h), dtype dispatch, launches on the current stream (prefill: compress launch,
+// then state-write launch) and registration under the CUDA key.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "dsv4_checks.h"
 #include "error_format.h"
+#include "range_checks.h"
 
 #include "dsv4_compress_kernels.cuh"
 
@@ -60,6 +63,11 @@ void check_plan(const at::Tensor& plan, const char* name, int64_t width, const a
   TORCH_CHECK_VALUE((reinterpret_cast<uintptr_t>(plan.data_ptr()) % width) == 0, name, ": expected a ", num(width),
                     "-byte aligned plan");
   check_same_device(plan, name, state);
+}
+
+void check_plan_rows(const at::Tensor& plan, const at::Tensor& kv_score) {
+  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", num(kv_score.size(0)),
+                    " rows (one per kv_score row), got ", num(plan.size(0)));
 }
 
 int64_t check_args(const at::Tensor& state, const at::Tensor& kv_score, const at::Tensor& ape, int64_t ratio,
@@ -194,8 +202,8 @@ at::Tensor compress_decode(at::Tensor& state, const at::Tensor& kv_score, const 
                            const at::Tensor& plan, int64_t ratio) {
   const int64_t d = check_args(state, kv_score, ape, ratio, false);
   check_plan(plan, "plan", 16, state);
-  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", num(kv_score.size(0)),
-                    " rows (one per kv_score row), got ", num(plan.size(0)));
+  check_plan_rows(plan, kv_score);
+  if (must_check_values()) check_decode_plan_values(plan, state.size(0), ratio);
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   launch_compress<true>(state, kv_score, make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d), ratio);
   return out;
@@ -206,6 +214,7 @@ at::Tensor compress_prefill(at::Tensor& state, const at::Tensor& kv_score, const
   const int64_t d = check_args(state, kv_score, ape, ratio, false);
   check_plan(plan_c, "plan_c", 16, state);
   check_plan(plan_w, "plan_w", 8, state);
+  if (must_check_values()) check_prefill_plan_values(plan_c, plan_w, state.size(0), kv_score.size(0), ratio);
   at::Tensor out = at::empty({plan_c.size(0), d}, kv_score.options().dtype(at::kFloat));
   launch_compress<false>(state, kv_score, make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d), ratio);
   launch_writes(state, kv_score, ape, plan_w, d, (ratio == 4 ? 4 : 2) * d);
@@ -216,8 +225,8 @@ at::Tensor online_compress_decode(at::Tensor& state, const at::Tensor& kv_score,
                                   const at::Tensor& plan) {
   const int64_t d = check_args(state, kv_score, ape, 128, true);
   check_plan(plan, "plan", 16, state);
-  TORCH_CHECK_VALUE(plan.size(0) == kv_score.size(0), "plan: expected ", num(kv_score.size(0)),
-                    " rows (one per kv_score row), got ", num(plan.size(0)));
+  check_plan_rows(plan, kv_score);
+  if (must_check_values()) check_online_decode_plan_values(plan, state.size(0));
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs a = make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d);
   const bool vec = vector_ok(state, kv_score);
@@ -238,6 +247,10 @@ at::Tensor online_compress_prefill(at::Tensor& state, const at::Tensor& kv_score
   const int64_t d = check_args(state, kv_score, ape, 128, true);
   check_plan(plan_c, "plan_c", 16, state);
   check_plan(plan_w, "plan_w", 16, state);
+  if (must_check_values()) {
+    check_online_segment_values("plan_c", plan_c, state.size(0), kv_score.size(0));
+    check_online_segment_values("plan_w", plan_w, state.size(0), kv_score.size(0));
+  }
   at::Tensor out = at::empty({plan_c.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs c = make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d);
   const CompressArgs w = make_args(state, kv_score, ape, plan_w, nullptr, d);

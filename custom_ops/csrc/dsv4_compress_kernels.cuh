@@ -1,7 +1,11 @@
 // DeepSeek-V4 KV compression kernels (c4, c128, online c128). Plain CUDA, no torch headers.
 //
-// Semantics and plan layouts: custom_ops/dsv4_compress.py, dsv4_compress_online.py, dsv4_compress_plan.py
-// (spec dsv4_compression.md §4-§7). fp32 math; state rows are fp32 or bf16, input rows fp32 or bf16.
+// Semantics and plan layouts: custom_ops/dsv4_compress.py, dsv4_compress_online.py, dsv4_compress_plan.py and
+// docs/dsv4_compress.md. fp32 math; state rows are fp32 or bf16, input rows fp32 or bf16.
+//
+// Plan rows are validated before any address is formed from them: a row that would read or write outside the state
+// or the input is skipped (it writes nothing, its output row is zero), exactly the rows the CPU references reject
+// (check_*_plan_values there; docs/contract.md).
 //
 // Thread mapping (every thread owns 4 contiguous channels, so all row accesses are 16-byte fp32 / 8-byte bf16
 // vectors when the pointers allow it, kVec):
@@ -231,7 +235,9 @@ __global__ void __launch_bounds__(kC4Threads) c4_kernel(CompressArgs a) {
     const int64_t rp0 = p.read_page_0, rp1 = p.read_page_1;
     const int buffer_len = p.buffer_len;
     const bool pages_ok = buffer_len == 0 || (rp0 >= 0 && rp0 < pages && rp1 >= 0 && rp1 < pages);
-    emit = p.seq_len != kInvalid && p.ragged_id < a.input_rows && pages_ok;
+    // input rows ragged_id - 7 + buffer_len .. ragged_id are read: they must exist
+    const bool rows_ok = buffer_len <= 8 && p.ragged_id < a.input_rows && p.ragged_id + 1 + buffer_len >= 8;
+    emit = p.seq_len != kInvalid && rows_ok && pages_ok;
     if (emit) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -322,20 +328,20 @@ __global__ void __launch_bounds__(kC128Threads) c128_kernel(CompressArgs a, int 
     emit = p.seq_len != kInvalid && last < a.input_rows;
     if constexpr (kOnline) {
       count = p.buffer_len;
+      // a segment that ends at seq_len - 1 inside one 128-chunk, of a request slot (read_page_0 < 0: padding)
+      // inside the state; read_page_1 >= 0 overrides the slot the stored partial state is loaded from
       ape_off = static_cast<int>((p.seq_len - count) % 128);
       first_token = last - count + 1;
       rp = p.read_page_1 >= 0 ? p.read_page_1 : p.read_page_0;
-      emit =
-          emit && count >= 1 && ape_off + count <= 128 && first_token >= 0 && (ape_off == 0 || (rp >= 0 && rp < pages));
-      if constexpr (kMode == C128Mode::kOnlineWrite) {
-        emit = emit && p.read_page_0 >= 0 && p.read_page_0 < pages;
-      }
+      emit = emit && count >= 1 && static_cast<uint32_t>(count) <= p.seq_len && ape_off + count <= 128 &&
+             first_token >= 0 && p.read_page_0 >= 0 && p.read_page_0 < pages && p.read_page_1 < pages;
       buffer_len = 0;
     } else {
       count = 128;
       buffer_len = p.buffer_len;
       rp = p.read_page_1;
-      emit = emit && (buffer_len == 0 || (rp >= 0 && rp < pages));
+      // input rows last - 127 + buffer_len .. last are read: they must exist
+      emit = emit && buffer_len <= 128 && last + 1 + buffer_len >= 128 && (buffer_len == 0 || (rp >= 0 && rp < pages));
       first_token = last - 127;
     }
   }

@@ -1,12 +1,18 @@
 // Torch binding of the DeepSeek-V4 planners (CUDA key): argument checks, scratch / output allocation (shapes from
-// input shapes only), launches on the current stream. Reference: custom_ops/dsv4_compress_plan.py.
+// input shapes only), launches on the current stream. Reference: custom_ops/dsv4_compress_plan.py (the same
+// structural checks, and in checking mode the same value errors, word for word).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <initializer_list>
+#include <string>
+#include <utility>
+
 #include "error_format.h"
+#include "range_checks.h"
 
 #include "dsv4_compress_plan_kernels.cuh"
 
@@ -14,20 +20,161 @@ namespace dspark {
 namespace dsv4 {
 namespace {
 
-// `t` must stay alive (and contiguous) while the kernel may run: callers pass contiguous() copies they own.
-IndexView index_view(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
+constexpr int64_t kStateRows = int64_t{1} << 31;  // state rows and slots are int32 plan fields
+constexpr int64_t kInt32Max = kStateRows - 1;
+constexpr int64_t kMaxRagged = 65535;
+
+void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
   const auto d = t.scalar_type();
   TORCH_CHECK_TYPE(d == at::kInt || d == at::kLong, name, ": expected int32 or int64, got ", d);
-  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected a ", num(dim), "-D tensor, got shape ", dims(t.sizes()));
+  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected ", num(dim), "-D, got shape ", dims(t.sizes()));
   TORCH_CHECK_VALUE(t.device() == device, name, ": expected a tensor on ", device, ", got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, ": internal error, expected a contiguous copy");
-  return IndexView{t.data_ptr(), d == at::kLong};
 }
 
-void check_ratio_ring(int64_t ratio, int64_t ring_size) {
+// seq_lens and the other per-request tensors: 1-D int32/int64 with B entries, on seq_lens' device.
+void check_batch(const at::Tensor& seq_lens, std::initializer_list<std::pair<const at::Tensor*, const char*>> others) {
+  check_index(seq_lens, "seq_lens", 1, seq_lens.device());
+  for (const auto& [t, name] : others) {
+    check_index(*t, name, 1, seq_lens.device());
+    TORCH_CHECK_VALUE(t->size(0) == seq_lens.size(0), name, ": expected ", num(seq_lens.size(0)),
+                      " entries (one per seq_lens entry), got ", num(t->size(0)));
+  }
+}
+
+void check_addressing(const at::Tensor& seq_lens, const std::optional<at::Tensor>& req_to_token,
+                      const std::optional<at::Tensor>& full_to_state, int64_t ratio, int64_t ring_size,
+                      int64_t swa_page_size) {
   TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
-  TORCH_CHECK_VALUE(ring_size >= (ratio == 4 ? 8 : 128) && ring_size % ratio == 0, "ring_size: expected a multiple of ",
-                    num(ratio), " that is >= ", num(ratio == 4 ? 8 : 128), ", got ", num(ring_size));
+  const int64_t window = ratio == 4 ? 8 : 128;
+  TORCH_CHECK_VALUE(ring_size >= window && ring_size <= kInt32Max && ring_size % ratio == 0,
+                    "ring_size: expected a multiple of ", num(ratio), " in ", num(window), "..", num(kInt32Max),
+                    ", got ", num(ring_size));
+  TORCH_CHECK_VALUE(req_to_token.has_value() == full_to_state.has_value(),
+                    "req_to_token/full_to_state: pass both (paged addressing) or neither (ring addressing)");
+  if (!req_to_token.has_value()) return;
+  check_index(*req_to_token, "req_to_token", 2, seq_lens.device());
+  check_index(*full_to_state, "full_to_state", 1, seq_lens.device());
+  TORCH_CHECK_VALUE(swa_page_size > 0 && swa_page_size <= kInt32Max && swa_page_size % ring_size == 0,
+                    "swa_page_size: expected a positive multiple of ring_size=", num(ring_size), " up to ",
+                    num(kInt32Max), ", got ", num(swa_page_size));
+}
+
+int64_t check_tokens(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0 && n <= kMaxRagged, "num_q_tokens: expected 0..", num(kMaxRagged),
+                    " (16-bit ragged ids), got ", num(n));
+  return n;
+}
+
+// `t` must stay alive (and contiguous) while the kernel may run: callers pass contiguous() copies they own.
+IndexView index_view(const at::Tensor& t) { return IndexView{t.data_ptr(), t.scalar_type() == at::kLong}; }
+
+// The value limits of custom_ops/dsv4_compress_plan.py (_seq_limit, _request_limit) and how messages state them.
+struct Limits {
+  int64_t seq_max;
+  std::string seq_what;
+  int64_t rid_hi;
+  std::string rid_what;
+  int64_t swa_hi;
+};
+
+Limits limits(const std::optional<at::Tensor>& req_to_token, int64_t ring, int64_t swa_page, bool online) {
+  Limits l{kInt32Max, "expected <= " + num(kInt32Max) + " (int32 positions)", 0, "", 0};
+  if (online) {
+    l.rid_hi = kStateRows;
+    l.rid_what = "expected < " + num(kStateRows) + " (int32 state slots)";
+    return l;
+  }
+  if (!req_to_token.has_value()) {
+    l.rid_hi = kStateRows / ring;
+    l.rid_what = "expected < " + num(l.rid_hi) + " (a ring of " + num(ring) + " rows per request, int32 state rows)";
+    return l;
+  }
+  const int64_t cols = req_to_token->size(1);
+  if (cols <= kInt32Max) {
+    l.seq_max = cols;
+    l.seq_what = "expected <= " + num(cols) + " (columns of req_to_token)";
+  }
+  l.rid_hi = req_to_token->size(0);
+  l.rid_what = "expected < " + num(l.rid_hi) + " (rows of req_to_token)";
+  l.swa_hi = (kStateRows / ring) * swa_page;
+  return l;
+}
+
+// Everything the value-error messages read (contiguous copies the kernel used).
+struct PlanInputs {
+  at::Tensor seq_lens, extend_lens, req_pool_indices, ends;
+  std::optional<at::Tensor> req_to_token, full_to_state;
+  int64_t num_tokens;
+  Limits lim;
+};
+
+int64_t at_index(const at::Tensor& t, int64_t i) { return t.view(-1)[i].item<int64_t>(); }
+
+[[noreturn]] void raise_value(const char* name, const std::string& label, int64_t value, const std::string& what) {
+  TORCH_CHECK_VALUE(false, name, "[", label, "] = ", num(value), " is out of range: ", what);
+  __builtin_unreachable();
+}
+
+// Checking mode: raise the problem the kernel reported (the CPU path's ValueError), if any. Syncs.
+void raise_reported(const at::Tensor& problem, const PlanInputs& in) {
+  const auto key = static_cast<unsigned long long>(problem.item<int64_t>());
+  if (key == kNoProblem) return;
+  const int rank = static_cast<int>(key >> kProblemShift);
+  const int64_t i = static_cast<int64_t>(key & ((1ull << kProblemShift) - 1));
+  const std::string b = num(i);
+  switch (rank) {
+    case kErrExtendRange:
+      raise_value("extend_lens", b, at_index(in.extend_lens, i),
+                  "expected 0.." + num(in.num_tokens) + " (num_q_tokens)");
+    case kErrExtendSum:
+      raise_value("extend_lens", b, at_index(in.extend_lens, i),
+                  "sum(extend_lens[:" + num(i + 1) + "]) = " + num(at_index(in.ends, i)) +
+                      " exceeds num_q_tokens = " + num(in.num_tokens));
+    case kErrSeqBelowExtend:
+      raise_value("seq_lens", b, at_index(in.seq_lens, i),
+                  "expected >= extend_lens[" + b + "] = " + num(at_index(in.extend_lens, i)));
+    case kErrSeqMax:
+      raise_value("seq_lens", b, at_index(in.seq_lens, i), in.lim.seq_what);
+    case kErrRequest:
+      raise_value("req_pool_indices", b, at_index(in.req_pool_indices, i), in.lim.rid_what);
+    case kErrReqToToken: {
+      const int64_t cols = in.req_to_token->size(1);
+      raise_value("req_to_token", num(i / cols) + ", " + num(i % cols), at_index(*in.req_to_token, i),
+                  "expected < " + num(in.full_to_state->size(0)) +
+                      " (entries of full_to_state; negative entries are unmapped)");
+    }
+    case kErrFullToState:
+      raise_value("full_to_state", b, at_index(*in.full_to_state, i),
+                  "expected < " + num(in.lim.swa_hi) + " (state rows must fit in int32; negative entries are unmapped)");
+    default:
+      TORCH_CHECK(false, "dsv4 planner: internal error, unknown problem rank ", num(rank));
+  }
+}
+
+// Checking mode: a word the kernel reports its first problem into; undefined otherwise (no sync, capturable).
+at::Tensor problem_word(const at::Tensor& like) {
+  if (!must_check_values()) return at::Tensor();
+  return at::full({1}, static_cast<int64_t>(kNoProblem), like.options().dtype(at::kLong));
+}
+
+unsigned long long* problem_ptr(const at::Tensor& word) {
+  return word.defined() ? reinterpret_cast<unsigned long long*>(word.data_ptr<int64_t>()) : nullptr;
+}
+
+void set_limits(PlanDecodeArgs& a, const Limits& l) {
+  a.seq_max = l.seq_max;
+  a.rid_hi = l.rid_hi;
+  a.swa_hi = l.swa_hi;
+}
+
+void set_paged(PlanDecodeArgs& a, const at::Tensor& req_to_token, const at::Tensor& full_to_state,
+               int64_t swa_page_size) {
+  a.req_to_token = index_view(req_to_token);
+  a.full_to_state = index_view(full_to_state);
+  a.r2t_rows = req_to_token.size(0);
+  a.r2t_cols = req_to_token.size(1);
+  a.f2s_len = full_to_state.size(0);
+  a.swa_page = static_cast<int>(swa_page_size);
 }
 
 void launch(bool online, const PlanDecodeArgs& a, const at::Device& device) {
@@ -43,61 +190,56 @@ void launch(bool online, const PlanDecodeArgs& a, const at::Device& device) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
 at::Tensor plan_decode(const at::Tensor& seq_lens_in, const at::Tensor& req_pool_indices_in,
                        const std::optional<at::Tensor>& req_to_token_in,
                        const std::optional<at::Tensor>& full_to_state_in, int64_t ratio, int64_t ring_size,
                        int64_t swa_page_size) {
+  check_batch(seq_lens_in, {{&req_pool_indices_in, "req_pool_indices"}});
+  check_addressing(seq_lens_in, req_to_token_in, full_to_state_in, ratio, ring_size, swa_page_size);
   const at::Tensor seq_lens = seq_lens_in.contiguous(), req_pool_indices = req_pool_indices_in.contiguous();
-  std::optional<at::Tensor> req_to_token, full_to_state;
-  if (req_to_token_in.has_value()) req_to_token = req_to_token_in->contiguous();
-  if (full_to_state_in.has_value()) full_to_state = full_to_state_in->contiguous();
-  const auto device = seq_lens.device();
-  check_ratio_ring(ratio, ring_size);
-  TORCH_CHECK_VALUE(req_to_token.has_value() == full_to_state.has_value(),
-                    "req_to_token/full_to_state: pass both (paged addressing) or neither (ring addressing)");
+  const auto req_to_token = contiguous(req_to_token_in), full_to_state = contiguous(full_to_state_in);
+  const Limits lim = limits(req_to_token, ring_size, swa_page_size, false);
+  const at::Tensor problem = problem_word(seq_lens);
   PlanDecodeArgs a{};
-  a.seq_lens = index_view(seq_lens, "seq_lens", 1, device);
-  a.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
-  TORCH_CHECK_VALUE(req_pool_indices.size(0) == seq_lens.size(0), "req_pool_indices: expected ", num(seq_lens.size(0)),
-                    " entries (one per seq_lens entry), got ", num(req_pool_indices.size(0)));
+  a.seq_lens = index_view(seq_lens);
+  a.rids = index_view(req_pool_indices);
   a.batch = seq_lens.size(0);
   a.ratio = static_cast<int>(ratio);
   a.ring = static_cast<int>(ring_size);
-  if (req_to_token.has_value()) {
-    TORCH_CHECK_VALUE(swa_page_size > 0 && swa_page_size % ring_size == 0,
-                      "swa_page_size: expected a positive multiple of ring_size=", num(ring_size), ", got ",
-                      num(swa_page_size));
-    a.req_to_token = index_view(*req_to_token, "req_to_token", 2, device);
-    a.full_to_state = index_view(*full_to_state, "full_to_state", 1, device);
-    a.r2t_rows = req_to_token->size(0);
-    a.r2t_cols = req_to_token->size(1);
-    a.f2s_len = full_to_state->size(0);
-    a.swa_page = static_cast<int>(swa_page_size);
-  }
+  set_limits(a, lim);
+  if (req_to_token.has_value()) set_paged(a, *req_to_token, *full_to_state, swa_page_size);
+  a.problem = problem_ptr(problem);
   at::Tensor out = at::empty({a.batch, 16}, seq_lens.options().dtype(at::kByte));
   a.out = reinterpret_cast<DecodePlan*>(out.data_ptr<uint8_t>());
-  launch(false, a, device);
+  launch(false, a, seq_lens.device());
+  if (problem.defined()) {
+    raise_reported(problem, {seq_lens, at::Tensor(), req_pool_indices, at::Tensor(), req_to_token, full_to_state, 0, lim});
+  }
   return out;
 }
 
 at::Tensor plan_online_decode(const at::Tensor& seq_lens_in, const at::Tensor& req_pool_indices_in) {
+  check_batch(seq_lens_in, {{&req_pool_indices_in, "req_pool_indices"}});
   const at::Tensor seq_lens = seq_lens_in.contiguous(), req_pool_indices = req_pool_indices_in.contiguous();
-  const auto device = seq_lens.device();
+  const Limits lim = limits(std::nullopt, 1, 0, true);
+  const at::Tensor problem = problem_word(seq_lens);
   PlanDecodeArgs a{};
-  a.seq_lens = index_view(seq_lens, "seq_lens", 1, device);
-  a.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
-  TORCH_CHECK_VALUE(req_pool_indices.size(0) == seq_lens.size(0), "req_pool_indices: expected ", num(seq_lens.size(0)),
-                    " entries, got ", num(req_pool_indices.size(0)));
+  a.seq_lens = index_view(seq_lens);
+  a.rids = index_view(req_pool_indices);
   a.batch = seq_lens.size(0);
+  set_limits(a, lim);
+  a.problem = problem_ptr(problem);
   at::Tensor out = at::empty({a.batch, 16}, seq_lens.options().dtype(at::kByte));
   a.out = reinterpret_cast<DecodePlan*>(out.data_ptr<uint8_t>());
-  launch(true, a, device);
+  launch(true, a, seq_lens.device());
+  if (problem.defined()) {
+    raise_reported(problem, {seq_lens, at::Tensor(), req_pool_indices, at::Tensor(), std::nullopt, std::nullopt, 0, lim});
+  }
   return out;
-}
-
-int64_t check_tokens(int64_t n) {
-  TORCH_CHECK_VALUE(n >= 0 && n <= 65535, "num_q_tokens: expected 0..65535 (16-bit ragged ids), got ", num(n));
-  return n;
 }
 
 void launch_prefill(bool online, const PlanPrefillArgs& a, const at::Device& device) {
@@ -111,84 +253,72 @@ void launch_prefill(bool online, const PlanPrefillArgs& a, const at::Device& dev
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The prefill launch shared by the offline and online planners: `a.addr` holds the addressing; fills in the rest.
+std::tuple<at::Tensor, at::Tensor> run_prefill(bool online, PlanPrefillArgs& a, const PlanInputs& in, int64_t ratio) {
+  const at::Tensor& seq_lens = in.seq_lens;
+  const int64_t n = in.num_tokens, batch = seq_lens.size(0);
+  const at::Tensor problem = problem_word(seq_lens);
+  a.addr.seq_lens = index_view(seq_lens);
+  a.addr.rids = index_view(in.req_pool_indices);
+  a.addr.batch = batch;
+  set_limits(a.addr, in.lim);
+  a.addr.problem = problem_ptr(problem);
+  a.ext_lens = index_view(in.extend_lens);
+  a.num_tokens = n;
+  a.rows_c = std::min(n, n / ratio + batch);
+  a.rows_w = online ? std::min(n, batch) : n;
+  at::Tensor plan_c = at::empty({a.rows_c, 16}, seq_lens.options().dtype(at::kByte));
+  at::Tensor plan_w = at::empty({a.rows_w, online ? 16 : 8}, seq_lens.options().dtype(at::kByte));
+  a.ends = in.ends.data_ptr<int64_t>();
+  a.plan_c = reinterpret_cast<CompressPlan*>(plan_c.data_ptr<uint8_t>());
+  a.plan_w = plan_w.data_ptr<uint8_t>();
+  launch_prefill(online, a, seq_lens.device());
+  if (problem.defined()) raise_reported(problem, in);
+  return {plan_c, plan_w};
+}
+
 std::tuple<at::Tensor, at::Tensor> plan_prefill(const at::Tensor& seq_lens_in, const at::Tensor& extend_lens_in,
                                                 const at::Tensor& req_pool_indices_in,
                                                 const std::optional<at::Tensor>& req_to_token_in,
                                                 const std::optional<at::Tensor>& full_to_state_in, int64_t ratio,
                                                 int64_t ring_size, int64_t swa_page_size,
                                                 int64_t num_q_tokens) {
-  const at::Tensor seq_lens = seq_lens_in.contiguous(), extend_lens = extend_lens_in.contiguous();
-  const at::Tensor req_pool_indices = req_pool_indices_in.contiguous();
-  std::optional<at::Tensor> req_to_token, full_to_state;
-  if (req_to_token_in.has_value()) req_to_token = req_to_token_in->contiguous();
-  if (full_to_state_in.has_value()) full_to_state = full_to_state_in->contiguous();
-  const auto device = seq_lens.device();
-  check_ratio_ring(ratio, ring_size);
-  TORCH_CHECK_VALUE(req_to_token.has_value() == full_to_state.has_value(),
-                    "req_to_token/full_to_state: pass both (paged addressing) or neither (ring addressing)");
+  check_batch(seq_lens_in, {{&extend_lens_in, "extend_lens"}, {&req_pool_indices_in, "req_pool_indices"}});
+  check_addressing(seq_lens_in, req_to_token_in, full_to_state_in, ratio, ring_size, swa_page_size);
   const int64_t n = check_tokens(num_q_tokens);
+  const auto req_to_token = contiguous(req_to_token_in), full_to_state = contiguous(full_to_state_in);
+  const PlanInputs in{seq_lens_in.contiguous(),
+                      extend_lens_in.contiguous(),
+                      req_pool_indices_in.contiguous(),
+                      at::empty({seq_lens_in.size(0)}, seq_lens_in.options().dtype(at::kLong)),
+                      req_to_token,
+                      full_to_state,
+                      n,
+                      limits(req_to_token, ring_size, swa_page_size, false)};
   PlanPrefillArgs a{};
-  a.addr.seq_lens = index_view(seq_lens, "seq_lens", 1, device);
-  a.ext_lens = index_view(extend_lens, "extend_lens", 1, device);
-  a.addr.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
-  const int64_t batch = seq_lens.size(0);
-  TORCH_CHECK_VALUE(extend_lens.size(0) == batch && req_pool_indices.size(0) == batch,
-                    "extend_lens/req_pool_indices: expected ", num(batch), " entries (one per seq_lens entry)");
-  a.addr.batch = batch;
   a.addr.ratio = static_cast<int>(ratio);
   a.addr.ring = static_cast<int>(ring_size);
-  if (req_to_token.has_value()) {
-    TORCH_CHECK_VALUE(swa_page_size > 0 && swa_page_size % ring_size == 0,
-                      "swa_page_size: expected a positive multiple of ring_size=", num(ring_size), ", got ",
-                      num(swa_page_size));
-    a.addr.req_to_token = index_view(*req_to_token, "req_to_token", 2, device);
-    a.addr.full_to_state = index_view(*full_to_state, "full_to_state", 1, device);
-    a.addr.r2t_rows = req_to_token->size(0);
-    a.addr.r2t_cols = req_to_token->size(1);
-    a.addr.f2s_len = full_to_state->size(0);
-    a.addr.swa_page = static_cast<int>(swa_page_size);
-  }
-  a.num_tokens = n;
-  a.rows_c = std::min(n, n / ratio + batch);
-  a.rows_w = n;
-  const at::Tensor ends = at::empty({batch}, seq_lens.options().dtype(at::kLong));
-  at::Tensor plan_c = at::empty({a.rows_c, 16}, seq_lens.options().dtype(at::kByte));
-  at::Tensor plan_w = at::empty({a.rows_w, 8}, seq_lens.options().dtype(at::kByte));
-  a.ends = ends.data_ptr<int64_t>();
-  a.plan_c = reinterpret_cast<CompressPlan*>(plan_c.data_ptr<uint8_t>());
-  a.plan_w = plan_w.data_ptr<uint8_t>();
-  launch_prefill(false, a, device);
-  return {plan_c, plan_w};
+  if (req_to_token.has_value()) set_paged(a.addr, *req_to_token, *full_to_state, swa_page_size);
+  return run_prefill(false, a, in, ratio);
 }
 
 std::tuple<at::Tensor, at::Tensor> plan_online_prefill(const at::Tensor& seq_lens_in,
                                                        const at::Tensor& extend_lens_in,
                                                        const at::Tensor& req_pool_indices_in,
                                                        int64_t num_q_tokens) {
-  const at::Tensor seq_lens = seq_lens_in.contiguous(), extend_lens = extend_lens_in.contiguous();
-  const at::Tensor req_pool_indices = req_pool_indices_in.contiguous();
-  const auto device = seq_lens.device();
+  check_batch(seq_lens_in, {{&extend_lens_in, "extend_lens"}, {&req_pool_indices_in, "req_pool_indices"}});
   const int64_t n = check_tokens(num_q_tokens);
+  const PlanInputs in{seq_lens_in.contiguous(),
+                      extend_lens_in.contiguous(),
+                      req_pool_indices_in.contiguous(),
+                      at::empty({seq_lens_in.size(0)}, seq_lens_in.options().dtype(at::kLong)),
+                      std::nullopt,
+                      std::nullopt,
+                      n,
+                      limits(std::nullopt, 1, 0, true)};
   PlanPrefillArgs a{};
-  a.addr.seq_lens = index_view(seq_lens, "seq_lens", 1, device);
-  a.ext_lens = index_view(extend_lens, "extend_lens", 1, device);
-  a.addr.rids = index_view(req_pool_indices, "req_pool_indices", 1, device);
-  const int64_t batch = seq_lens.size(0);
-  TORCH_CHECK_VALUE(extend_lens.size(0) == batch && req_pool_indices.size(0) == batch,
-                    "extend_lens/req_pool_indices: expected ", num(batch), " entries (one per seq_lens entry)");
-  a.addr.batch = batch;
   a.addr.ratio = 128;
-  a.num_tokens = n;
-  a.rows_c = std::min(n, n / 128 + batch);
-  a.rows_w = std::min(n, batch);
-  const at::Tensor ends = at::empty({batch}, seq_lens.options().dtype(at::kLong));
-  at::Tensor plan_c = at::empty({a.rows_c, 16}, seq_lens.options().dtype(at::kByte));
-  at::Tensor plan_w = at::empty({a.rows_w, 16}, seq_lens.options().dtype(at::kByte));
-  a.ends = ends.data_ptr<int64_t>();
-  a.plan_c = reinterpret_cast<CompressPlan*>(plan_c.data_ptr<uint8_t>());
-  a.plan_w = plan_w.data_ptr<uint8_t>();
-  launch_prefill(true, a, device);
-  return {plan_c, plan_w};
+  return run_prefill(true, a, in, 128);
 }
 
 }  // namespace

@@ -5,6 +5,9 @@
 // - prefill / extend: one block of 1024 threads; a block scan of extend_lens gives the ragged offsets, then the
 //   query tokens are visited in chunks of 1024 and block scans of the event / write flags place the compact rows
 //   (token order, as the reference), and the tails are padded with invalid rows.
+// Index values are range-checked before they are multiplied into a state row or narrowed into a plan field; a row
+// that needs an out-of-range value is invalid (docs/contract.md), and in checking mode the first problem is
+// reported to the host (PlanProblem).
 #pragma once
 
 #include "dsv4_compress_kernels.cuh"
@@ -13,6 +16,21 @@ namespace dspark {
 namespace dsv4 {
 
 constexpr int kPlanThreads = 128;
+
+// Value problems a planner finds, by rank (the numbers of ERR_* in custom_ops/dsv4_compress_plan.py). In checking
+// mode the kernels atomicMin `rank << kProblemShift | flat index into the argument` into one word, so the host
+// raises the same problem as the CPU path: the lowest rank, then the lowest index.
+enum PlanProblem : int {
+  kErrExtendRange = 0,   // extend_lens[b] outside 0..num_q_tokens
+  kErrExtendSum = 1,     // sum(extend_lens[:b + 1]) > num_q_tokens
+  kErrSeqBelowExtend = 2,
+  kErrSeqMax = 3,        // seq_lens[b] > seq_max
+  kErrRequest = 4,       // req_pool_indices[b] >= rid_hi
+  kErrReqToToken = 5,    // req_to_token entry >= full_to_state length
+  kErrFullToState = 6,   // full_to_state entry whose state row does not fit int32
+};
+constexpr int kProblemShift = 56;
+constexpr unsigned long long kNoProblem = 0x7FFFFFFFFFFFFFFFull;
 
 struct IndexView {
   const void* p;
@@ -28,20 +46,53 @@ struct PlanDecodeArgs {
   int64_t r2t_rows, r2t_cols, f2s_len;
   int64_t batch;
   int ratio, ring, swa_page;
+  int64_t seq_max;  // largest valid seq_len (int32 positions; paged: columns of req_to_token)
+  int64_t rid_hi;   // request ids must be below (ring: 2^31 / ring, paged: rows of req_to_token, online: 2^31)
+  int64_t swa_hi;   // paged: SWA slots must be below (their state rows fit int32)
+  unsigned long long* problem;  // checking mode: the first problem (see PlanProblem); nullptr otherwise
   DecodePlan* out;
 };
 
-// State row of (rid, pos); false where the position is not mapped (paged addressing).
+__device__ __forceinline__ void report(const PlanDecodeArgs& a, int rank, int64_t index) {
+  if (a.problem != nullptr) {
+    atomicMin(a.problem, (static_cast<unsigned long long>(rank) << kProblemShift) | static_cast<unsigned long long>(index));
+  }
+}
+
+// Whether an active request's seq_len and request id are in range (reports both problems).
+__device__ __forceinline__ bool request_ok(const PlanDecodeArgs& a, int64_t b, int64_t seq, int64_t rid) {
+  bool ok = true;
+  if (seq > a.seq_max) {
+    report(a, kErrSeqMax, b);
+    ok = false;
+  }
+  if (rid >= a.rid_hi) {
+    report(a, kErrRequest, b);
+    ok = false;
+  }
+  return ok;
+}
+
+// State row of (rid, pos) of a request that passed request_ok (so rid * ring and rid * r2t_cols + pos cannot
+// overflow and stay inside req_to_token); false where a table entry is unmapped (negative) or out of range.
 __device__ __forceinline__ bool state_loc(const PlanDecodeArgs& a, int64_t rid, int64_t pos, int64_t& loc) {
   if (a.req_to_token.p == nullptr) {
     loc = rid * a.ring + pos % a.ring;
     return true;
   }
-  if (rid >= a.r2t_rows || pos >= a.r2t_cols) return false;
-  const int64_t full = a.req_to_token[rid * a.r2t_cols + pos];
-  if (full < 0 || full >= a.f2s_len) return false;
+  const int64_t at = rid * a.r2t_cols + pos;
+  const int64_t full = a.req_to_token[at];
+  if (full < 0) return false;
+  if (full >= a.f2s_len) {
+    report(a, kErrReqToToken, at);
+    return false;
+  }
   const int64_t swa = a.full_to_state[full];
   if (swa < 0) return false;
+  if (swa >= a.swa_hi) {
+    report(a, kErrFullToState, full);
+    return false;
+  }
   loc = (swa / a.swa_page) * a.ring + swa % a.ring;
   return true;
 }
@@ -53,7 +104,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const PlanDec
   const int64_t seq = a.seq_lens[b];
   const int64_t rid = a.rids[b];
   DecodePlan p{kInvalid, -1, -1, -1};
-  if (seq > 0 && rid >= 0) {
+  if (seq > 0 && rid >= 0 && request_ok(a, b, seq, rid)) {
     if constexpr (kOnline) {
       p = DecodePlan{static_cast<uint32_t>(seq), static_cast<int32_t>(rid), static_cast<int32_t>(rid), -1};
     } else {
@@ -72,13 +123,43 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const PlanDec
 constexpr int kPrefillThreads = 1024;
 
 struct PlanPrefillArgs {
-  PlanDecodeArgs addr;  // seq_lens, rids, addressing, batch, ratio, ring, swa_page (out unused)
+  PlanDecodeArgs addr;  // seq_lens, rids, addressing, batch, ratio, ring, swa_page, limits, problem (out unused)
   IndexView ext_lens;
   int64_t num_tokens, rows_c, rows_w;
-  int64_t* ends;  // scratch [batch]: inclusive prefix sums of extend_lens
+  int64_t* ends;  // scratch [batch]: inclusive prefix sums of the extend lengths clamped to 0..num_tokens + 1
   CompressPlan* plan_c;
   void* plan_w;  // WritePlan (offline) or CompressPlan (online) rows
 };
+
+// Extend length used for the ragged offsets: out-of-range lengths are clamped (their request plans no rows), so the
+// ends stay monotone and their sums cannot overflow.
+__device__ __forceinline__ int64_t clamped_extend(const PlanPrefillArgs& a, int64_t b) {
+  const int64_t ext = a.ext_lens[b];
+  return ext < 0 ? 0 : (ext > a.num_tokens ? a.num_tokens + 1 : ext);
+}
+
+// Whether request b of a prefill plans rows (after the ends are known); reports its problems.
+__device__ __forceinline__ bool prefill_request_ok(const PlanPrefillArgs& a, int64_t b) {
+  const PlanDecodeArgs& d = a.addr;
+  const int64_t ext = a.ext_lens[b];
+  bool ok = true;
+  if (ext < 0 || ext > a.num_tokens) {
+    report(d, kErrExtendRange, b);
+    ok = false;
+  }
+  if (a.ends[b] > a.num_tokens) {
+    report(d, kErrExtendSum, b);
+    ok = false;
+  }
+  const int64_t rid = d.rids[b];
+  if (rid < 0) return false;
+  const int64_t seq = d.seq_lens[b];
+  if (seq < ext) {
+    report(d, kErrSeqBelowExtend, b);
+    return false;
+  }
+  return request_ok(d, b, seq, rid) && ok;
+}
 
 // Inclusive block-wide prefix sum of v; `total` receives the block sum. All threads of the block must call it.
 __device__ __forceinline__ int64_t block_scan(int64_t v, int64_t* warp_sums, int64_t& total) {
@@ -115,11 +196,14 @@ __global__ void __launch_bounds__(kPrefillThreads) plan_prefill_kernel(const Pla
   int64_t carry = 0, total;
   for (int64_t base = 0; base < batch; base += kPrefillThreads) {
     const int64_t i = base + t;
-    const int64_t incl = block_scan(i < batch ? a.ext_lens[i] : 0, warp_sums, total) + carry;
+    const int64_t incl = block_scan(i < batch ? clamped_extend(a, i) : 0, warp_sums, total) + carry;
     if (i < batch) a.ends[i] = incl;
     carry += total;
   }
   __syncthreads();
+  if (d.problem != nullptr) {  // requests without query tokens are checked too
+    for (int64_t b = t; b < batch; b += kPrefillThreads) prefill_request_ok(a, b);
+  }
 
   const int r = kOnline ? 128 : d.ratio;
   const int window = r == 4 ? 8 : r;
@@ -137,39 +221,37 @@ __global__ void __launch_bounds__(kPrefillThreads) plan_prefill_kernel(const Pla
         if (a.ends[mid] > tok) hi = mid; else lo = mid + 1;
       }
       const int64_t b = lo;
-      if (b < batch) {
+      if (b < batch && prefill_request_ok(a, b)) {
         const int64_t ext = a.ext_lens[b], seq = d.seq_lens[b], rid = d.rids[b];
         const int64_t j = tok - (a.ends[b] - ext);
         const int64_t pos = seq - ext + j;
-        if (rid >= 0 && pos >= 0) {
-          if constexpr (kOnline) {
-            const int64_t seg = (j < pos % 128 ? j : pos % 128) + 1;
-            const CompressPlan row{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
-                                   static_cast<uint16_t>(seg), static_cast<int32_t>(rid), -1};
-            event = (pos + 1) % 128 == 0;
-            write = pos == seq - 1 && !event;
-            crow = row;
-            wrow_online = row;
-          } else {
-            const int64_t buffer_len = window - (j + 1) > 0 ? window - (j + 1) : 0;
-            if ((pos + 1) % r == 0) {
-              int64_t loc1 = 0, loc0 = 0;
-              const bool ok = buffer_len == 0 ||
-                              (state_loc(d, rid, pos, loc1) && state_loc(d, rid, pos - r > 0 ? pos - r : 0, loc0));
-              event = ok;
-              crow = CompressPlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
-                                  static_cast<uint16_t>(buffer_len),
-                                  buffer_len > 0 ? static_cast<int32_t>(loc0 / r) : -1,
-                                  buffer_len > 0 ? static_cast<int32_t>(loc1 / r) : static_cast<int32_t>(b)};
-            }
-            const int64_t first_w = (seq / r) * r - (r == 4 ? 4 : 0);
-            bool keep = pos >= first_w;
-            if (r == 4 && d.req_to_token.p != nullptr) keep = keep || pos % d.swa_page >= d.swa_page - r;
-            int64_t loc = 0;
-            if (keep && state_loc(d, rid, pos, loc)) {
-              write = true;
-              wrow = WritePlan{static_cast<uint32_t>(tok), static_cast<int32_t>(loc)};
-            }
+        if constexpr (kOnline) {
+          const int64_t seg = (j < pos % 128 ? j : pos % 128) + 1;
+          const CompressPlan row{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
+                                 static_cast<uint16_t>(seg), static_cast<int32_t>(rid), -1};
+          event = (pos + 1) % 128 == 0;
+          write = pos == seq - 1 && !event;
+          crow = row;
+          wrow_online = row;
+        } else {
+          const int64_t buffer_len = window - (j + 1) > 0 ? window - (j + 1) : 0;
+          if ((pos + 1) % r == 0) {
+            int64_t loc1 = 0, loc0 = 0;
+            const bool ok = buffer_len == 0 ||
+                            (state_loc(d, rid, pos, loc1) && state_loc(d, rid, pos - r > 0 ? pos - r : 0, loc0));
+            event = ok;
+            crow = CompressPlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
+                                static_cast<uint16_t>(buffer_len),
+                                buffer_len > 0 ? static_cast<int32_t>(loc0 / r) : -1,
+                                buffer_len > 0 ? static_cast<int32_t>(loc1 / r) : static_cast<int32_t>(b)};
+          }
+          const int64_t first_w = (seq / r) * r - (r == 4 ? 4 : 0);
+          bool keep = pos >= first_w;
+          if (r == 4 && d.req_to_token.p != nullptr) keep = keep || pos % d.swa_page >= d.swa_page - r;
+          int64_t loc = 0;
+          if (keep && state_loc(d, rid, pos, loc)) {
+            write = true;
+            wrow = WritePlan{static_cast<uint32_t>(tok), static_cast<int32_t>(loc)};
           }
         }
       }

@@ -42,12 +42,15 @@ struct StoreArgs {
   uint8_t* cache;
   int64_t page_bytes;
   int log2_page_size;
+  int64_t num_slots;  // pages * page_size: slots at or past it are skipped, before any byte offset is formed
+  int64_t max_pos;    // rows of freqs: entries whose RoPE position is not a row are skipped
   int64_t rows;
   int ratio;
   bool decode;
 };
 
-// Slot and RoPE position of plan row `row`; false if the row stores nothing.
+// Slot and RoPE position of plan row `row`; false if the row stores nothing (padding, no entry, a negative slot) or
+// must be skipped (a slot outside the cache, an out_loc index or RoPE position that does not exist).
 __device__ __forceinline__ bool store_target(const StoreArgs& a, int64_t row, int64_t& loc, int64_t& pos) {
   int64_t src;
   uint32_t seq_len;
@@ -65,7 +68,7 @@ __device__ __forceinline__ bool store_target(const StoreArgs& a, int64_t row, in
   if (seq_len < static_cast<uint32_t>(a.ratio) || src >= a.out_loc_len) return false;
   loc = load_index(a.out_loc, src, a.out_loc_64);
   pos = static_cast<int64_t>(seq_len) - a.ratio;
-  return loc >= 0;
+  return loc >= 0 && loc < a.num_slots && pos < a.max_pos;
 }
 
 __global__ void __launch_bounds__(kStoreThreads) store_flashmla_kernel(const StoreArgs a) {
