@@ -188,7 +188,9 @@ extern "C" int emu_auto_split(int variant, int64_t rows, int k, int sm_count) {
   return auto_split(kVariants[variant], rows, k, sm_count);
 }
 
-extern "C" int emu_default_variant(int tokens) { return default_variant(tokens); }
+extern "C" int emu_default_variant(int tokens, int64_t rows, int sm_count) {
+  return default_variant(tokens, rows, sm_count);
+}
 
 extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, int k, const void* x, int64_t x_stride,
                                  void* out, int64_t out_stride, int num_segments, const int64_t* segment_end,
@@ -221,7 +223,10 @@ def emu(tmp_path_factory):
     if res.returncode != 0 and re.search(r"barrier.*No such file|_Float16", res.stderr):
         pytest.skip("needs a C++20 standard library with <barrier> and _Float16")
     assert res.returncode == 0, res.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    emu = ctypes.CDLL(str(lib))
+    emu.emu_auto_split.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    emu.emu_default_variant.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    return emu
 
 
 def _variants(emu) -> range:
@@ -356,9 +361,12 @@ def test_single_row(emu):
     _run_and_check(emu, args, variant=6, split=1)
 
 
-def test_auto_split_fills_the_gpu(emu):
-    """The automatic split grows for few tiles and stops where a warp would get less than a ring of steps."""
+def test_default_choices(emu):
+    """The automatic split grows for few tiles and stops where a warp would get less than a ring of steps; the
+    default variant falls back to short tiles where tall ones cannot fill the SMs."""
     assert emu.emu_auto_split(1, 24576, 4096, 132) == 1
     assert emu.emu_auto_split(1, 1024, 4096, 132) == 8
     assert emu.emu_auto_split(1, 1024, 256, 132) == 1
-    assert all(emu.emu_default_variant(t) in _variants(emu) for t in (1, 8, 9, 16, 17, 32, 33, 64))
+    for tokens in (1, 8, 9, 16, 17, 32, 33, 64):
+        assert emu.emu_default_variant(tokens, 24576, 132) in _variants(emu)
+    assert emu.emu_default_variant(64, 1024, 132) == emu.emu_default_variant(1, 1024, 132)

@@ -204,7 +204,8 @@ at::Tensor kernel_activation(const at::Tensor& x) {
   return ok ? x : x.clone(at::MemoryFormat::Contiguous);
 }
 
-// Programmatic dependent launch always (the host only runs the kernel on sm_90+), a cluster of `split` CTAs per tile.
+// Programmatic dependent launch (the host only runs the kernel on sm_90+) and a cluster of `split` CTAs per tile,
+// also for split 1, so the kernel's cluster registers always describe a real cluster launch.
 void launch(KernelFn kernel, const Params& p, int64_t blocks, int threads, int smem, int split,
             const at::Device& device) {
   cudaLaunchAttribute attrs[2] = {};
@@ -220,18 +221,17 @@ void launch(KernelFn kernel, const Params& p, int64_t blocks, int threads, int s
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = attrs;
-  config.numAttrs = split > 1 ? 2 : 1;
+  config.numAttrs = 2;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
+// variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split).
 template <typename T>
 void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& out, int variant, int split) {
   const int tokens = static_cast<int>(x.size(0));
   const int k = static_cast<int>(x.size(1));
   const int64_t esize = static_cast<int64_t>(x.element_size());
-  const Variant& v = kVariants[variant];
-  const KernelFn kernel = kernel_for<T>(variant, tokens);
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
   for (size_t first = 0; first < runs.size(); first += kMaxSegments) {
     const size_t count = std::min<size_t>(kMaxSegments, runs.size() - first);
@@ -253,9 +253,11 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
       p.bias[j] = r.bias;
       p.bias_stride[j] = r.bias_stride;
     }
+    const int vi = variant >= 0 ? variant : default_variant(tokens, rows, sm_count);
+    const Variant& v = kVariants[vi];
     const int s = split > 0 ? split : auto_split(v, rows, k, sm_count);
     const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
-    launch(kernel, p, tiles * s, cta_threads(v), smem_bytes(v, token_tiles(tokens)), s, x.device());
+    launch(kernel_for<T>(vi, tokens), p, tiles * s, cta_threads(v), smem_bytes(v, token_tiles(tokens)), s, x.device());
   }
 }
 
@@ -284,7 +286,7 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   if (out.numel() == 0) return out;
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   if (x.size(0) <= kTokenThreshold && kernel_blocker(x, runs) == nullptr) {
-    dispatch_kernel(x, runs, out, default_variant(static_cast<int>(x.size(0))), 0);
+    dispatch_kernel(x, runs, out, -1, 0);
   } else {
     run_cublas(x, weights, row_starts, biases, runs, out);
   }
@@ -306,8 +308,7 @@ at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at:
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   const char* blocker = kernel_blocker(x, runs);
   TORCH_CHECK_VALUE(blocker == nullptr, "_multi_linear_variant: the kernel cannot run this call: ", blocker);
-  const int v = variant >= 0 ? static_cast<int>(variant) : default_variant(static_cast<int>(x.size(0)));
-  dispatch_kernel(x, runs, out, v, static_cast<int>(split));
+  dispatch_kernel(x, runs, out, static_cast<int>(variant), static_cast<int>(split));
   return out;
 }
 

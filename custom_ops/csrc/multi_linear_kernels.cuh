@@ -519,10 +519,15 @@ KernelFn kernel_for(int variant, int tokens) {
 
 // ------------------------------------------------------------------------------------------------ default choice
 
-// The variant the op uses when none is forced (per token tile; the H200 sweep of benchmarks/multi_linear.py decides).
-inline int default_variant(int tokens) {
+// The variant the op uses when none is forced, before the H200 sweep (benchmarks/multi_linear.py --sweep) tunes it:
+// taller tiles for more tokens (each CTA re-reads the activation from L2 once per K range, so rows per CTA bound that
+// traffic), but 32-row tiles when even the largest split would leave SMs without a CTA.
+inline int default_variant(int tokens, int64_t total_rows, int sm_count) {
+  constexpr int kSmallTiles = 1;
   const int n_tiles = token_tiles(tokens);
-  return n_tiles <= 2 ? 1 : n_tiles == 4 ? 3 : 5;
+  const int preferred = n_tiles <= 2 ? kSmallTiles : n_tiles == 4 ? 3 : 5;
+  const int64_t tiles = (total_rows + cta_rows(kVariants[preferred]) - 1) / cta_rows(kVariants[preferred]);
+  return tiles * kMaxSplit < sm_count ? kSmallTiles : preferred;
 }
 
 // Cluster split when none is forced: double it while the grid is short of ~16 resident warps per SM and every warp
