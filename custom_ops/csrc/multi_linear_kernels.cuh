@@ -26,7 +26,8 @@
 // `group`, weight row `group + 8` (of each m-tile) and token `group` (of each n-tile). Elements 0..3 of those vectors
 // feed the step's first MMA and elements 4..7 its second: logical k {2q, 2q+1, 2q+8, 2q+9} = physical
 // 32 s + 8 q + {0, 1, 2, 3} (first MMA) or + {4, 5, 6, 7} (second MMA). So with the loaded uint4s Wg, Wg8, X:
-//   first MMA:  A = {Wg.x, Wg8.x, Wg.y, Wg8.y}, B = {X.x, X.y};  second MMA: A = {Wg.z, Wg8.z, Wg.w, Wg8.w}, B = {X.z, X.w}
+//   first MMA:  A = {Wg.x, Wg8.x, Wg.y, Wg8.y}, B = {X.x, X.y}
+//   second MMA: A = {Wg.z, Wg8.z, Wg.w, Wg8.w}, B = {X.z, X.w}
 // Every weight byte is loaded once, 16 bytes per lane, and read back by the same lane: no ldmatrix, no swizzle, no
 // barrier between warps.
 //
@@ -100,8 +101,8 @@ __host__ __device__ constexpr int cta_threads(const Variant& v) { return 32 * v.
 // Row pitch (floats) of the [token][row] partial tile in shared memory: pitch = 4 (mod 16) puts the 32 lanes of an
 // accumulator store (rows group + const, tokens 2 * quad + const) in 32 different banks.
 __host__ __device__ constexpr int tile_pitch(int rows) { return rows + 4; }
-// Shared memory: the tile's fp32 bias [rows], then either the warps' weight rings [warps][D][MT][2][32 lanes] x 16 bytes
-// (main loop) or the fp32 partial tile [8 * n_tiles][pitch] (epilogue).
+// Shared memory: the tile's fp32 bias [rows], then either the warps' weight rings [warps][D][MT][2][32 lanes] of 16
+// bytes (main loop) or the fp32 partial tile [8 * n_tiles][pitch] (epilogue).
 __host__ __device__ constexpr int ring_bytes(const Variant& v) {
   return v.row_warps * v.k_warps * v.stages * v.m_tiles * 2 * 32 * 16;
 }
@@ -311,7 +312,9 @@ __device__ __forceinline__ void copy_step(uint4* ring, int slot, const T* const 
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) copy_async16(ring + ((slot * MT + m) * 2 + h) * 32 + lane, w[m][h] + (live ? col : 0), live);
+    for (int h = 0; h < 2; ++h) {
+      copy_async16(ring + ((slot * MT + m) * 2 + h) * 32 + lane, w[m][h] + (live ? col : 0), live);
+    }
   }
 }
 
