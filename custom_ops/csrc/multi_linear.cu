@@ -185,7 +185,8 @@ int device_attribute(cudaDeviceAttr attr, const at::Device& device) {
 const char* kernel_blocker(const at::Tensor& x, const std::vector<Run>& runs) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return "x must be bfloat16 or float16";
-  if (x.size(0) > kMaxTokens) return "x must have at most 64 rows";
+  static_assert(kMaxTokens == 64, "the message below names the largest token tile");
+  if (x.size(0) > kMaxTokens) return "x has more rows than the kernel's largest token tile (64)";
   if (x.size(1) == 0 || x.size(1) % 8 != 0) return "K must be a positive multiple of 8";
   if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.device()) < 9) return "the GPU must be sm_90 or newer";
   const int64_t esize = static_cast<int64_t>(x.element_size());
