@@ -15,17 +15,54 @@ ranges, so nothing is concatenated per call, no extra weight memory exists, and 
 | `biases`     | list of N `[R_i]`/None  | same as `x`      | no      | optional bias per weight, sliced like the rows |
 | returns      | `[T, Σ row_counts]`     | same as `x`      | —       | fresh tensor                                   |
 
-CPU and CUDA both run one `mm`/`addmm` per weight straight into the output column block (the fast small-T
-CUDA kernel is a later issue). The CUDA path is CUDA-graph safe: no host syncs, no data-dependent shapes.
+Which path runs:
+
+| device | when                                                      | path                                           |
+|--------|-----------------------------------------------------------|------------------------------------------------|
+| CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
+| CUDA   | bf16/fp16, 1 <= T <= 64, K % 8 == 0, sm_90+, layout (a)   | the kernel, one launch per 64 row ranges       |
+| CUDA   | otherwise (fp32, T > 64, other K, other layouts)          | one cuBLAS `mm`/`addmm` per row range (b)      |
+
+(a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
+that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. The
+threshold 64 is `kTokenThreshold` in `csrc/multi_linear.cu` (`kernel_token_threshold()` reads it); the kernel
+itself handles up to 64 tokens.
+
+On CUDA, consecutive row ranges that lie back to back in memory (weight `i + 1`'s first used row right after weight
+`i`'s last, same row stride, biases both absent or also back to back) are treated as one range: one GEMM over the
+stacked view, one kernel segment. That is found from data pointers and strides on the host, without a sync. The
+activation's own layout never blocks the kernel: rows that are not 16-byte aligned or a non-unit inner stride get a
+contiguous copy of `x` (T x K, small).
+
+The kernel (see the header of `csrc/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows as the
+M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over the
+CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once
+from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
+ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
+inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
+writing its own output columns. This keeps the op free of host syncs, device-side tables and workspaces: it
+allocates only its output, keeps no state between calls, and is CUDA-graph capturable; the output shape depends
+only on `x.shape[0]` and the row counts, so it works with a symbolic T in compiled graphs (the fake impl gives it).
+
+`dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
+the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
+automatic), for any T up to 64, and raises `ValueError` where the kernel cannot run.
 """
 
+import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from custom_ops import _build
 from custom_ops._library import LIB
 
 LIB.define("multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor")
+LIB.define(
+    "_multi_linear_variant(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
+    "int variant, int split) -> Tensor"
+)
 
 
 def _check_args(
@@ -100,5 +137,50 @@ def _multi_linear_fake(
     return x.new_empty((x.shape[0], sum(row_counts)))
 
 
+@dataclass(frozen=True)
+class KernelVariant:
+    """A compiled tile configuration of the CUDA kernel (`kVariants` in `csrc/multi_linear_kernels.cuh`)."""
+
+    index: int
+    m_tiles: int  # 16-row MMA tiles per warp
+    row_warps: int  # warps splitting the CTA's rows
+    k_warps: int  # warps splitting the CTA's K range
+    stages: int  # shared-memory stages per warp (stages - 1 steps of 32 columns in flight)
+
+    @property
+    def rows(self) -> int:
+        """Output rows (weight rows) per CTA."""
+        return 16 * self.m_tiles * self.row_warps
+
+    @property
+    def warps(self) -> int:
+        return self.row_warps * self.k_warps
+
+    def __str__(self) -> str:
+        return f"v{self.index}:{self.rows}r/{self.warps}w/k{self.k_warps}/d{self.stages}"
+
+
+def _native() -> ctypes.CDLL:
+    return ctypes.CDLL(str(_build.load()))
+
+
+def kernel_token_threshold() -> int:
+    """Largest token count (rows of `x`) for which the CUDA op runs the kernel (builds the library if needed)."""
+    return int(_native().dspark_multi_linear_token_threshold())
+
+
+def kernel_variants() -> list[KernelVariant]:
+    """The kernel's compiled tile configurations, in the order `_multi_linear_variant` indexes them."""
+    lib = _native()
+    fields = (ctypes.c_int * 4)()
+    variants = []
+    for i in range(lib.dspark_multi_linear_num_variants()):
+        if lib.dspark_multi_linear_variant(ctypes.c_int(i), fields) != 0:
+            raise RuntimeError(f"dspark_multi_linear_variant({i}) failed")
+        variants.append(KernelVariant(i, *fields))
+    return variants
+
+
 LIB.impl("multi_linear", multi_linear_reference, "CPU")
-LIB.impl("multi_linear", multi_linear_reference, "CUDA")
+_build.register_cuda_entry(LIB, "multi_linear")
+_build.register_cuda_entry(LIB, "_multi_linear_variant")

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One device call: environment, CUDA extension build, every CUDA-marked test, the benchmarks.
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize]   (logs under $OUT, default ./gpu_out)
-# sanitize: build, then scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and
-# synccheck (every tensor its own allocation); the summary of each tool goes to $OUT/sanitize.txt.
+# One device call: environment, CUDA extension build, then one of
+#   tests     every CUDA-marked test
+#   bench     every benchmark (benchmarks/*.py --out $OUT/<name>.md)
+#   all       tests, then bench (the default)
+#   sanitize  scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and synccheck
+#             (every tensor its own allocation); each tool's summary goes to $OUT/sanitize.txt
+#   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
+# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep]   (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -13,27 +17,38 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 } 2>&1 | tee "$OUT/env.txt"
 status=0
-if [ -f custom_ops/build.py ] && [ "$what" != bench ]; then
+if [ "$what" != bench ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
 fi
-if [ "$what" = sanitize ]; then
-  sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
-  for tool in memcheck racecheck initcheck synccheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 \
-      python3 scripts/sanitize_driver.py >"$OUT/sanitize_$tool.log" 2>&1
-    rc=$?
-    [ $rc -eq 0 ] || status=1
-    echo "$tool rc=$rc $(grep -h 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" | tee -a "$OUT/sanitize.txt"
-  done
-  exit $status
-fi
-if [ "$what" != bench ]; then
-  python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
-fi
-if [ "$what" != tests ]; then
-  for bench in benchmarks/*.py; do
-    name=$(basename "$bench" .py)
-    python3 "$bench" --out "$OUT/$name.md" 2>&1 | tee "$OUT/$name.log" || status=1
-  done
-fi
+case "$what" in
+  sanitize)
+    sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+    for tool in memcheck racecheck initcheck synccheck; do
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+        python3 scripts/sanitize_driver.py >"$OUT/sanitize_$tool.log" 2>&1
+      rc=$?
+      [ $rc -eq 0 ] || status=1
+      echo "$tool rc=$rc $(grep -h 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" | tee -a "$OUT/sanitize.txt"
+    done
+    ;;
+  sweep)
+    python3 benchmarks/multi_linear.py --sweep --out "$OUT/multi_linear_sweep.md" 2>&1 |
+      tee "$OUT/multi_linear_sweep.log" || status=1
+    ;;
+  tests | bench | all)
+    if [ "$what" != bench ]; then
+      python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+    fi
+    if [ "$what" != tests ]; then
+      for bench in benchmarks/*.py; do
+        name=$(basename "$bench" .py)
+        python3 "$bench" --out "$OUT/$name.md" 2>&1 | tee "$OUT/$name.log" || status=1
+      done
+    fi
+    ;;
+  *)
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep)" >&2
+    exit 2
+    ;;
+esac
 exit $status

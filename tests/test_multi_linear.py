@@ -79,3 +79,35 @@ def test_bad_inputs(mutate, error, match):
     mutate(args)
     with pytest.raises(error, match=match):
         op(*args)
+
+
+def test_empty_row_ranges_and_zero_k():
+    x, weights, starts, _, biases = _case(tokens=4)
+    expected = _fp64_formula(x, weights, starts, [16, 0, 7], biases)
+    torch.testing.assert_close(op(x, weights, starts, [16, 0, 7], biases).double(), expected, rtol=1e-5, atol=1e-5)
+    assert op(x, weights, starts, [0, 0, 0], biases).shape == (4, 0)
+    empty_k = [w[:, :0] for w in weights]
+    out = op(x[:, :0], empty_k, starts, [16, 16, 7], biases)
+    expected = torch.cat([torch.zeros(4, 16), biases[1][:16].expand(4, 16), biases[2][2:9].expand(4, 7)], dim=1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_symbolic_tokens_under_compile():
+    """The fake impl's shape follows x.shape[0]: one dynamic graph serves every T."""
+    x, *rest = _case(tokens=5)
+    compiled = torch.compile(lambda x: op(x, *rest), backend="aot_eager", dynamic=True, fullgraph=True)
+    for tokens in (5, 9, 64):
+        xt = torch.randn(tokens, x.shape[1])
+        torch.testing.assert_close(compiled(xt), op(xt, *rest), rtol=0, atol=0)
+
+
+def test_cuda_calls_reach_the_library_entry():
+    """CUDA calls go through the build-on-first-use entry to the C++ kernels (custom_ops._build)."""
+    for name in ("dspark::multi_linear", "dspark::_multi_linear_variant"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear", "CPU")
+
+
+def test_variant_op_is_cuda_only():
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        torch.ops.dspark._multi_linear_variant(*_case(), 0, 0)

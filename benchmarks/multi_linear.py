@@ -1,0 +1,238 @@
+"""dspark::multi_linear at decode sizes: the op's default dispatch, per-weight cuBLAS, cuBLAS on a concatenated copy.
+
+Groups (bf16, no bias): the fused draft KV group 5 x [2048, 4096], q/k/v [4096 | 1024 | 1024, 4096], gate/up
+2 x [12288, 4096], single [4096, 4096], [1024, 4096] and [4096, 12288] (K = 12288); M (tokens) in
+{1, 8, 16, 64, 128, 512}. Every variant is captured in a CUDA graph that calls it once on each of several copies of
+the group's weights (enough copies for 3x the L2, so the L2 never serves the weights) and replayed; the time per call
+is the median replay time (`triton.testing.do_bench`) over the number of copies. "% copy" is (weights + x + out
+bytes) / time over a large device-to-device copy measured in the same run (bytes read + written); the floor is those
+bytes at that rate. Every output is checked against cuBLAS on the concatenated copy first.
+
+    python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
+    python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
+
+`--sweep` times every compiled kernel variant (`custom_ops.multi_linear.kernel_variants()`) with every cluster split
+(0 = the automatic one) on every group and M in {1, 8, 16, 32, 64} through `dspark::_multi_linear_variant`, refuses
+to time a variant whose output differs from cuBLAS (prints the error instead), and prints the best variant per
+shape, then the best variant per token tile summed over the groups (what `default_variant` should pick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
+from custom_ops.multi_linear import KernelVariant, kernel_token_threshold, kernel_variants, multi_linear_reference
+
+GROUPS: dict[str, list[tuple[int, int]]] = {
+    "kv 5x[2048,4096]": [(2048, 4096)] * 5,
+    "qkv [4096|1024|1024,4096]": [(4096, 4096), (1024, 4096), (1024, 4096)],
+    "gate/up 2x[12288,4096]": [(12288, 4096)] * 2,
+    "[4096,4096]": [(4096, 4096)],
+    "[1024,4096]": [(1024, 4096)],
+    "[4096,12288]": [(4096, 12288)],
+}
+TOKENS = (1, 8, 16, 64, 128, 512)
+SWEEP_TOKENS = (1, 8, 16, 32, 64)
+SWEEP_SPLITS = (0, 1, 2, 4, 8)
+DTYPE = torch.bfloat16
+MAX_REL_ERROR = 1e-2
+
+op = torch.ops.dspark.multi_linear
+variant_op = torch.ops.dspark._multi_linear_variant
+
+
+@dataclass
+class Group:
+    """Copies of one group's weights (separate tensors, like a model's parameters) and their concatenations."""
+
+    name: str
+    rows: list[int]
+    k: int
+    copies: list[list[torch.Tensor]]
+    concatenated: list[torch.Tensor]
+
+    @classmethod
+    def make(cls, name: str, shapes: list[tuple[int, int]], l2_bytes: int) -> Group:
+        k = shapes[0][1]
+        weight_bytes = sum(r * k for r, _ in shapes) * DTYPE.itemsize
+        n = max(2, math.ceil(3 * l2_bytes / weight_bytes))
+        copies = [[torch.randn(r, k, device="cuda", dtype=DTYPE) for r, _ in shapes] for _ in range(n)]
+        return cls(name, [r for r, _ in shapes], k, copies, [torch.cat(ws) for ws in copies])
+
+    def args(self, x: torch.Tensor, i: int) -> tuple:
+        n = len(self.rows)
+        return x, self.copies[i], [0] * n, self.rows, [None] * n
+
+    def bytes_moved(self, tokens: int) -> int:
+        return (sum(self.rows) * self.k + tokens * self.k + tokens * sum(self.rows)) * DTYPE.itemsize
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def us_per_call(call: Callable[[int], torch.Tensor], copies: int, warmup: int, rep: int) -> float:
+    """Median µs per call of a CUDA graph that runs `call(i)` for every weight copy i once."""
+    for i in range(copies):
+        call(i)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    return 1e3 * do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") / copies
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    return err if math.isfinite(err) and not torch.isnan(out).any() else math.inf
+
+
+def op_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    return lambda i: op(*group.args(x, i))
+
+
+def per_weight_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    return lambda i: multi_linear_reference(*group.args(x, i))
+
+
+def concat_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    return lambda i: torch.mm(x, group.concatenated[i].t())
+
+
+def variant_call(group: Group, x: torch.Tensor, variant: KernelVariant, split: int) -> Callable[[int], torch.Tensor]:
+    return lambda i: variant_op(*group.args(x, i), variant.index, split)
+
+
+METHODS = {"op": op_call, "cuBLAS per weight": per_weight_call, "cuBLAS concat": concat_call}
+
+
+def main_table(groups: list[Group], bandwidth: float) -> str:
+    threshold = kernel_token_threshold()
+    names = list(METHODS)
+    lines = [
+        "| group | M | path | floor µs | " + " | ".join(f"{n} µs (% copy)" for n in names) + " | op vs per weight |"
+        " op vs concat |",
+        "|---|---:|---|---:|" + "---:|" * (len(names) + 2),
+    ]
+    for group in groups:
+        for tokens in TOKENS:
+            x = torch.randn(tokens, group.k, device="cuda", dtype=DTYPE)
+            ref = torch.mm(x, group.concatenated[0].t())
+            floor = group.bytes_moved(tokens) / bandwidth * 1e6
+            times, cells = {}, []
+            for name, make_call in METHODS.items():
+                call = make_call(group, x)
+                err = rel_error(call(0), ref)
+                if err > MAX_REL_ERROR:
+                    cells.append(f"WRONG (rel err {err:.2e})")
+                    continue
+                times[name] = us_per_call(call, len(group.copies), warmup=25, rep=100)
+                cells.append(f"{times[name]:.1f} ({100 * floor / times[name]:.0f}%)")
+            ratios = [
+                f"{times[base] / times['op']:.2f}x" if {"op", base} <= times.keys() else "-"
+                for base in ("cuBLAS per weight", "cuBLAS concat")
+            ]
+            path = "kernel" if tokens <= threshold else "cuBLAS"
+            row = f"| {group.name} | {tokens} | {path} | {floor:.1f} | " + " | ".join(cells + ratios) + " |"
+            print(row, flush=True)
+            lines.append(row)
+    return "\n".join(lines)
+
+
+@dataclass
+class SweepShape:
+    """Every correct (variant, split) of one (group, M) with its µs, and the rows it adds to the full table."""
+
+    times: dict[tuple[KernelVariant, int], float]
+    rows: list[str]
+
+
+def sweep_shape(group: Group, tokens: int, bandwidth: float) -> SweepShape:
+    x = torch.randn(tokens, group.k, device="cuda", dtype=DTYPE)
+    ref = torch.mm(x, group.concatenated[0].t())
+    floor = group.bytes_moved(tokens) / bandwidth * 1e6
+    shape = SweepShape({}, [])
+    for v in kernel_variants():
+        for split in SWEEP_SPLITS:
+            call = variant_call(group, x, v, split)
+            err = rel_error(call(0), ref)
+            if err > MAX_REL_ERROR:
+                print(f"WRONG {group.name} M={tokens} {v} split {split}: rel err {err:.3e}", flush=True)
+                shape.rows.append(f"| {group.name} | {tokens} | {v} | {split} | WRONG (rel err {err:.2e}) | |")
+                continue
+            us = us_per_call(call, len(group.copies), warmup=5, rep=25)
+            shape.times[(v, split)] = us
+            shape.rows.append(f"| {group.name} | {tokens} | {v} | {split} | {us:.2f} | {100 * floor / us:.0f}% |")
+    return shape
+
+
+def sweep(groups: list[Group], bandwidth: float) -> str:
+    all_rows = ["| group | M | variant | split | µs | % copy |", "|---|---:|---|---:|---:|---:|"]
+    best_rows = [
+        "| group | M | best variant | split | µs | % copy | op default µs | cuBLAS concat µs |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    per_tile: dict[tuple[int, KernelVariant, int], float] = {}
+    for group in groups:
+        for tokens in SWEEP_TOKENS:
+            shape = sweep_shape(group, tokens, bandwidth)
+            all_rows += shape.rows
+            x = torch.randn(tokens, group.k, device="cuda", dtype=DTYPE)
+            default_us = us_per_call(op_call(group, x), len(group.copies), warmup=5, rep=25)
+            concat_us = us_per_call(concat_call(group, x), len(group.copies), warmup=5, rep=25)
+            floor = group.bytes_moved(tokens) / bandwidth * 1e6
+            if shape.times:
+                (v, split), us = min(shape.times.items(), key=lambda item: item[1])
+                best = f"{v} | {split} | {us:.2f} | {100 * floor / us:.0f}%"
+            else:
+                best = "none correct | | |"
+            row = f"| {group.name} | {tokens} | {best} | {default_us:.2f} | {concat_us:.2f} |"
+            print(row, flush=True)
+            best_rows.append(row)
+            for (v, split), us in shape.times.items():
+                key = (8 * ((tokens + 7) // 8), v, split)
+                per_tile[key] = per_tile.get(key, 0.0) + us
+    tile_rows = ["| M (rounded up to 8) | best variant over all groups | split | Σ µs |", "|---:|---|---:|---:|"]
+    for tile in sorted({t for t, _, _ in per_tile}):
+        candidates = {(v, s): us for (t, v, s), us in per_tile.items() if t == tile}
+        (v, split), total = min(candidates.items(), key=lambda item: item[1])
+        tile_rows.append(f"| {tile} | {v} | {split} | {total:.1f} |")
+    return "\n\n".join(["\n".join(best_rows), "\n".join(tile_rows), "All variants:\n\n" + "\n".join(all_rows)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the markdown tables here")
+    parser.add_argument("--sweep", action="store_true", help="time every kernel variant and split (M <= 64)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bandwidth = copy_bandwidth()
+    groups = [Group.make(name, shapes, props.L2_cache_size) for name, shapes in GROUPS.items()]
+    header = (
+        f"GPU {props.name}, torch {torch.__version__}; copy rate {bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"bf16; kernel token threshold {kernel_token_threshold()}; CUDA-graph replay over L2-cold weight copies"
+    )
+    print(header, flush=True)
+    with torch.no_grad():
+        body = sweep(groups, bandwidth) if args.sweep else main_table(groups, bandwidth)
+    text = header + "\n\n" + body + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,549 @@
+// Decode-sized multi-weight GEMM of dspark::multi_linear: out[t, r] = sum_k x[t, k] * W(r)[k] (+ bias(r)), where
+// r runs over the concatenated rows of several weights, read in place. Plain CUDA (no torch headers): the torch
+// binding is multi_linear.cu; tests/test_multi_linear_emulation.py compiles this header for the host.
+//
+// Work decomposition
+//   Output rows (the concatenated weight rows) are cut into CTA tiles of kRows = 16 * MT * WR rows; a tile may span
+//   several weights (each lane resolves its own rows). A cluster of S CTAs (S = the split, 1..8) owns one tile and
+//   splits K S ways; inside a CTA, WR x WK warps split the tile's rows WR ways (16 * MT rows per warp, all tokens) and
+//   the CTA's K range WK ways. Every warp therefore streams a distinct [16 * MT, K / (S * WK)] block of weights once.
+//   Partial sums are reduced in shared memory (the WK warps, in turn) and then across the cluster through distributed
+//   shared memory (each CTA sums an equal share of the tile's outputs over the S CTAs, adds the bias, rounds once and
+//   writes). No global workspace, no counters, no memset: nothing outlives the launch, so any number of launches may
+//   run concurrently and the kernel is CUDA-graph capturable.
+//
+// Tensor cores, "swap AB": mma.sync m16n8k16 with the weight rows as M (16 rows per m-tile), tokens as N (8 per
+// n-tile, NT n-tiles = up to 8 * NT tokens) and K = 16 per MMA, fp32 accumulators. PTX fragment layouts (.bf16/.f16,
+// "row.col"), with group = lane / 4 (groupID) and quad = lane % 4 (threadID_in_group):
+//   A (16 x 16, 4 x .b32):  a0,a1: (row group,     k 2*quad + {0,1})    a2,a3: (row group + 8, k 2*quad + {0,1})
+//                           a4,a5: (row group,     k 2*quad + 8 + {0,1}) a6,a7: (row group + 8, k 2*quad + 8 + {0,1})
+//                           register j holds elements a(2j) (low half) and a(2j+1) (high half).
+//   B (16 x 8, 2 x .b32):   b0,b1: (k 2*quad + {0,1}, col group)       b2,b3: (k 2*quad + 8 + {0,1}, col group)
+//   C/D (16 x 8, 4 x f32):  c0,c1: (row group, col 2*quad + {0,1})     c2,c3: (row group + 8, col 2*quad + {0,1})
+// K permutation: a dot product does not depend on the order of K, so any bijection between the MMA's logical k and
+// physical columns works if A and B use the same one. A warp step covers 32 physical columns [32 s, 32 s + 32); lane
+// (group, quad) loads 8 consecutive elements [32 s + 8 quad, +8) with one 16-byte load from each of: weight row
+// `group`, weight row `group + 8` (of each m-tile) and token `group` (of each n-tile). Elements 0..3 of those vectors
+// feed the step's first MMA and elements 4..7 its second: logical k {2q, 2q+1, 2q+8, 2q+9} = physical
+// 32 s + 8 q + {0, 1, 2, 3} (first MMA) or + {4, 5, 6, 7} (second MMA). So with the loaded uint4s Wg, Wg8, X:
+//   first MMA:  A = {Wg.x, Wg8.x, Wg.y, Wg8.y}, B = {X.x, X.y}
+//   second MMA: A = {Wg.z, Wg8.z, Wg.w, Wg8.w}, B = {X.z, X.w}
+// Every weight byte is loaded once, 16 bytes per lane, and read back by the same lane: no ldmatrix, no swizzle, no
+// barrier between warps.
+//
+// Loads: each warp streams its weights through its own ring of D shared-memory stages with cp.async.cg (16 bytes per
+// lane, L1 bypassed, zero-filled past K), D - 1 steps (D - 1 KB per m-tile) in flight while it multiplies the oldest
+// stage. In-flight bytes cost no registers and the compiler cannot sink them towards their use (it did with plain
+// loads into registers). The activation is loaded straight from global memory (L1 / L2; it is T x K, tiny), one step
+// ahead; per CTA that is T * K_cta * 2 bytes of L2 traffic per kRows * K_cta * 2 bytes of weights, which is why the
+// tile height is a variant parameter. Rows past the last row and tokens past the last token are clamped to the last
+// valid one (valid addresses; their results are never stored); columns past K (only in a ragged last step,
+// K % 32 != 0) read as zeros. K must be a multiple of 8 and every weight row 16-byte aligned.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace dspark {
+namespace mlinear {
+
+constexpr int kMaxSegments = 64;  // weights per launch (kernel-parameter table; more weights: more launches)
+constexpr int kMaxTokens = 64;    // 8 n-tiles of 8 tokens
+constexpr int kStepCols = 32;     // K columns per warp step: 4 lanes x 8 elements
+constexpr int kMaxSplit = 8;      // portable cluster size
+
+// Everything a launch reads, passed by value as a __grid_constant__ kernel parameter (no host sync, no device
+// table): the launch covers output columns [0, segment_end[num_segments - 1]) of `out`.
+struct Params {
+  const void* x;      // [tokens, k], unit inner stride, 16-byte aligned rows
+  int64_t x_stride;   // elements between tokens
+  void* out;          // [tokens, out_stride] column 0 of this launch
+  int64_t out_stride;
+  int tokens;         // 1..kMaxTokens
+  int k;              // multiple of 8
+  int num_segments;   // 1..kMaxSegments, every segment has >= 1 row
+  int64_t segment_end[kMaxSegments];    // exclusive end row of segment i in the launch's concatenated rows
+  const void* weight[kMaxSegments];     // first row of segment i, 16-byte aligned
+  int64_t weight_stride[kMaxSegments];  // elements between rows, a multiple of 8 (unless the segment has one row)
+  const void* bias[kMaxSegments];       // bias of the segment's first row, or nullptr
+  int64_t bias_stride[kMaxSegments];
+};
+
+// A tile configuration: MT m-tiles per warp, WR x WK warps per CTA, D shared-memory stages per warp (D - 1 steps of
+// 32 columns in flight).
+struct Variant {
+  int m_tiles;
+  int row_warps;
+  int k_warps;
+  int stages;
+};
+
+// The configurations compiled in; `_multi_linear_variant` and the sweep address them by index.
+constexpr Variant kVariants[] = {
+    {1, 1, 4, 8},  // 16 rows, 4 warps, 28 KB in flight per CTA
+    {1, 2, 2, 8},  // 32 rows, 4 warps, 28 KB
+    {1, 4, 1, 8},  // 64 rows, 4 warps, 28 KB
+    {1, 4, 2, 4},  // 64 rows, 8 warps, 24 KB
+    {2, 2, 2, 4},  // 64 rows, 4 warps, 24 KB
+    {2, 4, 1, 4},  // 128 rows, 4 warps, 24 KB
+    {1, 8, 1, 4},  // 128 rows, 8 warps, 24 KB
+    {1, 2, 4, 4},  // 32 rows, 8 warps, 24 KB
+};
+constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+
+__host__ __device__ constexpr int cta_rows(const Variant& v) { return 16 * v.m_tiles * v.row_warps; }
+__host__ __device__ constexpr int cta_threads(const Variant& v) { return 32 * v.row_warps * v.k_warps; }
+// Row pitch (floats) of the [token][row] partial tile in shared memory: pitch = 4 (mod 16) puts the 32 lanes of an
+// accumulator store (rows group + const, tokens 2 * quad + const) in 32 different banks.
+__host__ __device__ constexpr int tile_pitch(int rows) { return rows + 4; }
+// Shared memory: the tile's fp32 bias [rows], then either the warps' weight rings [warps][D][MT][2][32 lanes] of 16
+// bytes (main loop) or the fp32 partial tile [8 * n_tiles][pitch] (epilogue).
+__host__ __device__ constexpr int ring_bytes(const Variant& v) {
+  return v.row_warps * v.k_warps * v.stages * v.m_tiles * 2 * 32 * 16;
+}
+__host__ __device__ constexpr int tile_bytes(const Variant& v, int n_tiles) {
+  return 8 * n_tiles * tile_pitch(cta_rows(v)) * 4;
+}
+__host__ __device__ constexpr int smem_bytes(const Variant& v, int n_tiles) {
+  return cta_rows(v) * 4 + (ring_bytes(v) > tile_bytes(v, n_tiles) ? ring_bytes(v) : tile_bytes(v, n_tiles));
+}
+
+// ------------------------------------------------------------------------------------------------ device primitives
+
+// Hooks: on the GPU these are single instructions; DSPARK_KERNEL_EMULATION (the host build of the tests) supplies
+// emu_* functions instead. The remaining branch is the host pass of nvcc, which never runs device code.
+
+// 16 bytes from global `src` to shared `dst`, asynchronously (L1 bypassed); zeros instead when !live (nothing read).
+__device__ __forceinline__ void copy_async16(uint4* dst, const void* src, bool live) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(live ? 16 : 0)
+               : "memory");
+#else
+  *dst = live ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+// Closes the group of copies issued since the last commit.
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+__device__ __forceinline__ uint4 load_activation16(const void* p) {
+#if defined(__CUDA_ARCH__)
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#else
+  return *static_cast<const uint4*>(p);
+#endif
+}
+
+// D = A * B + D for one m16n8k16 tile (fragments as in the header comment).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_mma_16816(std::is_same_v<T, __nv_bfloat16>, d, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+// This CTA's cluster: its index in the grid (= the tile), its rank in the cluster and the cluster size (= split).
+struct ClusterCoord {
+  unsigned id;
+  unsigned rank;
+  unsigned size;
+};
+
+__device__ __forceinline__ ClusterCoord cluster_coord() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  ClusterCoord c;
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(c.id));
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(c.rank));
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(c.size));
+  return c;
+#elif defined(DSPARK_KERNEL_EMULATION)
+  ClusterCoord c;
+  emu_cluster_coord(c.id, c.rank, c.size);
+  return c;
+#else
+  return {blockIdx.x, 0, 1};
+#endif
+}
+
+// Every thread of the cluster arrives; shared-memory writes before it are visible to the whole cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_cluster_sync();
+#else
+  __syncthreads();
+#endif
+}
+
+// The address of `local` (this CTA's shared memory) in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ const float* cluster_peer(const float* local, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t peer;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(peer) : "l"(local), "r"(rank));
+  return reinterpret_cast<const float*>(peer);
+#elif defined(DSPARK_KERNEL_EMULATION)
+  return emu_cluster_peer(local, rank);
+#else
+  return local;
+#endif
+}
+
+__device__ __forceinline__ float* cta_smem() {
+#if defined(DSPARK_KERNEL_EMULATION)
+  return emu_cta_smem();
+#else
+  extern __shared__ float4 dynamic_smem[];
+  return reinterpret_cast<float*>(dynamic_smem);
+#endif
+}
+
+// Programmatic dependent launch (sm_90+, no-ops without the launch attribute): wait for the previous kernel's
+// memory before the first global read; let the next kernel start launching once all weight loads are issued.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_next() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ segments
+
+// The segment holding concatenated row `row` (< the launch's rows): the first i with row < segment_end[i].
+// Segments are non-empty, so segment_end is strictly increasing.
+__device__ __forceinline__ int find_segment(const Params& p, int64_t row) {
+  int lo = 0, hi = p.num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (row < p.segment_end[mid]) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int64_t row_in_segment(const Params& p, int segment, int64_t row) {
+  return row - (segment == 0 ? 0 : p.segment_end[segment - 1]);
+}
+
+template <typename T>
+__device__ __forceinline__ const T* weight_row(const Params& p, int64_t row) {
+  const int s = find_segment(p, row);
+  return static_cast<const T*>(p.weight[s]) + row_in_segment(p, s, row) * p.weight_stride[s];
+}
+
+template <typename T>
+__device__ __forceinline__ float bias_of_row(const Params& p, int64_t row) {
+  const int s = find_segment(p, row);
+  if (p.bias[s] == nullptr) return 0.f;
+  return to_float(static_cast<const T*>(p.bias[s])[row_in_segment(p, s, row) * p.bias_stride[s]]);
+}
+
+// ------------------------------------------------------------------------------------------------ kernel
+
+// One 16-byte activation load per n-tile for step `step` (zeros for lanes past K).
+template <typename T, int NT>
+__device__ __forceinline__ void load_activations(uint4 (&xv)[NT], const T* const (&x)[NT], int step, int k, int quad) {
+  const int64_t col = static_cast<int64_t>(step) * kStepCols;
+  const bool live = col + 8 * quad < k;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) xv[n] = live ? load_activation16(x[n] + col) : make_uint4(0, 0, 0, 0);
+}
+
+// Issues the copies of step `step` (this lane's 16 bytes of rows group and group + 8 of each m-tile) into ring slot
+// `slot` of this warp's ring [D][MT][2][32].
+template <typename T, int MT>
+__device__ __forceinline__ void copy_step(uint4* ring, int slot, const T* const (&w)[MT][2], int step, int k, int lane,
+                                          int quad) {
+  const int64_t col = static_cast<int64_t>(step) * kStepCols;
+  const bool live = col + 8 * quad < k;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      copy_async16(ring + ((slot * MT + m) * 2 + h) * 32 + lane, w[m][h] + (live ? col : 0), live);
+    }
+  }
+}
+
+// acc += W(step) x(step)^T for one step: 2 MMAs per (m-tile, n-tile), fragments as in the header comment.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint4 (&wv)[MT][2], const uint4 (&xv)[NT]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const uint4& lo = wv[m][0];
+      const uint4& hi = wv[m][1];
+      mma_16816<T>(acc[m][n], lo.x, hi.x, lo.y, hi.y, xv[n].x, xv[n].y);
+      mma_16816<T>(acc[m][n], lo.z, hi.z, lo.w, hi.w, xv[n].z, xv[n].w);
+    }
+  }
+}
+
+// Steps [begin, end) of one warp: D - 1 steps of weight copies in flight ahead of the step being multiplied, the
+// activation one step ahead in registers. Slot of step s: (s - begin) % D; the slot refilled in iteration s is the
+// one this lane read in iteration s - 1.
+template <typename T, int MT, int NT, int D>
+__device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], uint4* ring, const T* const (&w)[MT][2],
+                                           const T* const (&x)[NT], int begin, int end, int k, int lane, int quad) {
+  static_assert(D >= 2 && (D & (D - 1)) == 0, "the stage count must be a power of two");
+#pragma unroll
+  for (int d = 0; d < D - 1; ++d) {
+    if (begin + d < end) copy_step<T, MT>(ring, d, w, begin + d, k, lane, quad);
+    commit_copies();
+  }
+  uint4 xv[NT];
+  load_activations<T, NT>(xv, x, begin, k, quad);
+  for (int s = begin; s < end; ++s) {
+    wait_copies<D - 2>();
+    const int slot = (s - begin) & (D - 1);
+    uint4 wv[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wv[m][h] = ring[((slot * MT + m) * 2 + h) * 32 + lane];
+    }
+    if (s + D - 1 < end) copy_step<T, MT>(ring, (slot + D - 1) & (D - 1), w, s + D - 1, k, lane, quad);
+    commit_copies();
+    uint4 xn[NT];
+    load_activations<T, NT>(xn, x, s + 1 < end ? s + 1 : s, k, quad);
+    mma_step<T, MT, NT>(acc, wv, xv);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) xv[n] = xn[n];
+  }
+  wait_copies<0>();
+}
+
+// Writes the tile's outputs [elem_begin, elem_end) (element e = token * kRows + row): bias + the partial sums of
+// the `sources` CTAs of the cluster, rounded once.
+template <typename T, int kRows, int kThreads>
+__device__ __forceinline__ void store_outputs(const Params& p, const float* tile, const float* bias, int64_t row0,
+                                              int rows, int elem_begin, int elem_end, unsigned sources) {
+  constexpr int kPitch = tile_pitch(kRows);
+  T* out = static_cast<T*>(p.out);
+  for (int e = elem_begin + static_cast<int>(threadIdx.x); e < elem_end; e += kThreads) {
+    const int token = e / kRows, r = e % kRows;
+    if (r >= rows) continue;
+    float sum = bias[r];
+    if (sources == 1) {
+      sum += tile[token * kPitch + r];
+    } else {
+      for (unsigned q = 0; q < sources; ++q) sum += cluster_peer(tile, q)[token * kPitch + r];
+    }
+    out[token * p.out_stride + row0 + r] = from_float<T>(sum);
+  }
+}
+
+template <typename T, int MT, int NT, int WR, int WK, int D>
+__global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid_constant__ Params p) {
+  constexpr int kRows = 16 * MT * WR, kTokens = 8 * NT, kThreads = 32 * WR * WK, kPitch = tile_pitch(kRows);
+  float* bias = cta_smem();                                    // [kRows] fp32 bias of the tile's rows (0: none)
+  uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [warps][D][MT][2][32]
+  float* tile = bias + kRows;                                   // epilogue: [kTokens][kPitch] fp32 partial sums
+  const ClusterCoord cluster = cluster_coord();
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int row_warp = warp % WR, k_warp = warp / WR;
+  const int group = lane / 4, quad = lane % 4;
+  const int64_t total_rows = p.segment_end[p.num_segments - 1];
+  const int64_t row0 = static_cast<int64_t>(cluster.id) * kRows;
+
+  const T* w[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + (row_warp * MT + m) * 16 + h * 8 + group;
+      w[m][h] = weight_row<T>(p, row < total_rows ? row : total_rows - 1) + 8 * quad;
+    }
+  }
+  const T* x[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int token = n * 8 + group < p.tokens ? n * 8 + group : p.tokens - 1;
+    x[n] = static_cast<const T*>(p.x) + token * p.x_stride + 8 * quad;
+  }
+
+  pdl_wait();
+  for (int r = static_cast<int>(threadIdx.x); r < kRows; r += kThreads) {
+    bias[r] = row0 + r < total_rows ? bias_of_row<T>(p, row0 + r) : 0.f;
+  }
+
+  // This warp's K range: the full steps split evenly over the cluster's S * WK warps of this row group; the last one
+  // also takes the ragged step.
+  const int full_steps = p.k / kStepCols;
+  const int parts = static_cast<int>(cluster.size) * WK, part = static_cast<int>(cluster.rank) * WK + k_warp;
+  const int begin = static_cast<int>(static_cast<int64_t>(full_steps) * part / parts);
+  const int end_full = static_cast<int>(static_cast<int64_t>(full_steps) * (part + 1) / parts);
+  const int end = end_full + (part == parts - 1 && p.k % kStepCols != 0 ? 1 : 0);
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+    }
+  }
+  warp_steps<T, MT, NT, D>(acc, rings + warp * D * MT * 2 * 32, w, x, begin, end, p.k, lane, quad);
+  pdl_launch_next();
+  __syncthreads();  // every ring is drained before the tile overwrites them
+
+  // The CTA's partial tile: the WK warps of each row group add their accumulators in turn.
+#pragma unroll
+  for (int j = 0; j < WK; ++j) {
+    if (k_warp == j) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int token = n * 8 + 2 * quad + (i & 1);
+            const int r = (row_warp * MT + m) * 16 + group + 8 * (i >> 1);
+            float& slot = tile[token * kPitch + r];
+            slot = j == 0 ? acc[m][n][i] : slot + acc[m][n][i];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  const int64_t rows_left = total_rows - row0;
+  const int rows = rows_left < kRows ? static_cast<int>(rows_left) : kRows;
+  const int elements = (p.tokens < kTokens ? p.tokens : kTokens) * kRows;
+  if (cluster.size == 1) {
+    store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, 0, elements, 1);
+    return;
+  }
+  // Across the cluster: CTA `rank` finishes an equal share of the tile from all S partial tiles. The second barrier
+  // keeps every CTA's shared memory alive until all peers have read it.
+  cluster_sync();
+  const int share_begin = static_cast<int>(static_cast<int64_t>(elements) * cluster.rank / cluster.size);
+  const int share_end = static_cast<int>(static_cast<int64_t>(elements) * (cluster.rank + 1) / cluster.size);
+  store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, share_begin, share_end, cluster.size);
+  cluster_sync();
+}
+
+// ------------------------------------------------------------------------------------------------ launch shape
+
+using KernelFn = void (*)(Params);
+
+// n-tiles (of 8 tokens) for `tokens` <= kMaxTokens: 1, 2, 4 or 8.
+inline int token_tiles(int tokens) { return tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8; }
+
+template <typename T, int V, int NT>
+KernelFn kernel_instance() {
+  constexpr Variant v = kVariants[V];
+  static_assert(smem_bytes(v, NT) <= 48 * 1024, "a CTA must fit the default dynamic shared-memory limit");
+  return &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages>;
+}
+
+template <typename T, int V>
+KernelFn variant_kernel(int n_tiles) {
+  switch (n_tiles) {
+    case 1:
+      return kernel_instance<T, V, 1>();
+    case 2:
+      return kernel_instance<T, V, 2>();
+    case 4:
+      return kernel_instance<T, V, 4>();
+    default:
+      return kernel_instance<T, V, 8>();
+  }
+}
+
+template <typename T, int... V>
+KernelFn select_kernel(int variant, int n_tiles, std::integer_sequence<int, V...>) {
+  KernelFn f = nullptr;
+  ((variant == V ? (f = variant_kernel<T, V>(n_tiles), 0) : 0), ...);
+  return f;
+}
+
+// The kernel of variant `variant` (0..kNumVariants-1) for element type T and `tokens` tokens.
+template <typename T>
+KernelFn kernel_for(int variant, int tokens) {
+  return select_kernel<T>(variant, token_tiles(tokens), std::make_integer_sequence<int, kNumVariants>{});
+}
+
+// ------------------------------------------------------------------------------------------------ default choice
+
+// The variant the op uses when none is forced, before the H200 sweep (benchmarks/multi_linear.py --sweep) tunes it:
+// taller tiles for more tokens (each CTA re-reads the activation from L2 once per K range, so rows per CTA bound that
+// traffic), but 32-row tiles when even the largest split would leave SMs without a CTA.
+inline int default_variant(int tokens, int64_t total_rows, int sm_count) {
+  constexpr int kSmallTiles = 1;
+  const int n_tiles = token_tiles(tokens);
+  const int preferred = n_tiles <= 2 ? kSmallTiles : n_tiles == 4 ? 3 : 5;
+  const int64_t tiles = (total_rows + cta_rows(kVariants[preferred]) - 1) / cta_rows(kVariants[preferred]);
+  return tiles * kMaxSplit < sm_count ? kSmallTiles : preferred;
+}
+
+// Cluster split when none is forced: double it while the grid is short of ~16 resident warps per SM and every warp
+// would still get at least D steps (a full ring) after doubling.
+inline int auto_split(const Variant& v, int64_t total_rows, int k, int sm_count) {
+  const int64_t tiles = (total_rows + cta_rows(v) - 1) / cta_rows(v);
+  const int64_t warps = v.row_warps * v.k_warps;
+  const int64_t target_ctas = static_cast<int64_t>(sm_count) * (warps >= 16 ? 1 : 16 / warps);
+  const int64_t steps = k / kStepCols;
+  int split = 1;
+  while (split < kMaxSplit && tiles * split < target_ctas && steps / (2 * split * v.k_warps) >= v.stages) split *= 2;
+  return split;
+}
+
+}  // namespace mlinear
+}  // namespace dspark

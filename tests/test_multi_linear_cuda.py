@@ -1,0 +1,308 @@
+"""dspark::multi_linear on CUDA: the small-T kernel and the cuBLAS path against an fp64 formula, every kernel variant
+and split, layouts (row slices, empty ranges, weight views, strided and misaligned activations), adjacent weights,
+more weights than one launch holds, CUDA graphs (every output element rewritten on replay, in-place weight updates
+seen), torch.compile with a symbolic T, concurrent streams, opcheck and the argument errors of the CPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import custom_ops  # noqa: F401
+from custom_ops import _build
+from custom_ops.multi_linear import _check_args, kernel_token_threshold, kernel_variants
+
+pytestmark = pytest.mark.cuda
+
+op = torch.ops.dspark.multi_linear
+variant_op = torch.ops.dspark._multi_linear_variant
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_library():
+    _build.load()
+
+
+def _fp64(x, weights, starts, counts, biases):
+    blocks = []
+    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
+        y = x.double() @ w[s : s + c].double().T
+        blocks.append(y if b is None else y + b[s : s + c].double())
+    return torch.cat(blocks, dim=1)
+
+
+def _check(out, ref):
+    """One rounding of an fp32 sum to bf16/fp16 against fp64: elementwise and relative Frobenius error; no NaN."""
+    assert out.shape == ref.shape
+    assert not torch.isnan(out).any()
+    if ref.numel() == 0:
+        return
+    scale = ref.abs().max().item() + 1e-6
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * scale)
+    assert ((out.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-2
+
+
+def _case(tokens, k, counts, *, dtype=torch.bfloat16, seed=0, bias=(False, True), pad_rows=3, pad_k=16):
+    """Fresh random CUDA inputs: weights are row-sliced views `[rows, K]` of `[rows, K + pad_k]` tensors (row stride
+    != K, still 16-byte aligned) with `pad_rows` unused rows before and after the used range; biases alternate."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    weights, starts, biases = [], [], []
+    for i, c in enumerate(counts):
+        rows = c + 2 * pad_rows
+        weights.append(torch.randn(rows, k + pad_k, generator=gen).to(dtype)[:, :k])
+        starts.append(pad_rows)
+        biases.append(torch.randn(rows, generator=gen).to(dtype) if bias[i % len(bias)] else None)
+    cuda = [t.cuda() if t is not None else None for t in (x, *weights, *biases)]
+    n = len(counts)
+    return cuda[0], cuda[1 : 1 + n], starts, list(counts), cuda[1 + n :]
+
+
+GROUPS = {
+    "one weight, K=4096, 1000 rows": (4096, [1000]),
+    "two weights, K=2560": (2560, [333, 517]),
+    "five weights, K=64, empty range": (64, [16, 7, 0, 33, 1]),
+    "sixteen weights, K=8": (8, [3, 0, 17, 1, 40, 16, 5, 9, 2, 31, 0, 8, 13, 1, 6, 22]),
+}
+
+
+def _token_counts() -> list[int]:
+    threshold = kernel_token_threshold()
+    return sorted({1, 2, 7, 16, threshold - 1, threshold, threshold + 1, 128})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_matches_fp64(group, dtype):
+    k, counts = GROUPS[group]
+    for tokens in _token_counts():
+        args = _case(tokens, k, counts, dtype=dtype, seed=tokens)
+        out = op(*args)
+        assert out.dtype == dtype and out.shape == (tokens, sum(counts))
+        _check(out, _fp64(*args))
+
+
+def test_decode_groups_of_the_benchmark():
+    """The fused KV group (5 x [2048, 4096]) and q/k/v with biases at decode sizes."""
+    for tokens in (1, 16, 64):
+        kv = _case(tokens, 4096, [2048] * 5, seed=1, bias=(False,))
+        _check(op(*kv), _fp64(*kv))
+        qkv = _case(tokens, 4096, [4096, 1024, 1024], seed=2, bias=(True,))
+        _check(op(*qkv), _fp64(*qkv))
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_every_variant_and_split(tokens):
+    """Each compiled tile configuration with automatic and forced cluster splits; a second run is bit-identical (no
+    race in the split-K reduction)."""
+    args = _case(tokens, 1032, [40, 0, 300, 17], seed=tokens)
+    ref = _fp64(*args)
+    for v in kernel_variants():
+        for split in (0, 1, 2, 3, 8):
+            out = variant_op(*args, v.index, split)
+            _check(out, ref)
+            assert torch.equal(out, variant_op(*args, v.index, split)), f"{v} split {split} is not deterministic"
+
+
+def test_default_variant_equals_the_op():
+    args = _case(16, 512, [64, 96], seed=3)
+    assert torch.equal(op(*args), variant_op(*args, -1, 0))
+
+
+@pytest.mark.parametrize("offset", [0, 8, 5])
+def test_strided_and_misaligned_activation(offset):
+    """x as a column slice of a wider tensor (aligned: read in place; offset 5: not 16-byte aligned, copied) and with
+    a non-unit inner stride: the same result as a contiguous x."""
+    x, weights, starts, counts, biases = _case(12, 256, [48, 20], seed=offset)
+    wide = torch.randn(12, 256 + 16, device="cuda", dtype=x.dtype)
+    wide[:, offset : offset + 256] = x
+    expected = op(x, weights, starts, counts, biases)
+    assert torch.equal(op(wide[:, offset : offset + 256], weights, starts, counts, biases), expected)
+    doubled = torch.randn(12, 512, device="cuda", dtype=x.dtype)
+    doubled[:, ::2] = x
+    assert torch.equal(op(doubled[:, ::2], weights, starts, counts, biases), expected)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "misaligned", "odd row stride"])
+def test_weight_layouts_the_kernel_cannot_read(layout):
+    """Weights the kernel cannot read with 16-byte loads take the cuBLAS path: still correct."""
+    x, weights, starts, counts, biases = _case(8, 128, [32, 24], seed=4)
+    base = weights[1]
+    if layout == "transposed":
+        weights[1] = base.t().contiguous().t()
+    elif layout == "misaligned":
+        weights[1] = torch.empty(base.shape[0], 130, device="cuda", dtype=base.dtype)[:, 1:129].copy_(base)
+    else:
+        weights[1] = torch.empty(base.shape[0], 131, device="cuda", dtype=base.dtype)[:, :128].copy_(base)
+    args = (x, weights, starts, counts, biases)
+    _check(op(*args), _fp64(*args))
+
+
+def test_k_not_a_multiple_of_8_and_fp32_use_cublas():
+    args = _case(5, 12, [20, 9], seed=5)
+    _check(op(*args), _fp64(*args))
+    args32 = _case(5, 64, [20, 9], dtype=torch.float32, seed=6)
+    torch.testing.assert_close(op(*args32).double(), _fp64(*args32), rtol=1e-4, atol=1e-4)
+
+
+def test_empty_outputs():
+    x, weights, starts, _, biases = _case(4, 64, [8, 8], seed=7)
+    assert op(x, weights, starts, [0, 0], biases).shape == (4, 0)
+    assert op(x[:0], weights, starts, [8, 8], biases).shape == (0, 16)
+
+
+def test_more_weights_than_one_launch():
+    """70 non-adjacent row ranges (a padding row between weights): two launches, each writing its own columns."""
+    counts = [1 + (i * 7) % 23 for i in range(70)]
+    for tokens in (3, 33):
+        args = _case(tokens, 96, counts, seed=tokens, pad_rows=1, bias=(True, False, False))
+        _check(op(*args), _fp64(*args))
+
+
+def _adjacent_case(tokens, seed):
+    """Three weights carved out of one packed tensor so that their used rows lie back to back, biases too."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randn(300, 256, generator=gen).to(torch.bfloat16).cuda()
+    packed_bias = torch.randn(300, generator=gen).to(torch.bfloat16).cuda()
+    weights = [packed[0:120], packed[120:200], packed[200:300]]
+    biases = [packed_bias[0:120], packed_bias[120:200], packed_bias[200:300]]
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
+    return x, weights, [40, 0, 0], [80, 80, 60], biases
+
+
+def _apart(t):
+    """A copy of `t` followed by one unused element, so copies made one after the other are never adjacent."""
+    return torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)[: t.numel()].view(t.shape).copy_(t)
+
+
+def _cuda_kernels(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.parametrize("tokens", [5, 128])
+def test_adjacent_weights_merge(tokens):
+    """Back-to-back row ranges are one GEMM / one kernel segment: same result as separate copies of the weights
+    (bit-identical on the kernel path), fewer kernels on the cuBLAS path."""
+    x, weights, starts, counts, biases = _adjacent_case(tokens, seed=tokens)
+    separate = ([_apart(w) for w in weights], [_apart(b) for b in biases])
+    merged_out = op(x, weights, starts, counts, biases)
+    separate_out = op(x, separate[0], starts, counts, separate[1])
+    _check(merged_out, _fp64(x, weights, starts, counts, biases))
+    if tokens <= kernel_token_threshold():
+        assert torch.equal(merged_out, separate_out)
+    else:
+        torch.testing.assert_close(merged_out, separate_out, rtol=1e-2, atol=1e-2)
+        merged = _cuda_kernels(lambda: op(x, weights, starts, counts, biases))
+        assert merged < _cuda_kernels(lambda: op(x, separate[0], starts, counts, separate[1]))
+
+
+@pytest.mark.parametrize("tokens", [4, 64, 100])
+def test_cuda_graph_rewrites_every_output_and_sees_weight_updates(tokens):
+    """Captured once, replayed: the output buffer is poisoned with NaN before each replay and must be fully
+    rewritten; a new activation and an in-place weight update (outside the graph) are both seen."""
+    x, weights, starts, counts, biases = _case(tokens, 512, [100, 37, 64], seed=tokens)
+    op(x, weights, starts, counts, biases)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(x, weights, starts, counts, biases)
+    for step in range(3):
+        x.copy_(torch.randn_like(x))
+        if step == 2:
+            with torch.no_grad():
+                weights[1].mul_(-2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, _fp64(x, weights, starts, counts, biases))
+
+
+def test_every_element_written_on_a_dirty_allocator():
+    """The op's output comes from freed NaN-filled blocks of the caching allocator."""
+    torch.cuda.synchronize()
+    for numel in (1 << 20, 1 << 26):
+        torch.full((numel,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for tokens in (1, 16, 64):
+        args = _case(tokens, 256, [130, 70], seed=tokens)
+        _check(op(*args), _fp64(*args))
+
+
+def test_concurrent_streams():
+    """No state is shared between calls: two streams running the op at once get their own results."""
+    cases = [_case(16, 1024, [512, 256], seed=s) for s in (8, 9)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs = []
+    for args, stream in zip(cases, streams, strict=True):
+        with torch.cuda.stream(stream):
+            outs.append([op(*args) for _ in range(20)])
+    torch.cuda.synchronize()
+    for args, results in zip(cases, outs, strict=True):
+        ref = _fp64(*args)
+        for out in results:
+            _check(out, ref)
+
+
+def test_compiled_with_symbolic_tokens():
+    x0, weights, starts, counts, biases = _case(3, 256, [64, 32], seed=10)
+
+    def fn(x):
+        return op(x, weights, starts, counts, biases) * 2
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for tokens in (3, 17, 64, 100):
+        x = torch.randn(tokens, 256, device="cuda", dtype=x0.dtype)
+        _check(compiled(x) / 2, _fp64(x, weights, starts, counts, biases))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 100])
+def test_opcheck(tokens):
+    torch.library.opcheck(op, _case(tokens, 64, [16, 0, 9], seed=tokens))
+
+
+def _python_error(args):
+    try:
+        _check_args(*args)
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    raise AssertionError("custom_ops.multi_linear._check_args accepted the arguments")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda a: a.__setitem__(0, a[0][0]),
+        lambda a: a.__setitem__(1, []),
+        lambda a: a.__setitem__(2, [3]),
+        lambda a: a.__setitem__(3, [16, 13]),
+        lambda a: a[1].__setitem__(0, a[1][0].float()),
+        lambda a: a[1].__setitem__(1, a[1][1][:, :5]),
+        lambda a: a[1].__setitem__(1, a[1][1].cpu()),
+        lambda a: a[4].__setitem__(1, a[4][1][:3]),
+        lambda a: a[4].__setitem__(1, a[4][1].float()),
+        lambda a: a[4].__setitem__(1, a[4][1].cpu()),
+    ],
+)
+def test_errors_match_the_python_checks(mutate):
+    """The C++ binding raises the error class and message of `_check_args` (the CPU path's and the fake's checks)."""
+    args = list(_case(4, 64, [16, 9], seed=12))
+    args[1], args[4] = list(args[1]), list(args[4])
+    mutate(args)
+    error, message = _python_error(args)
+    with pytest.raises(error) as info:
+        op(*args)
+    assert str(info.value).splitlines()[0] == message
+
+
+def test_variant_op_rejects_what_the_kernel_cannot_run():
+    x, weights, starts, counts, biases = _case(4, 64, [16], seed=13)
+    with pytest.raises(ValueError, match="variant must be in"):
+        variant_op(x, weights, starts, counts, biases, len(kernel_variants()), 0)
+    with pytest.raises(ValueError, match="split must be in"):
+        variant_op(x, weights, starts, counts, biases, 0, 9)
+    with pytest.raises(ValueError, match="cannot run this call"):
+        variant_op(x.float(), [w.float() for w in weights], starts, counts, [None], 0, 0)
+    with pytest.raises(ValueError, match="cannot run this call"):
+        variant_op(torch.randn(65, 64, device="cuda", dtype=x.dtype), weights, starts, counts, biases, 0, 0)

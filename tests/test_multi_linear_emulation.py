@@ -1,0 +1,372 @@
+"""The multi_linear CUDA kernel, compiled for the host and checked on CPU against an fp64 formula.
+
+`custom_ops/csrc/multi_linear_kernels.cuh` is plain CUDA without torch. Here it is compiled with g++ and
+`DSPARK_KERNEL_EMULATION` against a small shim: one OS thread per CUDA thread, barriers for `__syncthreads` and the
+cluster barrier, distributed shared memory as an array of the cluster's CTA buffers (poisoned with NaN bytes), the
+asynchronous copies done synchronously, and `mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B
+from the 32 lanes' fragments with the PTX ISA's fragment tables (written here independently of the kernel). This
+checks the K permutation, the fragment use, the work split over warps and cluster CTAs, the ragged last step, the
+segment lookup, biases and which outputs are written, for every compiled variant, on machines without a GPU. The
+GPU's own numerics are checked by tests/test_multi_linear_cuda.py. Skipped without a C++20 compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
+
+SHIM = {
+    "cuda_runtime.h": r"""
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __grid_constant__
+struct uint4 { uint32_t x, y, z, w; };
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local Dim3 threadIdx, blockIdx;
+
+// Where an emulated CUDA thread lives: its CTA's barrier and shared memory, its warp's barrier and fragment exchange,
+// its cluster's barrier and CTA buffers.
+struct EmuThread {
+  std::barrier<>* block;
+  std::barrier<>* warp;
+  std::barrier<>* cluster;
+  uint32_t (*lanes)[6];
+  float* smem;
+  float* const* cluster_smem;
+  unsigned id, rank, size;
+};
+inline thread_local EmuThread emu;
+
+inline void __syncthreads() { emu.block->arrive_and_wait(); }
+inline float* emu_cta_smem() { return emu.smem; }
+inline void emu_cluster_coord(unsigned& id, unsigned& rank, unsigned& size) {
+  id = emu.id; rank = emu.rank; size = emu.size;
+}
+inline void emu_cluster_sync() { emu.cluster->arrive_and_wait(); }
+inline const float* emu_cluster_peer(const float* local, unsigned rank) {
+  return emu.cluster_smem[rank] + (local - emu.smem);
+}
+
+inline float emu_half_to_float(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float v = e == 0    ? std::ldexp(float(m), -24)
+                  : e == 31 ? (m ? NAN : INFINITY)
+                            : std::ldexp(float(m | 1024), e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+inline float emu_decode(uint32_t reg, int half, bool bf16) {
+  const uint16_t bits = uint16_t(reg >> (16 * half));
+  if (!bf16) return emu_half_to_float(bits);
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: every lane publishes its fragments, every lane rebuilds A and B
+// from the PTX tables (groupID g = lane / 4, threadID_in_group t = lane % 4):
+//   A element i (register i / 2, half i % 2): row g (+8 if i % 4 >= 2), col 2t + (i & 1) (+8 if i >= 4)
+//   B element i (register i / 2, half i % 2): row 2t + (i & 1) (+8 if i >= 2), col g
+//   C element i: row g (+8 if i >= 2), col 2t + (i & 1)
+inline void emu_mma_16816(bool bf16, float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                          uint32_t b1) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(emu.lanes[lane], mine, sizeof(mine));
+  emu.warp->arrive_and_wait();
+  double A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 8; ++i) {
+      A[g + (i % 4 >= 2 ? 8 : 0)][2 * t + (i & 1) + (i >= 4 ? 8 : 0)] = emu_decode(emu.lanes[l][i / 2], i % 2, bf16);
+    }
+    for (int i = 0; i < 4; ++i) {
+      B[2 * t + (i & 1) + (i >= 2 ? 8 : 0)][g] = emu_decode(emu.lanes[l][4 + i / 2], i % 2, bf16);
+    }
+  }
+  emu.warp->arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    double sum = d[i];
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    d[i] = float(sum);
+  }
+}
+""",
+    "cuda_bf16.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+struct __nv_bfloat16 { uint16_t x; };
+inline float __bfloat162float(__nv_bfloat16 b) { return emu_decode(b.x, 0, true); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return __nv_bfloat16{uint16_t(u >> 16)};
+}
+""",
+    "cuda_fp16.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+struct __half { uint16_t x; };
+inline float __half2float(__half h) { return emu_half_to_float(h.x); }
+inline __half __float2half_rn(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  __half r;
+  std::memcpy(&r.x, &h, 2);
+  return r;
+}
+""",
+}
+
+DRIVER = r"""
+#include "multi_linear_kernels.cuh"
+#include <memory>
+#include <thread>
+#include <vector>
+using namespace dspark::mlinear;
+
+// Runs one launch: clusters one after the other, each with all its CTAs' threads at once.
+template <typename T>
+static void run(const Params& p, int variant, int split) {
+  const Variant& v = kVariants[variant];
+  const int threads = cta_threads(v), warps = threads / 32;
+  const int64_t rows = p.segment_end[p.num_segments - 1];
+  const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
+  const size_t smem_floats = smem_bytes(v, token_tiles(p.tokens)) / 4;
+  const KernelFn kernel = kernel_for<T>(variant, p.tokens);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    std::barrier<> cluster(threads * split);
+    std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars;
+    std::vector<std::vector<float>> smem(split, std::vector<float>(smem_floats, NAN));
+    std::vector<float*> smem_ptrs;
+    std::vector<uint32_t> lanes(size_t(split) * warps * 32 * 6);
+    for (int r = 0; r < split; ++r) {
+      smem_ptrs.push_back(smem[r].data());
+      blocks.push_back(std::make_unique<std::barrier<>>(threads));
+      for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+    }
+    std::vector<std::thread> pool;
+    for (int r = 0; r < split; ++r) {
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([&, r, t] {
+          threadIdx.x = t;
+          blockIdx.x = unsigned(tile * split + r);
+          const int w = r * warps + t / 32;
+          emu = EmuThread{blocks[r].get(), warp_bars[w].get(), &cluster,
+                          reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
+                          smem_ptrs.data(), unsigned(tile), unsigned(r), unsigned(split)};
+          kernel(p);
+        });
+      }
+    }
+    for (auto& th : pool) th.join();
+  }
+}
+
+extern "C" int emu_num_variants() { return kNumVariants; }
+
+extern "C" int emu_auto_split(int variant, int64_t rows, int k, int sm_count) {
+  return auto_split(kVariants[variant], rows, k, sm_count);
+}
+
+extern "C" int emu_default_variant(int tokens, int64_t rows, int sm_count) {
+  return default_variant(tokens, rows, sm_count);
+}
+
+extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, int k, const void* x, int64_t x_stride,
+                                 void* out, int64_t out_stride, int num_segments, const int64_t* segment_end,
+                                 const void* const* weight, const int64_t* weight_stride, const void* const* bias,
+                                 const int64_t* bias_stride) {
+  Params p{};
+  p.x = x; p.x_stride = x_stride; p.out = out; p.out_stride = out_stride; p.tokens = tokens; p.k = k;
+  p.num_segments = num_segments;
+  for (int i = 0; i < num_segments; ++i) {
+    p.segment_end[i] = segment_end[i]; p.weight[i] = weight[i]; p.weight_stride[i] = weight_stride[i];
+    p.bias[i] = bias[i]; p.bias_stride[i] = bias_stride[i];
+  }
+  if (bf16) run<__nv_bfloat16>(p, variant, split); else run<__half>(p, variant, split);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++20 compiler")
+    root = tmp_path_factory.mktemp("multi_linear_emu")
+    for name, text in SHIM.items():
+        (root / name).write_text(text)
+    (root / "driver.cpp").write_text(DRIVER)
+    lib = root / "libmlemu.so"
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-DDSPARK_KERNEL_EMULATION", f"-I{root}", f"-I{CSRC}"]
+    res = subprocess.run([*cmd, str(root / "driver.cpp"), "-o", str(lib), "-lpthread"], capture_output=True, text=True)
+    if res.returncode != 0 and re.search(r"barrier.*No such file|_Float16", res.stderr):
+        pytest.skip("needs a C++20 standard library with <barrier> and _Float16")
+    assert res.returncode == 0, res.stderr[-4000:]
+    emu = ctypes.CDLL(str(lib))
+    emu.emu_auto_split.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    emu.emu_default_variant.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    return emu
+
+
+def _variants(emu) -> range:
+    return range(emu.emu_num_variants())
+
+
+def _ptr(t: torch.Tensor | None, offset: int = 0) -> int:
+    return 0 if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def _segments(weights, starts, counts, biases):
+    """The launch's segment table (non-empty row ranges), as the binding builds it without merging."""
+    table = []
+    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
+        if c:
+            bias = (_ptr(b, s * b.stride(0)), b.stride(0)) if b is not None else (0, 0)
+            table.append((c, _ptr(w, s * w.stride(0)), w.stride(0), *bias))
+    return table
+
+
+def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col=0):
+    """Emulate one launch writing output columns [col, col + sum(counts)) of `out`."""
+    table = _segments(weights, starts, counts, biases)
+    n = len(table)
+    ends = [sum(t[0] for t in table[: i + 1]) for i in range(n)]
+
+    def arr(ctype, values):
+        return (ctype * n)(*values)
+
+    emu.emu_multi_linear(
+        ctypes.c_int(x.dtype == torch.bfloat16),
+        ctypes.c_int(variant),
+        ctypes.c_int(split),
+        ctypes.c_int(x.shape[0]),
+        ctypes.c_int(x.shape[1]),
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_int64(x.stride(0)),
+        ctypes.c_void_p(_ptr(out, col)),
+        ctypes.c_int64(out.stride(0)),
+        ctypes.c_int(n),
+        arr(ctypes.c_int64, ends),
+        arr(ctypes.c_void_p, [t[1] for t in table]),
+        arr(ctypes.c_int64, [t[2] for t in table]),
+        arr(ctypes.c_void_p, [t[3] or None for t in table]),
+        arr(ctypes.c_int64, [t[4] for t in table]),
+    )
+
+
+def _fp64(x, weights, starts, counts, biases):
+    blocks = []
+    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
+        y = x.double() @ w[s : s + c].double().T
+        blocks.append(y if b is None else y + b[s : s + c].double())
+    return torch.cat(blocks, dim=1)
+
+
+def _case(tokens, k, counts, *, dtype=torch.bfloat16, seed=0, pad_rows=3, pad_k=16, with_bias=(False, True)):
+    """Fresh random weights with `pad_rows` unused rows around each used range and rows `pad_k` elements longer
+    than K (row stride != K), an activation that is a column slice of a wider tensor, mixed biases."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k + 24, generator=gen).to(dtype)[:, 8 : 8 + k]
+    weights, starts, biases = [], [], []
+    for i, c in enumerate(counts):
+        rows = c + 2 * pad_rows
+        weights.append(torch.randn(rows, k + pad_k, generator=gen).to(dtype)[:, :k])
+        starts.append(pad_rows)
+        has_bias = with_bias[i % len(with_bias)]
+        biases.append(torch.randn(rows, generator=gen).to(dtype) if has_bias else None)
+    return x, weights, starts, list(counts), biases
+
+
+def _check(out, ref):
+    """bf16/fp16 output rounding (one rounding of an fp32 sum) against fp64; NaN never passes."""
+    assert not torch.isnan(out).any()
+    scale = ref.abs().max().item() + 1e-6
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * scale)
+    rel = (out.double() - ref).norm() / ref.norm().clamp_min(1e-12)
+    assert rel < 1e-2
+
+
+def _run_and_check(emu, args, *, variant, split):
+    x, weights, starts, counts, biases = args
+    total = sum(counts)
+    out = torch.full((x.shape[0], total + 5), float("nan"), dtype=x.dtype)  # 2 columns before, 3 after stay NaN
+    _launch(emu, x, weights, starts, counts, biases, out, variant=variant, split=split, col=2)
+    _check(out[:, 2 : 2 + total], _fp64(*args))
+    assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, 2 + total :]).all()
+
+
+@pytest.mark.parametrize(("tokens", "split"), [(5, 1), (5, 3), (5, 8), (9, 2), (33, 2)])
+def test_every_variant_and_split(emu, tokens, split):
+    """K = 32 * 4 * split + 8: a full step for each of the split * k_warps (<= 4) warps of a row group, so every CTA of
+    the cluster contributes, and a ragged last step; 41 rows over three weights (tiles span weights, a partial
+    tile); 1, 2 and 8 n-tiles of tokens."""
+    args = _case(tokens, 128 * split + 8, [5, 16, 20], seed=tokens * 10 + split)
+    for variant in _variants(emu):
+        _run_and_check(emu, args, variant=variant, split=split)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ring_wraps_around(emu, dtype):
+    """K = 1024 without a split: every warp runs more steps than its ring has stages."""
+    args = _case(4, 1024, [24, 9], dtype=dtype, seed=3)
+    for variant in _variants(emu):
+        _run_and_check(emu, args, variant=variant, split=1)
+
+
+@pytest.mark.parametrize(("k", "split"), [(8, 1), (8, 4), (40, 2), (96, 8)])
+def test_small_k(emu, k, split):
+    """K = 8 has no full step (one lane of four reads, only the last warp of the cluster works); more warps than
+    steps leave warps without work."""
+    args = _case(3, k, [17], seed=k + split)
+    for variant in (0, 3):
+        _run_and_check(emu, args, variant=variant, split=split)
+
+
+def test_full_token_tile_and_fp16(emu):
+    args = _case(64, 64, [7, 33], dtype=torch.float16, seed=11)
+    for variant in (2, 5):
+        _run_and_check(emu, args, variant=variant, split=2)
+
+
+def test_many_segments(emu):
+    """64 segments (a launch's maximum) of 1-3 rows: the binary search over segment ends."""
+    counts = [1 + i % 3 for i in range(64)]
+    args = _case(2, 32, counts, seed=5, pad_rows=1, with_bias=(True, False, False))
+    _run_and_check(emu, args, variant=1, split=2)
+
+
+def test_single_row(emu):
+    args = _case(1, 16, [1], seed=6)
+    _run_and_check(emu, args, variant=6, split=1)
+
+
+def test_default_choices(emu):
+    """The automatic split grows for few tiles and stops where a warp would get less than a ring of steps; the
+    default variant falls back to short tiles where tall ones cannot fill the SMs."""
+    assert emu.emu_auto_split(1, 24576, 4096, 132) == 1
+    assert emu.emu_auto_split(1, 1024, 4096, 132) == 8
+    assert emu.emu_auto_split(1, 1024, 256, 132) == 1
+    for tokens in (1, 8, 9, 16, 17, 32, 33, 64):
+        assert emu.emu_default_variant(tokens, 24576, 132) in _variants(emu)
+    assert emu.emu_default_variant(64, 1024, 132) == emu.emu_default_variant(1, 1024, 132)
