@@ -31,14 +31,16 @@
 // Every weight byte is loaded once, 16 bytes per lane, and read back by the same lane: no ldmatrix, no swizzle, no
 // barrier between warps.
 //
-// Loads: each warp streams its weights through its own ring of D shared-memory stages with cp.async.cg (16 bytes per
-// lane, L1 bypassed, zero-filled past K), D - 1 steps (D - 1 KB per m-tile) in flight while it multiplies the oldest
-// stage. In-flight bytes cost no registers and the compiler cannot sink them towards their use (it did with plain
-// loads into registers). The activation is loaded straight from global memory (L1 / L2; it is T x K, tiny), one step
-// ahead; per CTA that is T * K_cta * 2 bytes of L2 traffic per kRows * K_cta * 2 bytes of weights, which is why the
-// tile height is a variant parameter. Rows past the last row and tokens past the last token are clamped to the last
-// valid one (valid addresses; their results are never stored); columns past K (only in a ragged last step,
-// K % 32 != 0) read as zeros. K must be a multiple of 8 and every weight row 16-byte aligned.
+// Loads: each warp streams its weights AND the matching activation columns through its own ring of D shared-memory
+// stages with cp.async.cg (16 bytes per lane, L1 bypassed, zero-filled past K), D - 1 steps (D - 1 KB of weights per
+// m-tile) in flight while it multiplies the oldest stage. In-flight bytes cost no registers and the compiler cannot
+// sink them towards their use (it did with plain loads into registers). The activation travels in the same ring
+// because a separate register prefetch of it, one step ahead, put one L2 round trip on every step's critical path
+// (measured on the H200: 51-70 % of the copy rate, flat from M = 1 to 16). Per warp that is T * 64 bytes of L2
+// traffic per 1 KB of weights per m-tile, which is why the tile height is a variant parameter. Rows past the last
+// row and tokens past the last token are clamped to the last valid one (valid addresses; their results are never
+// stored); columns past K (only in a ragged last step, K % 32 != 0) read as zeros. K must be a multiple of 8 and
+// every weight row 16-byte aligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,6 +58,7 @@ constexpr int kMaxSegments = 64;  // weights per launch (kernel-parameter table;
 constexpr int kMaxTokens = 64;    // 8 n-tiles of 8 tokens
 constexpr int kStepCols = 32;     // K columns per warp step: 4 lanes x 8 elements
 constexpr int kMaxSplit = 8;      // portable cluster size
+constexpr int kMaxSmemBytes = 227 * 1024;  // dynamic shared memory per CTA on sm_90 (opt-in above 48 KB)
 
 // Everything a launch reads, passed by value as a __grid_constant__ kernel parameter (no host sync, no device
 // table): the launch covers output columns [0, segment_end[num_segments - 1]) of `out`.
@@ -101,16 +104,20 @@ __host__ __device__ constexpr int cta_threads(const Variant& v) { return 32 * v.
 // Row pitch (floats) of the [token][row] partial tile in shared memory: pitch = 4 (mod 16) puts the 32 lanes of an
 // accumulator store (rows group + const, tokens 2 * quad + const) in 32 different banks.
 __host__ __device__ constexpr int tile_pitch(int rows) { return rows + 4; }
-// Shared memory: the tile's fp32 bias [rows], then either the warps' weight rings [warps][D][MT][2][32 lanes] of 16
-// bytes (main loop) or the fp32 partial tile [8 * n_tiles][pitch] (epilogue).
-__host__ __device__ constexpr int ring_bytes(const Variant& v) {
-  return v.row_warps * v.k_warps * v.stages * v.m_tiles * 2 * 32 * 16;
+// One ring stage of one warp, in 16-byte vectors: [MT][2][32 lanes] weight vectors, then [NT][32 lanes] activation
+// vectors.
+__host__ __device__ constexpr int stage_vectors(int m_tiles, int n_tiles) { return (2 * m_tiles + n_tiles) * 32; }
+// Shared memory: the tile's fp32 bias [rows], then either the warps' rings [warps][D][stage] (main loop) or the fp32
+// partial tile [8 * n_tiles][pitch] (epilogue).
+__host__ __device__ constexpr int ring_bytes(const Variant& v, int n_tiles) {
+  return v.row_warps * v.k_warps * v.stages * stage_vectors(v.m_tiles, n_tiles) * 16;
 }
 __host__ __device__ constexpr int tile_bytes(const Variant& v, int n_tiles) {
   return 8 * n_tiles * tile_pitch(cta_rows(v)) * 4;
 }
 __host__ __device__ constexpr int smem_bytes(const Variant& v, int n_tiles) {
-  return cta_rows(v) * 4 + (ring_bytes(v) > tile_bytes(v, n_tiles) ? ring_bytes(v) : tile_bytes(v, n_tiles));
+  return cta_rows(v) * 4 +
+         (ring_bytes(v, n_tiles) > tile_bytes(v, n_tiles) ? ring_bytes(v, n_tiles) : tile_bytes(v, n_tiles));
 }
 
 // ------------------------------------------------------------------------------------------------ device primitives
@@ -141,16 +148,6 @@ template <int kPending>
 __device__ __forceinline__ void wait_copies() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-#endif
-}
-
-__device__ __forceinline__ uint4 load_activation16(const void* p) {
-#if defined(__CUDA_ARCH__)
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-#else
-  return *static_cast<const uint4*>(p);
 #endif
 }
 
@@ -293,29 +290,22 @@ __device__ __forceinline__ float bias_of_row(const Params& p, int64_t row) {
 
 // ------------------------------------------------------------------------------------------------ kernel
 
-// One 16-byte activation load per n-tile for step `step` (zeros for lanes past K).
-template <typename T, int NT>
-__device__ __forceinline__ void load_activations(uint4 (&xv)[NT], const T* const (&x)[NT], int step, int k, int quad) {
+// Issues the copies of step `step` into ring slot `slot` of this warp's ring [D][stage]: this lane's 16 bytes of
+// rows group and group + 8 of each m-tile, and of token group of each n-tile (zeros for lanes past K).
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void copy_step(uint4* ring, int slot, const T* const (&w)[MT][2], const T* const (&x)[NT],
+                                          int step, int k, int lane, int quad) {
   const int64_t col = static_cast<int64_t>(step) * kStepCols;
   const bool live = col + 8 * quad < k;
-#pragma unroll
-  for (int n = 0; n < NT; ++n) xv[n] = live ? load_activation16(x[n] + col) : make_uint4(0, 0, 0, 0);
-}
-
-// Issues the copies of step `step` (this lane's 16 bytes of rows group and group + 8 of each m-tile) into ring slot
-// `slot` of this warp's ring [D][MT][2][32].
-template <typename T, int MT>
-__device__ __forceinline__ void copy_step(uint4* ring, int slot, const T* const (&w)[MT][2], int step, int k, int lane,
-                                          int quad) {
-  const int64_t col = static_cast<int64_t>(step) * kStepCols;
-  const bool live = col + 8 * quad < k;
+  const int64_t at = live ? col : 0;
+  uint4* stage = ring + slot * stage_vectors(MT, NT);
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      copy_async16(ring + ((slot * MT + m) * 2 + h) * 32 + lane, w[m][h] + (live ? col : 0), live);
-    }
+    for (int h = 0; h < 2; ++h) copy_async16(stage + (m * 2 + h) * 32 + lane, w[m][h] + at, live);
   }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) copy_async16(stage + (2 * MT + n) * 32 + lane, x[n] + at, live);
 }
 
 // acc += W(step) x(step)^T for one step: 2 MMAs per (m-tile, n-tile), fragments as in the header comment.
@@ -333,36 +323,34 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint4 (&
   }
 }
 
-// Steps [begin, end) of one warp: D - 1 steps of weight copies in flight ahead of the step being multiplied, the
-// activation one step ahead in registers. Slot of step s: (s - begin) % D; the slot refilled in iteration s is the
-// one this lane read in iteration s - 1.
+// Steps [begin, end) of one warp: D - 1 steps of weight and activation copies in flight ahead of the step being
+// multiplied. Slot of step s: (s - begin) % D; the slot refilled in iteration s is the one this lane read in
+// iteration s - 1.
 template <typename T, int MT, int NT, int D>
 __device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], uint4* ring, const T* const (&w)[MT][2],
                                            const T* const (&x)[NT], int begin, int end, int k, int lane, int quad) {
   static_assert(D >= 2 && (D & (D - 1)) == 0, "the stage count must be a power of two");
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) {
-    if (begin + d < end) copy_step<T, MT>(ring, d, w, begin + d, k, lane, quad);
+    if (begin + d < end) copy_step<T, MT, NT>(ring, d, w, x, begin + d, k, lane, quad);
     commit_copies();
   }
-  uint4 xv[NT];
-  load_activations<T, NT>(xv, x, begin, k, quad);
   for (int s = begin; s < end; ++s) {
     wait_copies<D - 2>();
     const int slot = (s - begin) & (D - 1);
+    const uint4* stage = ring + slot * stage_vectors(MT, NT);
     uint4 wv[MT][2];
+    uint4 xv[NT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) wv[m][h] = ring[((slot * MT + m) * 2 + h) * 32 + lane];
+      for (int h = 0; h < 2; ++h) wv[m][h] = stage[(m * 2 + h) * 32 + lane];
     }
-    if (s + D - 1 < end) copy_step<T, MT>(ring, (slot + D - 1) & (D - 1), w, s + D - 1, k, lane, quad);
-    commit_copies();
-    uint4 xn[NT];
-    load_activations<T, NT>(xn, x, s + 1 < end ? s + 1 : s, k, quad);
-    mma_step<T, MT, NT>(acc, wv, xv);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) xv[n] = xn[n];
+    for (int n = 0; n < NT; ++n) xv[n] = stage[(2 * MT + n) * 32 + lane];
+    if (s + D - 1 < end) copy_step<T, MT, NT>(ring, (slot + D - 1) & (D - 1), w, x, s + D - 1, k, lane, quad);
+    commit_copies();
+    mma_step<T, MT, NT>(acc, wv, xv);
   }
   wait_copies<0>();
 }
@@ -391,7 +379,7 @@ template <typename T, int MT, int NT, int WR, int WK, int D>
 __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid_constant__ Params p) {
   constexpr int kRows = 16 * MT * WR, kTokens = 8 * NT, kThreads = 32 * WR * WK, kPitch = tile_pitch(kRows);
   float* bias = cta_smem();                                    // [kRows] fp32 bias of the tile's rows (0: none)
-  uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [warps][D][MT][2][32]
+  uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [warps][D][stage]
   float* tile = bias + kRows;                                   // epilogue: [kTokens][kPitch] fp32 partial sums
   const ClusterCoord cluster = cluster_coord();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -438,7 +426,7 @@ __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid
       for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
     }
   }
-  warp_steps<T, MT, NT, D>(acc, rings + warp * D * MT * 2 * 32, w, x, begin, end, p.k, lane, quad);
+  warp_steps<T, MT, NT, D>(acc, rings + warp * D * stage_vectors(MT, NT), w, x, begin, end, p.k, lane, quad);
   pdl_launch_next();
   __syncthreads();  // every ring is drained before the tile overwrites them
 
@@ -489,7 +477,7 @@ inline int token_tiles(int tokens) { return tokens <= 8 ? 1 : tokens <= 16 ? 2 :
 template <typename T, int V, int NT>
 KernelFn kernel_instance() {
   constexpr Variant v = kVariants[V];
-  static_assert(smem_bytes(v, NT) <= 48 * 1024, "a CTA must fit the default dynamic shared-memory limit");
+  static_assert(smem_bytes(v, NT) <= kMaxSmemBytes, "a CTA must fit the opt-in shared-memory limit of sm_90");
   return &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages>;
 }
 
