@@ -6,11 +6,15 @@ hide inside a cached block). The calls cover empty and single-row batches, odd s
 and out-of-range slots, positions and request ids (which the kernels must skip), and every DSV4 compressor path
 (c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores).
 The script itself only checks that the results are finite where rows were written; the sanitizer does the rest.
+`--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
+a quick check of the driver itself (tests/test_sanitize_driver.py).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -21,14 +25,18 @@ from custom_ops.dsv4_compressor import DSV4Compressor, PagedAddressing
 from custom_ops.fp8_layout import flashmla_page_bytes
 from custom_ops.rope import precompute_freqs
 
-DEV = "cuda"
 MAX_POS = 64
+DEV = "cuda"
+EDGES = True  # out-of-range slots and positions mixed in (CUDA skips them; the CPU path would raise)
 
 
 def slots_with_edges(n: int, capacity: int, gen: torch.Generator) -> torch.Tensor:
-    """n distinct valid slots, with a negative, a just-out-of-range and a huge slot mixed in where n allows."""
-    slots = torch.randperm(max(capacity, 1), generator=gen)[:n].to(torch.int64)
-    edges = [-1, capacity, 2**62 + 7]
+    """n slots: distinct valid ones (-1 once the capacity is used up), with a negative, a just-out-of-range and a
+    huge slot mixed in where n allows."""
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    valid = torch.randperm(capacity, generator=gen)[:n]
+    slots[: valid.numel()] = valid
+    edges = [-1, capacity, 2**62 + 7] if EDGES else [-1]
     for i, value in enumerate(edges[: n // 3]):
         slots[3 * i + 1] = value
     return slots
@@ -36,7 +44,7 @@ def slots_with_edges(n: int, capacity: int, gen: torch.Generator) -> torch.Tenso
 
 def positions_with_edges(n: int, gen: torch.Generator) -> torch.Tensor:
     pos = torch.randint(0, MAX_POS, (n,), generator=gen)
-    if n >= 4:
+    if n >= 4 and EDGES:
         pos[1], pos[3] = -1, MAX_POS
     return pos
 
@@ -112,14 +120,23 @@ def multi_linear(gen: torch.Generator) -> None:
             assert torch.isfinite(out).all()
 
 
-def main() -> None:
-    _build.load()
+def main(argv: list[str] | None = None) -> None:
+    global DEV, EDGES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    DEV = parser.parse_args(argv).device
+    EDGES = DEV == "cuda"
+    if DEV == "cuda":
+        _build.load()
     gen = torch.Generator().manual_seed(0)
     flashmla_ops(gen)
     for ratio, online, paged in ((4, False, False), (4, False, True), (128, False, False), (128, True, False)):
         for head_dim in (512, 128):
             dsv4_compressor(gen, ratio, online, paged, head_dim)
     multi_linear(gen)
+    if DEV == "cpu":
+        print("sanitize driver: all calls made on the CPU")
+        return
     with custom_ops.checks():
         loc = torch.tensor([0, 10**9], device=DEV)
         cache = torch.zeros(1, flashmla_page_bytes(64), dtype=torch.uint8, device=DEV)

@@ -188,8 +188,8 @@ extern "C" int emu_auto_split(int variant, int64_t rows, int k, int sm_count) {
   return auto_split(kVariants[variant], rows, k, sm_count);
 }
 
-extern "C" int emu_default_variant(int tokens, int64_t rows, int sm_count) {
-  return default_variant(tokens, rows, sm_count);
+extern "C" int emu_default_variant(int64_t rows, int sm_count) {
+  return default_variant(rows, sm_count);
 }
 
 extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, int k, const void* x, int64_t x_stride,
@@ -225,7 +225,7 @@ def emu(tmp_path_factory):
     assert res.returncode == 0, res.stderr[-4000:]
     emu = ctypes.CDLL(str(lib))
     emu.emu_auto_split.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    emu.emu_default_variant.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    emu.emu_default_variant.argtypes = [ctypes.c_int64, ctypes.c_int]
     return emu
 
 
@@ -362,11 +362,13 @@ def test_single_row(emu):
 
 
 def test_default_choices(emu):
-    """The automatic split grows for few tiles and stops where a warp would get less than a ring of steps; the
-    default variant falls back to short tiles where tall ones cannot fill the SMs."""
+    """The automatic split grows only while the tiles give fewer CTAs than half the SMs, and stops where a warp would
+    get less than a ring of steps; the default variant falls back to 16-row tiles for groups too small for 64-row
+    tiles on every eighth SM."""
     assert emu.emu_auto_split(1, 24576, 4096, 132) == 1
-    assert emu.emu_auto_split(1, 1024, 4096, 132) == 8
+    assert emu.emu_auto_split(1, 1024, 4096, 132) == 2
+    assert emu.emu_auto_split(0, 4096, 4096, 132) == 2
+    assert emu.emu_auto_split(0, 10240, 4096, 132) == 1
     assert emu.emu_auto_split(1, 1024, 256, 132) == 1
-    for tokens in (1, 8, 9, 16, 17, 32, 33, 64):
-        assert emu.emu_default_variant(tokens, 24576, 132) in _variants(emu)
-    assert emu.emu_default_variant(64, 1024, 132) == emu.emu_default_variant(1, 1024, 132)
+    assert emu.emu_default_variant(24576, 132) == 0
+    assert emu.emu_default_variant(1024, 132) == 1

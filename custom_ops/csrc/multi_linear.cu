@@ -257,7 +257,7 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
       p.bias[j] = r.bias;
       p.bias_stride[j] = r.bias_stride;
     }
-    const int vi = variant >= 0 ? variant : default_variant(tokens, rows, sm_count);
+    const int vi = variant >= 0 ? variant : default_variant(rows, sm_count);
     const Variant& v = kVariants[vi];
     const int s = split > 0 ? split : auto_split(v, rows, k, sm_count);
     const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);

@@ -38,9 +38,10 @@
 // because a separate register prefetch of it, one step ahead, put one L2 round trip on every step's critical path
 // (measured on the H200: 51-70 % of the copy rate, flat from M = 1 to 16). Per warp that is T * 64 bytes of L2
 // traffic per 1 KB of weights per m-tile, which is why the tile height is a variant parameter. Rows past the last
-// row and tokens past the last token are clamped to the last valid one (valid addresses; their results are never
-// stored); columns past K (only in a ragged last step, K % 32 != 0) read as zeros. K must be a multiple of 8 and
-// every weight row 16-byte aligned.
+// row and tokens past the last token are never read (their ring vectors are zero-filled; their results are never
+// stored): with M = 1 the clamped copies of token 0 that lanes of 7 other groups issued to one address made the
+// kernel up to 2x slower. Columns past K (only in a ragged last step, K % 32 != 0) read as zeros too. K must be a
+// multiple of 8 and every weight row 16-byte aligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -86,16 +87,18 @@ struct Variant {
   int stages;
 };
 
-// The configurations compiled in; `_multi_linear_variant` and the sweep address them by index.
+// The configurations compiled in; `_multi_linear_variant` and the sweep address them by index. Chosen on the H200
+// with benchmarks/multi_linear_tune.cu (all groups of benchmarks/multi_linear.py, M 1..16, splits 1..8): 64 rows
+// per warp, four warps splitting K, 3 KB x 4 m-tiles in flight per warp was the fastest or within a few percent
+// for every group of >= 16 MB; shorter tiles only pay for groups too small to give every SM a tile.
 constexpr Variant kVariants[] = {
-    {1, 1, 4, 8},  // 16 rows, 4 warps, 28 KB in flight per CTA
-    {1, 2, 2, 8},  // 32 rows, 4 warps, 28 KB
-    {1, 4, 1, 8},  // 64 rows, 4 warps, 28 KB
-    {1, 4, 2, 4},  // 64 rows, 8 warps, 24 KB
-    {2, 2, 2, 4},  // 64 rows, 4 warps, 24 KB
-    {2, 4, 1, 4},  // 128 rows, 4 warps, 24 KB
-    {1, 8, 1, 4},  // 128 rows, 8 warps, 24 KB
-    {1, 2, 4, 4},  // 32 rows, 8 warps, 24 KB
+    {4, 1, 4, 4},  // 64 rows, 4 warps: the default
+    {1, 1, 4, 8},  // 16 rows, 4 warps: small groups
+    {2, 1, 4, 8},  // 32 rows, 4 warps
+    {4, 1, 2, 8},  // 64 rows, 2 warps
+    {2, 1, 8, 4},  // 32 rows, 8 warps
+    {4, 2, 2, 4},  // 128 rows, 4 warps
+    {2, 2, 2, 4},  // 64 rows, 4 warps (2 x 2)
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
@@ -292,9 +295,18 @@ __device__ __forceinline__ float bias_of_row(const Params& p, int64_t row) {
 
 // Issues the copies of step `step` into ring slot `slot` of this warp's ring [D][stage]: this lane's 16 bytes of
 // rows group and group + 8 of each m-tile, and of token group of each n-tile (zeros for lanes past K).
+// The rows and tokens a lane copies, and which of them exist (the others are zero-filled, never read).
 template <typename T, int MT, int NT>
-__device__ __forceinline__ void copy_step(uint4* ring, int slot, const T* const (&w)[MT][2], const T* const (&x)[NT],
-                                          int step, int k, int lane, int quad) {
+struct LaneSources {
+  const T* w[MT][2];
+  bool w_live[MT][2];
+  const T* x[NT];
+  bool x_live[NT];
+};
+
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void copy_step(uint4* ring, int slot, const LaneSources<T, MT, NT>& src, int step, int k,
+                                          int lane, int quad) {
   const int64_t col = static_cast<int64_t>(step) * kStepCols;
   const bool live = col + 8 * quad < k;
   const int64_t at = live ? col : 0;
@@ -302,10 +314,12 @@ __device__ __forceinline__ void copy_step(uint4* ring, int slot, const T* const 
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) copy_async16(stage + (m * 2 + h) * 32 + lane, w[m][h] + at, live);
+    for (int h = 0; h < 2; ++h) {
+      copy_async16(stage + (m * 2 + h) * 32 + lane, src.w[m][h] + at, live && src.w_live[m][h]);
+    }
   }
 #pragma unroll
-  for (int n = 0; n < NT; ++n) copy_async16(stage + (2 * MT + n) * 32 + lane, x[n] + at, live);
+  for (int n = 0; n < NT; ++n) copy_async16(stage + (2 * MT + n) * 32 + lane, src.x[n] + at, live && src.x_live[n]);
 }
 
 // acc += W(step) x(step)^T for one step: 2 MMAs per (m-tile, n-tile), fragments as in the header comment.
@@ -327,12 +341,12 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint4 (&
 // multiplied. Slot of step s: (s - begin) % D; the slot refilled in iteration s is the one this lane read in
 // iteration s - 1.
 template <typename T, int MT, int NT, int D>
-__device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], uint4* ring, const T* const (&w)[MT][2],
-                                           const T* const (&x)[NT], int begin, int end, int k, int lane, int quad) {
+__device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], uint4* ring, const LaneSources<T, MT, NT>& src,
+                                           int begin, int end, int k, int lane, int quad) {
   static_assert(D >= 2 && (D & (D - 1)) == 0, "the stage count must be a power of two");
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) {
-    if (begin + d < end) copy_step<T, MT, NT>(ring, d, w, x, begin + d, k, lane, quad);
+    if (begin + d < end) copy_step<T, MT, NT>(ring, d, src, begin + d, k, lane, quad);
     commit_copies();
   }
   for (int s = begin; s < end; ++s) {
@@ -348,7 +362,7 @@ __device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], uint4* ring,
     }
 #pragma unroll
     for (int n = 0; n < NT; ++n) xv[n] = stage[(2 * MT + n) * 32 + lane];
-    if (s + D - 1 < end) copy_step<T, MT, NT>(ring, (slot + D - 1) & (D - 1), w, x, s + D - 1, k, lane, quad);
+    if (s + D - 1 < end) copy_step<T, MT, NT>(ring, (slot + D - 1) & (D - 1), src, s + D - 1, k, lane, quad);
     commit_copies();
     mma_step<T, MT, NT>(acc, wv, xv);
   }
@@ -388,20 +402,21 @@ __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid
   const int64_t total_rows = p.segment_end[p.num_segments - 1];
   const int64_t row0 = static_cast<int64_t>(cluster.id) * kRows;
 
-  const T* w[MT][2];
+  LaneSources<T, MT, NT> src;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + (row_warp * MT + m) * 16 + h * 8 + group;
-      w[m][h] = weight_row<T>(p, row < total_rows ? row : total_rows - 1) + 8 * quad;
+      src.w_live[m][h] = row < total_rows;
+      src.w[m][h] = weight_row<T>(p, row < total_rows ? row : total_rows - 1) + 8 * quad;
     }
   }
-  const T* x[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
-    const int token = n * 8 + group < p.tokens ? n * 8 + group : p.tokens - 1;
-    x[n] = static_cast<const T*>(p.x) + token * p.x_stride + 8 * quad;
+    const int token = n * 8 + group;
+    src.x_live[n] = token < p.tokens;
+    src.x[n] = static_cast<const T*>(p.x) + (token < p.tokens ? token : 0) * p.x_stride + 8 * quad;
   }
 
   pdl_wait();
@@ -426,7 +441,7 @@ __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid
       for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
     }
   }
-  warp_steps<T, MT, NT, D>(acc, rings + warp * D * stage_vectors(MT, NT), w, x, begin, end, p.k, lane, quad);
+  warp_steps<T, MT, NT, D>(acc, rings + warp * D * stage_vectors(MT, NT), src, begin, end, p.k, lane, quad);
   pdl_launch_next();
   __syncthreads();  // every ring is drained before the tile overwrites them
 
@@ -510,26 +525,22 @@ KernelFn kernel_for(int variant, int tokens) {
 
 // ------------------------------------------------------------------------------------------------ default choice
 
-// The variant the op uses when none is forced, before the H200 sweep (benchmarks/multi_linear.py --sweep) tunes it:
-// taller tiles for more tokens (each CTA re-reads the activation from L2 once per K range, so rows per CTA bound that
-// traffic), but 32-row tiles when even the largest split would leave SMs without a CTA.
-inline int default_variant(int tokens, int64_t total_rows, int sm_count) {
-  constexpr int kSmallTiles = 1;
-  const int n_tiles = token_tiles(tokens);
-  const int preferred = n_tiles <= 2 ? kSmallTiles : n_tiles == 4 ? 3 : 5;
-  const int64_t tiles = (total_rows + cta_rows(kVariants[preferred]) - 1) / cta_rows(kVariants[preferred]);
-  return tiles * kMaxSplit < sm_count ? kSmallTiles : preferred;
+// The variant the op uses when none is forced (measured on the H200, see kVariants): the 64-row default, or 16-row
+// tiles for groups that give fewer than one 64-row tile per 8 SMs.
+inline int default_variant(int64_t total_rows, int sm_count) {
+  constexpr int kDefault = 0, kSmallTiles = 1;
+  const int64_t tiles = (total_rows + cta_rows(kVariants[kDefault]) - 1) / cta_rows(kVariants[kDefault]);
+  return tiles * 8 < sm_count ? kSmallTiles : kDefault;
 }
 
-// Cluster split when none is forced: double it while the grid is short of ~16 resident warps per SM and every warp
-// would still get at least D steps (a full ring) after doubling.
+// Cluster split when none is forced: splitting K across CTAs costs a cross-CTA reduction and measured slower
+// whenever the tiles already give about every other SM a CTA, so double it only while the grid has fewer CTAs than
+// half the SMs and every warp would still get at least D steps (a full ring) after doubling.
 inline int auto_split(const Variant& v, int64_t total_rows, int k, int sm_count) {
   const int64_t tiles = (total_rows + cta_rows(v) - 1) / cta_rows(v);
-  const int64_t warps = v.row_warps * v.k_warps;
-  const int64_t target_ctas = static_cast<int64_t>(sm_count) * (warps >= 16 ? 1 : 16 / warps);
   const int64_t steps = k / kStepCols;
   int split = 1;
-  while (split < kMaxSplit && tiles * split < target_ctas && steps / (2 * split * v.k_warps) >= v.stages) split *= 2;
+  while (split < kMaxSplit && 2 * tiles * split < sm_count && steps / (2 * split * v.k_warps) >= v.stages) split *= 2;
   return split;
 }
 

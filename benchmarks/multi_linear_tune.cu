@@ -1,0 +1,268 @@
+// Tile-configuration sweep of the multi_linear kernel as a standalone CUDA program (no torch): the kernel header is
+// torch-free, so this builds in seconds on any machine with nvcc and runs on the GPU without the op library.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
+//        benchmarks/multi_linear_tune.cu -o multi_linear_tune && ./multi_linear_tune
+//
+// For every group of benchmarks/multi_linear.py, M in {1, 8, 16, 32, 64}, every compiled variant (kVariants) and
+// cluster splits 1..8: checks the output against a plain fp32 reference kernel, then times back-to-back launches
+// (programmatic dependent launch on, as the op launches) over enough weight copies that the L2 never serves them
+// (median of 7 runs). Also measured in the same run: the copy rate (device-to-device copy, bytes read + written)
+// and a pure read of the same weights (the read ceiling: what any kernel reading those bytes once can reach).
+// Add a candidate to kVariants to try it.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "multi_linear_kernels.cuh"
+
+using namespace dspark::mlinear;
+using T = __nv_bfloat16;
+
+#define CHECK(x)                                                                                     \
+  do {                                                                                               \
+    cudaError_t e = (x);                                                                             \
+    if (e != cudaSuccess) {                                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));         \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+struct Config {
+  std::string name;
+  Variant v;
+  KernelFn fn[4];  // n-tiles 1, 2, 4, 8
+};
+
+template <int V>
+Config make_config() {
+  constexpr Variant v = kVariants[V];
+  const std::string name = "v" + std::to_string(V) + ":" + std::to_string(cta_rows(v)) + "r/" +
+                           std::to_string(v.row_warps * v.k_warps) + "w/k" + std::to_string(v.k_warps) + "/d" +
+                           std::to_string(v.stages);
+  return {name,
+          v,
+          {kernel_instance<T, V, 1>(), kernel_instance<T, V, 2>(), kernel_instance<T, V, 4>(),
+           kernel_instance<T, V, 8>()}};
+}
+
+template <int... V>
+std::vector<Config> all_configs(std::integer_sequence<int, V...>) {
+  return {make_config<V>()...};
+}
+
+__global__ void fill_kernel(T* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.25f);
+  }
+}
+
+__global__ void reference_kernel(const T* x, const T* w, int tokens, int k, int64_t rows, float* out) {
+  const int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  for (int t = 0; t < tokens; ++t) {
+    float s = 0.f;
+    for (int c = 0; c < k; ++c) s += __bfloat162float(x[(int64_t)t * k + c]) * __bfloat162float(w[r * k + c]);
+    out[(int64_t)t * rows + r] = s;
+  }
+}
+
+// Pure read of `bytes` (16-byte loads, 8 in flight per thread); the xor keeps the loads alive.
+__global__ void read_kernel(const uint4* p, int64_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  for (; i + 7 * stride < n; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __ldcs(p + i + j * stride);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) *sink = acc;
+}
+
+struct Group {
+  std::string name;
+  std::vector<int64_t> rows;
+  int k;
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median over 7 runs of `reps` x `copies` back-to-back calls; returns microseconds per call.
+template <typename F>
+float time_calls(F&& call, int copies, int reps) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < copies; ++i) call(i);
+  std::vector<float> runs;
+  for (int run = 0; run < 7; ++run) {
+    CHECK(cudaEventRecord(a));
+    for (int r = 0; r < reps; ++r)
+      for (int i = 0; i < copies; ++i) call(i);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    runs.push_back(1e3f * ms / (reps * copies));
+  }
+  CHECK(cudaGetLastError());
+  return median(runs);
+}
+
+void launch(KernelFn fn, const Params& p, int64_t blocks, int threads, int smem, int split) {
+  if (smem > 48 * 1024) CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = split;
+  attrs[1].val.clusterDim.y = 1;
+  attrs[1].val.clusterDim.z = 1;
+  cudaLaunchConfig_t c{};
+  c.gridDim = dim3((unsigned)blocks);
+  c.blockDim = dim3(threads);
+  c.dynamicSmemBytes = smem;
+  c.attrs = attrs;
+  c.numAttrs = 2;
+  CHECK(cudaLaunchKernelEx(&c, fn, p));
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const std::vector<Config> configs = all_configs(std::make_integer_sequence<int, kNumVariants>{});
+  const std::vector<Group> groups = {
+      {"kv 5x[2048,4096]", {2048, 2048, 2048, 2048, 2048}, 4096},
+      {"qkv [4096|1024|1024,4096]", {4096, 1024, 1024}, 4096},
+      {"gate/up 2x[12288,4096]", {12288, 12288}, 4096},
+      {"[4096,4096]", {4096}, 4096},
+      {"[1024,4096]", {1024}, 4096},
+      {"[4096,12288]", {4096}, 12288},
+  };
+  // copy rate
+  const size_t copy_bytes = size_t(2) << 30;
+  void *src, *dst;
+  CHECK(cudaMalloc(&src, copy_bytes));
+  CHECK(cudaMalloc(&dst, copy_bytes));
+  const float copy_us = time_calls([&](int) { CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 1, 3);
+  const double copy_rate = 2.0 * copy_bytes / (copy_us * 1e-6);
+  CHECK(cudaFree(src));
+  CHECK(cudaFree(dst));
+  std::printf("GPU SMs %d; copy rate %.2f TB/s (read + write)\n", sms, copy_rate / 1e12);
+  uint32_t* sink;
+  CHECK(cudaMalloc(&sink, 4));
+  const int64_t max_tokens = 64;
+  T* x;
+  CHECK(cudaMalloc(&x, max_tokens * 12288 * sizeof(T)));
+  fill_kernel<<<256, 256>>>(x, max_tokens * 12288, 7);
+  for (const Group& g : groups) {
+    int64_t rows = 0;
+    for (auto r : g.rows) rows += r;
+    const int64_t group_bytes = rows * g.k * (int64_t)sizeof(T);
+    const int copies = (int)std::max<int64_t>(2, (3 * 60 * (int64_t)1 << 20) / group_bytes + 1);
+    std::vector<T*> w(copies);
+    for (int i = 0; i < copies; ++i) {
+      CHECK(cudaMalloc(&w[i], group_bytes));
+      fill_kernel<<<1024, 256>>>(w[i], rows * g.k, 100 + i);
+    }
+    const float read_us = time_calls(
+        [&](int i) { read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], group_bytes / 16, sink); }, copies, 5);
+    std::printf("\n## %s: %.1f MB, read ceiling %.2f us = %.2f TB/s (%.0f%% of copy)\n", g.name.c_str(),
+                group_bytes / 1e6, read_us, group_bytes / (read_us * 1e-6) / 1e12,
+                100.0 * group_bytes / (read_us * 1e-6) / copy_rate);
+    T* out;
+    float *ref, *ref_host;
+    CHECK(cudaMalloc(&out, max_tokens * rows * sizeof(T)));
+    CHECK(cudaMalloc(&ref, max_tokens * rows * sizeof(float)));
+    ref_host = (float*)std::malloc(max_tokens * rows * sizeof(float));
+    std::vector<T> out_host(max_tokens * rows);
+    for (int tokens : {1, 8, 16, 32, 64}) {
+      reference_kernel<<<(unsigned)((rows + 127) / 128), 128>>>(x, w[0], tokens, g.k, rows, ref);
+      CHECK(cudaMemcpy(ref_host, ref, tokens * rows * sizeof(float), cudaMemcpyDeviceToHost));
+      const double floor_us = 1e6 * (group_bytes + tokens * (g.k + rows) * 2.0) / copy_rate;
+      float best = 1e30f;
+      std::string best_name;
+      const int dv = default_variant(rows, sms);
+      const int ds = auto_split(kVariants[dv], rows, g.k, sms);
+      for (const Config& c : configs) {
+        const int nt = tokens <= 8 ? 0 : tokens <= 16 ? 1 : tokens <= 32 ? 2 : 3;
+        const int smem = smem_bytes(c.v, 1 << nt);
+        if (smem > kMaxSmemBytes) continue;
+        const int64_t tiles = (rows + cta_rows(c.v) - 1) / cta_rows(c.v);
+        std::string line;
+        for (int split : {1, 2, 4, 8}) {
+          if (g.k / kStepCols / (split * c.v.k_warps) < 2) continue;
+          auto params = [&](int i) {
+            Params p{};
+            p.x = x;
+            p.x_stride = g.k;
+            p.out = out;
+            p.out_stride = rows;
+            p.tokens = tokens;
+            p.k = g.k;
+            p.num_segments = (int)g.rows.size();
+            int64_t end = 0;
+            for (size_t s = 0; s < g.rows.size(); ++s) {
+              p.weight[s] = w[i] + end * g.k;
+              end += g.rows[s];
+              p.segment_end[s] = end;
+              p.weight_stride[s] = g.k;
+              p.bias[s] = nullptr;
+            }
+            return p;
+          };
+          CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
+          launch(c.fn[nt], params(0), tiles * split, cta_threads(c.v), smem, split);
+          CHECK(cudaDeviceSynchronize());
+          CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
+          double err = 0, norm = 0;
+          for (int64_t i = 0; i < tokens * rows; ++i) {
+            const double d = __bfloat162float(out_host[i]) - ref_host[i];
+            err += d * d;
+            norm += (double)ref_host[i] * ref_host[i];
+          }
+          if (!(err <= 1e-4 * norm)) {
+            line += " split" + std::to_string(split) + "=WRONG";
+            continue;
+          }
+          const float us = time_calls(
+              [&](int i) { launch(c.fn[nt], params(i), tiles * split, cta_threads(c.v), smem, split); }, copies, 5);
+          char buf[64];
+          std::snprintf(buf, sizeof(buf), " s%d %.1f", split, us);
+          line += buf;
+          if (us < best) {
+            best = us;
+            best_name = std::string(c.name) + " split " + std::to_string(split);
+          }
+        }
+        std::printf("M=%2d %-18s smem %6d:%s\n", tokens, c.name.c_str(), smem, line.c_str());
+      }
+      std::printf("M=%2d BEST %s %.2f us = %.0f%% of copy (floor %.2f us); default v%d split %d\n", tokens,
+                  best_name.c_str(), best, 100.0 * floor_us / best, floor_us, dv, ds);
+    }
+    for (T* p : w) CHECK(cudaFree(p));
+    CHECK(cudaFree(out));
+    CHECK(cudaFree(ref));
+    std::free(ref_host);
+  }
+  return 0;
+}
