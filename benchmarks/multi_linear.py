@@ -29,7 +29,7 @@ import torch
 from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops.multi_linear import KernelVariant, kernel_token_threshold, kernel_variants, multi_linear_reference
+from custom_ops.multi_linear import KernelVariant, kernel_variants, multi_linear_reference, uses_kernel
 
 GROUPS: dict[str, list[tuple[int, int]]] = {
     "kv 5x[2048,4096]": [(2048, 4096)] * 5,
@@ -119,7 +119,6 @@ METHODS = {"op": op_call, "cuBLAS per weight": per_weight_call, "cuBLAS concat":
 
 
 def main_table(groups: list[Group], bandwidth: float) -> str:
-    threshold = kernel_token_threshold()
     names = list(METHODS)
     lines = [
         "| group | M | path | floor µs | " + " | ".join(f"{n} µs (% copy)" for n in names) + " | op vs per weight |"
@@ -144,7 +143,7 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
                 f"{times[base] / times['op']:.2f}x" if {"op", base} <= times.keys() else "-"
                 for base in ("cuBLAS per weight", "cuBLAS concat")
             ]
-            path = "kernel" if tokens <= threshold else "cuBLAS"
+            path = "kernel" if uses_kernel(tokens, group.rows) else "cuBLAS"
             row = f"| {group.name} | {tokens} | {path} | {floor:.1f} | " + " | ".join(cells + ratios) + " |"
             print(row, flush=True)
             lines.append(row)
@@ -223,7 +222,7 @@ def main() -> None:
     groups = [Group.make(name, shapes, props.L2_cache_size) for name, shapes in GROUPS.items()]
     header = (
         f"GPU {props.name}, torch {torch.__version__}; copy rate {bandwidth / 1e12:.2f} TB/s (read + write); "
-        f"bf16; kernel token threshold {kernel_token_threshold()}; CUDA-graph replay over L2-cold weight copies"
+        f"bf16; CUDA-graph replay over L2-cold weight copies"
     )
     print(header, flush=True)
     with torch.no_grad():

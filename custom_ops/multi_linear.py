@@ -20,13 +20,14 @@ Which path runs:
 | device | when                                                      | path                                           |
 |--------|-----------------------------------------------------------|------------------------------------------------|
 | CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
-| CUDA   | bf16/fp16, 1 <= T <= 64, K % 8 == 0, sm_90+, layout (a)   | the kernel, one launch per 64 row ranges       |
-| CUDA   | otherwise (fp32, T > 64, other K, other layouts)          | one cuBLAS `mm`/`addmm` per row range (b)      |
+| CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 8, or | the kernel, one launch per 64 row ranges       |
+|        | T <= 16 for >= 2 row ranges of <= 4096 rows on average    |                                                |
+| CUDA   | otherwise (fp32, larger T, other K, other layouts)        | one cuBLAS `mm`/`addmm` per row range (b)      |
 
 (a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
-that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. The
-threshold 64 is `kTokenThreshold` in `csrc/multi_linear.cu` (`kernel_token_threshold()` reads it); the kernel
-itself handles up to 64 tokens.
+that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. The rule is
+`kernel_pays` in `csrc/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)`
+evaluates it. The kernel itself handles up to 64 tokens (`_multi_linear_variant` forces it).
 
 On CUDA, consecutive row ranges that lie back to back in memory (weight `i + 1`'s first used row right after weight
 `i`'s last, same row stride, biases both absent or also back to back) are treated as one range: one GEMM over the
@@ -165,8 +166,18 @@ def _native() -> ctypes.CDLL:
 
 
 def kernel_token_threshold() -> int:
-    """Largest token count (rows of `x`) for which the CUDA op runs the kernel (builds the library if needed)."""
+    """Largest token count (rows of `x`) for which the CUDA op runs the kernel for any group (builds the library if
+    needed); see `uses_kernel` for the groups that take it up to 16 tokens."""
     return int(_native().dspark_multi_linear_token_threshold())
+
+
+def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
+    """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
+    of `row_counts` rows, given a kernel-readable bf16/fp16 layout (the rule of `kernel_pays` in the binding)."""
+    runs = [c for c in row_counts if c > 0]
+    lib = _native()
+    lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3
+    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs)))
 
 
 def kernel_variants() -> list[KernelVariant]:

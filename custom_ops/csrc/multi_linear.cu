@@ -21,10 +21,22 @@ namespace dspark {
 namespace mlinear {
 namespace {
 
-// The one switch between the two CUDA paths: calls with at most this many tokens (rows of x) run the kernel, larger
-// ones per-weight cuBLAS (as do fp32 and layouts the kernel cannot read, see kernel_blocker).
-constexpr int64_t kTokenThreshold = 64;
-static_assert(kTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");
+// The switch between the two CUDA paths (fp32 and layouts the kernel cannot read always take cuBLAS, see
+// kernel_blocker). Measured on the H200 (benchmarks/multi_linear.py, CUDA-graph replay, L2-cold weights): the kernel
+// beats per-weight cuBLAS for every group up to 8 tokens (1.04-1.8x); at 16 tokens only for groups of several
+// weights of <= 4096 rows on average (KV of 5 layers 1.7x, q/k/v 1.5x; 2 x 12288 rows 0.98x, single weights
+// 0.95-0.99x), and from 64 tokens on never (its activation traffic grows with the token tiles).
+constexpr int64_t kTokenThreshold = 8;
+constexpr int64_t kGroupTokenThreshold = 16;
+constexpr int64_t kGroupMaxMeanRows = 4096;
+static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");
+
+// Whether a call with `tokens` rows of x over `runs` row ranges (after merging adjacent ones) of `rows` rows in all
+// takes the kernel.
+bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows) {
+  if (tokens <= kTokenThreshold) return true;
+  return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs;
+}
 
 using Biases = c10::List<std::optional<at::Tensor>>;
 
@@ -289,7 +301,8 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
   if (out.numel() == 0) return out;
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
-  if (x.size(0) <= kTokenThreshold && kernel_blocker(x, runs) == nullptr) {
+  const int64_t rows = out.size(1);
+  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows) && kernel_blocker(x, runs) == nullptr) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
     run_cublas(x, weights, row_starts, biases, runs, out);
@@ -325,9 +338,14 @@ TORCH_LIBRARY_IMPL(dspark, CUDA, m) {
   m.impl("_multi_linear_variant", &dspark::mlinear::multi_linear_variant);
 }
 
-// Read by custom_ops/multi_linear.py through ctypes (kernel_token_threshold, kernel_variants).
+// Read by custom_ops/multi_linear.py through ctypes (kernel_token_threshold, uses_kernel, kernel_variants).
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_threshold() {
   return static_cast<int>(dspark::mlinear::kTokenThreshold);
+}
+
+extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
+                                                                                      int64_t rows) {
+  return dspark::mlinear::kernel_pays(tokens, runs, rows) ? 1 : 0;
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {
