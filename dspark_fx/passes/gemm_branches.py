@@ -116,6 +116,8 @@ def _used_columns(node: fx.Node) -> tuple[int, int] | None:
     width = int(tensor_val(node).shape[1])
     lo, hi = width, 0
     for user in node.users:
+        if not _constant_args(user):
+            return None
         if user.target is aten.slice.Tensor and _slice_args(user)[1] in (1, -1) and _slice_args(user)[4] == 1:
             start, stop = slice(*_slice_args(user)[2:4]).indices(width)[:2]
         elif user.target in _SPLITS and _split_dim(user) in (1, -1):
@@ -128,6 +130,12 @@ def _used_columns(node: fx.Node) -> tuple[int, int] | None:
             return None
         lo, hi = min(lo, start), max(hi, stop)
     return (lo, hi) if lo < hi else None
+
+
+def _constant_args(node: fx.Node) -> bool:
+    """No argument but the input is a node (symbolic slice bounds or split sizes cannot be narrowed to)."""
+    rest = [*node.args[1:], *node.kwargs.values()]
+    return not any(isinstance(a, fx.Node) for a in torch.utils._pytree.tree_leaves(rest))
 
 
 def _split_dim(split: fx.Node) -> int:
