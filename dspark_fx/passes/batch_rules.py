@@ -181,11 +181,12 @@ def _full_reduction(batch: Batch, bound: dict) -> fx.Node:
 
 
 def _squeeze_all(batch: Batch, bound: dict) -> fx.Node:
-    """`squeeze(x)` drops the unit dims of a branch; the batched op names them (K may be 1 for no branch)."""
+    """`squeeze(x)` drops the unit dims of a branch; the batched op names them (K must stay). The dims of static
+    size 1 are dropped for sure; the branch's output rank shows that no symbolic size was 1."""
     x = _self(batch, bound)
-    if not all(isinstance(s, int) for s in x.val.shape):
-        raise BatchError("squeeze of a value with symbolic sizes")
-    dims = [i + 1 for i, s in enumerate(x.val.shape) if s == 1]
+    dims = [i + 1 for i, s in enumerate(x.val.shape) if isinstance(s, int) and s == 1]
+    if tensor_val(batch.node).dim() != x.val.dim() - len(dims):
+        raise BatchError("squeeze of a symbolic size that may be 1")
     return batch.emit(aten.squeeze.dims, (x.node, dims))
 
 

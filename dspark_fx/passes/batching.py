@@ -38,7 +38,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dspark_fx.passes.batch_rules import Batch, BatchError, Operand, rule_for
 from dspark_fx.passes.graph_utils import op_name
 
-__all__ = ["BatchError", "Operand", "batch_op", "check_batched", "is_batchable"]
+__all__ = ["RULE_CHECK", "BatchError", "Operand", "batch_op", "check_batched", "is_batchable"]
+
+RULE_CHECK = "rule check failed:"  # a rule emitted a value that is not [K] + the branch's: caught, but a rule bug
 
 
 def is_batchable(node: fx.Node) -> bool:
@@ -85,12 +87,18 @@ def check_batched(new: fx.Node, node: fx.Node, k: int) -> None:
     wants = list(want) if isinstance(want, (list, tuple)) else [want]
     gots = list(got) if isinstance(got, (list, tuple)) else [got]
     if isinstance(want, (list, tuple)) != isinstance(got, (list, tuple)) or len(wants) != len(gots):
-        raise BatchError(f"batched {op_name(node)} gives {_describe(got)}, expected [{k}] + {_describe(want)}")
+        raise BatchError(
+            f"{RULE_CHECK} batched {op_name(node)} gives {_describe(got)}, expected [{k}] + {_describe(want)}"
+        )
     for w, g in zip(wants, gots, strict=True):
         if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor):
             raise BatchError(f"{op_name(node)} has a non-tensor value")
-        if g.dtype != w.dtype or not same_shape(g.shape, (k, *w.shape)):
-            raise BatchError(f"batched {op_name(node)} gives {_describe(got)}, expected [{k}] + {_describe(want)}")
+        if not same_shape(g.shape, (k, *w.shape)):
+            raise BatchError(
+                f"{RULE_CHECK} batched {op_name(node)} gives {_describe(got)}, expected [{k}] + {_describe(want)}"
+            )
+        if g.dtype != w.dtype:  # a 0-d operand (a full reduction, a scalar parameter) no longer is 0-d
+            raise BatchError(f"type promotion: batched {op_name(node)} computes {g.dtype}, the branch {w.dtype}")
 
 
 def same_shape(a: tuple, b: tuple) -> bool:

@@ -107,6 +107,7 @@ def _fuse_group(graph: fx.Graph, branches: list, config: DsparkConfig, names) ->
             log.warning("dspark_fx: unexpected error while batching branches %s", members, exc_info=True)
             report.unbatched += [(i, f"batching failed: unexpected {type(err).__name__}: {err}") for i in members]
             continue
+        stable_topological_sort(graph)  # batched ops may read shared values defined after the class's first op
         report.classes.append(ClassReport(members, ops))
     return report
 
