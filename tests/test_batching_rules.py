@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dspark_fx
-from dspark_fx import DsparkConfig, explain
+from dspark_fx import DsparkConfig, FusionReport, explain
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
 
 
@@ -31,6 +31,10 @@ def _check(model, *inputs, config=None):
         assert_close_for_dtype(torch.compile(model, backend=capture)(*inputs), model(*inputs))
     (group,) = capture.report.groups
     return group
+
+
+def _report_of(group) -> FusionReport:
+    return FusionReport(groups=[group])
 
 
 def _batched(group) -> list[str]:
@@ -165,4 +169,16 @@ def test_dtype_promotion_by_a_zero_dim_value_is_not_batched():
         return kb * kb.float().sum()
 
     group = _check(Branches(2, tail), X)
-    assert group.unbatched and all("type promotion" in why for _, why in group.unbatched), group
+    (cls,) = group.classes
+    assert "aten.sum" in cls.ops and "aten.mul" not in cls.ops, group
+    assert len(cls.kept) == 1 and "type promotion" in cls.kept[0], group
+
+
+def test_an_op_no_rule_batches_stays_per_branch_with_what_follows():
+    """A boolean-mask index has a data-dependent shape: the ops before it are batched, it and its users are not."""
+    x, mask = torch.randn(5, 32), torch.tensor([True, False, True, True, False])
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        group = _check(Branches(3, lambda m, i, k, mk: (k * m.vecs[i])[mk] * 2), x, mask)
+    (cls,) = group.classes
+    assert cls.ops == ["aten.view", "aten.mul"] and "boolean mask" in cls.kept[0], group
+    assert "kept per branch from aten.index" in str(_report_of(group))

@@ -38,7 +38,7 @@ STEPS = (1, 5, 9, "update", 5, 1)  # token counts; "update": in-place update of 
 class Outcome:
     groups: int
     batched_ops: tuple[str, ...]  # one entry per batched op, over all classes and graphs
-    reasons: tuple[str, ...]  # why branches kept their own ops
+    reasons: tuple[str, ...]  # why branches (or some of the ops of a class) kept their own ops
 
 
 @functools.cache
@@ -65,7 +65,8 @@ def run_case(seed: int) -> Outcome:
     return Outcome(
         groups=report.n_groups,
         batched_ops=tuple(op for g in report.groups for c in g.classes for op in c.ops),
-        reasons=tuple(why for g in report.groups for _, why in g.unbatched),
+        reasons=tuple(why for g in report.groups for _, why in g.unbatched)
+        + tuple(why for g in report.groups for c in g.classes for why in c.kept),
     )
 
 

@@ -35,8 +35,8 @@ def batch_class(
     shared_ops: set[fx.Node],
 ) -> list[str]:
     """Batch the ops `shared_ops` of the reference branch `members[0]` for all `members` (their column blocks
-    are adjacent in `fused`); returns the batched op names. On `BatchError` (or any error) the graph is left as
-    it was."""
+    are adjacent in `fused`); returns the batched op names. On `BatchError` (naming the op it is about) or any
+    other error the graph is left as it was."""
     k = len(members)
     ref = regions[members[0]]
     nodes = [n for n in ref.nodes[1:] if n in shared_ops]
@@ -51,9 +51,9 @@ def batch_class(
     exits = [(node, idx, users) for node, idx, users in exits if users]
     for node, idx, _ in exits:
         if tensor_val(node) is None:
-            raise BatchError(f"a non-tensor value ({op_name(node)}) leaves the region")
+            raise BatchError("a non-tensor value leaves the batched ops", node)
         if reads_storage_layout(counterparts[idx][node]):
-            raise BatchError(f"{op_name(node)} is read through as_strided or a dtype view (storage layout)")
+            raise BatchError("read through as_strided or a dtype view (its storage layout)", node)
     existing = set(graph.nodes)
     try:
         with graph.inserting_before(ref.nodes[1]):
@@ -62,7 +62,11 @@ def batch_class(
             batched = {ref.root: call(graph, aten.permute.default, (viewed, [1, 0, 2]))}
             for node in nodes:
                 args, kwargs = _operands(node, [c[node] for c in counterparts], ref, batched)
-                batched[node] = batch_op(graph, node, args, kwargs, k)
+                try:
+                    batched[node] = batch_op(graph, node, args, kwargs, k)
+                except BatchError as err:
+                    err.node = err.node or node
+                    raise
             views = [call(graph, aten.select.int, (batched[node], 0, idx)) for node, idx, _ in exits]
     except Exception:
         for node in reversed(list(graph.nodes)):

@@ -21,7 +21,12 @@ prims = torch.ops.prims
 
 
 class BatchError(RuntimeError):
-    """An op that the rules cannot batch in this form (the branch keeps its own op)."""
+    """An op that the rules cannot batch in this form (the branches keep their own copies of it); `node` is the
+    reference branch's op, when the error is about one."""
+
+    def __init__(self, reason: str, node: fx.Node | None = None) -> None:
+        super().__init__(reason)
+        self.node = node
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches
 from dspark_fx.passes.batch_class import batch_class
 from dspark_fx.passes.batching import BatchError
-from dspark_fx.passes.graph_utils import tensor_val, views_to_reshapes
+from dspark_fx.passes.graph_utils import op_name, tensor_val, views_to_reshapes
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
 from dspark_fx.report import ClassReport, FusionReport, GroupReport, Rejection
 
@@ -99,17 +99,40 @@ def _fuse_group(graph: fx.Graph, branches: list, config: DsparkConfig, names) ->
     _reorder_blocks(graph, fused, blocks, branches, order)
     for members, alignments, shared_ops in classes:
         try:
-            ops = batch_class(graph, fused, blocks, regions, members, alignments, shared_ops)
+            report.classes.append(_batch(graph, fused, blocks, regions, members, alignments, shared_ops))
         except BatchError as err:
             report.unbatched += [(i, f"batching failed: {err}") for i in members]
-            continue
         except Exception as err:  # a rule bug must not break the compile: these branches keep their own ops
             log.warning("dspark_fx: unexpected error while batching branches %s", members, exc_info=True)
             report.unbatched += [(i, f"batching failed: unexpected {type(err).__name__}: {err}") for i in members]
+    return report
+
+
+def _batch(graph, fused, blocks, regions, members, alignments, shared_ops) -> ClassReport:
+    """Batch a class. An op that no rule can batch stays per branch with every op after it (the class batches
+    the ops before it); `BatchError` when no op is left to batch."""
+    kept = []
+    while True:
+        try:
+            ops = batch_class(graph, fused, blocks, regions, members, alignments, shared_ops)
+        except BatchError as err:
+            if err.node not in shared_ops:
+                raise
+            kept.append(f"{op_name(err.node)} ({err.node.name}): {err}")
+            shared_ops = shared_ops - _with_dependents(err.node, regions[members[0]])
+            if len(shared_ops) < 2:  # only the GEMM block itself
+                raise BatchError("; ".join(kept)) from None
             continue
         stable_topological_sort(graph)  # batched ops may read shared values defined after the class's first op
-        report.classes.append(ClassReport(members, ops))
-    return report
+        return ClassReport(members, ops, kept)
+
+
+def _with_dependents(node: fx.Node, region: branch_regions.Region) -> set[fx.Node]:
+    out = {node}
+    for other in region.nodes:
+        if any(i in out for i in other.all_input_nodes):
+            out.add(other)
+    return out
 
 
 def _classes(regions, widths, config):
