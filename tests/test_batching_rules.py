@@ -24,9 +24,9 @@ class Branches(nn.Module):
         return [self.tail(self, i, lin(x).view(-1, 4, 8), *extra) for i, lin in enumerate(self.lins)]
 
 
-def _check(model, *inputs, config=None):
+def _check(model, *inputs, config=None, inner="aot_eager"):
     torch._dynamo.reset()
-    capture = CaptureBackend(config)
+    capture = CaptureBackend(config, inner=inner)
     with torch.no_grad():
         assert_close_for_dtype(torch.compile(model, backend=capture)(*inputs), model(*inputs))
     (group,) = capture.report.groups
@@ -182,3 +182,22 @@ def test_an_op_no_rule_batches_stays_per_branch_with_what_follows():
     (cls,) = group.classes
     assert cls.ops == ["aten.view", "aten.mul"] and "boolean mask" in cls.kept[0], group
     assert "kept per branch from aten.index" in str(_report_of(group))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda k: k * 0.5 + 1,
+        lambda k: k.unsqueeze(1).expand(-1, 2, -1, -1) + 1,
+        lambda k: k - k.mean(),
+        lambda k: k.split(2)[1] * 2,
+        lambda k: F.rms_norm(k, (8,), None, 1e-6),
+    ],
+    ids=["add-scalar", "expand", "mean-all", "split-default-dim", "rms_norm"],
+)
+def test_batched_ops_lower_in_inductor(op):
+    """Batched ops are emitted the way the branch passed its arguments (Inductor's lowerings do not take every
+    schema default, e.g. `alpha` or `implicit`)."""
+    group = _check(Branches(3, lambda m, i, k: op(k)), X, inner="inductor")
+    assert len(group.classes) == 1 and not group.unbatched, group

@@ -56,12 +56,22 @@ class Batch:
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         return call(self.graph, target, args, kwargs)
 
-    def emit_bound(self, target: torch._ops.OpOverload, bound: dict[str, Any]) -> fx.Node:
-        """Call `target` with schema-named arguments: positional ones in schema order, kwarg-only ones by name."""
-        arguments = [a for a in target._schema.arguments if a.name in bound]
-        args = tuple(bound[a.name] for a in arguments if not a.kwarg_only)
-        kwargs = {a.name: bound[a.name] for a in arguments if a.kwarg_only}
-        return self.emit(target, args, kwargs)
+    def emit_bound(self, op: torch._ops.OpOverload, bound: dict[str, Any]) -> fx.Node:
+        """Call the branch's op `op` with schema-named arguments, passed the way the branch passed them: an
+        argument left at its default and not given by the branch stays out (Inductor's lowerings do not take
+        every schema default), positional ones up to the last one needed, kwarg-only ones by name."""
+        arguments = op._schema.arguments
+        given = {a.name for a in arguments[: len(self.node.args)] if not a.kwarg_only} | set(self.node.kwargs)
+        needed = {
+            a.name
+            for a in arguments
+            if a.name in bound and (a.name in given or not a.has_default_value() or _differs(bound[a.name], a))
+        }
+        positional = [a.name for a in arguments if not a.kwarg_only]
+        last = max((i for i, name in enumerate(positional) if name in needed), default=-1)
+        args = tuple(bound[name] for name in positional[: last + 1])
+        kwargs = {a.name: bound[a.name] for a in arguments if a.kwarg_only and a.name in needed}
+        return self.emit(op, args, kwargs)
 
     def batched(self, op: Operand) -> fx.Node:
         """The `[K, ...]` node of an operand: batched as is, shared expanded, per-branch leaves stacked."""
@@ -79,6 +89,12 @@ class Batch:
 
 
 Rule = Callable[[Batch, dict], fx.Node]
+
+
+def _differs(value: Any, argument: torch._C.Argument) -> bool:
+    return (
+        isinstance(value, fx.Node) or type(value) is not type(argument.default_value) or value != argument.default_value
+    )
 
 
 def _self(batch: Batch, bound: dict) -> Operand:
@@ -182,7 +198,8 @@ def _full_reduction(batch: Batch, bound: dict) -> fx.Node:
         raise BatchError(f"{op_name(batch.node)} of a 0-d value")
     target = aten.mean.dim if batch.node.target is aten.mean.default else aten.sum.dim_IntList
     dims = list(range(1, x.val.dim() + 1))
-    return batch.emit(target, (x.node, dims, False), {"dtype": bound.get("dtype")})
+    dtype = {"dtype": bound["dtype"]} if bound.get("dtype") is not None else {}
+    return batch.emit(target, (x.node, dims), dtype)
 
 
 def _squeeze_all(batch: Batch, bound: dict) -> fx.Node:
@@ -213,7 +230,7 @@ def _expand(batch: Batch, bound: dict) -> fx.Node:
     if pad < 0:
         raise BatchError("expand to a lower rank")
     node = batch.unsqueezed_after_k(x.node, pad)
-    return batch.emit(aten.expand.default, (node, [-1, *bound["size"]]), {"implicit": bound.get("implicit", False)})
+    return batch.emit(aten.expand.default, (node, [-1, *bound["size"]]))
 
 
 def _permute(batch: Batch, bound: dict) -> fx.Node:
