@@ -7,8 +7,11 @@ branches (1..6) on one input `x`, each
 
 picked from the menus below. Most branches copy a template branch (so they can batch); the others differ from it
 in one aspect (so classes split), some of them decoys that must never fuse or batch: a computed or dequantized
-weight, another input, an op that reads the previous branch. Outputs are returned or written into registered
-cache buffers (`index_put`, `index_copy_`, slice assignment).
+weight, another input, an op that reads the previous branch. Drawn per branch, without changing its ops: whether
+`where_vecs` reads one parameter twice and whether `scale_vec` reads the model's parameter (other leaves behind
+the same ops). Index tensors are often as long as there are branches (sizes that coincide with K), and the
+final op leans to the tricky ones (advanced indexing, squeeze, expand, flatten, full reductions). Outputs
+are returned or written into registered cache buffers (`index_put`, `index_copy_`, slice assignment).
 
     python tests/fuzz_models.py 17      # print the spec of seed 17
 """
