@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class ClassReport:
     branches: list[int]  # indices into GroupReport.branches
     ops: list[str]  # the op names batched, in order
+    kept: list[str] = field(default_factory=list)  # ops the class shares but that stay per branch, and why
 
 
 @dataclass
@@ -55,6 +56,7 @@ class FusionReport:
             for cls in group.classes:
                 ops = ", ".join(cls.ops)
                 lines.append(f"    batched branches {cls.branches}: {len(cls.ops)} ops each -> one set [{ops}]")
+                lines += [f"      kept per branch from {why}" for why in cls.kept]
             for bi, why in group.unbatched:
                 lines.append(f"    branch {bi} keeps its own ops: {why}")
         if self.rejected:

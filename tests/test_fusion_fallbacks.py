@@ -121,3 +121,24 @@ def test_explain_report():
     assert "4 GEMMs on ctx -> one multi_linear" in text
     assert "branch 1 keeps its own ops" in text and "aten.add" in text
     assert torch.equal(model.k_cache_0, before), "explain() must not change the model's state"
+
+
+class _SymbolicColumns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+
+    def forward(self, x):
+        return [lin(x)[:, : x.shape[0]] * 2 for lin in self.lins]
+
+
+def test_column_slice_with_a_symbolic_bound_fuses_without_narrowing():
+    torch._dynamo.reset()
+    model = _SymbolicColumns()
+    capture = CaptureBackend()
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for tokens in (5, 7, 9):  # the second compile has a symbolic T
+            x = torch.randn(tokens, 32)
+            assert_close_for_dtype(compiled(x), model(x))
+    assert capture.reports[-1].groups[0].branches == ["lins.0.weight[0:32]", "lins.1.weight[0:32]"]

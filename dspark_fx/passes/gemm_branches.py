@@ -10,6 +10,9 @@ After (the original weight tensors are read in place — nothing is concatenated
     y    = dspark.multi_linear(ctx, [W_0, W_1, ...], [q, q, ...], [2kv, 2kv, ...], [None, b_1, ...])
     mm_0 = slice(y, 1, 0, 2kv)         mm_1 = slice(y, 1, 2kv, 4kv)    ...   (per-branch column blocks)
 
+A column block is a strided view of `y` (the fusion turns the views below it into reshapes); a GEMM whose
+output is read through `as_strided` never fuses.
+
 A GEMM whose output is only read through column slices/splits (a fused qkv GEMM whose Q part is unused) is
 narrowed to the used rows first. A GEMM whose weight is computed in the graph (dequantized, transposed twice,
 ...) is not a parameter row range and never fuses; it is reported with the reason.
@@ -24,7 +27,7 @@ import torch
 import torch.fx as fx
 
 import custom_ops  # noqa: F401  (registers dspark::multi_linear)
-from dspark_fx.passes.graph_utils import aten, call, op_name, tensor_val
+from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
 
 MULTI_LINEAR = torch.ops.dspark.multi_linear.default
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
@@ -85,6 +88,8 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     x_val, out_val = tensor_val(x), tensor_val(node)
     if x_val is None or out_val is None or not isinstance(w_t, fx.Node):
         return "operands carry no tensor metadata"
+    if reads_storage_layout(node):
+        return "output is read through as_strided or a dtype view (depends on its storage layout)"
     if (w_t.target is aten.permute.default and list(w_t.args[1]) == [1, 0]) or w_t.target is aten.t.default:
         weight = w_t.args[0]
     else:
@@ -111,6 +116,8 @@ def _used_columns(node: fx.Node) -> tuple[int, int] | None:
     width = int(tensor_val(node).shape[1])
     lo, hi = width, 0
     for user in node.users:
+        if not _constant_args(user):
+            return None
         if user.target is aten.slice.Tensor and _slice_args(user)[1] in (1, -1) and _slice_args(user)[4] == 1:
             start, stop = slice(*_slice_args(user)[2:4]).indices(width)[:2]
         elif user.target in _SPLITS and _split_dim(user) in (1, -1):
@@ -123,6 +130,12 @@ def _used_columns(node: fx.Node) -> tuple[int, int] | None:
             return None
         lo, hi = min(lo, start), max(hi, stop)
     return (lo, hi) if lo < hi else None
+
+
+def _constant_args(node: fx.Node) -> bool:
+    """No argument but the input is a node (symbolic slice bounds or split sizes cannot be narrowed to)."""
+    rest = [*node.args[1:], *node.kwargs.values()]
+    return not any(isinstance(a, fx.Node) for a in torch.utils._pytree.tree_leaves(rest))
 
 
 def _split_dim(split: fx.Node) -> int:

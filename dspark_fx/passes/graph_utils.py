@@ -81,3 +81,33 @@ def is_pure(node: fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False
     return not target._schema.is_mutable
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+_STORAGE_READERS = (aten.as_strided.default, aten.view.dtype)
+_ALIASING = (
+    *_VIEWS, aten.reshape.default, aten.slice.Tensor, aten.select.int, aten.permute.default, aten.expand.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.alias.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, operator.getitem,
+)  # fmt: skip
+
+
+def views_to_reshapes(nodes: list[fx.Node]) -> None:
+    """`view`/`_unsafe_view` among `nodes` become `reshape`: the same values, without needing the strides the view
+    was traced with (a column block of the fused GEMM output, or a branch slice of a batched value, has other
+    strides, and a flattening view of it does not exist). Inductor lowers both alike; eager `reshape` copies
+    only when it must."""
+    for node in nodes:
+        if node.target in _VIEWS:
+            node.target = aten.reshape.default
+
+
+def reads_storage_layout(node: fx.Node) -> bool:
+    """Whether a value (or a view of it) is read by an op whose result depends on its strides or storage
+    (`as_strided`, a dtype view); such a value cannot be replaced by a slice of another tensor."""
+    for user in node.users:
+        if user.target in _STORAGE_READERS:
+            return True
+        if user.target in _ALIASING and reads_storage_layout(user):
+            return True
+    return False

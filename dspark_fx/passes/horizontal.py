@@ -11,13 +11,16 @@ Before (per layer l, all reading `ctx`):
 After:
 
     y  = dspark.multi_linear(ctx, [W_0 .. W_N-1], [q ..], [2kv ..], [None ..])
-    kv = permute(view(y, [-1, N, 2kv]), [1, 0, 2])                   # [N, T, 2kv], no copy
-    r  = the same ops once on kv, with stack([w_0 .. w_N-1]) for the per-layer norm weights
-    index_put(k_cache_l, [loc], select(r, 0, l))                       # per-branch outputs are views
+    kv = permute(view(slice(y, 1, 0, N * 2kv), [-1, N, 2kv]), [1, 0, 2])   # [N, T, 2kv], no copy
+    r  = the same ops once on kv (views as reshapes), with cat([w_0[None] .. w_N-1[None]]) for the norm weights
+    index_put(k_cache_l, [loc], select(r, 0, l))                            # per-branch outputs are views
 
-Steps (DESIGN §3): normalize (CSE) → group GEMMs by activation (`gemm_branches`) → rewrite each group into one
-multi-linear → grow per-branch regions and split them into classes of identical branches (`branch_regions`) →
-emit the batched ops of each class (`batching`). Anything that does not fit is left as it was and reported.
+Steps: normalize (CSE) → group GEMMs by activation (`gemm_branches`) → rewrite each group into one multi-linear
+→ grow per-branch regions and split them into classes of identical branches (`branch_regions`) → emit the
+batched ops of each class (`batch_class`, with the rules of `batching`/`batch_rules`) → the views below a fused
+GEMM become reshapes (its column blocks and branch slices have other strides). Anything that does not fit is
+left as it was and reported; an unexpected error while batching a class leaves that class unbatched (reported,
+and logged as a warning), never a failed compile.
 """
 
 from __future__ import annotations
@@ -27,12 +30,12 @@ from collections import defaultdict
 
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.utils._pytree import tree_flatten
 
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches
-from dspark_fx.passes.batching import BatchError, Operand, batch_op
-from dspark_fx.passes.graph_utils import aten, call, op_name, shape_key, tensor_val
+from dspark_fx.passes.batch_class import batch_class
+from dspark_fx.passes.batching import BatchError
+from dspark_fx.passes.graph_utils import op_name, tensor_val, views_to_reshapes
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
 from dspark_fx.report import ClassReport, FusionReport, GroupReport, Rejection
 
@@ -58,6 +61,8 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
             continue
         report.groups.append(_fuse_group(graph, branches, config, names))
     if report.groups:
+        fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
+        views_to_reshapes(list(branch_regions.descendants(graph, fused)))
         eliminate_common_subexpressions(graph)
         stable_topological_sort(graph)
         graph.lint()
@@ -78,21 +83,56 @@ def _fuse_group(graph: fx.Graph, branches: list, config: DsparkConfig, names) ->
     report = GroupReport(names.of(branches[0].activation), descriptions, weight_bytes)
     if not config.batch_regions:
         return report
-    tainted = branch_regions.descendants(graph, [fused])
-    regions = [branch_regions.grow_region(graph, block, tainted) for block in blocks]
-    classes, unbatched = _classes(regions, [b.row_count for b in branches], config)
+    try:
+        tainted = branch_regions.descendants(graph, [fused])
+        regions = [branch_regions.grow_region(graph, block, tainted) for block in blocks]
+        classes, unbatched = _classes(regions, [b.row_count for b in branches], config)
+    except Exception as err:  # analysis only: the graph is unchanged, every branch keeps its own ops
+        log.warning("dspark_fx: unexpected error while comparing branches", exc_info=True)
+        report.unbatched = [
+            (i, f"unexpected {type(err).__name__} while comparing branches: {err}") for i in range(len(branches))
+        ]
+        return report
     report.unbatched = unbatched
     in_class = [i for members, _, _ in classes for i in members]
     order = in_class + [i for i in range(len(branches)) if i not in in_class]
     _reorder_blocks(graph, fused, blocks, branches, order)
     for members, alignments, shared_ops in classes:
         try:
-            ops = _batch_class(graph, fused, blocks, regions, members, alignments, shared_ops)
+            report.classes.append(_batch(graph, fused, blocks, regions, members, alignments, shared_ops))
         except BatchError as err:
             report.unbatched += [(i, f"batching failed: {err}") for i in members]
-            continue
-        report.classes.append(ClassReport(members, ops))
+        except Exception as err:  # a rule bug must not break the compile: these branches keep their own ops
+            log.warning("dspark_fx: unexpected error while batching branches %s", members, exc_info=True)
+            report.unbatched += [(i, f"batching failed: unexpected {type(err).__name__}: {err}") for i in members]
     return report
+
+
+def _batch(graph, fused, blocks, regions, members, alignments, shared_ops) -> ClassReport:
+    """Batch a class. An op that no rule can batch stays per branch with every op after it (the class batches
+    the ops before it); `BatchError` when no op is left to batch."""
+    kept = []
+    while True:
+        try:
+            ops = batch_class(graph, fused, blocks, regions, members, alignments, shared_ops)
+        except BatchError as err:
+            if err.node not in shared_ops:
+                raise
+            kept.append(f"{op_name(err.node)} ({err.node.name}): {err}")
+            shared_ops = shared_ops - _with_dependents(err.node, regions[members[0]])
+            if len(shared_ops) < 2:  # only the GEMM block itself
+                raise BatchError("; ".join(kept)) from None
+            continue
+        stable_topological_sort(graph)  # batched ops may read shared values defined after the class's first op
+        return ClassReport(members, ops, kept)
+
+
+def _with_dependents(node: fx.Node, region: branch_regions.Region) -> set[fx.Node]:
+    out = {node}
+    for other in region.nodes:
+        if any(i in out for i in other.all_input_nodes):
+            out.add(other)
+    return out
 
 
 def _classes(regions, widths, config):
@@ -144,77 +184,6 @@ def _reorder_blocks(graph: fx.Graph, fused: fx.Node, blocks, branches, order) ->
         width = branches[i].row_count
         blocks[i].args = (fused, 1, col, col + width)
         col += width
-
-
-def _batch_class(graph, fused, blocks, regions, members, alignments, shared_ops) -> list[str]:
-    k = len(members)
-    ref = regions[members[0]]
-    nodes = [n for n in ref.nodes[1:] if n in shared_ops]
-    start, stop = int(blocks[members[0]].args[2]), int(blocks[members[0]].args[3])
-    counterparts = [{n: n for n in ref.nodes}] + [a.mapping for a in alignments[1:]]
-    images = [{c[n] for n in shared_ops} for c in counterparts]
-    outputs = [
-        (node, idx, [u for u in c[node].users if u not in images[idx]])
-        for node in nodes
-        for idx, c in enumerate(counterparts)
-    ]
-    outputs = [(node, idx, users) for node, idx, users in outputs if users]
-    if any(tensor_val(node) is None for node, _, _ in outputs):
-        raise BatchError("a non-tensor value leaves the region")
-    existing = set(graph.nodes)
-    with graph.inserting_before(ref.nodes[1]):
-        try:
-            cols = call(graph, aten.slice.Tensor, (fused, 1, start, start + k * (stop - start)))
-            viewed = call(graph, aten.view.default, (cols, [-1, k, stop - start]))
-            batched = {ref.root: call(graph, aten.permute.default, (viewed, [1, 0, 2]))}
-            for node in nodes:
-                operands = _operands(node, [c[node] for c in counterparts], ref, batched)
-                new = batch_op(graph, node, operands.__getitem__, k)
-                if _unbatched_key(new) != shape_key(node):
-                    raise BatchError(f"batched {op_name(node)} gives {shape_key(new)} for {shape_key(node)}")
-                batched[node] = new
-        except BatchError:
-            for node in reversed(list(graph.nodes)):
-                if node not in existing and not node.users:
-                    graph.erase_node(node)
-            raise
-        for node, idx, users in outputs:
-            view = call(graph, aten.select.int, (batched[node], 0, idx))
-            for user in users:
-                user.replace_input_with(counterparts[idx][node], view)
-    for member in members:
-        for node in reversed(regions[member].nodes):
-            if not node.users:
-                graph.erase_node(node)
-    return [op_name(n) for n in nodes]
-
-
-def _unbatched_key(node: fx.Node) -> str:
-    """`shape_key` of one branch's slice of a batched node (the leading K dim dropped)."""
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    keys = [f"{v.dtype}{list(v.shape[1:])}" for v in vals]
-    return keys[0] if not isinstance(val, (list, tuple)) else "(" + ",".join(keys) + ")"
-
-
-def _operands(node, member_nodes, ref, batched) -> dict[fx.Node, Operand]:
-    """How each tensor input of `node` (reference branch) is provided: batched, shared or per-branch leaves."""
-    flats = [tree_flatten((m.args, m.kwargs))[0] for m in member_nodes]
-    operands: dict[fx.Node, Operand] = {}
-    for pos, value in enumerate(flats[0]):
-        if not isinstance(value, fx.Node) or value in operands:
-            continue
-        if value in ref.members:
-            operands[value] = Operand("batched", batched[value])
-            continue
-        if tensor_val(value) is None:
-            continue
-        leaves = tuple(flat[pos] for flat in flats)
-        if all(leaf is value for leaf in leaves):
-            operands[value] = Operand("shared", value)
-        else:
-            operands[value] = Operand("leaf", leaves=leaves)
-    return operands
 
 
 class _Namer:

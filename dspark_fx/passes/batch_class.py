@@ -1,0 +1,103 @@
+"""Emit the batched ops of one class of identical branches and point the branches' consumers at their slices.
+
+Before (branches 0 and 1 of a class, column blocks of the multi-linear output `y`):
+
+    k_0 = view(slice(y, 1, 0, w), [-1, h, d]);   n_0 = mul(k_0, w_0)   ->  consumers of n_0
+    k_1 = view(slice(y, 1, w, 2w), [-1, h, d]);  n_1 = mul(k_1, w_1)   ->  consumers of n_1
+
+After:
+
+    kv = permute(view(slice(y, 1, 0, 2w), [-1, 2, w]), [1, 0, 2])        # [K, T, w], no copy
+    k  = reshape(kv, [2, -1, h, d]);  n = mul(k, unsqueeze(unsqueeze(cat([w_0[None], w_1[None]]), 1), 1))
+    consumers of n_0 read select(n, 0, 0); consumers of n_1 read select(n, 0, 1)
+
+The per-branch values are strided slices of batched ones (the fusion turns the views below them into reshapes);
+a value read through `as_strided` depends on its storage layout and is never batched.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dspark_fx.passes.batching import BatchError, Operand, batch_op
+from dspark_fx.passes.branch_regions import Alignment, Region
+from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
+
+
+def batch_class(
+    graph: fx.Graph,
+    fused: fx.Node,
+    blocks: list[fx.Node],
+    regions: list[Region],
+    members: list[int],
+    alignments: list[Alignment | None],
+    shared_ops: set[fx.Node],
+) -> list[str]:
+    """Batch the ops `shared_ops` of the reference branch `members[0]` for all `members` (their column blocks
+    are adjacent in `fused`); returns the batched op names. On `BatchError` (naming the op it is about) or any
+    other error the graph is left as it was."""
+    k = len(members)
+    ref = regions[members[0]]
+    nodes = [n for n in ref.nodes[1:] if n in shared_ops]
+    start, stop = int(blocks[members[0]].args[2]), int(blocks[members[0]].args[3])
+    counterparts = [{n: n for n in ref.nodes}] + [a.mapping for a in alignments[1:]]
+    images = [{c[n] for n in shared_ops} for c in counterparts]
+    exits = [
+        (node, idx, [u for u in c[node].users if u not in images[idx]])
+        for node in nodes
+        for idx, c in enumerate(counterparts)
+    ]
+    exits = [(node, idx, users) for node, idx, users in exits if users]
+    for node, idx, _ in exits:
+        if tensor_val(node) is None:
+            raise BatchError("a non-tensor value leaves the batched ops", node)
+        if reads_storage_layout(counterparts[idx][node]):
+            raise BatchError("read through as_strided or a dtype view (its storage layout)", node)
+    existing = set(graph.nodes)
+    try:
+        with graph.inserting_before(ref.nodes[1]):
+            cols = call(graph, aten.slice.Tensor, (fused, 1, start, start + k * (stop - start)))
+            viewed = call(graph, aten.view.default, (cols, [-1, k, stop - start]))
+            batched = {ref.root: call(graph, aten.permute.default, (viewed, [1, 0, 2]))}
+            for node in nodes:
+                args, kwargs = _operands(node, [c[node] for c in counterparts], ref, batched)
+                try:
+                    batched[node] = batch_op(graph, node, args, kwargs, k)
+                except BatchError as err:
+                    err.node = err.node or node
+                    raise
+            views = [call(graph, aten.select.int, (batched[node], 0, idx)) for node, idx, _ in exits]
+    except Exception:
+        for node in reversed(list(graph.nodes)):
+            if node not in existing and not node.users:
+                graph.erase_node(node)
+        raise
+    for (node, idx, users), view in zip(exits, views, strict=True):
+        for user in users:
+            user.replace_input_with(counterparts[idx][node], view)
+    for member in members:
+        for node in reversed(regions[member].nodes):
+            if not node.users:
+                graph.erase_node(node)
+    return [op_name(n) for n in nodes]
+
+
+def _operands(node: fx.Node, member_nodes: list[fx.Node], ref: Region, batched: dict) -> tuple[tuple, dict]:
+    """`node`'s arguments with each tensor argument, *position by position*, replaced by an `Operand`: batched
+    (a region value), shared (the same node in every branch) or per-branch leaves. (One reference node may stand
+    for different leaves at two positions: `where(c, w_0, w_0)` against `where(c, w_1, w_2)`.)"""
+    flats = [tree_flatten((m.args, m.kwargs))[0] for m in member_nodes]
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    out = []
+    for pos, value in enumerate(flat):
+        if isinstance(value, fx.Node) and value in ref.members:
+            out.append(Operand("batched", value, batched[value]))
+        elif isinstance(value, fx.Node) and tensor_val(value) is not None:
+            leaves = tuple(f[pos] for f in flats)
+            shared = all(leaf is value for leaf in leaves)
+            out.append(Operand("shared", value, value) if shared else Operand("leaf", value, leaves=leaves))
+        else:
+            out.append(value)
+    args, kwargs = tree_unflatten(out, spec)
+    return args, kwargs
