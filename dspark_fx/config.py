@@ -14,12 +14,17 @@ class DsparkConfig:
     `batch_regions`: also batch the identical per-branch ops after the GEMM (norm, RoPE, views).
     `min_branches`: smallest group worth fusing.
     `max_leaf_numel`: largest per-branch tensor (e.g. a norm weight) that may be stacked per call.
+    `skinny_linears`: also route a GEMM that has no partner on its activation (a draft's o_proj, down_proj, fc)
+    through `dspark::multi_linear` with one weight. On CUDA the op takes its small-T kernel where that beats cuBLAS
+    (up to 8 tokens: 1.04-1.35x on an H200 for single [4096, 4096], [1024, 4096], [4096, 12288] weights, see
+    BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
     """
 
     horizontal_fusion: bool = True
     batch_regions: bool = True
     min_branches: int = 2
     max_leaf_numel: int = 1 << 16
+    skinny_linears: bool = True
 
     def __post_init__(self) -> None:
         if self.min_branches < 2:

@@ -31,6 +31,7 @@ class Rejection:
 class FusionReport:
     groups: list[GroupReport] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    routed: list[str] = field(default_factory=list)  # lone GEMMs routed through multi_linear (skinny linears)
 
     @property
     def n_groups(self) -> int:
@@ -43,6 +44,7 @@ class FusionReport:
     def merge(self, other: FusionReport) -> None:
         self.groups += other.groups
         self.rejected += other.rejected
+        self.routed += other.routed
 
     def __str__(self) -> str:
         lines = [f"dspark_fx horizontal fusion: {self.n_groups} fused GEMM group(s)"]
@@ -59,6 +61,9 @@ class FusionReport:
                 lines += [f"      kept per branch from {why}" for why in cls.kept]
             for bi, why in group.unbatched:
                 lines.append(f"    branch {bi} keeps its own ops: {why}")
+        if self.routed:
+            lines.append("  lone GEMMs routed through multi_linear (small-T kernel on CUDA where it beats cuBLAS):")
+            lines += [f"    {r}" for r in self.routed]
         if self.rejected:
             lines.append("  not fused:")
             lines += [f"    {r.node}: {r.reason}" for r in self.rejected]

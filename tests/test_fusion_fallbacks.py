@@ -1,11 +1,12 @@
 """Branches that are only partly compatible: exactly the incompatible part stays unfused, and explain() says why."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import eager_and_compiled, small_config
 from torch import nn
 
-from dspark_fx import explain
+from dspark_fx import DsparkConfig, explain
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
@@ -97,17 +98,26 @@ class _TwoInputs(nn.Module):
         return normed[0], dependent, normed[2], self.b(x2)
 
 
-def test_dependent_branches_and_different_inputs():
+@pytest.mark.parametrize("skinny", [True, False])
+def test_dependent_branches_and_different_inputs(skinny):
+    """The three GEMMs on x fuse; the lone GEMM on x2 is routed through multi_linear on its own (skinny linears,
+    the default) or, with the switch off, stays an `mm` with the reason in the report."""
     torch._dynamo.reset()
     model = _TwoInputs()
     x, x2 = torch.randn(5, 32), torch.randn(5, 32)
-    capture = CaptureBackend()
+    capture = CaptureBackend(DsparkConfig(skinny_linears=skinny))
     with torch.no_grad():
         assert_close_for_dtype(torch.compile(model, backend=capture)(x, x2), model(x, x2))
     capture.assert_fused(n_groups=1, n_branches=[3])
     counts = op_counts(capture.after[-1])
-    assert counts["aten.mm"] == 1 and counts["aten.sigmoid"] == 1  # b(x2) alone; the dependent op per branch
-    assert any("only fusable GEMM" in r.reason for r in capture.report.rejected)
+    assert counts["aten.sigmoid"] == 1  # the dependent op stays per branch
+    assert (counts["aten.mm"], counts["dspark.multi_linear"]) == ((0, 2) if skinny else (1, 1))
+    if skinny:
+        assert capture.report.routed == ["b.weight[0:32] on x2"]
+        assert "lone GEMMs routed through multi_linear" in str(capture.report)
+    else:
+        assert not capture.report.routed
+        assert any("fewer than min_branches" in r.reason for r in capture.report.rejected)
 
 
 def test_explain_report():

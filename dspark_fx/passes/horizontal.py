@@ -54,13 +54,16 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
         elif match is not None:
             groups[(match.activation, match.dtype)].append(match)
     for (activation, _), branches in groups.items():
-        if len(branches) < config.min_branches:
-            report.rejected.append(
-                Rejection(names.of(branches[0].node), f"the only fusable GEMM on {names.of(activation)}")
-            )
-            continue
-        report.groups.append(_fuse_group(graph, branches, config, names))
-    if report.groups:
+        if len(branches) >= config.min_branches:
+            report.groups.append(_fuse_group(graph, branches, config, names))
+        elif len(branches) == 1 and config.skinny_linears:
+            gemm_branches.narrow_to_used_columns(branches[0])
+            report.routed.append(f"{_describe(branches[0], names)} on {names.of(activation)}")
+            gemm_branches.rewrite_group(graph, branches)
+        else:
+            why = f"{len(branches)} fusable GEMM(s) on {names.of(activation)}, fewer than min_branches"
+            report.rejected.extend(Rejection(names.of(b.node), why) for b in branches)
+    if report.groups or report.routed:
         fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
         views_to_reshapes(list(branch_regions.descendants(graph, fused)))
         eliminate_common_subexpressions(graph)
@@ -69,13 +72,16 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     return report
 
 
+def _describe(branch: gemm_branches.GemmBranch, names) -> str:
+    """`weight[start:stop]` (+ bias) of a GEMM branch, by parameter name."""
+    rows = f"{names.of(branch.weight)}[{branch.row_start}:{branch.row_start + branch.row_count}]"
+    return rows + (" + bias" if branch.bias is not None else "")
+
+
 def _fuse_group(graph: fx.Graph, branches: list, config: DsparkConfig, names) -> GroupReport:
     for branch in branches:
         gemm_branches.narrow_to_used_columns(branch)
-    descriptions = [
-        f"{names.of(b.weight)}[{b.row_start}:{b.row_start + b.row_count}]" + (" + bias" if b.bias is not None else "")
-        for b in branches
-    ]
+    descriptions = [_describe(b, names) for b in branches]
     in_features = int(tensor_val(branches[0].activation).shape[1])
     itemsize = tensor_val(branches[0].node).dtype.itemsize
     weight_bytes = sum(b.row_count * (in_features + (b.bias is not None)) * itemsize for b in branches)
