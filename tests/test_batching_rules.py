@@ -161,6 +161,28 @@ def test_a_flattened_gemm_output_fuses_without_batching():
     assert len(group.branches) == 2 and not group.classes
 
 
+def test_a_value_read_through_as_strided_keeps_its_own_layout():
+    """`as_strided` reads storage: neither a column block of the fused GEMM nor a branch slice of a batched value
+    may stand in for the tensor it was traced on."""
+    group = _check(Branches(3, lambda m, i, k: (k * 2).as_strided((8, 8), (8, 1)) + 1), X)
+    (cls,) = group.classes
+    assert cls.ops == ["aten.view"] and "as_strided" in cls.kept[0], group
+
+    class Strided(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+
+        def forward(self, x):
+            return [lin(x).as_strided((8, 8), (8, 1)) + 1 for lin in self.lins]
+
+    torch._dynamo.reset()
+    model, capture = Strided(), CaptureBackend()
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(model, backend=capture)(X), model(X))
+    assert capture.report.n_groups == 0 and "as_strided" in capture.report.rejected[0].reason
+
+
 def test_dtype_promotion_by_a_zero_dim_value_is_not_batched():
     """`bf16 * fp32 0-d` stays bf16; batched, the 0-d value gets dims and would promote to fp32."""
 
