@@ -5,7 +5,8 @@
 hide inside a cached block). The calls cover empty and single-row batches, odd sizes, strided inputs, negative
 and out-of-range slots, positions and request ids (which the kernels must skip), and every DSV4 compressor path
 (c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores).
-The script itself only checks that the results are finite where rows were written; the sanitizer does the rest.
+The script reads no results back: on the H200, initcheck reports PyTorch's own elementwise kernels reading
+outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer.
 `--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
 a quick check of the driver itself (tests/test_sanitize_driver.py).
 
@@ -116,8 +117,7 @@ def multi_linear(gen: torch.Generator) -> None:
         biases = [None, torch.randn(17, generator=gen).to(dtype).to(DEV), None]
         for tokens in (0, 1, 7, 16, 64, 65):
             x = torch.randn(tokens, 320, generator=gen).to(dtype).to(DEV)[:, 32:288]
-            out = torch.ops.dspark.multi_linear(x, weights, [0, 1, 8], [48, 16, 40], biases)
-            assert torch.isfinite(out).all()
+            torch.ops.dspark.multi_linear(x, weights, [0, 1, 8], [48, 16, 40], biases)
 
 
 def main(argv: list[str] | None = None) -> None:
