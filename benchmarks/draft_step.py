@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _timing import graphed
 from torch import nn
 
 import dspark_fx
@@ -231,15 +232,6 @@ def copy_bandwidth(device: str) -> float:
     src = torch.empty((2 << 30) if device == "cuda" else (64 << 20), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() / (1e-6 * median_us(lambda: dst.copy_(src), device))
-
-
-def graphed(fn, args):
-    for _ in range(3):
-        fn(*args)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    return graph.replay
 
 
 def main() -> None:

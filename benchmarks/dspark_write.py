@@ -15,6 +15,7 @@ import copy
 from pathlib import Path
 
 import torch
+from _timing import graphed
 from triton.testing import do_bench
 
 import dspark_fx
@@ -55,15 +56,6 @@ def measure_ceilings() -> tuple[float, float]:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm_ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
     return 2 * src.numel() / (copy_ms * 1e-3), 2 * 8192**3 / (gemm_ms * 1e-3)
-
-
-def graphed(fn, args):
-    for _ in range(3):
-        fn(*args)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    return graph.replay
 
 
 def main() -> None:

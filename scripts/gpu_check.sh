@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: environment, CUDA extension build, then one of
 #   tests     every CUDA-marked test
-#   bench     every benchmark (benchmarks/*.py --out $OUT/<name>.md)
+#   bench     every benchmark (benchmarks/[!_]*.py --out $OUT/<name>.md)
 #   all       tests, then bench (the default)
 #   sanitize  scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and synccheck
 #             (every tensor its own allocation); each tool's summary goes to $OUT/sanitize.txt
@@ -40,7 +40,7 @@ case "$what" in
       python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
     fi
     if [ "$what" != tests ]; then
-      for bench in benchmarks/*.py; do
+      for bench in benchmarks/[!_]*.py; do
         name=$(basename "$bench" .py)
         python3 "$bench" --out "$OUT/$name.md" 2>&1 | tee "$OUT/$name.log" || status=1
       done
