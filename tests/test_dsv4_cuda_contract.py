@@ -15,9 +15,8 @@ from test_dsv4_kernel_emulation import (
     STORE_FREQS,
     STORE_PAGE,
     corruption_case,
-    decode_corruptions,
+    plan_corruptions,
     planner_problem_stages,
-    prefill_corruptions,
     run_compress,
     store_case,
     storing_rows,
@@ -94,11 +93,7 @@ def test_compress_skips_out_of_range_plan_rows_and_raises_the_cpu_error_when_che
     other state row unchanged); checking mode raises the CPU message before writing anything."""
     g = torch.Generator().manual_seed(ratio + 2 * online + decode)
     state, kv, ape, plans = corruption_case(ratio, online, decode, g)
-    if decode:
-        corruptions = decode_corruptions(ratio, online, state.shape[0])
-    else:
-        corruptions = prefill_corruptions(ratio, online, state.shape[0], kv.shape[0])
-    for field, corrupt in corruptions:
+    for field, corrupt in plan_corruptions(ratio, online, decode, state, kv):
         bad, good = [p.clone() for p in plans], [p.clone() for p in plans]
         corrupt([p.view(torch.int32) for p in bad], [p.view(torch.int32) for p in good])
         want_state = state.clone()

@@ -485,6 +485,13 @@ def prefill_corruptions(ratio: int, online: bool, rows: int, inputs: int):
     ]
 
 
+def plan_corruptions(ratio: int, online: bool, decode: bool, state: torch.Tensor, kv: torch.Tensor):
+    """`decode_corruptions` or `prefill_corruptions` for the buffers of a `corruption_case`."""
+    if decode:
+        return decode_corruptions(ratio, online, state.shape[0])
+    return prefill_corruptions(ratio, online, state.shape[0], kv.shape[0])
+
+
 def corruption_case(ratio: int, online: bool, decode: bool, g: torch.Generator):
     """A random state, input and ape, and valid plans of 3-4 requests."""
     d = 128
@@ -532,11 +539,7 @@ def test_emulated_compress_kernels_skip_out_of_range_plan_rows(emu, ratio, onlin
     the kernels skip the row and leave exactly what the CPU path leaves for the plan with that row neutralized."""
     g = torch.Generator().manual_seed(ratio + 2 * online + decode)
     state, kv, ape, plans = corruption_case(ratio, online, decode, g)
-    if decode:
-        corruptions = decode_corruptions(ratio, online, state.shape[0])
-    else:
-        corruptions = prefill_corruptions(ratio, online, state.shape[0], kv.shape[0])
-    for field, corrupt in corruptions:
+    for field, corrupt in plan_corruptions(ratio, online, decode, state, kv):
         bad, good = [p.clone() for p in plans], [p.clone() for p in plans]
         corrupt([p.view(torch.int32) for p in bad], [p.view(torch.int32) for p in good])
         before = state.clone()

@@ -9,7 +9,9 @@ from custom_ops.multi_linear import multi_linear_reference
 op = torch.ops.dspark.multi_linear
 
 
-def _fp64_formula(x, weights, starts, counts, biases):
+def fp64_formula(x, weights, starts, counts, biases):
+    """The op's result in fp64, written independently of `multi_linear_reference` (shared by the CUDA and
+    kernel-emulation tests)."""
     blocks = []
     for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
         y = x.double() @ w[s : s + c].double().T
@@ -32,7 +34,7 @@ def test_matches_fp64_formula(tokens, dtype):
     out = op(*args)
     assert out.shape == (tokens, 39) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), _fp64_formula(*args), rtol=tol, atol=tol * 8)
+    torch.testing.assert_close(out.double(), fp64_formula(*args), rtol=tol, atol=tol * 8)
 
 
 def test_reference_is_the_registered_cpu_kernel():
@@ -83,7 +85,7 @@ def test_bad_inputs(mutate, error, match):
 
 def test_empty_row_ranges_and_zero_k():
     x, weights, starts, _, biases = _case(tokens=4)
-    expected = _fp64_formula(x, weights, starts, [16, 0, 7], biases)
+    expected = fp64_formula(x, weights, starts, [16, 0, 7], biases)
     torch.testing.assert_close(op(x, weights, starts, [16, 0, 7], biases).double(), expected, rtol=1e-5, atol=1e-5)
     assert op(x, weights, starts, [0, 0, 0], biases).shape == (4, 0)
     empty_k = [w[:, :0] for w in weights]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_multi_linear import fp64_formula
 
 import custom_ops  # noqa: F401
 from custom_ops import _build
@@ -21,14 +22,6 @@ variant_op = torch.ops.dspark._multi_linear_variant
 @pytest.fixture(autouse=True, scope="module")
 def _cuda_library():
     _build.load()
-
-
-def _fp64(x, weights, starts, counts, biases):
-    blocks = []
-    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
-        y = x.double() @ w[s : s + c].double().T
-        blocks.append(y if b is None else y + b[s : s + c].double())
-    return torch.cat(blocks, dim=1)
 
 
 def _check(out, ref):
@@ -79,16 +72,16 @@ def test_matches_fp64(group, dtype):
         args = _case(tokens, k, counts, dtype=dtype, seed=tokens)
         out = op(*args)
         assert out.dtype == dtype and out.shape == (tokens, sum(counts))
-        _check(out, _fp64(*args))
+        _check(out, fp64_formula(*args))
 
 
 def test_decode_groups_of_the_benchmark():
     """The fused KV group (5 x [2048, 4096]) and q/k/v with biases at decode sizes."""
     for tokens in (1, 16, 64):
         kv = _case(tokens, 4096, [2048] * 5, seed=1, bias=(False,))
-        _check(op(*kv), _fp64(*kv))
+        _check(op(*kv), fp64_formula(*kv))
         qkv = _case(tokens, 4096, [4096, 1024, 1024], seed=2, bias=(True,))
-        _check(op(*qkv), _fp64(*qkv))
+        _check(op(*qkv), fp64_formula(*qkv))
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 40])
@@ -96,7 +89,7 @@ def test_every_variant_and_split(tokens):
     """Each compiled tile configuration with automatic and forced cluster splits; a second run is bit-identical (no
     race in the split-K reduction)."""
     args = _case(tokens, 1032, [40, 0, 300, 17], seed=tokens)
-    ref = _fp64(*args)
+    ref = fp64_formula(*args)
     for v in kernel_variants():
         for split in (0, 1, 2, 3, 8):
             out = variant_op(*args, v.index, split)
@@ -135,14 +128,14 @@ def test_weight_layouts_the_kernel_cannot_read(layout):
     else:
         weights[1] = torch.empty(base.shape[0], 131, device="cuda", dtype=base.dtype)[:, :128].copy_(base)
     args = (x, weights, starts, counts, biases)
-    _check(op(*args), _fp64(*args))
+    _check(op(*args), fp64_formula(*args))
 
 
 def test_k_not_a_multiple_of_8_and_fp32_use_cublas():
     args = _case(5, 12, [20, 9], seed=5)
-    _check(op(*args), _fp64(*args))
+    _check(op(*args), fp64_formula(*args))
     args32 = _case(5, 64, [20, 9], dtype=torch.float32, seed=6)
-    torch.testing.assert_close(op(*args32).double(), _fp64(*args32), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(op(*args32).double(), fp64_formula(*args32), rtol=1e-4, atol=1e-4)
 
 
 def test_empty_outputs():
@@ -156,7 +149,7 @@ def test_more_weights_than_one_launch():
     counts = [1 + (i * 7) % 23 for i in range(70)]
     for tokens in (3, 33):
         args = _case(tokens, 96, counts, seed=tokens, pad_rows=1, bias=(True, False, False))
-        _check(op(*args), _fp64(*args))
+        _check(op(*args), fp64_formula(*args))
 
 
 def _adjacent_case(tokens, seed):
@@ -190,7 +183,7 @@ def test_adjacent_weights_merge(tokens):
     separate = ([_apart(w) for w in weights], [_apart(b) for b in biases])
     merged_out = op(x, weights, starts, counts, biases)
     separate_out = op(x, separate[0], starts, counts, separate[1])
-    _check(merged_out, _fp64(x, weights, starts, counts, biases))
+    _check(merged_out, fp64_formula(x, weights, starts, counts, biases))
     if tokens <= kernel_token_threshold():
         assert torch.equal(merged_out, separate_out)
     else:
@@ -216,7 +209,7 @@ def test_cuda_graph_rewrites_every_output_and_sees_weight_updates(tokens):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, _fp64(x, weights, starts, counts, biases))
+        _check(out, fp64_formula(x, weights, starts, counts, biases))
 
 
 def test_every_element_written_on_a_dirty_allocator():
@@ -226,7 +219,7 @@ def test_every_element_written_on_a_dirty_allocator():
         torch.full((numel,), float("nan"), device="cuda", dtype=torch.bfloat16)
     for tokens in (1, 16, 64):
         args = _case(tokens, 256, [130, 70], seed=tokens)
-        _check(op(*args), _fp64(*args))
+        _check(op(*args), fp64_formula(*args))
 
 
 def test_concurrent_streams():
@@ -240,7 +233,7 @@ def test_concurrent_streams():
             outs.append([op(*args) for _ in range(20)])
     torch.cuda.synchronize()
     for args, results in zip(cases, outs, strict=True):
-        ref = _fp64(*args)
+        ref = fp64_formula(*args)
         for out in results:
             _check(out, ref)
 
@@ -254,7 +247,7 @@ def test_compiled_with_symbolic_tokens():
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for tokens in (3, 17, 64, 100):
         x = torch.randn(tokens, 256, device="cuda", dtype=x0.dtype)
-        _check(compiled(x) / 2, _fp64(x, weights, starts, counts, biases))
+        _check(compiled(x) / 2, fp64_formula(x, weights, starts, counts, biases))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 100])

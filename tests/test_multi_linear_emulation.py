@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_multi_linear import fp64_formula
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
@@ -275,14 +276,6 @@ def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col
     )
 
 
-def _fp64(x, weights, starts, counts, biases):
-    blocks = []
-    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
-        y = x.double() @ w[s : s + c].double().T
-        blocks.append(y if b is None else y + b[s : s + c].double())
-    return torch.cat(blocks, dim=1)
-
-
 def _case(tokens, k, counts, *, dtype=torch.bfloat16, seed=0, pad_rows=3, pad_k=16, with_bias=(False, True)):
     """Fresh random weights with `pad_rows` unused rows around each used range and rows `pad_k` elements longer
     than K (row stride != K), an activation that is a column slice of a wider tensor, mixed biases."""
@@ -312,7 +305,7 @@ def _run_and_check(emu, args, *, variant, split):
     total = sum(counts)
     out = torch.full((x.shape[0], total + 5), float("nan"), dtype=x.dtype)  # 2 columns before, 3 after stay NaN
     _launch(emu, x, weights, starts, counts, biases, out, variant=variant, split=split, col=2)
-    _check(out[:, 2 : 2 + total], _fp64(*args))
+    _check(out[:, 2 : 2 + total], fp64_formula(*args))
     assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, 2 + total :]).all()
 
 
