@@ -8,6 +8,7 @@ from custom_ops import (  # noqa: F401  (_library defines the dspark namespace f
     dsv4_compress_store,
     flashmla_writes,
     multi_linear,
+    multi_linear_kv_write,
 )
 from custom_ops.checks import checks, checks_enabled, set_checks
 from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
