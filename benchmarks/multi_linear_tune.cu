@@ -201,7 +201,7 @@ int main() {
       const double floor_us = 1e6 * (group_bytes + tokens * (g.k + rows) * 2.0) / copy_rate;
       float best = 1e30f;
       std::string best_name;
-      const int dv = default_variant(rows, sms);
+      const int dv = default_variant(rows, g.k, sms);
       const int ds = auto_split(kVariants[dv], rows, g.k, sms);
       for (const Config& c : configs) {
         const int nt = tokens <= 8 ? 0 : tokens <= 16 ? 1 : tokens <= 32 ? 2 : 3;
@@ -209,7 +209,7 @@ int main() {
         if (smem > kMaxSmemBytes) continue;
         const int64_t tiles = (rows + cta_rows(c.v) - 1) / cta_rows(c.v);
         std::string line;
-        for (int split : {1, 2, 4, 8}) {
+        for (int split : {1, 2, 3, 4, 6, 8}) {
           if (g.k / kStepCols / (split * c.v.k_warps) < 2) continue;
           auto params = [&](int i) {
             Params p{};

@@ -20,8 +20,8 @@ Which path runs:
 | device | when                                                      | path                                           |
 |--------|-----------------------------------------------------------|------------------------------------------------|
 | CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
-| CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 8, or | the kernel, one launch per 64 row ranges       |
-|        | T <= 16 for >= 2 row ranges of <= 4096 rows on average    |                                                |
+| CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 16,   | the kernel, one launch per 64 row ranges       |
+|        | or T <= 32 for >= 2 row ranges of <= 4096 rows on average |                                                |
 | CUDA   | otherwise (fp32, larger T, other K, other layouts)        | one cuBLAS `mm`/`addmm` per row range (b)      |
 
 (a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
@@ -167,7 +167,7 @@ def _native() -> ctypes.CDLL:
 
 def kernel_token_threshold() -> int:
     """Largest token count (rows of `x`) for which the CUDA op runs the kernel for any group (builds the library if
-    needed); see `uses_kernel` for the groups that take it up to 16 tokens."""
+    needed); see `uses_kernel` for the groups that take it up to 32 tokens."""
     return int(_native().dspark_multi_linear_token_threshold())
 
 

@@ -61,7 +61,7 @@ GROUPS = {
 
 def _token_counts() -> list[int]:
     threshold = kernel_token_threshold()
-    return sorted({1, 2, 7, 16, threshold - 1, threshold, threshold + 1, 128})
+    return sorted({1, 2, 7, 16, threshold - 1, threshold, threshold + 1, 32, 33, 64, 128})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -42,10 +42,11 @@ inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 inline thread_local Dim3 threadIdx, blockIdx;
 
-// Where an emulated CUDA thread lives: its CTA's barrier and shared memory, its warp's barrier and fragment exchange,
-// its cluster's barrier and CTA buffers.
+// Where an emulated CUDA thread lives: its CTA's barrier, named barriers (id 1..) and shared memory, its warp's
+// barrier and fragment exchange, its cluster's barrier and CTA buffers.
 struct EmuThread {
   std::barrier<>* block;
+  std::barrier<>* const* named;
   std::barrier<>* warp;
   std::barrier<>* cluster;
   uint32_t (*lanes)[6];
@@ -56,6 +57,7 @@ struct EmuThread {
 inline thread_local EmuThread emu;
 
 inline void __syncthreads() { emu.block->arrive_and_wait(); }
+inline void emu_group_barrier(int id, int) { emu.named[id - 1]->arrive_and_wait(); }
 inline float* emu_cta_smem() { return emu.smem; }
 inline void emu_cluster_coord(unsigned& id, unsigned& rank, unsigned& size) {
   id = emu.id; rank = emu.rank; size = emu.size;
@@ -156,7 +158,8 @@ static void run(const Params& p, int variant, int split) {
   const KernelFn kernel = kernel_for<T>(variant, p.tokens);
   for (int64_t tile = 0; tile < tiles; ++tile) {
     std::barrier<> cluster(threads * split);
-    std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars;
+    std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars, named;
+    std::vector<std::barrier<>*> named_ptrs;
     std::vector<std::vector<float>> smem(split, std::vector<float>(smem_floats, NAN));
     std::vector<float*> smem_ptrs;
     std::vector<uint32_t> lanes(size_t(split) * warps * 32 * 6);
@@ -164,6 +167,10 @@ static void run(const Params& p, int variant, int split) {
       smem_ptrs.push_back(smem[r].data());
       blocks.push_back(std::make_unique<std::barrier<>>(threads));
       for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+      for (int g = 0; g < v.k_warps; ++g) {  // the kernel's k-group barriers: ids 1..WK of WR warps each
+        named.push_back(std::make_unique<std::barrier<>>(32 * v.row_warps));
+        named_ptrs.push_back(named.back().get());
+      }
     }
     std::vector<std::thread> pool;
     for (int r = 0; r < split; ++r) {
@@ -172,7 +179,7 @@ static void run(const Params& p, int variant, int split) {
           threadIdx.x = t;
           blockIdx.x = unsigned(tile * split + r);
           const int w = r * warps + t / 32;
-          emu = EmuThread{blocks[r].get(), warp_bars[w].get(), &cluster,
+          emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * v.k_warps, warp_bars[w].get(), &cluster,
                           reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
                           smem_ptrs.data(), unsigned(tile), unsigned(r), unsigned(split)};
           kernel(p);
@@ -189,8 +196,8 @@ extern "C" int emu_auto_split(int variant, int64_t rows, int k, int sm_count) {
   return auto_split(kVariants[variant], rows, k, sm_count);
 }
 
-extern "C" int emu_default_variant(int64_t rows, int sm_count) {
-  return default_variant(rows, sm_count);
+extern "C" int emu_default_variant(int64_t rows, int k, int sm_count) {
+  return default_variant(rows, k, sm_count);
 }
 
 extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, int k, const void* x, int64_t x_stride,
@@ -226,7 +233,7 @@ def emu(tmp_path_factory):
     assert res.returncode == 0, res.stderr[-4000:]
     emu = ctypes.CDLL(str(lib))
     emu.emu_auto_split.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    emu.emu_default_variant.argtypes = [ctypes.c_int64, ctypes.c_int]
+    emu.emu_default_variant.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return emu
 
 
@@ -338,7 +345,7 @@ def test_small_k(emu, k, split):
 
 def test_full_token_tile_and_fp16(emu):
     args = _case(64, 64, [7, 33], dtype=torch.float16, seed=11)
-    for variant in (2, 5):
+    for variant in (2, 4):
         _run_and_check(emu, args, variant=variant, split=2)
 
 
@@ -351,17 +358,19 @@ def test_many_segments(emu):
 
 def test_single_row(emu):
     args = _case(1, 16, [1], seed=6)
-    _run_and_check(emu, args, variant=6, split=1)
+    _run_and_check(emu, args, variant=3, split=1)
 
 
 def test_default_choices(emu):
     """The automatic split grows only while the tiles give fewer CTAs than half the SMs, and stops where a warp would
-    get less than a ring of steps; the default variant falls back to 16-row tiles for groups too small for 64-row
-    tiles on every eighth SM."""
+    get less than a ring of steps; the default variant goes by the group's 64-row tiles per SM (and K)."""
     assert emu.emu_auto_split(1, 24576, 4096, 132) == 1
     assert emu.emu_auto_split(1, 1024, 4096, 132) == 2
     assert emu.emu_auto_split(0, 4096, 4096, 132) == 2
     assert emu.emu_auto_split(0, 10240, 4096, 132) == 1
     assert emu.emu_auto_split(1, 1024, 256, 132) == 1
-    assert emu.emu_default_variant(24576, 132) == 0
-    assert emu.emu_default_variant(1024, 132) == 1
+    assert emu.emu_default_variant(24576, 4096, 132) == 3  # gate/up: 2 x 2 warps sharing the activation
+    assert emu.emu_default_variant(10240, 4096, 132) == 0  # KV of 5 layers: 64-row tiles
+    assert emu.emu_default_variant(6144, 4096, 132) == 2  # q/k/v: 32-row tiles
+    assert emu.emu_default_variant(4096, 12288, 132) == 0  # long rows: 64-row tiles, split K
+    assert emu.emu_default_variant(1024, 4096, 132) == 1

@@ -22,12 +22,13 @@ namespace mlinear {
 namespace {
 
 // The switch between the two CUDA paths (fp32 and layouts the kernel cannot read always take cuBLAS, see
-// kernel_blocker). Measured on the H200 (benchmarks/multi_linear.py, CUDA-graph replay, L2-cold weights): the kernel
-// beats per-weight cuBLAS for every group up to 8 tokens (1.04-1.8x); at 16 tokens only for groups of several
-// weights of <= 4096 rows on average (KV of 5 layers 1.7x, q/k/v 1.5x; 2 x 12288 rows 0.98x, single weights
-// 0.95-0.99x), and from 64 tokens on never (its activation traffic grows with the token tiles).
-constexpr int64_t kTokenThreshold = 8;
-constexpr int64_t kGroupTokenThreshold = 16;
+// kernel_blocker). Measured on the H200 (benchmarks/multi_linear_tune.cu and benchmarks/multi_linear.py, L2-cold
+// weights) with default_variant's tiles: up to 16 tokens the kernel beats per-weight cuBLAS for every group
+// (single weights 1.03-1.26x at 16 tokens); up to 32 tokens for groups of several weights of <= 4096 rows on
+// average (KV of 5 layers 31 vs 51 us, q/k/v 22 vs 31 us; 2 x 12288 rows and single weights on par); at 64 tokens
+// it is compute-bound (mma.sync fed from shared memory, 1-2 CTAs per SM) and cuBLAS wins or ties.
+constexpr int64_t kTokenThreshold = 16;
+constexpr int64_t kGroupTokenThreshold = 32;
 constexpr int64_t kGroupMaxMeanRows = 4096;
 static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");
 
@@ -269,7 +270,7 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
       p.bias[j] = r.bias;
       p.bias_stride[j] = r.bias_stride;
     }
-    const int vi = variant >= 0 ? variant : default_variant(rows, sm_count);
+    const int vi = variant >= 0 ? variant : default_variant(rows, k, sm_count);
     const Variant& v = kVariants[vi];
     const int s = split > 0 ? split : auto_split(v, rows, k, sm_count);
     const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);

@@ -31,13 +31,16 @@
 // Every weight byte is loaded once, 16 bytes per lane, and read back by the same lane: no ldmatrix, no swizzle, no
 // barrier between warps.
 //
-// Loads: each warp streams its weights AND the matching activation columns through its own ring of D shared-memory
-// stages with cp.async.cg (16 bytes per lane, L1 bypassed, zero-filled past K), D - 1 steps (D - 1 KB of weights per
-// m-tile) in flight while it multiplies the oldest stage. In-flight bytes cost no registers and the compiler cannot
-// sink them towards their use (it did with plain loads into registers). The activation travels in the same ring
-// because a separate register prefetch of it, one step ahead, put one L2 round trip on every step's critical path
-// (measured on the H200: 51-70 % of the copy rate, flat from M = 1 to 16). Per warp that is T * 64 bytes of L2
-// traffic per 1 KB of weights per m-tile, which is why the tile height is a variant parameter. Rows past the last
+// Loads: the WR row warps that share a K range (a "k-group") stream their weights AND the matching activation
+// columns through the group's ring of D shared-memory stages with cp.async.cg (16 bytes per lane, L1 bypassed,
+// zero-filled past K), D - 1 steps in flight while they multiply the oldest stage. Each warp copies its own weight
+// rows; the step's activation vectors are copied once per group (n-tile n by row warp n % WR) and read by all WR
+// warps, so a group reads T * 64 bytes of activation per step for 16 * MT * WR rows of weights: the taller the
+// group, the less L2 traffic per weight byte (what larger T needs). A named barrier per step (WR > 1 only) makes the
+// other warps' copies visible and keeps the slot being refilled free. In-flight bytes cost no registers and the
+// compiler cannot sink them towards their use (it did with plain loads into registers). The activation travels in
+// the same ring because a separate register prefetch of it, one step ahead, put one L2 round trip on every step's
+// critical path (measured on the H200: 51-70 % of the copy rate, flat from M = 1 to 16). Rows past the last
 // row and tokens past the last token are never read (their ring vectors are zero-filled; their results are never
 // stored): with M = 1 the clamped copies of token 0 that lanes of 7 other groups issued to one address made the
 // kernel up to 2x slower. Columns past K (only in a ragged last step, K % 32 != 0) read as zeros too. K must be a
@@ -88,17 +91,15 @@ struct Variant {
 };
 
 // The configurations compiled in; `_multi_linear_variant` and the sweep address them by index. Chosen on the H200
-// with benchmarks/multi_linear_tune.cu (all groups of benchmarks/multi_linear.py, M 1..16, splits 1..8): 64 rows
-// per warp, four warps splitting K, 3 KB x 4 m-tiles in flight per warp was the fastest or within a few percent
-// for every group of >= 16 MB; shorter tiles only pay for groups too small to give every SM a tile.
+// with benchmarks/multi_linear_tune.cu (the groups of benchmarks/multi_linear.py, M 1..64, splits 1..8, twelve
+// configurations): each of these was the fastest, or within 2 %, for some group and token count; default_variant
+// picks among them by group size.
 constexpr Variant kVariants[] = {
-    {4, 1, 4, 4},  // 64 rows, 4 warps: the default
-    {1, 1, 4, 8},  // 16 rows, 4 warps: small groups
-    {2, 1, 4, 8},  // 32 rows, 4 warps
-    {4, 1, 2, 8},  // 64 rows, 2 warps
-    {2, 1, 8, 4},  // 32 rows, 8 warps
-    {4, 2, 2, 4},  // 128 rows, 4 warps
-    {2, 2, 2, 4},  // 64 rows, 4 warps (2 x 2)
+    {4, 1, 4, 4},  // 64 rows, 4 warps splitting K: groups of about one tile per SM
+    {1, 1, 4, 8},  // 16 rows: groups too small for 64-row tiles on every eighth SM
+    {2, 1, 4, 8},  // 32 rows: groups with fewer 64-row tiles than SMs
+    {2, 2, 2, 4},  // 64 rows, 2 x 2 warps sharing the activation: groups of >= 2 tiles per SM
+    {2, 4, 2, 4},  // 128 rows, 4 x 2 warps
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
@@ -107,13 +108,15 @@ __host__ __device__ constexpr int cta_threads(const Variant& v) { return 32 * v.
 // Row pitch (floats) of the [token][row] partial tile in shared memory: pitch = 4 (mod 16) puts the 32 lanes of an
 // accumulator store (rows group + const, tokens 2 * quad + const) in 32 different banks.
 __host__ __device__ constexpr int tile_pitch(int rows) { return rows + 4; }
-// One ring stage of one warp, in 16-byte vectors: [MT][2][32 lanes] weight vectors, then [NT][32 lanes] activation
-// vectors.
-__host__ __device__ constexpr int stage_vectors(int m_tiles, int n_tiles) { return (2 * m_tiles + n_tiles) * 32; }
-// Shared memory: the tile's fp32 bias [rows], then either the warps' rings [warps][D][stage] (main loop) or the fp32
+// One ring stage of one k-group, in 16-byte vectors: [WR][MT][2][32 lanes] weight vectors, then [NT][32 lanes]
+// activation vectors.
+__host__ __device__ constexpr int stage_vectors(int row_warps, int m_tiles, int n_tiles) {
+  return (2 * row_warps * m_tiles + n_tiles) * 32;
+}
+// Shared memory: the tile's fp32 bias [rows], then either the k-groups' rings [WK][D][stage] (main loop) or the fp32
 // partial tile [8 * n_tiles][pitch] (epilogue).
 __host__ __device__ constexpr int ring_bytes(const Variant& v, int n_tiles) {
-  return v.row_warps * v.k_warps * v.stages * stage_vectors(v.m_tiles, n_tiles) * 16;
+  return v.k_warps * v.stages * stage_vectors(v.row_warps, v.m_tiles, n_tiles) * 16;
 }
 __host__ __device__ constexpr int tile_bytes(const Variant& v, int n_tiles) {
   return 8 * n_tiles * tile_pitch(cta_rows(v)) * 4;
@@ -231,6 +234,16 @@ __device__ __forceinline__ float* cta_smem() {
 #endif
 }
 
+// Barrier `id` (1..15; 0 is __syncthreads) of `threads` threads (whole warps) of this CTA; orders their shared-memory
+// accesses like __syncthreads.
+__device__ __forceinline__ void group_barrier(int id, int threads) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_group_barrier(id, threads);
+#endif
+}
+
 // Programmatic dependent launch (sm_90+, no-ops without the launch attribute): wait for the previous kernel's
 // memory before the first global read; let the next kernel start launching once all weight loads are issued.
 __device__ __forceinline__ void pdl_wait() {
@@ -293,8 +306,6 @@ __device__ __forceinline__ float bias_of_row(const Params& p, int64_t row) {
 
 // ------------------------------------------------------------------------------------------------ kernel
 
-// Issues the copies of step `step` into ring slot `slot` of this warp's ring [D][stage]: this lane's 16 bytes of
-// rows group and group + 8 of each m-tile, and of token group of each n-tile (zeros for lanes past K).
 // The rows and tokens a lane copies, and which of them exist (the others are zero-filled, never read).
 template <typename T, int MT, int NT>
 struct LaneSources {
@@ -304,22 +315,40 @@ struct LaneSources {
   bool x_live[NT];
 };
 
-template <typename T, int MT, int NT>
-__device__ __forceinline__ void copy_step(uint4* ring, int slot, const LaneSources<T, MT, NT>& src, int step, int k,
-                                          int lane, int quad) {
+// Where a warp's vectors live in its k-group's ring [D][stage]: slot `slot`, then its own [MT][2][32] weight vectors
+// (row warp `row_warp`) and the group's shared [NT][32] activation vectors.
+template <int MT, int NT, int WR>
+struct RingView {
+  uint4* ring;
+  int row_warp;
+  __device__ __forceinline__ uint4* weights(int slot) const {
+    return ring + slot * stage_vectors(WR, MT, NT) + row_warp * 2 * MT * 32;
+  }
+  __device__ __forceinline__ uint4* activation(int slot) const {
+    return ring + slot * stage_vectors(WR, MT, NT) + 2 * WR * MT * 32;
+  }
+};
+
+// Issues this lane's copies of step `step` into ring slot `slot`: its 16 bytes of rows group and group + 8 of each
+// of the warp's m-tiles, and of token group of the n-tiles this row warp copies for the group (n % WR == row_warp);
+// zeros for lanes past K.
+template <typename T, int MT, int NT, int WR>
+__device__ __forceinline__ void copy_step(const RingView<MT, NT, WR>& ring, int slot,
+                                          const LaneSources<T, MT, NT>& src, int step, int k, int lane, int quad) {
   const int64_t col = static_cast<int64_t>(step) * kStepCols;
   const bool live = col + 8 * quad < k;
   const int64_t at = live ? col : 0;
-  uint4* stage = ring + slot * stage_vectors(MT, NT);
+  uint4* w = ring.weights(slot);
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      copy_async16(stage + (m * 2 + h) * 32 + lane, src.w[m][h] + at, live && src.w_live[m][h]);
-    }
+    for (int h = 0; h < 2; ++h) copy_async16(w + (m * 2 + h) * 32 + lane, src.w[m][h] + at, live && src.w_live[m][h]);
   }
+  uint4* x = ring.activation(slot);
 #pragma unroll
-  for (int n = 0; n < NT; ++n) copy_async16(stage + (2 * MT + n) * 32 + lane, src.x[n] + at, live && src.x_live[n]);
+  for (int n = 0; n < NT; ++n) {
+    if (n % WR == ring.row_warp) copy_async16(x + n * 32 + lane, src.x[n] + at, live && src.x_live[n]);
+  }
 }
 
 // acc += W(step) x(step)^T for one step: 2 MMAs per (m-tile, n-tile), fragments as in the header comment.
@@ -337,32 +366,36 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint4 (&
   }
 }
 
-// Steps [begin, end) of one warp: D - 1 steps of weight and activation copies in flight ahead of the step being
-// multiplied. Slot of step s: (s - begin) % D; the slot refilled in iteration s is the one this lane read in
-// iteration s - 1.
-template <typename T, int MT, int NT, int D>
-__device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], uint4* ring, const LaneSources<T, MT, NT>& src,
-                                           int begin, int end, int k, int lane, int quad) {
+// Steps [begin, end) of one warp of a k-group (every warp of the group runs the same steps): D - 1 steps of weight
+// and activation copies in flight ahead of the step being multiplied. Slot of step s: (s - begin) % D; the slot
+// refilled in iteration s is the one read in iteration s - 1, by this lane only (WR == 1) or by the whole group,
+// which has passed this iteration's barrier after reading it.
+template <typename T, int MT, int NT, int WR, int D>
+__device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], const RingView<MT, NT, WR>& ring,
+                                           const LaneSources<T, MT, NT>& src, int begin, int end, int k, int lane,
+                                           int quad, int barrier_id) {
   static_assert(D >= 2 && (D & (D - 1)) == 0, "the stage count must be a power of two");
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) {
-    if (begin + d < end) copy_step<T, MT, NT>(ring, d, src, begin + d, k, lane, quad);
+    if (begin + d < end) copy_step<T, MT, NT, WR>(ring, d, src, begin + d, k, lane, quad);
     commit_copies();
   }
   for (int s = begin; s < end; ++s) {
     wait_copies<D - 2>();
+    if constexpr (WR > 1) group_barrier(barrier_id, 32 * WR);  // the other warps' activation copies have landed
     const int slot = (s - begin) & (D - 1);
-    const uint4* stage = ring + slot * stage_vectors(MT, NT);
+    const uint4* w = ring.weights(slot);
+    const uint4* x = ring.activation(slot);
     uint4 wv[MT][2];
     uint4 xv[NT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) wv[m][h] = stage[(m * 2 + h) * 32 + lane];
+      for (int h = 0; h < 2; ++h) wv[m][h] = w[(m * 2 + h) * 32 + lane];
     }
 #pragma unroll
-    for (int n = 0; n < NT; ++n) xv[n] = stage[(2 * MT + n) * 32 + lane];
-    if (s + D - 1 < end) copy_step<T, MT, NT>(ring, (slot + D - 1) & (D - 1), src, s + D - 1, k, lane, quad);
+    for (int n = 0; n < NT; ++n) xv[n] = x[n * 32 + lane];
+    if (s + D - 1 < end) copy_step<T, MT, NT, WR>(ring, (slot + D - 1) & (D - 1), src, s + D - 1, k, lane, quad);
     commit_copies();
     mma_step<T, MT, NT>(acc, wv, xv);
   }
@@ -393,7 +426,7 @@ template <typename T, int MT, int NT, int WR, int WK, int D>
 __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid_constant__ Params p) {
   constexpr int kRows = 16 * MT * WR, kTokens = 8 * NT, kThreads = 32 * WR * WK, kPitch = tile_pitch(kRows);
   float* bias = cta_smem();                                    // [kRows] fp32 bias of the tile's rows (0: none)
-  uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [warps][D][stage]
+  uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [WK][D][stage]
   float* tile = bias + kRows;                                   // epilogue: [kTokens][kPitch] fp32 partial sums
   const ClusterCoord cluster = cluster_coord();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -441,7 +474,8 @@ __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid
       for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
     }
   }
-  warp_steps<T, MT, NT, D>(acc, rings + warp * D * stage_vectors(MT, NT), src, begin, end, p.k, lane, quad);
+  const RingView<MT, NT, WR> ring{rings + k_warp * D * stage_vectors(WR, MT, NT), row_warp};
+  warp_steps<T, MT, NT, WR, D>(acc, ring, src, begin, end, p.k, lane, quad, 1 + k_warp);
   pdl_launch_next();
   __syncthreads();  // every ring is drained before the tile overwrites them
 
@@ -493,6 +527,7 @@ template <typename T, int V, int NT>
 KernelFn kernel_instance() {
   constexpr Variant v = kVariants[V];
   static_assert(smem_bytes(v, NT) <= kMaxSmemBytes, "a CTA must fit the opt-in shared-memory limit of sm_90");
+  static_assert(v.k_warps <= 15, "one named barrier per k-group: ids 1..15");
   return &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages>;
 }
 
@@ -525,12 +560,16 @@ KernelFn kernel_for(int variant, int tokens) {
 
 // ------------------------------------------------------------------------------------------------ default choice
 
-// The variant the op uses when none is forced (measured on the H200, see kVariants): the 64-row default, or 16-row
-// tiles for groups that give fewer than one 64-row tile per 8 SMs.
-inline int default_variant(int64_t total_rows, int sm_count) {
-  constexpr int kDefault = 0, kSmallTiles = 1;
-  const int64_t tiles = (total_rows + cta_rows(kVariants[kDefault]) - 1) / cta_rows(kVariants[kDefault]);
-  return tiles * 8 < sm_count ? kSmallTiles : kDefault;
+// The variant the op uses when none is forced, by the number of 64-row tiles of the group (measured on the H200 with
+// benchmarks/multi_linear_tune.cu, M 1..32, K 4096 and 12288): 16-row tiles while the group gives fewer than one
+// 64-row tile per 8 SMs, 32-row tiles while it gives fewer than one per SM (for K <= 8192: with longer rows the
+// 64-row tiles with a split K won), 2 x 2 warps sharing the activation from two tiles per SM on, else 64 rows.
+inline int default_variant(int64_t total_rows, int k, int sm_count) {
+  constexpr int kRows64 = 0, kRows16 = 1, kRows32 = 2, kShared = 3;
+  const int64_t tiles = (total_rows + 63) / 64;
+  if (tiles * 8 < sm_count) return kRows16;
+  if (tiles < sm_count && k <= 8192) return kRows32;
+  return tiles >= 2 * sm_count ? kShared : kRows64;
 }
 
 // Cluster split when none is forced: splitting K across CTAs costs a cross-CTA reduction and measured slower
