@@ -34,20 +34,41 @@ All math is fp32 from the inputs (GEMM accumulation, norm, rotation); K and V ar
 
 RoPE rotates the first `R` elements of each head (`R` even, `0 < R <= head_dim`, the same for every layer; the rest
 pass through); with `(c, s) = (cos_sin[p, j], cos_sin[p, R/2 + j])` a pair `(a, b)` becomes `(a c - b s, b c + a s)`,
-pair j being `(j, j + R/2)` (neox) or `(2j, 2j + 1)` (GPT-J).
+pair j being `(j, j + R/2)` (neox) or `(2j, 2j + 1)` (GPT-J). RMSNorm is `k * rsqrt(mean(k²) + eps) (* weight)` over
+the `head_dim` elements of a head.
+
+Structural rules (`_check_args`: the CPU impl and the fake run it, the CUDA binding mirrors it), all raised before
+anything is written, `TypeError` for a wrong dtype and `ValueError` for anything else, each message starting with
+`multi_linear_kv_write: ` and naming the argument: the list lengths (one entry per layer; `k_norm_eps` and
+`cos_sin_caches` may be empty), shapes, dtypes and devices of the table; `k_row_starts[i]` / `v_row_starts[i]`
+select `kv` rows inside the weight; `k_norm_eps` finite and `>= 0`; `k_norm_weights` all None when `k_norm_eps` is
+empty; every cache the same `[S, num_kv_heads, head_dim]`; no cache overlaps itself (e.g. a broadcast view), another
+cache or any input (views of one buffer are fine when their elements are disjoint: the layers of a stacked
+`[N, S, heads, head_dim]` buffer, the K and V halves of an interleaved `[S, 2, heads, head_dim]` one); `cache_loc`
+1-D without `commit_lens` or 2-D with it. Checked on storages, offsets and strides, never data pointers, so the fake
+impl raises the same errors under `torch.compile`. The CUDA binding adds what its kernel needs: bf16/fp16 `x`,
+`K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, caches with unit inner stride and 16-byte aligned `head_dim` rows
+(storage offset and slot / head strides multiples of 16 bytes); anything else raises `TypeError` (dtype) or
+`ValueError` there, naming the argument.
 
 Index values (the contract of every dspark op, docs/contract.md): a negative `cache_loc` entry skips the token (its
-K and V are not written); an entry `>= S` or a position outside `[0, P_i)` raises `ValueError` on CPU (and on CUDA
-with `custom_ops.set_checks(True)`), before any cache is modified; on CUDA without checks such a token is skipped.
-Two tokens addressing one slot leave either token's row (unspecified which).
+K and V are not written); an entry `>= S`, or a position outside `[0, min_i P_i)` (a row of every table), raises
+`ValueError` on CPU (and on CUDA with `custom_ops.set_checks(True)`) before any cache is modified; on CUDA without
+checks such a token is skipped. Every entry is checked, those of skipped tokens too (a masked `[B, W]` entry, a token
+with a negative slot): slots first, then positions (when `cos_sin_caches` is not empty). `commit_lens` values are not
+index values: `<= 0` writes none of the row's tokens, `>= W` all of them. Two written tokens addressing one slot
+leave either token's row (unspecified which).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from custom_ops import _build
 from custom_ops._library import LIB
 from custom_ops.checks import check_index_range, must_check_values
 
@@ -69,10 +90,19 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"{_OP}: {message}")
 
 
+def _wrong_type(message: str) -> TypeError:
+    return TypeError(f"{_OP}: {message}")
+
+
 def _check_list_lengths(n: int, **lists: Sequence[object]) -> None:
     for name, values in lists.items():
         if len(values) != n:
             raise _fail(f"{name} must hold one entry per layer ({n}, the length of k_weights), got {len(values)}")
+
+
+def _check_device(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    if t.device != x.device:
+        raise _fail(f"{name} is on {t.device}, x is on {x.device}")
 
 
 def _check_projection(x: torch.Tensor, kind: str, weights, starts, biases, kv: int) -> None:
@@ -81,79 +111,134 @@ def _check_projection(x: torch.Tensor, kind: str, weights, starts, biases, kv: i
         if w.dim() != 2 or w.shape[1] != x.shape[1]:
             raise _fail(f"{name} must be [R, {x.shape[1]}] (x is {tuple(x.shape)}), got {tuple(w.shape)}")
         if w.dtype != x.dtype:
-            raise TypeError(f"{_OP}: {name} dtype {w.dtype} differs from x dtype {x.dtype}")
-        if w.device != x.device:
-            raise _fail(f"{name} is on {w.device}, x is on {x.device}")
+            raise _wrong_type(f"{name} dtype {w.dtype} differs from x dtype {x.dtype}")
+        _check_device(name, w, x)
         if start < 0 or start + kv > w.shape[0]:
             raise _fail(
                 f"{kind}_row_starts[{i}] = {start}: rows [{start}, {start + kv}) of {name} are out of range "
                 f"(it has {w.shape[0]} rows, a layer uses num_kv_heads * head_dim = {kv})"
             )
-        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype or b.device != x.device):
-            raise _fail(
-                f"{kind}_biases[{i}] must be [{w.shape[0]}] {x.dtype} on {x.device}, "
-                f"got {tuple(b.shape)} {b.dtype} on {b.device}"
-            )
+        if b is None:
+            continue
+        bias = f"{kind}_biases[{i}]"
+        if b.shape != (w.shape[0],):
+            raise _fail(f"{bias} must be [{w.shape[0]}] (one entry per row of {name}), got {tuple(b.shape)}")
+        if b.dtype != x.dtype:
+            raise _wrong_type(f"{bias} dtype {b.dtype} differs from x dtype {x.dtype}")
+        _check_device(bias, b, x)
 
 
 def _check_norm(x: torch.Tensor, weights, eps: Sequence[float], head_dim: int) -> None:
     for i, e in enumerate(eps):
-        if not e >= 0.0:
-            raise _fail(f"k_norm_eps[{i}] must be >= 0, got {e}")
+        if not (math.isfinite(e) and e >= 0.0):
+            raise _fail(f"k_norm_eps[{i}] must be finite and >= 0, got {e}")
     for i, w in enumerate(weights):
         if w is None:
             continue
-        if w.shape != (head_dim,) or w.dtype not in (x.dtype, torch.float32) or w.device != x.device:
-            raise _fail(
-                f"k_norm_weights[{i}] must be [{head_dim}] {x.dtype} or torch.float32 on {x.device}, "
-                f"got {tuple(w.shape)} {w.dtype} on {w.device}"
-            )
+        name = f"k_norm_weights[{i}]"
+        if not eps:
+            raise _fail(f"{name} is given but k_norm_eps is empty (no norm): pass None, or one eps per layer")
+        if w.shape != (head_dim,):
+            raise _fail(f"{name} must be [{head_dim}] (head_dim), got {tuple(w.shape)}")
+        if w.dtype not in (x.dtype, torch.float32):
+            raise _wrong_type(f"{name} dtype {w.dtype} must be x's ({x.dtype}) or torch.float32")
+        _check_device(name, w, x)
 
 
 def _check_rope(x: torch.Tensor, caches: Sequence[torch.Tensor], positions: torch.Tensor, head_dim: int) -> None:
     tokens = x.shape[0]
-    if positions.dim() != 1 or positions.shape[0] != tokens or positions.dtype not in _INDEX:
-        raise _fail(f"positions must be [{tokens}] int32 or int64, got {tuple(positions.shape)} {positions.dtype}")
-    if positions.device != x.device:
-        raise _fail(f"positions is on {positions.device}, x is on {x.device}")
+    if positions.dim() != 1 or positions.shape[0] != tokens:
+        raise _fail(f"positions must be [{tokens}] (one per token of x), got {tuple(positions.shape)}")
+    if positions.dtype not in _INDEX:
+        raise _wrong_type(f"positions must be int32 or int64, got {positions.dtype}")
+    _check_device("positions", positions, x)
     for i, c in enumerate(caches):
-        if c.dim() != 2 or c.dtype != torch.float32 or c.device != x.device:
-            raise _fail(
-                f"cos_sin_caches[{i}] must be a 2-D float32 tensor on {x.device}, got {tuple(c.shape)} "
-                f"{c.dtype} on {c.device}"
-            )
+        name = f"cos_sin_caches[{i}]"
+        if c.dim() != 2:
+            raise _fail(f"{name} must be 2-D [P, R], got {tuple(c.shape)}")
+        if c.dtype != torch.float32:
+            raise _wrong_type(f"{name} must be torch.float32, got {c.dtype}")
+        _check_device(name, c, x)
         rot = c.shape[1]
         if rot % 2 or not 0 < rot <= head_dim or rot != caches[0].shape[1]:
             raise _fail(
-                f"cos_sin_caches[{i}] has {rot} columns: the rotary dim must be even, in (0, head_dim = {head_dim}] "
+                f"{name} has {rot} columns: the rotary dim must be even, in (0, head_dim = {head_dim}] "
                 f"and the same for every layer ({caches[0].shape[1]} for layer 0)"
             )
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Sufficient test of internal overlap: in order of increasing stride, every dim steps past the whole block
+    spanned by the dims before it (a broadcast or otherwise self-overlapping view fails it)."""
+    span = 1
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride < span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
+    """Whether `delta == sum(d_k * stride_k)` for some `|d_k| < size_k`, dims `(stride, size)` by decreasing stride.
+    For a layout that does not overlap itself each stride exceeds the reach of the dims after it, so at most two
+    digits fit each level."""
+    if not dims:
+        return delta == 0
+    (stride, size), inner = dims[0], dims[1:]
+    reach = sum((n - 1) * s for s, n in inner)
+    lo = max(-(size - 1), -((reach - delta) // stride))
+    hi = min(size - 1, (delta + reach) // stride)
+    return any(_offsets_meet(delta - d * stride, inner) for d in range(lo, hi + 1))
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` have an element in common. Exact for two views of one storage with the same shape and
+    strides (e.g. the K and V halves of an interleaved `[S, 2, heads, head_dim]` buffer, or the layers of a stacked
+    one); for other pairs in one storage, whether their address ranges intersect. Works on fake tensors (the
+    storage identity is `StorageWeakRef`, no data pointer is read)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    a_lo, b_lo = a.storage_offset(), b.storage_offset()
+    a_hi = a_lo + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
+    b_hi = b_lo + sum((n - 1) * s for n, s in zip(b.shape, b.stride(), strict=True))
+    if a_hi < b_lo or b_hi < a_lo:
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or _overlaps_itself(a):
+        return True
+    dims = sorted(((s, n) for n, s in zip(a.shape, a.stride(), strict=True) if n > 1), reverse=True)
+    return _offsets_meet(b_lo - a_lo, dims)
+
+
+def _named_caches(k_caches, v_caches) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (f"{kind}_caches[{i}]", c) for kind, caches in (("k", k_caches), ("v", v_caches)) for i, c in enumerate(caches)
+    ]
+
+
 def _check_caches(x: torch.Tensor, k_caches, v_caches, num_kv_heads: int, head_dim: int) -> None:
-    shape = tuple(k_caches[0].shape) if k_caches else ()
-    seen: dict[int, str] = {}
-    for kind, caches in (("k", k_caches), ("v", v_caches)):
-        for i, c in enumerate(caches):
-            name = f"{kind}_caches[{i}]"
-            if c.dim() != 3 or tuple(c.shape[1:]) != (num_kv_heads, head_dim) or tuple(c.shape) != shape:
-                raise _fail(
-                    f"{name} must be [S, {num_kv_heads}, {head_dim}] with the slots of k_caches[0] {shape}, "
-                    f"got {tuple(c.shape)}"
-                )
-            if c.dtype != x.dtype:
-                raise TypeError(f"{_OP}: {name} dtype {c.dtype} differs from x dtype {x.dtype}")
-            if c.device != x.device:
-                raise _fail(f"{name} is on {c.device}, x is on {x.device}")
-            if c.numel() and c.data_ptr() in seen:
-                raise _fail(f"{name} is the same memory as {seen[c.data_ptr()]}: every cache must be distinct")
-            seen[c.data_ptr()] = name
+    shape = tuple(k_caches[0].shape)
+    for name, c in _named_caches(k_caches, v_caches):
+        if c.dim() != 3 or tuple(c.shape[1:]) != (num_kv_heads, head_dim) or tuple(c.shape) != shape:
+            raise _fail(
+                f"{name} must be [S, {num_kv_heads}, {head_dim}] with the slots of k_caches[0] {shape}, "
+                f"got {tuple(c.shape)}"
+            )
+        if c.dtype != x.dtype:
+            raise _wrong_type(f"{name} dtype {c.dtype} differs from x dtype {x.dtype}")
+        _check_device(name, c, x)
+        if c.numel() and _overlaps_itself(c):
+            raise _fail(
+                f"{name} must not overlap itself (its rows are written independently), got strides {tuple(c.stride())}"
+            )
 
 
 def _check_locations(x: torch.Tensor, cache_loc: torch.Tensor, commit_lens: torch.Tensor | None) -> None:
     tokens = x.shape[0]
-    if cache_loc.dtype not in _INDEX or cache_loc.device != x.device:
-        raise _fail(f"cache_loc must be int32 or int64 on {x.device}, got {cache_loc.dtype} on {cache_loc.device}")
+    if cache_loc.dtype not in _INDEX:
+        raise _wrong_type(f"cache_loc must be int32 or int64, got {cache_loc.dtype}")
+    _check_device("cache_loc", cache_loc, x)
     if cache_loc.dim() == 1:
         if cache_loc.shape[0] != tokens:
             raise _fail(f"cache_loc must be [{tokens}] (one slot per token of x), got {tuple(cache_loc.shape)}")
@@ -164,11 +249,22 @@ def _check_locations(x: torch.Tensor, cache_loc: torch.Tensor, commit_lens: torc
         raise _fail(f"cache_loc must be [{tokens}] or [B, W] with B * W = {tokens}, got {tuple(cache_loc.shape)}")
     if commit_lens is None:
         raise _fail("a 2-D cache_loc [B, W] needs commit_lens [B]")
-    if commit_lens.shape != cache_loc.shape[:1] or commit_lens.dtype not in _INDEX or commit_lens.device != x.device:
+    if commit_lens.shape != cache_loc.shape[:1]:
         raise _fail(
-            f"commit_lens must be [{cache_loc.shape[0]}] int32 or int64 on {x.device}, "
-            f"got {tuple(commit_lens.shape)} {commit_lens.dtype} on {commit_lens.device}"
+            f"commit_lens must be [{cache_loc.shape[0]}] (one per row of cache_loc), got {tuple(commit_lens.shape)}"
         )
+    if commit_lens.dtype not in _INDEX:
+        raise _wrong_type(f"commit_lens must be int32 or int64, got {commit_lens.dtype}")
+    _check_device("commit_lens", commit_lens, x)
+
+
+def _check_aliasing(caches: list[tuple[str, torch.Tensor]], inputs: list[tuple[str, torch.Tensor | None]]) -> None:
+    """No cache may share memory with another cache or with any input: the op reads every input and writes every
+    cache in one pass, so an overlap would make the result depend on the order of the writes."""
+    for j, (name, c) in enumerate(caches):
+        for other, t in [*caches[:j], *inputs]:
+            if t is not None and _share_memory(c, t):
+                raise _fail(f"{name} shares memory with {other}: the caches must not overlap each other or any input")
 
 
 def _check_args(
@@ -191,8 +287,10 @@ def _check_args(
     head_dim: int,
 ) -> None:
     """Every structural rule of the op (shapes, dtypes, devices, lengths), raised before anything is written."""
-    if x.dim() != 2 or x.dtype not in _FLOATS:
-        raise _fail(f"x must be a 2-D [T, K] bfloat16, float16 or float32 tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.dim() != 2:
+        raise _fail(f"x must be 2-D [T, K], got {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise _wrong_type(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     n = len(k_weights)
     if n == 0:
         raise _fail("k_weights must hold at least one tensor (one per layer)")
@@ -219,6 +317,17 @@ def _check_args(
     _check_rope(x, cos_sin_caches, positions, head_dim)
     _check_caches(x, k_caches, v_caches, num_kv_heads, head_dim)
     _check_locations(x, cache_loc, commit_lens)
+    inputs = [
+        ("x", x),
+        *((f"{kind}_weights[{i}]", w) for kind, ws in (("k", k_weights), ("v", v_weights)) for i, w in enumerate(ws)),
+        *((f"{kind}_biases[{i}]", b) for kind, bs in (("k", k_biases), ("v", v_biases)) for i, b in enumerate(bs)),
+        *((f"k_norm_weights[{i}]", w) for i, w in enumerate(k_norm_weights)),
+        *((f"cos_sin_caches[{i}]", c) for i, c in enumerate(cos_sin_caches)),
+        ("positions", positions),
+        ("cache_loc", cache_loc),
+        ("commit_lens", commit_lens),
+    ]
+    _check_aliasing(_named_caches(k_caches, v_caches), inputs)
 
 
 def _check_values(
@@ -227,14 +336,16 @@ def _check_values(
     k_caches: Sequence[torch.Tensor],
     cache_loc: torch.Tensor,
 ) -> None:
-    """The index-value rules (CPU always, CUDA in checking mode): slots below S, positions inside every table."""
+    """The index-value rules (CPU always, CUDA in checking mode): every slot below S, every position a row of every
+    table (skipped tokens included), slots first."""
     if not must_check_values(cache_loc):
         return
     slots = k_caches[0].shape[0]
     check_index_range("cache_loc", cache_loc, slots, f"cache slots are [0, {slots}) (negative entries skip the token)")
     if cos_sin_caches:
         rows = min(c.shape[0] for c in cos_sin_caches)
-        check_index_range("positions", positions, rows, f"cos_sin_caches have rows [0, {rows})", negative_skips=False)
+        what = f"positions must be in [0, {rows}), a row of every cos_sin_caches table"
+        check_index_range("positions", positions, rows, what, negative_skips=False)
 
 
 def _written_tokens(cache_loc: torch.Tensor, commit_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +357,18 @@ def _written_tokens(cache_loc: torch.Tensor, commit_lens: torch.Tensor | None) -
         keep = keep & (torch.arange(width, device=loc.device)[None, :] < commit_lens.long()[:, None])
     tokens = keep.reshape(-1).nonzero().reshape(-1)
     return tokens, loc.reshape(-1)[tokens]
+
+
+def _project(xs: torch.Tensor, w: torch.Tensor, start: int, b: torch.Tensor | None, kv: int) -> torch.Tensor:
+    """fp32 `xs [t, K] @ w[start : start + kv]ᵀ (+ b[start : start + kv])`."""
+    out = xs @ w[start : start + kv].float().t()
+    return out if b is None else out + b[start : start + kv].float()
+
+
+def rms_norm_heads(k: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of every head of fp32 `k [t, heads, D]` over its D elements, times `weight [D]` if given (fp32)."""
+    k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + eps)
+    return k if weight is None else k * weight.float()
 
 
 def rope_rotate(k: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -303,24 +426,16 @@ def multi_linear_kv_write_reference(
     )
     _check_values(cos_sin_caches, positions, k_caches, cache_loc)
     tokens, slots = _written_tokens(cache_loc, commit_lens)
-    kv = num_kv_heads * head_dim
     xs = x[tokens].float()
+    pos = positions[tokens].long()
+    kv = num_kv_heads * head_dim
     for i in range(len(k_weights)):
-
-        def project(w: torch.Tensor, start: int, b: torch.Tensor | None) -> torch.Tensor:
-            out = xs @ w[start : start + kv].float().t()
-            if b is not None:
-                out = out + b[start : start + kv].float()
-            return out.reshape(-1, num_kv_heads, head_dim)
-
-        k = project(k_weights[i], k_row_starts[i], k_biases[i])
-        v = project(v_weights[i], v_row_starts[i], v_biases[i])
+        k = _project(xs, k_weights[i], k_row_starts[i], k_biases[i], kv).view(-1, num_kv_heads, head_dim)
+        v = _project(xs, v_weights[i], v_row_starts[i], v_biases[i], kv).view(-1, num_kv_heads, head_dim)
         if k_norm_eps:
-            k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + k_norm_eps[i])
-            if k_norm_weights[i] is not None:
-                k = k * k_norm_weights[i].float()
+            k = rms_norm_heads(k, k_norm_weights[i], k_norm_eps[i])
         if cos_sin_caches:
-            k = rope_rotate(k, cos_sin_caches[i][positions[tokens].long()], is_neox)
+            k = rope_rotate(k, cos_sin_caches[i][pos], is_neox)
         k_caches[i][slots] = k.to(k_caches[i].dtype)
         v_caches[i][slots] = v.to(v_caches[i].dtype)
 
@@ -368,3 +483,4 @@ def _multi_linear_kv_write_fake(
 
 
 LIB.impl(_OP, multi_linear_kv_write_reference, "CPU")
+_build.register_cuda_entry(LIB, _OP)
