@@ -422,9 +422,38 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float* tile
   }
 }
 
-template <typename T, int MT, int NT, int WR, int WK, int D>
-__global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid_constant__ Params p) {
+// The epilogue of the plain op: bias + the partial sums of the cluster's CTAs, rounded once, stored to `out`.
+// An epilogue type names the kernel's argument type (`Args`), where its GEMM parameters are (`gemm`) and what the
+// CTA does with its finished partial tile (`finish`); multi_linear_kv_write_kernels.cuh has the other one.
+struct StoreEpilogue {
+  using Args = Params;
+  static __device__ __forceinline__ const Params& gemm(const Args& args) { return args; }
+
+  // The tile [tokens][kPitch] (this CTA's partial sums) and the fp32 bias [kRows] are in shared memory; `rows` of
+  // the tile exist.
+  template <typename T, int kRows, int kTokens, int kThreads>
+  static __device__ __forceinline__ void finish(const Args& p, const float* tile, const float* bias, int64_t row0,
+                                                int rows, const ClusterCoord& cluster) {
+    const int elements = (p.tokens < kTokens ? p.tokens : kTokens) * kRows;
+    if (cluster.size == 1) {
+      store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, 0, elements, 1);
+      return;
+    }
+    // Across the cluster: CTA `rank` finishes an equal share of the tile from all S partial tiles. The second
+    // barrier keeps every CTA's shared memory alive until all peers have read it.
+    cluster_sync();
+    const int share_begin = static_cast<int>(static_cast<int64_t>(elements) * cluster.rank / cluster.size);
+    const int share_end = static_cast<int>(static_cast<int64_t>(elements) * (cluster.rank + 1) / cluster.size);
+    store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, share_begin, share_end, cluster.size);
+    cluster_sync();
+  }
+};
+
+template <typename T, int MT, int NT, int WR, int WK, int D, typename Epilogue = StoreEpilogue>
+__global__ void __launch_bounds__(32 * WR * WK)
+    multi_linear_kernel(const __grid_constant__ typename Epilogue::Args args) {
   constexpr int kRows = 16 * MT * WR, kTokens = 8 * NT, kThreads = 32 * WR * WK, kPitch = tile_pitch(kRows);
+  const Params& p = Epilogue::gemm(args);
   float* bias = cta_smem();                                    // [kRows] fp32 bias of the tile's rows (0: none)
   uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [WK][D][stage]
   float* tile = bias + kRows;                                   // epilogue: [kTokens][kPitch] fp32 partial sums
@@ -502,18 +531,7 @@ __global__ void __launch_bounds__(32 * WR * WK) multi_linear_kernel(const __grid
 
   const int64_t rows_left = total_rows - row0;
   const int rows = rows_left < kRows ? static_cast<int>(rows_left) : kRows;
-  const int elements = (p.tokens < kTokens ? p.tokens : kTokens) * kRows;
-  if (cluster.size == 1) {
-    store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, 0, elements, 1);
-    return;
-  }
-  // Across the cluster: CTA `rank` finishes an equal share of the tile from all S partial tiles. The second barrier
-  // keeps every CTA's shared memory alive until all peers have read it.
-  cluster_sync();
-  const int share_begin = static_cast<int>(static_cast<int64_t>(elements) * cluster.rank / cluster.size);
-  const int share_end = static_cast<int>(static_cast<int64_t>(elements) * (cluster.rank + 1) / cluster.size);
-  store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, share_begin, share_end, cluster.size);
-  cluster_sync();
+  Epilogue::template finish<T, kRows, kTokens, kThreads>(args, tile, bias, row0, rows, cluster);
 }
 
 // ------------------------------------------------------------------------------------------------ launch shape

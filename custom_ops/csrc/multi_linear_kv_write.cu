@@ -1,0 +1,541 @@
+// Torch binding of dspark::multi_linear_kv_write on CUDA: the structural checks of custom_ops/multi_linear_kv_write.py
+// (same error class, same argument names), the value checks of checking mode, the CUDA layout rules, and the choice
+// between the fused kernel (projections, norm, RoPE and cache writes in one launch per 32 layers) and the GEMM path
+// (dspark::multi_linear into a [T, 2 N kv] buffer, then the heads kernel). Kernels: multi_linear_kv_write_kernels.cuh.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "error_format.h"
+#include "multi_linear_host.h"
+#include "multi_linear_kv_write_kernels.cuh"
+#include "range_checks.h"
+
+namespace dspark {
+namespace mlinear {
+namespace {
+
+constexpr const char* kOp = "multi_linear_kv_write: ";
+// The fused kernel's token tiles go up to kMaxTokens; its tiles hold whole heads of 64 or 128 elements.
+constexpr int kFusedMaxTokens = kMaxTokens;
+
+// The tile configurations of the fused kernel (kVariants indices): 64-row tiles for head_dim 64 (4 x 1 m-tiles per
+// warp up to 16 tokens; 2 x 2 warps beyond, where the taller warp tile would spill), 128-row tiles for head_dim 128.
+constexpr int kVariant64 = 0, kVariant64Wide = 3, kVariant128 = 4;
+static_assert(cta_rows(kVariants[kVariant64]) == 64 && cta_rows(kVariants[kVariant64Wide]) == 64 &&
+                  cta_rows(kVariants[kVariant128]) == 128,
+              "the fused kernel's tiles hold whole heads");
+
+using TensorList = at::TensorList;
+using OptionalList = c10::List<std::optional<at::Tensor>>;
+
+// ------------------------------------------------------------------------------------------------ checks
+
+void check_device(const std::string& name, const at::Tensor& t, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(t.device() == x.device(), kOp, name, " is on ", t.device().str(), ", x is on ", x.device().str());
+}
+
+bool is_index(const at::Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; }
+
+void check_projection(const at::Tensor& x, const char* kind, TensorList weights, at::IntArrayRef starts,
+                      const OptionalList& biases, int64_t kv) {
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const std::string name = std::string(kind) + "_weights[" + num(i) + "]";
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), kOp, name, " must be [R, ", num(x.size(1)),
+                      "] (x is ", shape_of(x.sizes()), "), got ", shape_of(w.sizes()));
+    TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), kOp, name, " dtype ", dtype_of(w.scalar_type()),
+                     " differs from x dtype ", dtype_of(x.scalar_type()));
+    check_device(name, w, x);
+    TORCH_CHECK_VALUE(starts[i] >= 0 && starts[i] + kv <= w.size(0), kOp, kind, "_row_starts[", num(i),
+                      "] = ", num(starts[i]), ": rows [", num(starts[i]), ", ", num(starts[i] + kv), ") of ", name,
+                      " are out of range (it has ", num(w.size(0)), " rows, a layer uses num_kv_heads * head_dim = ",
+                      num(kv), ")");
+    const std::optional<at::Tensor> b = biases.get(i);
+    if (!b.has_value()) continue;
+    const std::string bias = std::string(kind) + "_biases[" + num(i) + "]";
+    TORCH_CHECK_VALUE(b->dim() == 1 && b->size(0) == w.size(0), kOp, bias, " must be [", num(w.size(0)),
+                      "] (one entry per row of ", name, "), got ", shape_of(b->sizes()));
+    TORCH_CHECK_TYPE(b->scalar_type() == x.scalar_type(), kOp, bias, " dtype ", dtype_of(b->scalar_type()),
+                     " differs from x dtype ", dtype_of(x.scalar_type()));
+    check_device(bias, *b, x);
+  }
+}
+
+void check_norm(const at::Tensor& x, const OptionalList& weights, at::ArrayRef<double> eps, int64_t head_dim) {
+  for (size_t i = 0; i < eps.size(); ++i) {
+    TORCH_CHECK_VALUE(std::isfinite(eps[i]) && eps[i] >= 0.0, kOp, "k_norm_eps[", num(i),
+                      "] must be finite and >= 0, got ", num(eps[i]));
+  }
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const std::optional<at::Tensor> w = weights.get(i);
+    if (!w.has_value()) continue;
+    const std::string name = "k_norm_weights[" + num(i) + "]";
+    TORCH_CHECK_VALUE(!eps.empty(), kOp, name,
+                      " is given but k_norm_eps is empty (no norm): pass None, or one eps per layer");
+    TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == head_dim, kOp, name, " must be [", num(head_dim),
+                      "] (head_dim), got ", shape_of(w->sizes()));
+    TORCH_CHECK_TYPE(w->scalar_type() == x.scalar_type() || w->scalar_type() == at::kFloat, kOp, name, " dtype ",
+                     dtype_of(w->scalar_type()), " must be x's (", dtype_of(x.scalar_type()), ") or torch.float32");
+    check_device(name, *w, x);
+  }
+}
+
+void check_rope(const at::Tensor& x, TensorList tables, const at::Tensor& positions, int64_t head_dim) {
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == tokens, kOp, "positions must be [", num(tokens),
+                    "] (one per token of x), got ", shape_of(positions.sizes()));
+  TORCH_CHECK_TYPE(is_index(positions), kOp, "positions must be int32 or int64, got ",
+                   dtype_of(positions.scalar_type()));
+  check_device("positions", positions, x);
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const at::Tensor& c = tables[i];
+    const std::string name = "cos_sin_caches[" + num(i) + "]";
+    TORCH_CHECK_VALUE(c.dim() == 2, kOp, name, " must be 2-D [P, R], got ", shape_of(c.sizes()));
+    TORCH_CHECK_TYPE(c.scalar_type() == at::kFloat, kOp, name, " must be torch.float32, got ",
+                     dtype_of(c.scalar_type()));
+    check_device(name, c, x);
+    const int64_t rot = c.size(1);
+    TORCH_CHECK_VALUE(rot % 2 == 0 && rot > 0 && rot <= head_dim && rot == tables[0].size(1), kOp, name, " has ",
+                      num(rot), " columns: the rotary dim must be even, in (0, head_dim = ", num(head_dim),
+                      "] and the same for every layer (", num(tables[0].size(1)), " for layer 0)");
+  }
+}
+
+// Sufficient test of internal overlap (as _overlaps_itself in Python): by increasing stride, every dim steps past the
+// block spanned by the dims before it.
+bool overlaps_itself(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride < span) return true;
+    span += (size - 1) * stride;
+  }
+  return false;
+}
+
+// Whether delta == sum(d_k * stride_k) with |d_k| < size_k, dims (stride, size) by decreasing stride (as
+// _offsets_meet in Python).
+bool offsets_meet(int64_t delta, const std::vector<std::pair<int64_t, int64_t>>& dims, size_t level) {
+  if (level == dims.size()) return delta == 0;
+  const auto [stride, size] = dims[level];
+  int64_t reach = 0;
+  for (size_t k = level + 1; k < dims.size(); ++k) reach += (dims[k].second - 1) * dims[k].first;
+  const auto floor_div = [](int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); };
+  const int64_t lo = std::max(-(size - 1), -floor_div(reach - delta, stride));
+  const int64_t hi = std::min(size - 1, floor_div(delta + reach, stride));
+  for (int64_t d = lo; d <= hi; ++d) {
+    if (offsets_meet(delta - d * stride, dims, level + 1)) return true;
+  }
+  return false;
+}
+
+// Whether a and b have an element in common (as _share_memory in Python: exact for equal layouts in one storage,
+// address ranges otherwise).
+bool share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  const auto hi = [](const at::Tensor& t) {
+    int64_t end = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
+    return end;
+  };
+  if (hi(a) < b.storage_offset() || hi(b) < a.storage_offset()) return false;
+  if (a.sizes() != b.sizes() || a.strides() != b.strides() || overlaps_itself(a)) return true;
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1) dims.emplace_back(a.stride(d), a.size(d));
+  }
+  std::sort(dims.rbegin(), dims.rend());
+  return offsets_meet(b.storage_offset() - a.storage_offset(), dims, 0);
+}
+
+void check_caches(const at::Tensor& x, TensorList k_caches, TensorList v_caches, int64_t heads, int64_t head_dim) {
+  const c10::IntArrayRef shape = k_caches[0].sizes();
+  for (const char* kind : {"k", "v"}) {
+    TensorList caches = kind[0] == 'k' ? k_caches : v_caches;
+    for (size_t i = 0; i < caches.size(); ++i) {
+      const at::Tensor& c = caches[i];
+      const std::string name = std::string(kind) + "_caches[" + num(i) + "]";
+      TORCH_CHECK_VALUE(c.dim() == 3 && c.size(1) == heads && c.size(2) == head_dim && c.sizes() == shape, kOp, name,
+                        " must be [S, ", num(heads), ", ", num(head_dim), "] with the slots of k_caches[0] ",
+                        shape_of(shape), ", got ", shape_of(c.sizes()));
+      TORCH_CHECK_TYPE(c.scalar_type() == x.scalar_type(), kOp, name, " dtype ", dtype_of(c.scalar_type()),
+                       " differs from x dtype ", dtype_of(x.scalar_type()));
+      check_device(name, c, x);
+      TORCH_CHECK_VALUE(c.numel() == 0 || !overlaps_itself(c), kOp, name,
+                        " must not overlap itself (its rows are written independently)");
+    }
+  }
+}
+
+void check_locations(const at::Tensor& x, const at::Tensor& loc, const std::optional<at::Tensor>& commit) {
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK_TYPE(is_index(loc), kOp, "cache_loc must be int32 or int64, got ", dtype_of(loc.scalar_type()));
+  check_device("cache_loc", loc, x);
+  if (loc.dim() == 1) {
+    TORCH_CHECK_VALUE(loc.size(0) == tokens, kOp, "cache_loc must be [", num(tokens),
+                      "] (one slot per token of x), got ", shape_of(loc.sizes()));
+    TORCH_CHECK_VALUE(!commit.has_value(), kOp, "commit_lens needs a 2-D cache_loc [B, W]; got a 1-D cache_loc");
+    return;
+  }
+  TORCH_CHECK_VALUE(loc.dim() == 2 && loc.numel() == tokens, kOp, "cache_loc must be [", num(tokens),
+                    "] or [B, W] with B * W = ", num(tokens), ", got ", shape_of(loc.sizes()));
+  TORCH_CHECK_VALUE(commit.has_value(), kOp, "commit_lens [B] must be given with a 2-D cache_loc [B, W]");
+  TORCH_CHECK_VALUE(commit->dim() == 1 && commit->size(0) == loc.size(0), kOp, "commit_lens must be [",
+                    num(loc.size(0)), "] (one per row of cache_loc), got ", shape_of(commit->sizes()));
+  TORCH_CHECK_TYPE(is_index(*commit), kOp, "commit_lens must be int32 or int64, got ",
+                   dtype_of(commit->scalar_type()));
+  check_device("commit_lens", *commit, x);
+}
+
+struct Named {
+  std::string name;
+  at::Tensor tensor;
+};
+
+void check_aliasing(const std::vector<Named>& caches, const std::vector<Named>& inputs) {
+  for (size_t j = 0; j < caches.size(); ++j) {
+    const auto check = [&](const Named& other) {
+      TORCH_CHECK_VALUE(!share_memory(caches[j].tensor, other.tensor), kOp, caches[j].name, " shares memory with ",
+                        other.name, ": the caches must not overlap each other or any input");
+    };
+    for (size_t i = 0; i < j; ++i) check(caches[i]);
+    for (const Named& in : inputs) check(in);
+  }
+}
+
+struct Call {
+  const at::Tensor& x;
+  TensorList k_weights;
+  at::IntArrayRef k_starts;
+  const OptionalList& k_biases;
+  TensorList v_weights;
+  at::IntArrayRef v_starts;
+  const OptionalList& v_biases;
+  const OptionalList& norm_weights;
+  at::ArrayRef<double> eps;
+  TensorList tables;
+  const at::Tensor& positions;
+  bool neox;
+  TensorList k_caches;
+  TensorList v_caches;
+  const at::Tensor& loc;
+  const std::optional<at::Tensor>& commit;
+  int64_t heads;
+  int64_t head_dim;
+};
+
+// The structural checks of _check_args in Python, in the same order.
+void check_args(const Call& c) {
+  TORCH_CHECK_VALUE(c.x.dim() == 2, kOp, "x must be 2-D [T, K], got ", shape_of(c.x.sizes()));
+  const auto dtype = c.x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat, kOp,
+                   "x must be bfloat16, float16 or float32, got ", dtype_of(dtype));
+  const size_t n = c.k_weights.size();
+  TORCH_CHECK_VALUE(n > 0, kOp, "k_weights must hold at least one tensor (one per layer)");
+  TORCH_CHECK_VALUE(c.heads >= 1, kOp, "num_kv_heads must be >= 1, got ", num(c.heads));
+  TORCH_CHECK_VALUE(c.head_dim >= 1, kOp, "head_dim must be >= 1, got ", num(c.head_dim));
+  const std::pair<const char*, size_t> lengths[] = {
+      {"k_row_starts", c.k_starts.size()}, {"k_biases", c.k_biases.size()},   {"v_weights", c.v_weights.size()},
+      {"v_row_starts", c.v_starts.size()}, {"v_biases", c.v_biases.size()},   {"k_norm_weights", c.norm_weights.size()},
+      {"k_caches", c.k_caches.size()},     {"v_caches", c.v_caches.size()},
+  };
+  for (const auto& [name, length] : lengths) {
+    TORCH_CHECK_VALUE(length == n, kOp, name, " must hold one entry per layer (", num(n),
+                      ", the length of k_weights), got ", num(length));
+  }
+  TORCH_CHECK_VALUE(c.eps.empty() || c.eps.size() == n, kOp, "k_norm_eps must be empty or hold one entry per layer (",
+                    num(n), "), got ", num(c.eps.size()));
+  TORCH_CHECK_VALUE(c.tables.empty() || c.tables.size() == n, kOp,
+                    "cos_sin_caches must be empty or hold one entry per layer (", num(n), "), got ",
+                    num(c.tables.size()));
+  const int64_t kv = c.heads * c.head_dim;
+  check_projection(c.x, "k", c.k_weights, c.k_starts, c.k_biases, kv);
+  check_projection(c.x, "v", c.v_weights, c.v_starts, c.v_biases, kv);
+  check_norm(c.x, c.norm_weights, c.eps, c.head_dim);
+  check_rope(c.x, c.tables, c.positions, c.head_dim);
+  check_caches(c.x, c.k_caches, c.v_caches, c.heads, c.head_dim);
+  check_locations(c.x, c.loc, c.commit);
+  std::vector<Named> caches, inputs{{"x", c.x}};
+  for (size_t i = 0; i < n; ++i) caches.push_back({"k_caches[" + num(i) + "]", c.k_caches[i]});
+  for (size_t i = 0; i < n; ++i) caches.push_back({"v_caches[" + num(i) + "]", c.v_caches[i]});
+  for (size_t i = 0; i < n; ++i) inputs.push_back({"k_weights[" + num(i) + "]", c.k_weights[i]});
+  for (size_t i = 0; i < n; ++i) inputs.push_back({"v_weights[" + num(i) + "]", c.v_weights[i]});
+  const auto add_optional = [&](const std::string& name, const std::optional<at::Tensor>& t) {
+    if (t.has_value()) inputs.push_back({name, *t});
+  };
+  for (size_t i = 0; i < n; ++i) add_optional("k_biases[" + num(i) + "]", c.k_biases.get(i));
+  for (size_t i = 0; i < n; ++i) add_optional("v_biases[" + num(i) + "]", c.v_biases.get(i));
+  for (size_t i = 0; i < n; ++i) add_optional("k_norm_weights[" + num(i) + "]", c.norm_weights.get(i));
+  for (size_t i = 0; i < c.tables.size(); ++i) inputs.push_back({"cos_sin_caches[" + num(i) + "]", c.tables[i]});
+  inputs.push_back({"positions", c.positions});
+  inputs.push_back({"cache_loc", c.loc});
+  add_optional("commit_lens", c.commit);
+  check_aliasing(caches, inputs);
+}
+
+// What the CUDA kernels need beyond the structural rules; ValueError / TypeError naming the argument.
+void check_cuda_layout(const Call& c) {
+  const auto dtype = c.x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf, kOp, "x must be bfloat16 or float16 on CUDA, got ",
+                   dtype_of(dtype));
+  TORCH_CHECK_VALUE(c.x.size(1) % 8 == 0 && c.x.size(1) > 0, kOp, "x must have K > 0 and a multiple of 8 on CUDA, got K = ",
+                    num(c.x.size(1)));
+  TORCH_CHECK_VALUE(c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, kOp,
+                    "head_dim must be 64, 128 or 256 on CUDA, got ", num(c.head_dim));
+  for (const char* kind : {"k", "v"}) {
+    TensorList caches = kind[0] == 'k' ? c.k_caches : c.v_caches;
+    for (size_t i = 0; i < caches.size(); ++i) {
+      const at::Tensor& t = caches[i];
+      const int64_t esize = static_cast<int64_t>(t.element_size());
+      TORCH_CHECK_VALUE(t.stride(2) == 1 && aligned16(t.data_ptr()) && (t.stride(0) * esize) % 16 == 0 &&
+                            (t.stride(1) * esize) % 16 == 0,
+                        kOp, kind, "_caches[", num(i),
+                        "] must have a unit inner stride and 16-byte aligned rows on CUDA, got strides ",
+                        shape_of(t.strides()));
+    }
+  }
+}
+
+void check_values(const Call& c) {
+  if (!must_check_values()) return;
+  const int64_t slots = c.k_caches[0].size(0);
+  check_index_range(c.loc, slots, "cache_loc",
+                    "cache slots are [0, " + num(slots) + ") (negative entries skip the token)");
+  if (c.tables.empty()) return;
+  int64_t rows = c.tables[0].size(0);
+  for (const at::Tensor& t : c.tables) rows = std::min(rows, t.size(0));
+  check_index_range(c.positions, rows, "positions",
+                    "positions must be in [0, " + num(rows) + "), a row of every cos_sin_caches table", false);
+}
+
+// ------------------------------------------------------------------------------------------------ launch tables
+
+// The epilogue table of layers [first, first + count).
+KvWrite kv_table(const Call& c, size_t first, size_t count) {
+  KvWrite kv{};
+  for (size_t j = 0; j < count; ++j) {
+    const size_t i = first + j;
+    const at::Tensor* caches[2] = {&c.k_caches[i], &c.v_caches[i]};
+    for (int kind = 0; kind < 2; ++kind) {
+      kv.cache[kind][j] = caches[kind]->data_ptr();
+      kv.slot_stride[kind][j] = caches[kind]->stride(0);
+      kv.head_stride[kind][j] = caches[kind]->stride(1);
+    }
+    const std::optional<at::Tensor> w = c.norm_weights.get(i);
+    kv.norm_weight[j] = w.has_value() ? w->data_ptr() : nullptr;
+    kv.norm_fp32[j] = w.has_value() && w->scalar_type() == at::kFloat;
+    TORCH_CHECK_VALUE(!w.has_value() || w->stride(0) == 1 || w->size(0) <= 1, kOp, "k_norm_weights[", num(i),
+                      "] must be contiguous on CUDA");
+    kv.eps[j] = c.eps.empty() ? 0.f : static_cast<float>(c.eps[i]);
+    if (!c.tables.empty()) {
+      const at::Tensor& t = c.tables[i];
+      TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, kOp, "cos_sin_caches[", num(i),
+                        "] must have a unit inner stride on CUDA");
+      kv.cos_sin[j] = t.data_ptr<float>();
+      kv.table_rows[j] = t.size(0);
+      kv.table_stride[j] = t.stride(0);
+    }
+  }
+  kv.positions = c.positions.data_ptr();
+  kv.positions_stride = c.positions.stride(0);
+  kv.positions_int64 = c.positions.scalar_type() == at::kLong;
+  kv.loc = c.loc.data_ptr();
+  kv.loc_int64 = c.loc.scalar_type() == at::kLong;
+  if (c.loc.dim() == 1) {
+    kv.width = std::max<int64_t>(c.x.size(0), 1);
+    kv.loc_stride0 = 0;
+    kv.loc_stride1 = c.loc.stride(0);
+  } else {
+    kv.width = c.loc.size(1);
+    kv.loc_stride0 = c.loc.stride(0);
+    kv.loc_stride1 = c.loc.stride(1);
+  }
+  if (c.commit.has_value()) {
+    kv.commit_lens = c.commit->data_ptr();
+    kv.commit_stride = c.commit->stride(0);
+    kv.commit_int64 = c.commit->scalar_type() == at::kLong;
+  }
+  kv.slots = c.k_caches[0].size(0);
+  kv.heads = static_cast<int>(c.heads);
+  kv.head_dim = static_cast<int>(c.head_dim);
+  kv.rotary_dim = c.tables.empty() ? 0 : static_cast<int>(c.tables[0].size(1));
+  kv.neox = c.neox;
+  kv.has_norm = !c.eps.empty();
+  kv.has_rope = !c.tables.empty();
+  return kv;
+}
+
+// The GEMM's weights, row starts and biases for layers [first, first + count): K_i then V_i.
+struct Projection {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> starts, counts;
+  OptionalList biases;
+};
+
+Projection projection(const Call& c, size_t first, size_t count) {
+  Projection p;
+  const int64_t kv = c.heads * c.head_dim;
+  for (size_t i = first; i < first + count; ++i) {
+    p.weights.push_back(c.k_weights[i]);
+    p.starts.push_back(c.k_starts[i]);
+    p.biases.push_back(c.k_biases.get(i));
+    p.weights.push_back(c.v_weights[i]);
+    p.starts.push_back(c.v_starts[i]);
+    p.biases.push_back(c.v_biases.get(i));
+    p.counts.push_back(kv);
+    p.counts.push_back(kv);
+  }
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------------ paths
+
+template <typename T, int V, int NT>
+void launch_fused_instance(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
+  constexpr Variant v = kVariants[V == 4 ? kVariant128 : NT <= 2 ? kVariant64 : kVariant64Wide];
+  const int split = auto_split(v, rows, args.gemm.k, device_attribute(cudaDevAttrMultiProcessorCount, device));
+  const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
+  launch(&multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>, args,
+         tiles * split, cta_threads(v), smem_bytes(v, NT), split, device);
+}
+
+template <typename T, int V>
+void launch_fused(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
+  switch (token_tiles(args.gemm.tokens)) {
+    case 1:
+      return launch_fused_instance<T, V, 1>(args, rows, device);
+    case 2:
+      return launch_fused_instance<T, V, 2>(args, rows, device);
+    case 4:
+      return launch_fused_instance<T, V, 4>(args, rows, device);
+    default:
+      return launch_fused_instance<T, V, 8>(args, rows, device);
+  }
+}
+
+// One launch per 32 layers: the GEMM of their K and V rows with the write epilogue.
+template <typename T>
+void run_fused(const Call& c, const at::Tensor& x) {
+  const size_t n = c.k_weights.size();
+  for (size_t first = 0; first < n; first += kMaxLayers) {
+    const size_t count = std::min<size_t>(kMaxLayers, n - first);
+    const Projection proj = projection(c, first, count);
+    const std::vector<Run> runs = collect_runs(x, proj.weights, proj.starts, proj.counts, proj.biases);
+    KvWriteArgs args{};
+    Params& p = args.gemm;
+    p.x = x.data_ptr();
+    p.x_stride = x.stride(0);
+    p.tokens = static_cast<int>(x.size(0));
+    p.k = static_cast<int>(x.size(1));
+    p.num_segments = static_cast<int>(runs.size());
+    int64_t rows = 0;
+    for (size_t j = 0; j < runs.size(); ++j) {
+      rows += runs[j].rows;
+      p.segment_end[j] = rows;
+      p.weight[j] = runs[j].weight;
+      p.weight_stride[j] = runs[j].weight_stride;
+      p.bias[j] = runs[j].bias;
+      p.bias_stride[j] = runs[j].bias_stride;
+    }
+    args.kv = kv_table(c, first, count);
+    if (c.head_dim == 64) {
+      launch_fused<T, 2>(args, rows, x.device());
+    } else {
+      launch_fused<T, 4>(args, rows, x.device());
+    }
+  }
+}
+
+template <typename T, int V>
+void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
+                  const at::Device& device) {
+  const int64_t units = static_cast<int64_t>(tokens) * 2 * layers * kv.heads;
+  const int64_t blocks = (units + kHeadWarps - 1) / kHeadWarps;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(32 * kHeadWarps);
+  config.stream = c10::cuda::getCurrentCUDAStream(device.index());
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, V>, kv,
+                                    static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
+                                    layers));
+}
+
+// The GEMM through dspark::multi_linear (its own kernel or cuBLAS) into a [T, 2 N kv] buffer, then the heads kernel.
+template <typename T>
+void run_gemm_then_heads(const Call& c) {
+  static const auto multi_linear =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dspark::multi_linear", "")
+          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef, const OptionalList&)>();
+  const size_t n = c.k_weights.size();
+  const int tokens = static_cast<int>(c.x.size(0));
+  for (size_t first = 0; first < n; first += kMaxLayers) {
+    const size_t count = std::min<size_t>(kMaxLayers, n - first);
+    const Projection proj = projection(c, first, count);
+    const at::Tensor projections = multi_linear.call(c.x, proj.weights, proj.starts, proj.counts, proj.biases);
+    const KvWrite kv = kv_table(c, first, count);
+    const int layers = static_cast<int>(count);
+    if (c.head_dim == 64) {
+      launch_heads<T, 2>(kv, projections, tokens, layers, c.x.device());
+    } else if (c.head_dim == 128) {
+      launch_heads<T, 4>(kv, projections, tokens, layers, c.x.device());
+    } else {
+      launch_heads<T, 8>(kv, projections, tokens, layers, c.x.device());
+    }
+  }
+}
+
+// Whether the fused kernel takes the call: up to its largest token tile, heads of 64 or 128, weights it can read.
+bool fused_fits(const Call& c, const at::Tensor& x) {
+  if (x.size(0) > kFusedMaxTokens || (c.head_dim != 64 && c.head_dim != 128)) return false;
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.device()) < 9) return false;
+  const Projection proj = projection(c, 0, c.k_weights.size());
+  return kernel_blocker(x, collect_runs(x, proj.weights, proj.starts, proj.counts, proj.biases)) == nullptr;
+}
+
+void multi_linear_kv_write(const at::Tensor& x, TensorList k_weights, at::IntArrayRef k_row_starts,
+                           const OptionalList& k_biases, TensorList v_weights, at::IntArrayRef v_row_starts,
+                           const OptionalList& v_biases, const OptionalList& k_norm_weights,
+                           at::ArrayRef<double> k_norm_eps, TensorList cos_sin_caches, const at::Tensor& positions,
+                           bool is_neox, TensorList k_caches, TensorList v_caches, const at::Tensor& cache_loc,
+                           const std::optional<at::Tensor>& commit_lens, int64_t num_kv_heads, int64_t head_dim) {
+  const Call c{x,          k_weights, k_row_starts, k_biases,     v_weights, v_row_starts,
+               v_biases,   k_norm_weights, k_norm_eps, cos_sin_caches, positions, is_neox,
+               k_caches,   v_caches,  cache_loc,    commit_lens,  num_kv_heads, head_dim};
+  check_args(c);
+  check_cuda_layout(c);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_values(c);
+  if (x.size(0) == 0 || k_caches[0].numel() == 0) return;
+  const at::Tensor activation = kernel_activation(x);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (fused_fits(c, activation)) {
+    bf16 ? run_fused<__nv_bfloat16>(c, activation) : run_fused<__half>(c, activation);
+  } else {
+    bf16 ? run_gemm_then_heads<__nv_bfloat16>(c) : run_gemm_then_heads<__half>(c);
+  }
+}
+
+}  // namespace
+}  // namespace mlinear
+}  // namespace dspark
+
+TORCH_LIBRARY_IMPL(dspark, CUDA, m) { m.impl("multi_linear_kv_write", &dspark::mlinear::multi_linear_kv_write); }
