@@ -369,18 +369,24 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint4 (&
 // Steps [begin, end) of one warp of a k-group (every warp of the group runs the same steps): D - 1 steps of weight
 // and activation copies in flight ahead of the step being multiplied. Slot of step s: (s - begin) % D; the slot
 // refilled in iteration s is the one read in iteration s - 1, by this lane only (WR == 1) or by the whole group,
-// which has passed this iteration's barrier after reading it.
-template <typename T, int MT, int NT, int WR, int D>
+// which has passed this iteration's barrier after reading it. Hooks of the epilogue: `after_start` once the first
+// copies are in flight, `halfway` once, in the middle of the steps (after them if there are none); copies they
+// issue join the current group and are waited for with the rest.
+template <typename T, int MT, int NT, int WR, int D, typename AfterStart, typename Halfway>
 __device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], const RingView<MT, NT, WR>& ring,
                                            const LaneSources<T, MT, NT>& src, int begin, int end, int k, int lane,
-                                           int quad, int barrier_id) {
+                                           int quad, int barrier_id, AfterStart&& after_start, Halfway&& halfway) {
   static_assert(D >= 2 && (D & (D - 1)) == 0, "the stage count must be a power of two");
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) {
     if (begin + d < end) copy_step<T, MT, NT, WR>(ring, d, src, begin + d, k, lane, quad);
     commit_copies();
   }
+  after_start();
+  if (begin >= end) halfway();
+  const int middle = begin + (end - begin) / 2;
   for (int s = begin; s < end; ++s) {
+    if (s == middle) halfway();
     wait_copies<D - 2>();
     if constexpr (WR > 1) group_barrier(barrier_id, 32 * WR);  // the other warps' activation copies have landed
     const int slot = (s - begin) & (D - 1);
@@ -425,15 +431,29 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float* tile
 // The epilogue of the plain op: bias + the partial sums of the cluster's CTAs, rounded once, stored to `out`.
 // An epilogue type names the kernel's argument type (`Args`), where its GEMM parameters are (`gemm`) and what the
 // CTA does with its finished partial tile (`finish`); multi_linear_kv_write_kernels.cuh has the other one.
+//
+// An epilogue may also stage data of its own in shared memory past the ring/tile region (`extra_bytes` for a tile
+// of kTokens tokens): `prefetch` runs once the main loop's first copies are in flight and returns raw loaded values
+// (registers, no arithmetic on them, so nothing waits for them there), `stage` runs halfway through the main loop,
+// when they have arrived, and may write `extra` and issue asynchronous copies into it; both are complete when
+// `finish` runs.
 struct StoreEpilogue {
   using Args = Params;
+  struct Prefetch {};
+  static __host__ __device__ constexpr int extra_bytes(int) { return 0; }
   static __device__ __forceinline__ const Params& gemm(const Args& args) { return args; }
+  template <typename T, int kTokens>
+  static __device__ __forceinline__ Prefetch prefetch(const Args&, int64_t) {
+    return {};
+  }
+  template <typename T, int kTokens>
+  static __device__ __forceinline__ void stage(const Args&, const Prefetch&, float*, int64_t) {}
 
   // The tile [tokens][kPitch] (this CTA's partial sums) and the fp32 bias [kRows] are in shared memory; `rows` of
   // the tile exist.
   template <typename T, int kRows, int kTokens, int kThreads>
-  static __device__ __forceinline__ void finish(const Args& p, const float* tile, const float* bias, int64_t row0,
-                                                int rows, const ClusterCoord& cluster) {
+  static __device__ __forceinline__ void finish(const Args& p, const float* tile, const float* bias, const float*,
+                                                int64_t row0, int rows, const ClusterCoord& cluster) {
     const int elements = (p.tokens < kTokens ? p.tokens : kTokens) * kRows;
     if (cluster.size == 1) {
       store_outputs<T, kRows, kThreads>(p, tile, bias, row0, rows, 0, elements, 1);
@@ -453,10 +473,12 @@ template <typename T, int MT, int NT, int WR, int WK, int D, typename Epilogue =
 __global__ void __launch_bounds__(32 * WR * WK)
     multi_linear_kernel(const __grid_constant__ typename Epilogue::Args args) {
   constexpr int kRows = 16 * MT * WR, kTokens = 8 * NT, kThreads = 32 * WR * WK, kPitch = tile_pitch(kRows);
+  constexpr Variant kVariant{MT, WR, WK, D};
   const Params& p = Epilogue::gemm(args);
   float* bias = cta_smem();                                    // [kRows] fp32 bias of the tile's rows (0: none)
   uint4* rings = reinterpret_cast<uint4*>(bias + kRows);        // main loop: [WK][D][stage]
   float* tile = bias + kRows;                                   // epilogue: [kTokens][kPitch] fp32 partial sums
+  float* extra = cta_smem() + (smem_bytes(kVariant, NT) / 4);   // the epilogue's own staging area
   const ClusterCoord cluster = cluster_coord();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int row_warp = warp % WR, k_warp = warp / WR;
@@ -504,9 +526,13 @@ __global__ void __launch_bounds__(32 * WR * WK)
     }
   }
   const RingView<MT, NT, WR> ring{rings + k_warp * D * stage_vectors(WR, MT, NT), row_warp};
-  warp_steps<T, MT, NT, WR, D>(acc, ring, src, begin, end, p.k, lane, quad, 1 + k_warp);
+  typename Epilogue::Prefetch prefetched{};
+  warp_steps<T, MT, NT, WR, D>(
+      acc, ring, src, begin, end, p.k, lane, quad, 1 + k_warp,
+      [&] { prefetched = Epilogue::template prefetch<T, kTokens>(args, row0); },
+      [&] { Epilogue::template stage<T, kTokens>(args, prefetched, extra, row0); });
   pdl_launch_next();
-  __syncthreads();  // every ring is drained before the tile overwrites them
+  __syncthreads();  // every ring is drained before the tile overwrites them; the epilogue's staging is visible
 
   // The CTA's partial tile: the WK warps of each row group add their accumulators in turn.
 #pragma unroll
@@ -531,7 +557,7 @@ __global__ void __launch_bounds__(32 * WR * WK)
 
   const int64_t rows_left = total_rows - row0;
   const int rows = rows_left < kRows ? static_cast<int>(rows_left) : kRows;
-  Epilogue::template finish<T, kRows, kTokens, kThreads>(args, tile, bias, row0, rows, cluster);
+  Epilogue::template finish<T, kRows, kTokens, kThreads>(args, tile, bias, extra, row0, rows, cluster);
 }
 
 // ------------------------------------------------------------------------------------------------ launch shape

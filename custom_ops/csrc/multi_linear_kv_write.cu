@@ -23,15 +23,17 @@ namespace mlinear {
 namespace {
 
 constexpr const char* kOp = "multi_linear_kv_write: ";
-// The fused kernel's token tiles go up to kMaxTokens; its tiles hold whole heads of 64 or 128 elements.
-constexpr int kFusedMaxTokens = kMaxTokens;
+// Up to this many tokens the fused kernel runs (H200, Qwen3-8B draft dims: 29 us at 8 tokens against 48 us for the
+// per-layer GEMMs alone); beyond, the GEMM path (dspark::multi_linear picks its kernel or cuBLAS) and the heads
+// kernel, because the 128-row tiles that hold a head of 128 lose to the GEMM's own tiles from 32 tokens on.
+constexpr int kFusedMaxTokens = 16;
 
-// The tile configurations of the fused kernel (kVariants indices): 64-row tiles for head_dim 64 (4 x 1 m-tiles per
-// warp up to 16 tokens; 2 x 2 warps beyond, where the taller warp tile would spill), 128-row tiles for head_dim 128.
-constexpr int kVariant64 = 0, kVariant64Wide = 3, kVariant128 = 4;
-static_assert(cta_rows(kVariants[kVariant64]) == 64 && cta_rows(kVariants[kVariant64Wide]) == 64 &&
-                  cta_rows(kVariants[kVariant128]) == 128,
-              "the fused kernel's tiles hold whole heads");
+// The tile configurations of the fused kernel (kVariants indices): one head per tile, 64 rows for head_dim 64,
+// 128 rows (4 x 2 warps) for head_dim 128.
+constexpr int kVariant64 = 0, kVariant128 = 4;
+static_assert(cta_rows(kVariants[kVariant64]) == 64 && cta_rows(kVariants[kVariant128]) == 128,
+              "a fused tile is one head");
+static_assert(kFusedMaxTokens <= 16, "the fused kernel is compiled for 1 and 2 token tiles");
 
 using TensorList = at::TensorList;
 using OptionalList = c10::List<std::optional<at::Tensor>>;
@@ -405,24 +407,19 @@ Projection projection(const Call& c, size_t first, size_t count) {
 
 template <typename T, int V, int NT>
 void launch_fused_instance(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
-  constexpr Variant v = kVariants[V == 4 ? kVariant128 : NT <= 2 ? kVariant64 : kVariant64Wide];
+  constexpr Variant v = kVariants[V == 4 ? kVariant128 : kVariant64];
   const int split = auto_split(v, rows, args.gemm.k, device_attribute(cudaDevAttrMultiProcessorCount, device));
   const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
   launch(&multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>, args,
-         tiles * split, cta_threads(v), smem_bytes(v, NT), split, device);
+         tiles * split, cta_threads(v), smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT), split, device);
 }
 
 template <typename T, int V>
 void launch_fused(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
-  switch (token_tiles(args.gemm.tokens)) {
-    case 1:
-      return launch_fused_instance<T, V, 1>(args, rows, device);
-    case 2:
-      return launch_fused_instance<T, V, 2>(args, rows, device);
-    case 4:
-      return launch_fused_instance<T, V, 4>(args, rows, device);
-    default:
-      return launch_fused_instance<T, V, 8>(args, rows, device);
+  if (token_tiles(args.gemm.tokens) == 1) {
+    launch_fused_instance<T, V, 1>(args, rows, device);
+  } else {
+    launch_fused_instance<T, V, 2>(args, rows, device);
   }
 }
 
@@ -462,7 +459,8 @@ void run_fused(const Call& c, const at::Tensor& x) {
 template <typename T, int V>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  const int64_t units = static_cast<int64_t>(tokens) * 2 * layers * kv.heads;
+  const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;
+  const int64_t units = static_cast<int64_t>(tokens) * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp);
   const int64_t blocks = (units + kHeadWarps - 1) / kHeadWarps;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

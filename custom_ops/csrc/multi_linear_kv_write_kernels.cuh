@@ -8,19 +8,19 @@
 // height is a multiple of head_dim and starts at a multiple of it holds whole heads.
 //
 // Two kernels:
-//   * fused (T <= 64, head_dim 64 or 128): multi_linear_kernel of multi_linear_kernels.cuh with KvWriteEpilogue.
-//     Its tiles are 64 (head_dim 64) or 128 rows (head_dim 128); after the split-K reduction the CTA's finished
-//     tile sits in shared memory in fp32, and the epilogue writes each (token, head) of it straight into the cache
-//     (one warp per unit): nothing but the weights, the activation and the written cache rows touch HBM.
+//   * fused (small T, head_dim 64 or 128): multi_linear_kernel of multi_linear_kernels.cuh with KvWriteEpilogue.
+//     Its tiles are one head (64 or 128 rows); after the split-K reduction the CTA's finished tile sits in shared
+//     memory in fp32, and the epilogue writes each token's head straight into the cache (one warp per token):
+//     nothing but the weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim 64, 128 or 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer
 //     and does the same per-unit work, one warp per (token, head).
 //
 // Per (token, head) unit, in fp32 (each lane holds V = head_dim / 32 consecutive elements): the token's slot
-// (cache_loc, or cache_loc_2d and commit_lens) and, with RoPE, its table row are read first; a negative or
-// out-of-range slot, a masked commit column or a position outside the layer's table skips the unit (nothing is
-// read through it, nothing written). K: sum of squares across the warp, scale = rsqrt(mean + eps), times the norm
-// weight; RoPE pairs (j, j + R/2) (neox) or (2j, 2j + 1) (GPT-J) for j < R/2 through a warp-private row of shared
-// memory; then every lane stores its V elements, rounded once, with one vector store.
+// (cache_loc, or cache_loc_2d and commit_lens) and, with RoPE, its position; a negative or out-of-range slot, a
+// masked commit column or a position outside the layer's table skips the unit (nothing is read through it,
+// nothing written). K: sum of squares across the warp, scale = rsqrt(mean + eps), times the norm weight; RoPE
+// pairs (j, j + R/2) (neox) or (2j, 2j + 1) (GPT-J) for j < R/2 through a warp-private row of shared memory; then
+// every lane stores its V elements, rounded once, with one vector store.
 #pragma once
 
 #include "multi_linear_kernels.cuh"
@@ -104,99 +104,180 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The unit's cache slot and table row: false when the unit is skipped (whole-warp uniform).
-__device__ __forceinline__ bool resolve_token(const KvWrite& kv, int layer, int token, int64_t& slot, int64_t& pos) {
-  const int64_t b = token / kv.width, j = token % kv.width;
-  if (kv.commit_lens != nullptr && j >= load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64)) {
-    return false;
-  }
-  slot = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
-  if (slot < 0 || slot >= kv.slots) return false;
-  pos = 0;
-  if (kv.has_rope) {
-    pos = load_index(kv.positions, token * kv.positions_stride, kv.positions_int64);
-    if (pos < 0 || pos >= kv.table_rows[layer]) return false;
-  }
-  return true;
-}
-
-// Writes one (token, head) unit whose fp32 projection this lane holds in v (elements lane * V + i), or nothing when
-// the token is skipped. `row` is the head's first concatenated row; `scratch` is head_dim floats of shared memory
-// only this warp uses (RoPE partners).
+// Norm (K), RoPE (K) and the store of one head whose fp32 projection the warp holds (lane: elements lane * V + i).
+// `norm_weight` is fp32 when `weight_fp32`, else T (nullptr: none); `table_row` holds the token's R cos/sin values;
+// `scratch` is head_dim floats of shared memory only this warp uses.
 template <typename T, int V>
-__device__ __forceinline__ void write_head(const KvWrite& kv, int token, int64_t row, float (&v)[V], float* scratch,
-                                           int lane) {
-  const int64_t kv_rows = static_cast<int64_t>(kv.heads) * kv.head_dim;
-  const int64_t segment = row / kv_rows;
-  const int layer = static_cast<int>(segment >> 1), kind = static_cast<int>(segment & 1);
-  const int head = static_cast<int>((row % kv_rows) / kv.head_dim);
-  int64_t slot, pos;
-  if (!resolve_token(kv, layer, token, slot, pos)) return;
+__device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float eps, const void* norm_weight,
+                                          int weight_fp32, const float* table_row, float (&v)[V], float* scratch,
+                                          T* dst, int lane) {
   const int e0 = lane * V;
-  if (kind == 0 && kv.has_norm) {
+  if (is_k && kv.has_norm) {
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < V; ++i) ss += v[i] * v[i];
-    const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(kv.head_dim) + kv.eps[layer]);
-    const void* w = kv.norm_weight[layer];
+    const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(kv.head_dim) + eps);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       float g = 1.f;
-      if (w != nullptr) g = kv.norm_fp32[layer] ? static_cast<const float*>(w)[e0 + i] : to_float(static_cast<const T*>(w)[e0 + i]);
+      if (norm_weight != nullptr) {
+        g = weight_fp32 ? static_cast<const float*>(norm_weight)[e0 + i]
+                        : to_float(static_cast<const T*>(norm_weight)[e0 + i]);
+      }
       v[i] *= scale * g;
     }
   }
-  if (kind == 0 && kv.has_rope) {
+  if (is_k && kv.has_rope) {
 #pragma unroll
     for (int i = 0; i < V; ++i) scratch[e0 + i] = v[i];
     __syncwarp();
     const int half = kv.rotary_dim / 2;
-    const float* table = kv.cos_sin[layer] + pos * kv.table_stride[layer];
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const int e = e0 + i;
       if (e >= kv.rotary_dim) continue;
-      const int j = kv.neox ? (e < half ? e : e - half) : e / 2;
       const bool first = kv.neox ? e < half : (e & 1) == 0;
+      const int j = kv.neox ? (first ? e : e - half) : e / 2;
       const int partner = kv.neox ? (first ? e + half : e - half) : e ^ 1;
-      const float c = table[j], s = table[half + j], other = scratch[partner];
+      const float c = table_row[j], s = table_row[half + j], other = scratch[partner];
       v[i] = first ? v[i] * c - other * s : v[i] * c + other * s;
     }
     __syncwarp();  // the scratch row is free for the warp's next unit
   }
-  T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer] +
-           head * kv.head_stride[kind][layer] + e0;
-  store_row<T, V>(dst, v);
+  store_row<T, V>(dst + e0, v);
 }
 
-// The fused epilogue: the CTA's tile holds whole heads (kRows is a multiple of head_dim = 32 V); the units
-// (token, head of the tile) are shared out over the cluster's CTAs and each CTA's warps. A unit's values are the
-// bias plus the S partial tiles; the owner writes them back into its own tile slot, which no other CTA reads, and
-// uses it as the RoPE scratch row.
+// Where head `head` of layer `layer`'s K (kind 0) or V cache row `slot` starts.
+template <typename T>
+__device__ __forceinline__ T* cache_row(const KvWrite& kv, int kind, int layer, int head, int64_t slot) {
+  return static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer] +
+         head * kv.head_stride[kind][layer];
+}
+
+// The layer, kind (0: K, 1: V) and head of concatenated row `row` (a head's first row).
+struct HeadOf {
+  int layer, kind, head;
+};
+
+__device__ __forceinline__ HeadOf head_of(const KvWrite& kv, int64_t row) {
+  const int64_t kv_rows = static_cast<int64_t>(kv.heads) * kv.head_dim;
+  const int64_t segment = row / kv_rows;
+  return {static_cast<int>(segment >> 1), static_cast<int>(segment & 1),
+          static_cast<int>((row % kv_rows) / kv.head_dim)};
+}
+
+// 4 bytes from global `src` to shared `dst`, asynchronously (waited for with wait_copies).
+__device__ __forceinline__ void copy_async4(float* dst, const float* src) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src) : "memory");
+#else
+  *dst = *src;
+#endif
+}
+
+// The fused epilogue. A tile is exactly one head (kRows == head_dim = 32 V) of one layer's K or V, so a unit is a
+// token of the tile. Staged in shared memory while the main loop runs: each token's slot (-1: skipped) and, for K
+// with RoPE, its cos/sin row, and the layer's norm weight. The loads behind them are issued right after the main
+// loop's first copies (`prefetch`: raw values into registers of thread t < tokens and i < head_dim), evaluated
+// halfway through it (`stage`: slots and weights to shared memory, the cos/sin rows by asynchronous copies), so the
+// epilogue reads no global memory but the peer tiles. Tokens are shared out over the cluster's CTAs and each CTA's
+// warps; a token's values are the bias plus the S partial tiles, written back into the owner's own tile row (which
+// no other CTA reads) to serve as the RoPE scratch row.
 template <int V>
 struct KvWriteEpilogue {
+  static constexpr int kHeadDim = 32 * V;
   using Args = KvWriteArgs;
+  struct Prefetch {
+    int64_t commit, loc, pos;  // thread t < tokens: token t's raw index values
+    uint32_t weight;           // thread i < head_dim: norm weight element i, raw bits
+  };
+  // Shared memory: slot [kTokens] int64, norm weight [head_dim] and cos/sin rows [kTokens][head_dim] fp32 (the first
+  // R of each row used).
+  static __host__ __device__ constexpr int extra_bytes(int tokens) { return 8 * tokens + 4 * kHeadDim * (1 + tokens); }
   static __device__ __forceinline__ const Params& gemm(const Args& args) { return args.gemm; }
 
+  template <typename T, int kTokens>
+  static __device__ __forceinline__ Prefetch prefetch(const Args& args, int64_t row0) {
+    const KvWrite& kv = args.kv;
+    const HeadOf h = head_of(kv, row0);
+    const int t = static_cast<int>(threadIdx.x);
+    Prefetch pre{0, -1, 0, 0};
+    if (t < args.gemm.tokens && t < kTokens) {
+      const int64_t b = t / kv.width, j = t % kv.width;
+      pre.commit = kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64)
+                                             : j + 1;
+      pre.loc = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
+      if (kv.has_rope) pre.pos = load_index(kv.positions, t * kv.positions_stride, kv.positions_int64);
+    }
+    const void* w = kv.norm_weight[h.layer];
+    if (h.kind == 0 && kv.has_norm && w != nullptr && t < kHeadDim) {
+      pre.weight = kv.norm_fp32[h.layer] ? static_cast<const uint32_t*>(w)[t] : static_cast<const uint16_t*>(w)[t];
+    }
+    return pre;
+  }
+
+  template <typename T, int kTokens>
+  static __device__ __forceinline__ void stage(const Args& args, const Prefetch& pre, float* extra, int64_t row0) {
+    const KvWrite& kv = args.kv;
+    const HeadOf h = head_of(kv, row0);
+    int64_t* slots = reinterpret_cast<int64_t*>(extra);
+    float* weight = reinterpret_cast<float*>(slots + kTokens);
+    float* rows = weight + kHeadDim;
+    const int t = static_cast<int>(threadIdx.x);
+    if (t < kHeadDim) {
+      float w = 1.f;
+      if (kv.norm_weight[h.layer] != nullptr) {
+        if (kv.norm_fp32[h.layer]) {
+          w = __uint_as_float(pre.weight);
+        } else {
+          T raw;
+          *reinterpret_cast<uint16_t*>(&raw) = static_cast<uint16_t>(pre.weight);
+          w = to_float(raw);
+        }
+      }
+      weight[t] = w;
+    }
+    if (t >= kTokens) return;
+    const int64_t j = t % kv.width;
+    const bool rope_ok = !kv.has_rope || (pre.pos >= 0 && pre.pos < kv.table_rows[h.layer]);
+    const bool live = t < args.gemm.tokens && j < pre.commit && pre.loc >= 0 && pre.loc < kv.slots && rope_ok;
+    slots[t] = live ? pre.loc : -1;
+    if (!live || h.kind != 0 || !kv.has_rope) return;
+    // This token's cos/sin row: 16-byte copies where the row allows, else 4-byte ones.
+    const float* src = kv.cos_sin[h.layer] + pre.pos * kv.table_stride[h.layer];
+    float* dst = rows + t * kHeadDim;
+    if (kv.rotary_dim % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
+      for (int e = 0; e < kv.rotary_dim; e += 4) copy_async16(reinterpret_cast<uint4*>(dst + e), src + e, true);
+    } else {
+      for (int e = 0; e < kv.rotary_dim; ++e) copy_async4(dst + e, src + e);
+    }
+  }
+
   template <typename T, int kRows, int kTokens, int kThreads>
-  static __device__ __forceinline__ void finish(const Args& args, float* tile, const float* bias, int64_t row0,
-                                                int rows, const ClusterCoord& cluster) {
-    constexpr int kHeadDim = 32 * V, kPitch = tile_pitch(kRows);
-    static_assert(kRows % kHeadDim == 0, "a tile holds whole heads");
-    const int tokens = args.gemm.tokens < kTokens ? args.gemm.tokens : kTokens;
-    const int units = tokens * (rows / kHeadDim);
-    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  static __device__ __forceinline__ void finish(const Args& args, float* tile, const float* bias, const float* extra,
+                                                int64_t row0, int, const ClusterCoord& cluster) {
+    static_assert(kRows == kHeadDim, "a tile is one head");
+    constexpr int kPitch = tile_pitch(kRows);
+    const KvWrite& kv = args.kv;
+    const HeadOf h = head_of(kv, row0);
+    const int64_t* slots = reinterpret_cast<const int64_t*>(extra);
+    const float* weight = reinterpret_cast<const float*>(slots + kTokens);
+    const float* table_rows = weight + kHeadDim;
     if (cluster.size > 1) cluster_sync();
-    const int begin = static_cast<int>(static_cast<int64_t>(units) * cluster.rank / cluster.size);
-    const int end = static_cast<int>(static_cast<int64_t>(units) * (cluster.rank + 1) / cluster.size);
-    for (int u = begin + warp; u < end; u += kThreads / 32) {
-      const int token = u / (rows / kHeadDim), r = (u % (rows / kHeadDim)) * kHeadDim;
-      float* mine = tile + token * kPitch + r;
+    const int tokens = args.gemm.tokens < kTokens ? args.gemm.tokens : kTokens;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int begin = static_cast<int>(static_cast<int64_t>(tokens) * cluster.rank / cluster.size);
+    const int end = static_cast<int>(static_cast<int64_t>(tokens) * (cluster.rank + 1) / cluster.size);
+    for (int token = begin + warp; token < end; token += kThreads / 32) {
+      const int64_t slot = slots[token];
+      if (slot < 0) continue;
+      float* mine = tile + token * kPitch;
       float v[V];
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const int e = lane * V + i;
-        float sum = bias[r + e];
+        float sum = bias[e];
         if (cluster.size == 1) {
           sum += mine[e];
         } else {
@@ -205,13 +286,17 @@ struct KvWriteEpilogue {
         v[i] = sum;
       }
       __syncwarp();  // every lane has read its sums before the row becomes the scratch row
-      write_head<T, V>(args.kv, token, row0 + r, v, mine, lane);
+      emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], weight, 1, table_rows + token * kHeadDim, v, mine,
+                      cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
     }
     if (cluster.size > 1) cluster_sync();
   }
 };
 
-// The heads kernel: unit u = token * (2 N heads) + h reads head h of token `token` from `projections` [T, ld].
+// The heads kernel: each warp writes kHeadsPerWarp consecutive heads of one token, read from `projections` [T, ld]
+// (heads of 2 N kv rows per token, in the GEMM's row order); all their loads are issued together.
+constexpr int kHeadsPerWarp = 4;
+
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kHeadWarps)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
@@ -219,16 +304,36 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   __shared__ float scratch[kHeadWarps][32 * V];
   pdl_wait();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;
+  const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;  // per token
+  const int64_t groups = (heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
   const int64_t u = static_cast<int64_t>(blockIdx.x) * kHeadWarps + warp;
-  if (u >= heads * tokens) return;
-  const int token = static_cast<int>(u / heads);
-  const int64_t row = (u % heads) * (32 * V);
-  const T* src = projections + token * ld + row + lane * V;
-  float v[V];
+  if (u >= groups * tokens) return;
+  const int token = static_cast<int>(u / groups);
+  const int64_t first = (u % groups) * kHeadsPerWarp;
+  const int count = heads - first < kHeadsPerWarp ? static_cast<int>(heads - first) : kHeadsPerWarp;
+  float v[kHeadsPerWarp][V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) v[i] = to_float(src[i]);
-  write_head<T, V>(kv, token, row, v, scratch[warp], lane);
+  for (int g = 0; g < kHeadsPerWarp; ++g) {
+    if (g >= count) break;
+    const T* src = projections + token * ld + (first + g) * (32 * V) + lane * V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[g][i] = to_float(src[i]);
+  }
+  const int64_t b = token / kv.width, j = token % kv.width;
+  const int64_t commit =
+      kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
+  const int64_t slot = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
+  const int64_t pos = kv.has_rope ? load_index(kv.positions, token * kv.positions_stride, kv.positions_int64) : 0;
+  if (j >= commit || slot < 0 || slot >= kv.slots) return;
+#pragma unroll
+  for (int g = 0; g < kHeadsPerWarp; ++g) {
+    if (g >= count) break;
+    const HeadOf h = head_of(kv, (first + g) * (32 * V));
+    if (kv.has_rope && (pos < 0 || pos >= kv.table_rows[h.layer])) continue;
+    const float* table_row = kv.has_rope ? kv.cos_sin[h.layer] + pos * kv.table_stride[h.layer] : nullptr;
+    emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], kv.norm_weight[h.layer], kv.norm_fp32[h.layer], table_row,
+                    v[g], scratch[warp], cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
+  }
 }
 
 }  // namespace mlinear
