@@ -67,7 +67,8 @@ class Spec:
     commit: tuple[int, ...] = (1,)  # commit_lens pattern, cycled over the rows
     negative: tuple[int, ...] = ()  # tokens whose slot is negative (skipped)
     table_rows: int = 64  # rows of layer 0's cos/sin table (layer i has 5 * i more)
-    seed: int = 0
+    seed: int = 0  # of everything but the weights
+    weight_seed: int = 0
 
     @property
     def kv(self) -> int:
@@ -143,7 +144,7 @@ def poison(shape, dtype, gen: torch.Generator) -> torch.Tensor:
 def _weight_values(spec: Spec) -> tuple:
     """(k_weights, k_row_starts, k_biases, v_weights, v_row_starts, v_biases) of `spec` on CPU, contiguous (a fused
     weight is one tensor in both lists). Values ~ N(0, 1/K), biases ~ N(0, 1/4)."""
-    gen = torch.Generator().manual_seed(1000 + spec.seed)
+    gen = torch.Generator().manual_seed(1000 + spec.weight_seed)
     kv, hidden, dtype = spec.kv, spec.hidden, spec.dtype
 
     def weight(rows: int) -> torch.Tensor:
@@ -207,7 +208,7 @@ def weights_key(spec: Spec) -> Spec:
         proj=spec.proj,
         q_heads=spec.q_heads,
         weight_layout=spec.weight_layout,
-        seed=spec.seed,
+        weight_seed=spec.weight_seed,
     )
 
 
