@@ -248,7 +248,7 @@ def _check_locations(x: torch.Tensor, cache_loc: torch.Tensor, commit_lens: torc
     if cache_loc.dim() != 2 or cache_loc.numel() != tokens:
         raise _fail(f"cache_loc must be [{tokens}] or [B, W] with B * W = {tokens}, got {tuple(cache_loc.shape)}")
     if commit_lens is None:
-        raise _fail("a 2-D cache_loc [B, W] needs commit_lens [B]")
+        raise _fail("commit_lens [B] must be given with a 2-D cache_loc [B, W]")
     if commit_lens.shape != cache_loc.shape[:1]:
         raise _fail(
             f"commit_lens must be [{cache_loc.shape[0]}] (one per row of cache_loc), got {tuple(commit_lens.shape)}"
@@ -294,8 +294,10 @@ def _check_args(
     n = len(k_weights)
     if n == 0:
         raise _fail("k_weights must hold at least one tensor (one per layer)")
-    if num_kv_heads < 1 or head_dim < 1:
-        raise _fail(f"num_kv_heads and head_dim must be >= 1, got {num_kv_heads} and {head_dim}")
+    if num_kv_heads < 1:
+        raise _fail(f"num_kv_heads must be >= 1, got {num_kv_heads}")
+    if head_dim < 1:
+        raise _fail(f"head_dim must be >= 1, got {head_dim}")
     _check_list_lengths(
         n,
         k_row_starts=k_row_starts,

@@ -1,0 +1,452 @@
+"""dspark::multi_linear_kv_write on CUDA against the CPU reference (the op on CPU): Qwen3-8B-like and head_dim-64
+shapes, T in {1, 7, 8, 64, 65, 512}, both RoPE styles, partial rotary, biases, commit masks, negative slots, strided
+and aliasing-but-disjoint caches; every byte outside the written rows unchanged; out-of-range slots and positions
+skipped (checking mode: the CPU message, nothing written); CUDA-graph capture and replay with new inputs and an
+in-place weight update; opcheck; the argument errors of the CPU table and the CUDA-only rules, before any write.
+
+Inputs come from `make_case` of tests/test_multi_linear_kv_write.py: a spec built on CPU and on CUDA holds the same
+values, so the CPU op on the CPU case is the oracle of the CUDA op on the CUDA case.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+from test_multi_linear_kv_write import (
+    BAD,
+    BAD_CASES,
+    Case,
+    Spec,
+    bits,
+    cache_bits,
+    fp64_kv,
+    make_case,
+    written_masks,
+    written_tokens,
+)
+
+import custom_ops
+from custom_ops import _build
+
+pytestmark = pytest.mark.cuda
+
+op = torch.ops.dspark.multi_linear_kv_write
+
+QWEN3_8B = Spec(  # 5 draft layers of Qwen3-8B: hidden 4096, 32 query / 8 KV heads of 128, fused qkv weights
+    hidden=4096,
+    layers=5,
+    heads=8,
+    head_dim=128,
+    q_heads=32,
+    slots=1100,
+    dtype=torch.bfloat16,
+    rot=128,
+    bias=(False,),
+    table_rows=4096,
+)
+HEAD_DIM_64 = Spec(
+    hidden=1024,
+    layers=3,
+    heads=4,
+    head_dim=64,
+    q_heads=16,
+    slots=700,
+    dtype=torch.bfloat16,
+    rot=32,
+    neox=False,
+    bias=(True, False, True),
+    weight_layout="row-strided",
+)
+TOKENS = (1, 7, 8, 64, 65, 512)
+WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 64: 8, 65: 13, 512: 16}  # a [T / W, W] split of each T
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_library():
+    _build.load()
+
+
+def pair(spec: Spec, fresh_weights: bool = False) -> tuple[Case, Case]:
+    """The same inputs on CPU (the oracle) and on CUDA."""
+    return make_case(spec, "cpu", fresh_weights), make_case(spec, "cuda", fresh_weights)
+
+
+def assert_matches_reference(got: Case, want: Case, before: list[torch.Tensor]) -> None:
+    """`got` (the CUDA case after the op) against `want` (the CPU case after the op): every byte outside the written
+    rows as `before` the op (rows of skipped, masked and negative-slot tokens, the slots a wrapped negative index
+    would hit, the padding of strided caches), written rows within bf16/fp16 rounding of the reference."""
+    written = written_tokens(want.args)
+    for base, mask, old in zip(got.bases, written_masks(want, written), before, strict=True):
+        assert torch.equal(bits(base)[~mask], old[~mask]), "the kernel changed a byte outside the written rows"
+    slots = torch.tensor([s for _, s in written], dtype=torch.long)
+    for kind in ("k_caches", "v_caches"):
+        for g, w in zip(got.args[kind], want.args[kind], strict=True):
+            g, w = g.cpu()[slots].double(), w[slots].double()
+            assert not g.isnan().any(), f"a written {kind} row still holds poison"
+            if w.numel():
+                scale = w.abs().max().item()
+                torch.testing.assert_close(g, w, rtol=2**-7, atol=1e-3 * scale)
+                assert ((g - w).norm() / w.norm()).item() < 2**-8
+
+
+def run_pair(spec: Spec) -> tuple[Case, Case]:
+    cpu, cuda = pair(spec)
+    before = [bits(b) for b in cuda.bases]
+    cpu.call()
+    cuda.call()
+    torch.cuda.synchronize()
+    assert_matches_reference(cuda, cpu, before)
+    return cpu, cuda
+
+
+def _negatives(tokens: int) -> tuple[int, ...]:
+    return tuple(t for t in range(tokens) if t % 5 == 2)
+
+
+def _variant(base: Spec, tokens: int, mode: str, style: str) -> Spec:
+    """`mode`: "1-D" (negative slots) or "commit" ([T / W, W] slots, commit lengths 0, W, partial and > W, and
+    negative slots); `style`: "neox" or "gptj" (GPT-J with partial rotary)."""
+    spec = replace(base, tokens=tokens, negative=_negatives(tokens), seed=tokens)
+    if mode == "commit":
+        w = WINDOW[tokens]
+        spec = replace(spec, window=w, commit=(w, 0, max(w - 3, 1), w + 5, 1))
+    if style == "gptj":
+        spec = replace(spec, neox=False, rot=base.head_dim // 2)
+    return spec
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("mode", ["1-D", "commit"])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_qwen3_8b_shapes(tokens, mode, style):
+    run_pair(_variant(QWEN3_8B, tokens, mode, style))
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("mode", ["1-D", "commit"])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_head_dim_64(tokens, mode, style):
+    run_pair(_variant(HEAD_DIM_64, tokens, mode, style))
+
+
+def test_qwen3_8b_against_fp64():
+    """One case also against the fp64 formula directly (the oracle's own check, at the real shapes)."""
+    _, cuda = run_pair(_variant(QWEN3_8B, 64, "commit", "neox"))
+    written = written_tokens(cuda.args)
+    tokens = [t for t, _ in written]
+    slots = torch.tensor([s for _, s in written], dtype=torch.long)
+    for i, (k64, v64) in enumerate(fp64_kv(cuda.args)):
+        for cache, want in ((cuda.args["k_caches"][i], k64), (cuda.args["v_caches"][i], v64)):
+            got = cache.cpu()[slots].double()
+            torch.testing.assert_close(got, want[tokens], rtol=2**-7, atol=1e-3 * want.abs().max().item())
+
+
+LAYOUTS = {
+    "padded caches": dict(cache_layout="padded"),
+    "heads-major caches": dict(cache_layout="heads-major"),
+    "interleaved K/V caches": dict(cache_layout="interleaved"),
+    "stacked caches": dict(cache_layout="stacked"),
+    "separate weights with biases": dict(proj="separate", bias=(True, False)),
+    "row offsets": dict(proj="offset", bias=(True,)),
+    "row-strided x": dict(x_layout="row-strided"),
+    "fp16": dict(dtype=torch.float16),
+    "fp16, fp32 norm weights, int32 indices": dict(
+        dtype=torch.float16, norm="fp32-weight", pos_dtype=torch.int32, loc_dtype=torch.int32
+    ),
+    "norm without weight": dict(norm="no-weight"),
+    "no norm": dict(norm="off"),
+    "no rope": dict(rot=None),
+    "one layer": dict(layers=1),
+    "head_dim 256": dict(heads=2, head_dim=256, rot=64),
+    "head_dim 8": dict(heads=4, head_dim=8, rot=8),
+}
+
+
+@pytest.mark.parametrize("tokens", [8, 65])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_and_options(name, tokens):
+    base = replace(HEAD_DIM_64, **LAYOUTS[name])
+    run_pair(_variant(base, tokens, "commit" if tokens == 8 else "1-D", "neox"))
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_no_tokens(window):
+    """T = 0: nothing launched, nothing written."""
+    run_pair(replace(HEAD_DIM_64, tokens=0, window=window))
+
+
+def test_all_tokens_skipped():
+    spec = replace(HEAD_DIM_64, tokens=16, negative=tuple(range(8)), window=4, commit=(4, 4, 0, -1))
+    cpu, _ = run_pair(spec)
+    assert not written_tokens(cpu.args)
+
+
+# ---------------------------------------------------------------------------------------------- index values
+
+
+def _skip_tokens(case: Case, tokens: list[int]) -> None:
+    """Make `tokens` skipped in `case` by giving them a negative slot (what the kernel must do with a bad index)."""
+    flat = case.args["cache_loc"].view(-1)
+    flat[tokens] = -1
+
+
+def _break(case: Case) -> list[int]:
+    """Out-of-range entries (slot S, a huge slot, positions -1 and past the shorter table); returns their tokens."""
+    s, rows = case.spec.slots, case.spec.table_rows
+    flat = case.args["cache_loc"].view(-1)
+    flat[1] = s
+    flat[3] = 2**31 - 1 if flat.dtype == torch.int32 else 2**62 + 5
+    case.args["positions"][4] = -1
+    case.args["positions"][6] = rows
+    return [1, 3, 4, 6]
+
+
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_out_of_range_tokens_are_skipped(graph, loc_dtype):
+    """Without checking mode the kernel skips a token whose slot is >= S or whose position is outside a table: the
+    result equals the reference run with those tokens' slots made negative (eagerly and in a CUDA-graph replay)."""
+    spec = replace(HEAD_DIM_64, tokens=12, pos_dtype=loc_dtype, loc_dtype=loc_dtype, negative=(9,))
+    cpu, cuda = pair(spec)
+    bad = _break(cuda)
+    _skip_tokens(cpu, bad)
+    before = [bits(b) for b in cuda.bases]
+    if graph:
+        initial = [b.clone() for b in cuda.bases]
+        cuda.call()  # warm-up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            cuda.call()
+        for b, old in zip(cuda.bases, initial, strict=True):
+            b.copy_(old)
+        g.replay()
+    else:
+        cuda.call()
+    torch.cuda.synchronize()
+    cpu.call()
+    assert_matches_reference(cuda, cpu, before)
+
+
+def _value_cases():
+    """(id, spec, change(case)) with one out-of-range entry each."""
+    s, rows = HEAD_DIM_64.slots, HEAD_DIM_64.table_rows
+
+    def set_entry(key, index, value):
+        def change(case):
+            case.args[key].view(-1)[index] = value
+
+        return change
+
+    return [
+        ("slot = S", HEAD_DIM_64, set_entry("cache_loc", 2, s)),
+        ("int32 slot", replace(HEAD_DIM_64, loc_dtype=torch.int32), set_entry("cache_loc", 5, 2**31 - 1)),
+        ("huge slot", HEAD_DIM_64, set_entry("cache_loc", 0, 2**62)),
+        ("masked [B, W] slot", replace(HEAD_DIM_64, window=4, commit=(1, 0)), set_entry("cache_loc", 6, s + 3)),
+        ("position -1", HEAD_DIM_64, set_entry("positions", 3, -1)),
+        ("position past the shorter table", HEAD_DIM_64, set_entry("positions", 1, rows)),
+        ("int32 position", replace(HEAD_DIM_64, pos_dtype=torch.int32), set_entry("positions", 7, 2**31 - 1)),
+    ]
+
+
+@pytest.mark.parametrize("case", _value_cases(), ids=[c[0] for c in _value_cases()])
+def test_checking_mode_raises_the_cpu_message(case):
+    _, spec, change = case
+    spec = replace(spec, tokens=8)
+    cpu, cuda = pair(spec)
+    change(cpu)
+    change(cuda)
+    with pytest.raises(ValueError) as on_cpu:
+        cpu.call()
+    before = cache_bits(cuda.args)
+    with custom_ops.checks(), pytest.raises(ValueError) as on_cuda:
+        cuda.call()
+    assert str(on_cuda.value).splitlines()[0] == str(on_cpu.value).splitlines()[0]
+    assert all(torch.equal(a, b) for a, b in zip(cache_bits(cuda.args), before, strict=True))
+    assert not custom_ops.checks_enabled()
+    cuda.call()  # checks off again: the token is skipped
+    torch.cuda.synchronize()
+
+
+def test_checking_mode_is_skipped_during_capture():
+    """A host sync is not allowed while capturing: with checks on, the captured op skips the bad tokens."""
+    spec = replace(HEAD_DIM_64, tokens=12)
+    cpu, cuda = pair(spec)
+    bad = _break(cuda)
+    _skip_tokens(cpu, bad)
+    cuda.call()  # warm-up (raises nothing: checks are off)
+    initial = [b.clone() for b in cuda.bases]
+    g = torch.cuda.CUDAGraph()
+    with custom_ops.checks(), torch.cuda.graph(g):
+        cuda.call()
+    for b, old in zip(cuda.bases, initial, strict=True):
+        b.copy_(old)
+    before = [bits(b) for b in cuda.bases]
+    g.replay()
+    torch.cuda.synchronize()
+    cpu.call()
+    assert_matches_reference(cuda, cpu, before)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize("spec", [_variant(QWEN3_8B, 8, "commit", "neox"), _variant(HEAD_DIM_64, 7, "1-D", "gptj")])
+def test_cuda_graph_replays_new_inputs_and_weight_updates(spec):
+    """Captured once; before each replay new x, positions, slots and commit lengths are copied into the captured
+    tensors and the caches are re-poisoned; on the last replay a weight was updated in place (after the capture).
+    Each replay equals the CPU reference of the same inputs."""
+    cpu, cuda = pair(spec, fresh_weights=True)
+    cuda.call()  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cuda.call()
+    torch.cuda.synchronize()
+    dynamic = ("x", "positions", "cache_loc", "commit_lens")
+    for step in range(3):
+        new = make_case(replace(spec, seed=100 + step))  # new inputs and poison, the captured weights
+        for key in dynamic:
+            if new.args[key] is not None:
+                cpu.args[key] = new.args[key]
+                cuda.args[key].copy_(new.args[key])
+        for c, d, n in zip(cpu.bases, cuda.bases, new.bases, strict=True):
+            c.copy_(n)
+            d.copy_(n)
+        if step == 2:
+            with torch.no_grad():
+                for weights in (cpu.args["k_weights"], cuda.args["k_weights"]):
+                    weights[0].mul_(-0.5)
+                for biases in (cpu.args["v_biases"], cuda.args["v_biases"]):
+                    if biases[-1] is not None:
+                        biases[-1].add_(1.0)
+        before = [bits(b) for b in cuda.bases]
+        g.replay()
+        torch.cuda.synchronize()
+        cpu.call()
+        assert_matches_reference(cuda, cpu, before)
+
+
+# ---------------------------------------------------------------------------------------------- opcheck, errors
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        replace(HEAD_DIM_64, tokens=9, negative=(2,)),
+        replace(HEAD_DIM_64, tokens=8, window=4, commit=(3, 9), bias=(False,), norm="no-weight", neox=False),
+        replace(HEAD_DIM_64, tokens=5, cache_layout="interleaved", norm="off", rot=None, layers=1),
+    ],
+    ids=["1-D", "commit, no biases or norm weights", "interleaved, no norm or rope"],
+)
+def test_opcheck(spec):
+    torch.library.opcheck(op, tuple(make_case(spec, "cuda").args.values()))
+
+
+def _first_name(start: str) -> str:
+    """The argument a table entry's message starts with (`k_caches\\[0\\]` of `k_caches\\[0\\] must not ...`)."""
+    return start.split(" ")[0]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_arguments_raise_before_any_write(case):
+    """The CPU table on CUDA (bf16): the same error class, the op's prefix and the argument's name first in the
+    message; no cache changed."""
+    _, change, error, start = case
+    base = make_case(replace(BAD, dtype=torch.bfloat16), "cuda")
+    args = {**base.args, **change(base.args)}
+    before = cache_bits(args)
+    with pytest.raises(error) as info:
+        op(*args.values())
+    torch.cuda.synchronize()
+    message = str(info.value).splitlines()[0]
+    assert re.match(rf"multi_linear_kv_write: {_first_name(start)}", message), message
+    assert all(torch.equal(a, b) for a, b in zip(cache_bits(args), before, strict=True))
+
+
+CUDA_ONLY = Spec(tokens=6, layers=2, hidden=64, heads=2, head_dim=16, rot=8, dtype=torch.bfloat16)
+
+
+def _cache_view(a: dict, shape, strides, offset=0) -> torch.Tensor:
+    buf = torch.zeros(offset + 4096, dtype=a["x"].dtype, device=a["x"].device)
+    return buf.as_strided(shape, strides, offset)
+
+
+def _cuda_only_cases():
+    """(id, spec, change(args) or None, error class, a word the message must contain): inputs the CPU op accepts
+    and the CUDA op rejects."""
+    s = CUDA_ONLY
+    shape = (s.slots, s.heads, s.head_dim)
+    d = s.head_dim
+
+    def entry(name, i, make):
+        def change(a):
+            values = list(a[name])
+            values[i] = make(a)
+            return {name: values}
+
+        return change
+
+    return [
+        ("fp32 x", replace(s, dtype=torch.float32), None, TypeError, "x"),
+        ("K not a multiple of 8", replace(s, hidden=60), None, ValueError, "x"),
+        ("head_dim not a multiple of 8", replace(s, head_dim=12), None, ValueError, "head_dim"),
+        ("head_dim > 256", replace(s, heads=1, head_dim=264, rot=8), None, ValueError, "head_dim"),
+        (
+            "cache inner stride 2",
+            s,
+            entry("k_caches", 1, lambda a: _cache_view(a, shape, (2 * s.heads * d, 2 * d, 2))),
+            ValueError,
+            r"k_caches\[1\]",
+        ),
+        (
+            "cache storage offset not 16-byte aligned",
+            s,
+            entry("v_caches", 0, lambda a: _cache_view(a, shape, (s.heads * d, d, 1), offset=1)),
+            ValueError,
+            r"v_caches\[0\]",
+        ),
+        (
+            "cache head stride not 16-byte aligned",
+            s,
+            entry("k_caches", 0, lambda a: _cache_view(a, shape, (s.heads * (d + 4), d + 4, 1))),
+            ValueError,
+            r"k_caches\[0\]",
+        ),
+        (
+            "cache slot stride not 16-byte aligned",
+            s,
+            entry("v_caches", 1, lambda a: _cache_view(a, shape, (s.heads * d + 4, d, 1))),
+            ValueError,
+            r"v_caches\[1\]",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _cuda_only_cases(), ids=[c[0] for c in _cuda_only_cases()])
+def test_cuda_only_rules(case):
+    """What only the kernel needs: bf16/fp16 x, K % 8 == 0, head_dim % 8 == 0 and <= 256, caches with unit inner
+    stride and 16-byte aligned head rows. The CPU op accepts these inputs; the CUDA op raises, naming the argument,
+    before anything is written."""
+    _, spec, change, error, name = case
+    cpu = make_case(spec)
+    if change is not None:
+        cpu.args.update(change(cpu.args))
+    cpu.call()
+    cuda = make_case(spec, "cuda")
+    if change is not None:
+        cuda.args.update(change(cuda.args))
+    before = cache_bits(cuda.args)
+    with pytest.raises(error) as info:
+        cuda.call()
+    torch.cuda.synchronize()
+    message = str(info.value).splitlines()[0]
+    assert message.startswith("multi_linear_kv_write: ") and re.search(rf"(?<![\w\[]){name}(?![\w])", message), message
+    assert all(torch.equal(a, b) for a, b in zip(cache_bits(cuda.args), before, strict=True))
+
+
+def test_registered_from_cpp_after_first_use():
+    run_pair(replace(HEAD_DIM_64, tokens=3))
+    assert _build.is_loaded()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear_kv_write", "CUDA")
