@@ -260,6 +260,7 @@ __device__ __forceinline__ void pdl_launch_next() {
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v) {

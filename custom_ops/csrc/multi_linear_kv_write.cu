@@ -295,8 +295,8 @@ void check_cuda_layout(const Call& c) {
                    dtype_of(dtype));
   TORCH_CHECK_VALUE(c.x.size(1) % 8 == 0 && c.x.size(1) > 0, kOp, "x must have K > 0 and a multiple of 8 on CUDA, got K = ",
                     num(c.x.size(1)));
-  TORCH_CHECK_VALUE(c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, kOp,
-                    "head_dim must be 64, 128 or 256 on CUDA, got ", num(c.head_dim));
+  TORCH_CHECK_VALUE(c.head_dim % 8 == 0 && c.head_dim <= 256, kOp,
+                    "head_dim must be a multiple of 8 and at most 256 on CUDA, got ", num(c.head_dim));
   for (const char* kind : {"k", "v"}) {
     TensorList caches = kind[0] == 'k' ? c.k_caches : c.v_caches;
     for (size_t i = 0; i < caches.size(); ++i) {
@@ -460,7 +460,7 @@ template <typename T, int V>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
   const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;
-  const int64_t units = static_cast<int64_t>(tokens) * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp);
+  const int64_t units = static_cast<int64_t>(tokens) * ((heads + heads_per_warp(V) - 1) / heads_per_warp(V));
   const int64_t blocks = (units + kHeadWarps - 1) / kHeadWarps;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -491,9 +491,9 @@ void run_gemm_then_heads(const Call& c) {
     const at::Tensor projections = multi_linear.call(c.x, proj.weights, proj.starts, proj.counts, proj.biases);
     const KvWrite kv = kv_table(c, first, count);
     const int layers = static_cast<int>(count);
-    if (c.head_dim == 64) {
+    if (c.head_dim <= 64) {  // lanes hold head_dim / 32 elements or fewer (then the last lanes hold none)
       launch_heads<T, 2>(kv, projections, tokens, layers, c.x.device());
-    } else if (c.head_dim == 128) {
+    } else if (c.head_dim <= 128) {
       launch_heads<T, 4>(kv, projections, tokens, layers, c.x.device());
     } else {
       launch_heads<T, 8>(kv, projections, tokens, layers, c.x.device());

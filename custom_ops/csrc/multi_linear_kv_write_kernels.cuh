@@ -104,47 +104,75 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Norm (K), RoPE (K) and the store of one head whose fp32 projection the warp holds (lane: elements lane * V + i).
-// `norm_weight` is fp32 when `weight_fp32`, else T (nullptr: none); `table_row` holds the token's R cos/sin values;
-// `scratch` is head_dim floats of shared memory only this warp uses.
+// A lane's share of one head: elements e0 = lane * V .. e0 + V - 1 of head_dim (lanes with e0 >= head_dim hold
+// none: head_dim may be any multiple of 8 up to 32 V).
+//
+// The cos/sin factors of this lane's elements (1 and 0 past the rotary dim): pair j of element e is e or e - R/2
+// (neox) or e / 2 (GPT-J); `row` holds the token's R table values (global or shared memory).
+template <int V>
+__device__ __forceinline__ void load_rope(const KvWrite& kv, const float* row, int e0, float (&c)[V], float (&s)[V]) {
+  const int half = kv.rotary_dim / 2;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int e = e0 + i;
+    c[i] = 1.f;
+    s[i] = 0.f;
+    if (kv.has_rope && e < kv.rotary_dim) {
+      const int j = kv.neox ? (e < half ? e : e - half) : e / 2;
+      c[i] = row[j];
+      s[i] = row[half + j];
+    }
+  }
+}
+
+// The norm weight of this lane's elements: fp32 when `fp32`, else T; 1 without a weight or past head_dim.
 template <typename T, int V>
-__device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float eps, const void* norm_weight,
-                                          int weight_fp32, const float* table_row, float (&v)[V], float* scratch,
+__device__ __forceinline__ void load_weight(const void* w, int fp32, int e0, int head_dim, float (&g)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    g[i] = 1.f;
+    if (w != nullptr && e0 + i < head_dim) {
+      g[i] = fp32 ? static_cast<const float*>(w)[e0 + i] : to_float(static_cast<const T*>(w)[e0 + i]);
+    }
+  }
+}
+
+// Norm (K), RoPE (K) and the store of one head whose fp32 projection the warp holds in v, with the lane's norm
+// weights g and cos/sin factors c, s already loaded (so no load follows a store). `scratch` is head_dim floats of
+// shared memory only this warp uses (RoPE partners); `dst` the head's cache row.
+template <typename T, int V>
+__device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float eps, const float (&g)[V],
+                                          const float (&c)[V], const float (&s)[V], float (&v)[V], float* scratch,
                                           T* dst, int lane) {
   const int e0 = lane * V;
+  const bool active = e0 < kv.head_dim;
   if (is_k && kv.has_norm) {
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < V; ++i) ss += v[i] * v[i];
+    for (int i = 0; i < V; ++i) ss += active ? v[i] * v[i] : 0.f;
     const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(kv.head_dim) + eps);
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      float g = 1.f;
-      if (norm_weight != nullptr) {
-        g = weight_fp32 ? static_cast<const float*>(norm_weight)[e0 + i]
-                        : to_float(static_cast<const T*>(norm_weight)[e0 + i]);
-      }
-      v[i] *= scale * g;
-    }
+    for (int i = 0; i < V; ++i) v[i] *= scale * g[i];
   }
   if (is_k && kv.has_rope) {
+    if (active) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) scratch[e0 + i] = v[i];
+      for (int i = 0; i < V; ++i) scratch[e0 + i] = v[i];
+    }
     __syncwarp();
     const int half = kv.rotary_dim / 2;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const int e = e0 + i;
-      if (e >= kv.rotary_dim) continue;
+      if (!active || e >= kv.rotary_dim) continue;
       const bool first = kv.neox ? e < half : (e & 1) == 0;
-      const int j = kv.neox ? (first ? e : e - half) : e / 2;
       const int partner = kv.neox ? (first ? e + half : e - half) : e ^ 1;
-      const float c = table_row[j], s = table_row[half + j], other = scratch[partner];
-      v[i] = first ? v[i] * c - other * s : v[i] * c + other * s;
+      const float other = scratch[partner];
+      v[i] = first ? v[i] * c[i] - other * s[i] : v[i] * c[i] + other * s[i];
     }
-    __syncwarp();  // the scratch row is free for the warp's next unit
+    __syncwarp();  // the scratch row is free for the warp's next head
   }
-  store_row<T, V>(dst + e0, v);
+  if (active) store_row<T, V>(dst + e0, v);
 }
 
 // Where head `head` of layer `layer`'s K (kind 0) or V cache row `slot` starts.
@@ -285,39 +313,44 @@ struct KvWriteEpilogue {
         }
         v[i] = sum;
       }
+      float g[V], c[V], sn[V];
+      load_weight<float, V>(weight, 1, lane * V, kHeadDim, g);
+      load_rope<V>(kv, table_rows + token * kHeadDim, lane * V, c, sn);
       __syncwarp();  // every lane has read its sums before the row becomes the scratch row
-      emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], weight, 1, table_rows + token * kHeadDim, v, mine,
+      emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], g, c, sn, v, mine,
                       cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
     }
     if (cluster.size > 1) cluster_sync();
   }
 };
 
-// The heads kernel: each warp writes kHeadsPerWarp consecutive heads of one token, read from `projections` [T, ld]
-// (heads of 2 N kv rows per token, in the GEMM's row order); all their loads are issued together.
-constexpr int kHeadsPerWarp = 4;
+// The heads kernel: each warp writes kHeadsPerWarp(V) consecutive heads of one token, read from `projections`
+// [T, ld] (2 N heads of head_dim per token, in the GEMM's row order; head_dim <= 32 V). Every load (projections,
+// indices, then cos/sin and norm weights) is issued before the first store.
+__host__ __device__ constexpr int heads_per_warp(int v) { return 16 / v; }
 
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kHeadWarps)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                           int layers) {
+  constexpr int kHeads = heads_per_warp(V);
   __shared__ float scratch[kHeadWarps][32 * V];
   pdl_wait();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int e0 = lane * V;
   const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;  // per token
-  const int64_t groups = (heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
+  const int64_t groups = (heads + kHeads - 1) / kHeads;
   const int64_t u = static_cast<int64_t>(blockIdx.x) * kHeadWarps + warp;
   if (u >= groups * tokens) return;
   const int token = static_cast<int>(u / groups);
-  const int64_t first = (u % groups) * kHeadsPerWarp;
-  const int count = heads - first < kHeadsPerWarp ? static_cast<int>(heads - first) : kHeadsPerWarp;
-  float v[kHeadsPerWarp][V];
+  const int64_t first = (u % groups) * kHeads;
+  const int count = heads - first < kHeads ? static_cast<int>(heads - first) : kHeads;
+  float v[kHeads][V];
 #pragma unroll
-  for (int g = 0; g < kHeadsPerWarp; ++g) {
-    if (g >= count) break;
-    const T* src = projections + token * ld + (first + g) * (32 * V) + lane * V;
+  for (int g = 0; g < kHeads; ++g) {
+    const T* src = projections + token * ld + (first + g) * kv.head_dim + e0;
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[g][i] = to_float(src[i]);
+    for (int i = 0; i < V; ++i) v[g][i] = g < count && e0 + i < kv.head_dim ? to_float(src[i]) : 0.f;
   }
   const int64_t b = token / kv.width, j = token % kv.width;
   const int64_t commit =
@@ -325,14 +358,24 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   const int64_t slot = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
   const int64_t pos = kv.has_rope ? load_index(kv.positions, token * kv.positions_stride, kv.positions_int64) : 0;
   if (j >= commit || slot < 0 || slot >= kv.slots) return;
+  float w[kHeads][V], c[kHeads][V], sn[kHeads][V];
+  bool live[kHeads];
 #pragma unroll
-  for (int g = 0; g < kHeadsPerWarp; ++g) {
-    if (g >= count) break;
-    const HeadOf h = head_of(kv, (first + g) * (32 * V));
-    if (kv.has_rope && (pos < 0 || pos >= kv.table_rows[h.layer])) continue;
-    const float* table_row = kv.has_rope ? kv.cos_sin[h.layer] + pos * kv.table_stride[h.layer] : nullptr;
-    emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], kv.norm_weight[h.layer], kv.norm_fp32[h.layer], table_row,
-                    v[g], scratch[warp], cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
+  for (int g = 0; g < kHeads; ++g) {
+    const HeadOf h = head_of(kv, (first + g) * kv.head_dim);
+    live[g] = g < count && (!kv.has_rope || (pos >= 0 && pos < kv.table_rows[h.layer]));
+    const bool norm = live[g] && h.kind == 0 && kv.has_norm;
+    load_weight<T, V>(norm ? kv.norm_weight[h.layer] : nullptr, kv.norm_fp32[h.layer], e0, kv.head_dim, w[g]);
+    const bool rope = live[g] && h.kind == 0;
+    load_rope<V>(kv, rope ? kv.cos_sin[h.layer] + pos * kv.table_stride[h.layer] : nullptr, rope ? e0 : 1 << 30,
+                 c[g], sn[g]);
+  }
+#pragma unroll
+  for (int g = 0; g < kHeads; ++g) {
+    if (!live[g]) continue;
+    const HeadOf h = head_of(kv, (first + g) * kv.head_dim);
+    emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], w[g], c[g], sn[g], v[g], scratch[warp],
+                    cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
   }
 }
 
