@@ -357,11 +357,11 @@ KvWrite kv_table(const Call& c, size_t first, size_t count) {
   kv.loc = c.loc.data_ptr();
   kv.loc_int64 = c.loc.scalar_type() == at::kLong;
   if (c.loc.dim() == 1) {
-    kv.width = std::max<int64_t>(c.x.size(0), 1);
+    kv.width = static_cast<int>(std::max<int64_t>(c.x.size(0), 1));
     kv.loc_stride0 = 0;
     kv.loc_stride1 = c.loc.stride(0);
   } else {
-    kv.width = c.loc.size(1);
+    kv.width = static_cast<int>(c.loc.size(1));
     kv.loc_stride0 = c.loc.stride(0);
     kv.loc_stride1 = c.loc.stride(1);
   }
@@ -459,8 +459,7 @@ void run_fused(const Call& c, const at::Tensor& x) {
 template <typename T, int V>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;
-  const int64_t units = static_cast<int64_t>(tokens) * ((heads + heads_per_warp(V) - 1) / heads_per_warp(V));
+  const int64_t units = static_cast<int64_t>(tokens) * 2 * layers;  // one warp per (token, layer, K or V)
   const int64_t blocks = (units + kHeadWarps - 1) / kHeadWarps;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -520,6 +519,10 @@ void multi_linear_kv_write(const at::Tensor& x, TensorList k_weights, at::IntArr
                k_caches,   v_caches,  cache_loc,    commit_lens,  num_kv_heads, head_dim};
   check_args(c);
   check_cuda_layout(c);
+  // The kernels index tokens, heads and (token, head) units with 32-bit integers.
+  TORCH_CHECK_VALUE(x.size(0) * 2 * std::min<int64_t>(static_cast<int64_t>(k_weights.size()), kMaxLayers) * num_kv_heads <
+                        (int64_t{1} << 31),
+                    kOp, "x has too many tokens for one call (", num(x.size(0)), "): split it");
   const c10::cuda::CUDAGuard guard(x.device());
   check_values(c);
   if (x.size(0) == 0 || k_caches[0].numel() == 0) return;

@@ -52,7 +52,7 @@ struct KvWrite {
   const void* commit_lens;              // nullptr: every column; else write only j < commit_lens[b]
   int64_t commit_stride;
   int commit_int64;
-  int64_t width;
+  int width;                            // 32-bit index arithmetic throughout (the binding checks the ranges)
   int64_t slots;
   int heads, head_dim, rotary_dim;
   int neox, has_norm, has_rope;
@@ -182,16 +182,14 @@ __device__ __forceinline__ T* cache_row(const KvWrite& kv, int kind, int layer, 
          head * kv.head_stride[kind][layer];
 }
 
-// The layer, kind (0: K, 1: V) and head of concatenated row `row` (a head's first row).
+// The layer, kind (0: K, 1: V) and head of the launch's head `index` (concatenated rows index * head_dim on).
 struct HeadOf {
   int layer, kind, head;
 };
 
-__device__ __forceinline__ HeadOf head_of(const KvWrite& kv, int64_t row) {
-  const int64_t kv_rows = static_cast<int64_t>(kv.heads) * kv.head_dim;
-  const int64_t segment = row / kv_rows;
-  return {static_cast<int>(segment >> 1), static_cast<int>(segment & 1),
-          static_cast<int>((row % kv_rows) / kv.head_dim)};
+__device__ __forceinline__ HeadOf head_of(const KvWrite& kv, int index) {
+  const int segment = index / kv.heads;
+  return {segment >> 1, segment & 1, index - segment * kv.heads};
 }
 
 // 4 bytes from global `src` to shared `dst`, asynchronously (waited for with wait_copies).
@@ -228,11 +226,11 @@ struct KvWriteEpilogue {
   template <typename T, int kTokens>
   static __device__ __forceinline__ Prefetch prefetch(const Args& args, int64_t row0) {
     const KvWrite& kv = args.kv;
-    const HeadOf h = head_of(kv, row0);
+    const HeadOf h = head_of(kv, static_cast<int>(row0 / kHeadDim));
     const int t = static_cast<int>(threadIdx.x);
     Prefetch pre{0, -1, 0, 0};
     if (t < args.gemm.tokens && t < kTokens) {
-      const int64_t b = t / kv.width, j = t % kv.width;
+      const int b = t / kv.width, j = t % kv.width;
       pre.commit = kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64)
                                              : j + 1;
       pre.loc = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
@@ -248,7 +246,7 @@ struct KvWriteEpilogue {
   template <typename T, int kTokens>
   static __device__ __forceinline__ void stage(const Args& args, const Prefetch& pre, float* extra, int64_t row0) {
     const KvWrite& kv = args.kv;
-    const HeadOf h = head_of(kv, row0);
+    const HeadOf h = head_of(kv, static_cast<int>(row0 / kHeadDim));
     int64_t* slots = reinterpret_cast<int64_t*>(extra);
     float* weight = reinterpret_cast<float*>(slots + kTokens);
     float* rows = weight + kHeadDim;
@@ -267,7 +265,7 @@ struct KvWriteEpilogue {
       weight[t] = w;
     }
     if (t >= kTokens) return;
-    const int64_t j = t % kv.width;
+    const int j = t % kv.width;
     const bool rope_ok = !kv.has_rope || (pre.pos >= 0 && pre.pos < kv.table_rows[h.layer]);
     const bool live = t < args.gemm.tokens && j < pre.commit && pre.loc >= 0 && pre.loc < kv.slots && rope_ok;
     slots[t] = live ? pre.loc : -1;
@@ -288,7 +286,7 @@ struct KvWriteEpilogue {
     static_assert(kRows == kHeadDim, "a tile is one head");
     constexpr int kPitch = tile_pitch(kRows);
     const KvWrite& kv = args.kv;
-    const HeadOf h = head_of(kv, row0);
+    const HeadOf h = head_of(kv, static_cast<int>(row0 / kHeadDim));
     const int64_t* slots = reinterpret_cast<const int64_t*>(extra);
     const float* weight = reinterpret_cast<const float*>(slots + kTokens);
     const float* table_rows = weight + kHeadDim;
@@ -324,58 +322,56 @@ struct KvWriteEpilogue {
   }
 };
 
-// The heads kernel: each warp writes kHeadsPerWarp(V) consecutive heads of one token, read from `projections`
-// [T, ld] (2 N heads of head_dim per token, in the GEMM's row order; head_dim <= 32 V). Every load (projections,
-// indices, then cos/sin and norm weights) is issued before the first store.
-__host__ __device__ constexpr int heads_per_warp(int v) { return 16 / v; }
+// The heads kernel: each warp writes the heads of one (token, layer, K or V) from `projections` [T, ld] (the GEMM's
+// rows: segment 2 layer + kind of heads * head_dim rows; head_dim <= 32 V). What the heads share (slot, position,
+// cos/sin factors, norm weights) is loaded once per warp; the heads' projections kHeadBatch at a time, ahead of the
+// stores.
+constexpr int kHeadBatch = 4;
 
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kHeadWarps)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                           int layers) {
-  constexpr int kHeads = heads_per_warp(V);
   __shared__ float scratch[kHeadWarps][32 * V];
   pdl_wait();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int e0 = lane * V;
-  const int64_t heads = 2 * static_cast<int64_t>(layers) * kv.heads;  // per token
-  const int64_t groups = (heads + kHeads - 1) / kHeads;
-  const int64_t u = static_cast<int64_t>(blockIdx.x) * kHeadWarps + warp;
-  if (u >= groups * tokens) return;
-  const int token = static_cast<int>(u / groups);
-  const int64_t first = (u % groups) * kHeads;
-  const int count = heads - first < kHeads ? static_cast<int>(heads - first) : kHeads;
-  float v[kHeads][V];
-#pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-    const T* src = projections + token * ld + (first + g) * kv.head_dim + e0;
-#pragma unroll
-    for (int i = 0; i < V; ++i) v[g][i] = g < count && e0 + i < kv.head_dim ? to_float(src[i]) : 0.f;
-  }
-  const int64_t b = token / kv.width, j = token % kv.width;
+  const int segments = 2 * layers;
+  const int u = static_cast<int>(blockIdx.x) * kHeadWarps + warp;  // < tokens * segments < 2^31 (the binding checks)
+  if (u >= tokens * segments) return;
+  const int token = u / segments, segment = u - token * segments;
+  const int layer = segment >> 1, kind = segment & 1;
+  const int b = token / kv.width, j = token - b * kv.width;
   const int64_t commit =
       kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
   const int64_t slot = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
   const int64_t pos = kv.has_rope ? load_index(kv.positions, token * kv.positions_stride, kv.positions_int64) : 0;
   if (j >= commit || slot < 0 || slot >= kv.slots) return;
-  float w[kHeads][V], c[kHeads][V], sn[kHeads][V];
-  bool live[kHeads];
+  if (kv.has_rope && (pos < 0 || pos >= kv.table_rows[layer])) return;
+  float g[V], c[V], sn[V];
+  load_weight<T, V>(kind == 0 && kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim,
+                    g);
+  const bool rope = kind == 0 && kv.has_rope;
+  load_rope<V>(kv, rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr, rope ? e0 : 1 << 30, c, sn);
+  const T* src = projections + token * ld + static_cast<int64_t>(segment) * kv.heads * kv.head_dim + e0;
+  T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
+  const int64_t head_stride = kv.head_stride[kind][layer];
+  const float eps = kv.eps[layer];
+  for (int h0 = 0; h0 < kv.heads; h0 += kHeadBatch) {
+    float v[kHeadBatch][V];
 #pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-    const HeadOf h = head_of(kv, (first + g) * kv.head_dim);
-    live[g] = g < count && (!kv.has_rope || (pos >= 0 && pos < kv.table_rows[h.layer]));
-    const bool norm = live[g] && h.kind == 0 && kv.has_norm;
-    load_weight<T, V>(norm ? kv.norm_weight[h.layer] : nullptr, kv.norm_fp32[h.layer], e0, kv.head_dim, w[g]);
-    const bool rope = live[g] && h.kind == 0;
-    load_rope<V>(kv, rope ? kv.cos_sin[h.layer] + pos * kv.table_stride[h.layer] : nullptr, rope ? e0 : 1 << 30,
-                 c[g], sn[g]);
-  }
+    for (int h = 0; h < kHeadBatch; ++h) {
 #pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-    if (!live[g]) continue;
-    const HeadOf h = head_of(kv, (first + g) * kv.head_dim);
-    emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], w[g], c[g], sn[g], v[g], scratch[warp],
-                    cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
+      for (int i = 0; i < V; ++i) {
+        const bool here = h0 + h < kv.heads && e0 + i < kv.head_dim;
+        v[h][i] = here ? to_float(src[static_cast<int64_t>(h0 + h) * kv.head_dim + i]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kHeadBatch; ++h) {
+      if (h0 + h >= kv.heads) break;
+      emit_head<T, V>(kv, kind == 0, eps, g, c, sn, v[h], scratch[warp], dst + (h0 + h) * head_stride, lane);
+    }
   }
 }
 
