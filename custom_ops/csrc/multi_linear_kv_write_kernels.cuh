@@ -98,6 +98,32 @@ __device__ __forceinline__ void store_row(T* dst, const float (&v)[V]) {
   }
 }
 
+// V consecutive elements of T at `src` (aligned to V elements) as floats, with one 4-, 8- or 16-byte load.
+template <typename T, int V>
+__device__ __forceinline__ void load_row(const T* src, float (&v)[V]) {
+  static_assert(V == 2 || V == 4 || V == 8, "2, 4 or 8 elements per lane");
+  uint32_t words[V / 2];
+  if constexpr (V == 2) {
+    words[0] = *reinterpret_cast<const uint32_t*>(src);
+  } else if constexpr (V == 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);
+    words[0] = w.x;
+    words[1] = w.y;
+  } else {
+    const uint4 w = *reinterpret_cast<const uint4*>(src);
+    words[0] = w.x;
+    words[1] = w.y;
+    words[2] = w.z;
+    words[3] = w.w;
+  }
+#pragma unroll
+  for (int i = 0; i < V / 2; ++i) {
+    const T* pair = reinterpret_cast<const T*>(&words[i]);
+    v[2 * i] = to_float(pair[0]);
+    v[2 * i + 1] = to_float(pair[1]);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -155,22 +181,39 @@ __device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float ep
     for (int i = 0; i < V; ++i) v[i] *= scale * g[i];
   }
   if (is_k && kv.has_rope) {
-    if (active) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) scratch[e0 + i] = v[i];
-    }
-    __syncwarp();
     const int half = kv.rotary_dim / 2;
+    if (!kv.neox) {  // GPT-J: pair (2j, 2j + 1) lies in one lane (V and e0 are even); c, s are equal within it
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const int e = e0 + i;
-      if (!active || e >= kv.rotary_dim) continue;
-      const bool first = kv.neox ? e < half : (e & 1) == 0;
-      const int partner = kv.neox ? (first ? e + half : e - half) : e ^ 1;
-      const float other = scratch[partner];
-      v[i] = first ? v[i] * c[i] - other * s[i] : v[i] * c[i] + other * s[i];
+      for (int i = 0; i < V; i += 2) {
+        if (e0 + i >= kv.rotary_dim) continue;
+        const float a = v[i], b = v[i + 1];
+        v[i] = a * c[i] - b * s[i];
+        v[i + 1] = b * c[i] + a * s[i];
+      }
+    } else if (half % V == 0) {  // neox, partner element e +- R/2 at the same i of lane +- R/2 / V
+      const int partner = e0 >= kv.rotary_dim ? lane : e0 < half ? lane + half / V : lane - half / V;
+      const bool first = e0 < half;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float other = __shfl_sync(0xffffffffu, v[i], partner);
+        if (e0 < kv.rotary_dim) v[i] = first ? v[i] * c[i] - other * s[i] : v[i] * c[i] + other * s[i];
+      }
+    } else {  // neox with a rotary half that splits a lane's elements: partners through shared memory
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) scratch[e0 + i] = v[i];
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int e = e0 + i;
+        if (!active || e >= kv.rotary_dim) continue;
+        const bool first = e < half;
+        const float other = scratch[first ? e + half : e - half];
+        v[i] = first ? v[i] * c[i] - other * s[i] : v[i] * c[i] + other * s[i];
+      }
+      __syncwarp();  // the scratch row is free for the warp's next head
     }
-    __syncwarp();  // the scratch row is free for the warp's next head
   }
   if (active) store_row<T, V>(dst + e0, v);
 }
@@ -357,14 +400,16 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
   const int64_t head_stride = kv.head_stride[kind][layer];
   const float eps = kv.eps[layer];
+  const bool active = e0 < kv.head_dim;
   for (int h0 = 0; h0 < kv.heads; h0 += kHeadBatch) {
     float v[kHeadBatch][V];
 #pragma unroll
     for (int h = 0; h < kHeadBatch; ++h) {
+      if (active && h0 + h < kv.heads) {
+        load_row<T, V>(src + (h0 + h) * kv.head_dim, v[h]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const bool here = h0 + h < kv.heads && e0 + i < kv.head_dim;
-        v[h][i] = here ? to_float(src[static_cast<int64_t>(h0 + h) * kv.head_dim + i]) : 0.f;
+        for (int i = 0; i < V; ++i) v[h][i] = 0.f;
       }
     }
 #pragma unroll

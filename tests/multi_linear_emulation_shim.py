@@ -1,0 +1,178 @@
+"""Host emulation of the multi_linear CUDA kernels (torch-free headers compiled with g++ and
+`DSPARK_KERNEL_EMULATION`): one OS thread per CUDA thread, barriers for `__syncthreads`, `__syncwarp`, named
+barriers and the cluster barrier, distributed shared memory as an array of the cluster's CTA buffers (poisoned with
+NaN bytes), the asynchronous copies done synchronously, warp shuffles through a per-warp exchange row, and
+`mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes' fragments with the PTX
+ISA's fragment tables (written here independently of the kernel). Used by tests/test_multi_linear_emulation.py and
+tests/test_multi_linear_kv_write_emulation.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
+
+SHIM = {
+    "cuda_runtime.h": r"""
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __grid_constant__
+#define __shared__ static
+struct uint4 { uint32_t x, y, z, w; };
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+struct uint2 { uint32_t x, y; };
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local Dim3 threadIdx, blockIdx, blockDim;
+
+// Where an emulated CUDA thread lives: its CTA's barrier, named barriers (id 1..) and shared memory, its warp's
+// barrier and fragment exchange, its cluster's barrier and CTA buffers.
+struct EmuThread {
+  std::barrier<>* block;
+  std::barrier<>* const* named;
+  std::barrier<>* warp;
+  std::barrier<>* cluster;
+  uint32_t (*lanes)[6];
+  float* smem;
+  float* const* cluster_smem;
+  unsigned id, rank, size;
+};
+inline thread_local EmuThread emu;
+
+inline void __syncthreads() { emu.block->arrive_and_wait(); }
+inline void __syncwarp() { emu.warp->arrive_and_wait(); }
+// Warp shuffles through the warp's exchange row: every lane publishes, then reads its source lane.
+inline float emu_shuffle(float v, int src) {
+  const int lane = threadIdx.x & 31;
+  std::memcpy(&emu.lanes[lane][0], &v, 4);
+  emu.warp->arrive_and_wait();
+  float out;
+  std::memcpy(&out, &emu.lanes[src & 31][0], 4);
+  emu.warp->arrive_and_wait();
+  return out;
+}
+inline float __shfl_sync(unsigned, float v, int src) { return emu_shuffle(v, src); }
+inline float __shfl_xor_sync(unsigned, float v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
+inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline void emu_group_barrier(int id, int) { emu.named[id - 1]->arrive_and_wait(); }
+inline float* emu_cta_smem() { return emu.smem; }
+inline void emu_cluster_coord(unsigned& id, unsigned& rank, unsigned& size) {
+  id = emu.id; rank = emu.rank; size = emu.size;
+}
+inline void emu_cluster_sync() { emu.cluster->arrive_and_wait(); }
+inline const float* emu_cluster_peer(const float* local, unsigned rank) {
+  return emu.cluster_smem[rank] + (local - emu.smem);
+}
+
+inline float emu_half_to_float(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float v = e == 0    ? std::ldexp(float(m), -24)
+                  : e == 31 ? (m ? NAN : INFINITY)
+                            : std::ldexp(float(m | 1024), e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+inline float emu_decode(uint32_t reg, int half, bool bf16) {
+  const uint16_t bits = uint16_t(reg >> (16 * half));
+  if (!bf16) return emu_half_to_float(bits);
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: every lane publishes its fragments, every lane rebuilds A and B
+// from the PTX tables (groupID g = lane / 4, threadID_in_group t = lane % 4):
+//   A element i (register i / 2, half i % 2): row g (+8 if i % 4 >= 2), col 2t + (i & 1) (+8 if i >= 4)
+//   B element i (register i / 2, half i % 2): row 2t + (i & 1) (+8 if i >= 2), col g
+//   C element i: row g (+8 if i >= 2), col 2t + (i & 1)
+inline void emu_mma_16816(bool bf16, float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                          uint32_t b1) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(emu.lanes[lane], mine, sizeof(mine));
+  emu.warp->arrive_and_wait();
+  double A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 8; ++i) {
+      A[g + (i % 4 >= 2 ? 8 : 0)][2 * t + (i & 1) + (i >= 4 ? 8 : 0)] = emu_decode(emu.lanes[l][i / 2], i % 2, bf16);
+    }
+    for (int i = 0; i < 4; ++i) {
+      B[2 * t + (i & 1) + (i >= 2 ? 8 : 0)][g] = emu_decode(emu.lanes[l][4 + i / 2], i % 2, bf16);
+    }
+  }
+  emu.warp->arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    double sum = d[i];
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    d[i] = float(sum);
+  }
+}
+""",
+    "cuda_bf16.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+struct __nv_bfloat16 { uint16_t x; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline float __bfloat162float(__nv_bfloat16 b) { return emu_decode(b.x, 0, true); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return __nv_bfloat16{uint16_t(u >> 16)};
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
+""",
+    "cuda_fp16.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+struct __half { uint16_t x; };
+inline float __half2float(__half h) { return emu_half_to_float(h.x); }
+inline __half __float2half_rn(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  __half r;
+  std::memcpy(&r.x, &h, 2);
+  return r;
+}
+struct __half2 { __half x, y; };
+inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
+""",
+}
+
+
+def build(root: Path, driver: str, name: str) -> ctypes.CDLL:
+    """Compile `driver` (C++ including the kernel headers) against the shim into `root`; skip without a C++20
+    compiler with <barrier> and _Float16."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++20 compiler")
+    for header, text in SHIM.items():
+        (root / header).write_text(text)
+    (root / "driver.cpp").write_text(driver)
+    lib = root / f"lib{name}.so"
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-DDSPARK_KERNEL_EMULATION", f"-I{root}", f"-I{CSRC}"]
+    res = subprocess.run([*cmd, str(root / "driver.cpp"), "-o", str(lib), "-lpthread"], capture_output=True, text=True)
+    if res.returncode != 0 and re.search(r"barrier.*No such file|_Float16", res.stderr):
+        pytest.skip("needs a C++20 standard library with <barrier> and _Float16")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return ctypes.CDLL(str(lib))

@@ -1,0 +1,392 @@
+"""The multi_linear_kv_write CUDA kernels, compiled for the host and checked on CPU against the op's reference.
+
+`custom_ops/csrc/multi_linear_kv_write_kernels.cuh` is plain CUDA without torch; here it is compiled with g++
+against the shim of tests/multi_linear_emulation_shim.py (one OS thread per CUDA thread, warp shuffles and
+barriers emulated). Both kernels run: the fused one (the multi-weight GEMM with the norm/RoPE/cache-write epilogue,
+head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim multiple
+of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). Every cache byte outside the
+written rows must keep its poison; written rows must match the reference within the dtype's rounding. The GPU's
+own runs are tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import pytest
+import torch
+from multi_linear_emulation_shim import build
+
+from custom_ops.multi_linear_kv_write import multi_linear_kv_write_reference
+
+DRIVER = r"""
+#include "multi_linear_kv_write_kernels.cuh"
+#include <memory>
+#include <thread>
+#include <vector>
+using namespace dspark::mlinear;
+
+// Runs a grid: clusters of `split` CTAs one after the other, each with all its threads at once.
+template <typename Args>
+static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, int split, int threads, int row_warps,
+                     int k_warps, size_t smem_bytes) {
+  const int warps = threads / 32;
+  for (int64_t c = 0; c < clusters; ++c) {
+    std::barrier<> cluster(threads * split);
+    std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars, named;
+    std::vector<std::barrier<>*> named_ptrs;
+    std::vector<std::vector<float>> smem(split, std::vector<float>(smem_bytes / 4 + 16, NAN));
+    std::vector<float*> smem_ptrs;
+    std::vector<uint32_t> lanes(size_t(split) * warps * 32 * 6);
+    for (int r = 0; r < split; ++r) {
+      smem_ptrs.push_back(smem[r].data());
+      blocks.push_back(std::make_unique<std::barrier<>>(threads));
+      for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+      for (int g = 0; g < k_warps; ++g) {
+        named.push_back(std::make_unique<std::barrier<>>(32 * row_warps));
+        named_ptrs.push_back(named.back().get());
+      }
+    }
+    std::vector<std::thread> pool;
+    for (int r = 0; r < split; ++r) {
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([&, r, t] {
+          threadIdx.x = t;
+          blockIdx.x = unsigned(c * split + r);
+          blockDim.x = unsigned(threads);
+          const int w = r * warps + t / 32;
+          emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * k_warps, warp_bars[w].get(), &cluster,
+                          reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
+                          smem_ptrs.data(), unsigned(c), unsigned(r), unsigned(split)};
+          kernel(args);
+        });
+      }
+    }
+    for (auto& th : pool) th.join();
+  }
+}
+
+template <typename T, int V, int NT>
+static void fused(const KvWriteArgs& args, int64_t rows, int split) {
+  constexpr Variant v = kVariants[V == 4 ? 4 : 0];
+  auto kernel = &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>;
+  const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
+  run_grid<KvWriteArgs>(kernel, args, tiles, split, cta_threads(v), v.row_warps, v.k_warps,
+                        smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT));
+}
+
+struct HeadsArgs {
+  KvWrite kv;
+  const void* projections;
+  int64_t ld;
+  int tokens, layers;
+};
+
+template <typename T, int V>
+static void heads_entry(HeadsArgs a) {
+  kv_write_heads_kernel<T, V>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers);
+}
+
+template <typename T, int V>
+static void heads(const HeadsArgs& a) {
+  const int64_t units = int64_t(a.tokens) * 2 * a.layers;
+  run_grid<HeadsArgs>(&heads_entry<T, V>, a, (units + kHeadWarps - 1) / kHeadWarps, 1, 32 * kHeadWarps, 1, 1, 64);
+}
+
+template <typename T>
+static void dispatch(int fused_path, int split, const KvWriteArgs& args, const HeadsArgs& h) {
+  const int d = args.kv.head_dim;
+  if (fused_path) {
+    const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
+    const bool two = token_tiles(args.gemm.tokens) > 1;
+    if (d == 64) two ? fused<T, 2, 2>(args, rows, split) : fused<T, 2, 1>(args, rows, split);
+    else two ? fused<T, 4, 2>(args, rows, split) : fused<T, 4, 1>(args, rows, split);
+  } else if (d <= 64) {
+    heads<T, 2>(h);
+  } else if (d <= 128) {
+    heads<T, 4>(h);
+  } else {
+    heads<T, 8>(h);
+  }
+}
+
+// ints: bf16, fused, split, tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
+//       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
+extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* const* ptrs, const int64_t* strides,
+                             const float* eps) {
+  const int bf16 = ints[0], fused_path = ints[1], split = ints[2], tokens = ints[3], k = ints[4], layers = ints[5];
+  KvWriteArgs args{};
+  Params& p = args.gemm;
+  KvWrite& kv = args.kv;
+  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld
+  p.x = ptrs[0];
+  p.x_stride = longs[0];
+  p.tokens = tokens;
+  p.k = k;
+  p.num_segments = 2 * layers;
+  kv.heads = ints[6];
+  kv.head_dim = ints[7];
+  const int64_t kv_rows = int64_t(kv.heads) * kv.head_dim;
+  // per layer i, ptrs: 8 + 8 i: k weight, v weight, k bias, v bias, k cache, v cache, norm weight, table
+  // strides per layer: 8 i: k weight, v weight, k slot, k head, v slot, v head, table rows, table stride
+  for (int i = 0; i < layers; ++i) {
+    const void* const* q = ptrs + 8 + 8 * i;
+    const int64_t* s = strides + 8 * i;
+    for (int kind = 0; kind < 2; ++kind) {
+      p.segment_end[2 * i + kind] = (2 * i + kind + 1) * kv_rows;
+      p.weight[2 * i + kind] = q[kind];
+      p.weight_stride[2 * i + kind] = s[kind];
+      p.bias[2 * i + kind] = q[2 + kind];
+      p.bias_stride[2 * i + kind] = 1;
+      kv.cache[kind][i] = const_cast<void*>(q[4 + kind]);
+      kv.slot_stride[kind][i] = s[2 + 2 * kind];
+      kv.head_stride[kind][i] = s[3 + 2 * kind];
+    }
+    kv.norm_weight[i] = q[6];
+    kv.norm_fp32[i] = ints[18 + i];
+    kv.eps[i] = eps[i];
+    kv.cos_sin[i] = static_cast<const float*>(q[7]);
+    kv.table_rows[i] = s[6];
+    kv.table_stride[i] = s[7];
+  }
+  kv.has_norm = ints[8];
+  kv.rotary_dim = ints[9];
+  kv.neox = ints[10];
+  kv.has_rope = ints[11];
+  kv.positions = ptrs[1];
+  kv.positions_stride = longs[4];
+  kv.positions_int64 = ints[12];
+  kv.loc = ptrs[2];
+  kv.loc_stride0 = longs[1];
+  kv.loc_stride1 = longs[2];
+  kv.loc_int64 = ints[13];
+  kv.width = ints[14];
+  kv.commit_lens = ints[17] ? ptrs[3] : nullptr;
+  kv.commit_stride = longs[3];
+  kv.commit_int64 = ints[15];
+  kv.slots = longs[5];
+  const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers};
+  if (bf16) dispatch<__nv_bfloat16>(fused_path, split, args, h); else dispatch<__half>(fused_path, split, args, h);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("kv_write_emu"), DRIVER, "kvemu")
+
+
+@dataclass(frozen=True)
+class Spec:
+    tokens: int = 5
+    layers: int = 2
+    hidden: int = 96
+    heads: int = 1
+    head_dim: int = 64
+    rot: int = 64
+    neox: bool = True
+    norm: bool = True
+    rope: bool = True
+    commit: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    slots: int = 24
+
+
+def _case(spec: Spec, seed: int) -> dict:
+    """Inputs of the op: K and V from row ranges of one qkv weight per layer (row stride padded), biases on layer
+    0, a fp32 norm weight on layer 0 and an x-typed one on layer 1, a cos/sin table per layer, shuffled slots with a
+    negative one, caches with padded slot rows and NaN poison."""
+    gen = torch.Generator().manual_seed(seed)
+    t, d, h = spec.tokens, spec.head_dim, spec.heads
+    kv = h * d
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(spec.dtype)
+
+    x = rnd(t, spec.hidden)
+    weights = [rnd(3 * kv, spec.hidden + 8, scale=spec.hidden**-0.5)[:, : spec.hidden] for _ in range(spec.layers)]
+    biases = [rnd(3 * kv) if i == 0 else None for i in range(spec.layers)]
+    norm_w = [
+        (torch.rand(d, generator=gen) + 0.5).to(torch.float32 if i == 0 else spec.dtype) for i in range(spec.layers)
+    ]
+    tables = [torch.randn(40 + i, spec.rot, generator=gen) for i in range(spec.layers)] if spec.rope else []
+    positions = torch.randint(0, 40, (t,), generator=gen)
+    slots = torch.randperm(spec.slots, generator=gen)[:t]
+    slots[t // 2] = -1
+    if spec.commit:
+        width = 1 if t % 2 else 2
+        loc, commit = slots.reshape(t // width, width), torch.randint(0, width + 1, (t // width,), generator=gen)
+    else:
+        loc, commit = slots, None
+
+    def cache():
+        return torch.full((spec.slots, h, d + 8), float("nan"), dtype=spec.dtype)[:, :, :d]
+
+    return dict(
+        x=x,
+        k_weights=weights,
+        k_row_starts=[kv] * spec.layers,
+        k_biases=biases,
+        v_weights=weights,
+        v_row_starts=[2 * kv] * spec.layers,
+        v_biases=biases,
+        k_norm_weights=norm_w if spec.norm else [None] * spec.layers,
+        k_norm_eps=[1e-6 * (i + 1) for i in range(spec.layers)] if spec.norm else [],
+        cos_sin_caches=tables,
+        positions=positions,
+        is_neox=spec.neox,
+        k_caches=[cache() for _ in range(spec.layers)],
+        v_caches=[cache() for _ in range(spec.layers)],
+        cache_loc=loc,
+        commit_lens=commit,
+        num_kv_heads=h,
+        head_dim=d,
+    )
+
+
+def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
+    """Run the fused kernel or (with the projections of the GEMM path, rounded to x's dtype) the heads kernel."""
+    layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
+    esize = a["x"].element_size()
+    keep = []  # tensors whose pointers the driver reads
+
+    def ptr(t, offset=0):
+        if t is None:
+            return None
+        keep.append(t)
+        return t.data_ptr() + offset * t.element_size()
+
+    projections = None
+    if not fused:
+        blocks = []
+        for i in range(layers):
+            for w, s, b in ((a["k_weights"][i], a["k_row_starts"][i], a["k_biases"][i]),
+                            (a["v_weights"][i], a["v_row_starts"][i], a["v_biases"][i])):
+                out = a["x"].float() @ w[s : s + kv].float().t()
+                blocks.append(out + b[s : s + kv].float() if b is not None else out)
+        projections = torch.cat(blocks, dim=1).to(a["x"].dtype).contiguous()
+    per_layer, strides, norm_fp32 = [], [], []
+    tables = a["cos_sin_caches"]
+    for i in range(layers):
+        kw, vw = a["k_weights"][i], a["v_weights"][i]
+        kb, vb = a["k_biases"][i], a["v_biases"][i]
+        kc, vc = a["k_caches"][i], a["v_caches"][i]
+        nw = a["k_norm_weights"][i]
+        per_layer += [
+            ptr(kw, a["k_row_starts"][i] * kw.stride(0)),
+            ptr(vw, a["v_row_starts"][i] * vw.stride(0)),
+            ptr(kb, a["k_row_starts"][i]) if kb is not None else None,
+            ptr(vb, a["v_row_starts"][i]) if vb is not None else None,
+            ptr(kc),
+            ptr(vc),
+            ptr(nw),
+            ptr(tables[i]) if tables else None,
+        ]
+        strides += [kw.stride(0), vw.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)]
+        strides += [tables[i].shape[0], tables[i].stride(0)] if tables else [0, 0]
+        norm_fp32.append(int(nw is not None and nw.dtype == torch.float32))
+    loc, commit = a["cache_loc"], a["commit_lens"]
+    two_d = loc.dim() == 2
+    ints = [
+        int(a["x"].dtype == torch.bfloat16),
+        int(fused),
+        split,
+        a["x"].shape[0],
+        a["x"].shape[1],
+        layers,
+        a["num_kv_heads"],
+        a["head_dim"],
+        int(bool(a["k_norm_eps"])),
+        tables[0].shape[1] if tables else 0,
+        int(a["is_neox"]),
+        int(bool(tables)),
+        int(a["positions"].dtype == torch.int64),
+        int(loc.dtype == torch.int64),
+        loc.shape[1] if two_d else max(a["x"].shape[0], 1),
+        int(commit is not None and commit.dtype == torch.int64),
+        0,
+        int(commit is not None),
+        *norm_fp32,
+    ]
+    longs = [
+        a["x"].stride(0),
+        loc.stride(0) if two_d else 0,
+        loc.stride(1) if two_d else loc.stride(0),
+        commit.stride(0) if commit is not None else 0,
+        a["positions"].stride(0),
+        a["k_caches"][0].shape[0],
+        projections.stride(0) if projections is not None else 0,
+    ]
+    ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), None, None, None, *per_layer]
+    eps = a["k_norm_eps"] or [0.0] * layers
+    _ = esize
+    emu.emu_kv_write(
+        (ctypes.c_int * len(ints))(*ints),
+        (ctypes.c_int64 * len(longs))(*longs),
+        (ctypes.c_void_p * len(ptrs))(*ptrs),
+        (ctypes.c_int64 * len(strides))(*strides),
+        (ctypes.c_float * layers)(*eps),
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _check(emu, spec: Spec, *, fused: bool, split: int = 1, seed: int = 0) -> None:
+    got = _case(spec, seed)
+    want = _case(spec, seed)
+    before = [_bits(c.clone()) for c in got["k_caches"] + got["v_caches"]]
+    _emulate(emu, got, fused=fused, split=split)
+    want_caches = [c.clone() for c in want["k_caches"] + want["v_caches"]]
+    ref_args = {**want, "k_caches": want_caches[: spec.layers], "v_caches": want_caches[spec.layers :]}
+    multi_linear_kv_write_reference(**ref_args)
+    written = torch.zeros(spec.slots, dtype=torch.bool)
+    loc = want["cache_loc"].reshape(-1)
+    keep = loc >= 0
+    if want["commit_lens"] is not None:
+        width = want["cache_loc"].shape[1]
+        keep &= (torch.arange(width)[None, :] < want["commit_lens"][:, None]).reshape(-1)
+    written[loc[keep]] = True
+    rtol, atol = (2**-7, 1e-3) if fused else (2**-6, 2**-8)
+    for c, old, ref in zip(got["k_caches"] + got["v_caches"], before, want_caches, strict=True):
+        assert torch.equal(_bits(c)[~written], old[~written]), "a cache row outside the written slots changed"
+        g, w = c[written].double(), ref[written].double()
+        assert not g.isnan().any(), "a written row still holds poison"
+        if w.numel():
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol * w.abs().max().item())
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize(("head_dim", "rot"), [(64, 64), (64, 24), (128, 128), (128, 44)])
+def test_fused_kernel(emu, head_dim, rot, neox):
+    """The GEMM with the write epilogue: one head per tile, full and partial rotary (R/2 not a multiple of a lane's
+    elements: the shared-memory partner path), both RoPE styles, 1 and 2 token tiles."""
+    for tokens in (3, 11):
+        _check(emu, Spec(tokens=tokens, head_dim=head_dim, rot=rot, neox=neox), fused=True, seed=tokens)
+
+
+def test_fused_kernel_cluster_split_commit_fp16(emu):
+    """Split K over a cluster of 3 CTAs (partial sums through distributed shared memory), a [B, W] commit mask,
+    fp16, two heads per layer."""
+    spec = Spec(tokens=6, hidden=256, heads=2, head_dim=64, commit=True, dtype=torch.float16)
+    _check(emu, spec, fused=True, split=3)
+
+
+def test_fused_kernel_without_norm_or_rope(emu):
+    _check(emu, Spec(norm=False), fused=True)
+    _check(emu, Spec(rope=False, head_dim=128, rot=128), fused=True)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize(("head_dim", "rot"), [(16, 16), (64, 40), (96, 96), (128, 36), (256, 128)])
+def test_heads_kernel(emu, head_dim, rot, neox):
+    """The GEMM path's per-head kernel: head_dims that fill a lane's elements or leave lanes empty (16, 96), partial
+    rotary, both RoPE styles, a commit mask, several heads per layer."""
+    spec = Spec(tokens=7, heads=3, head_dim=head_dim, rot=rot, neox=neox, commit=True)
+    _check(emu, spec, fused=False)
+
+
+def test_heads_kernel_fp16_without_norm(emu):
+    _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), fused=False)
