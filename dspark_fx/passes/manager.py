@@ -11,14 +11,15 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import custom_ops.multi_linear
-from dspark_fx.config import DsparkConfig
+from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.report import FusionReport
 
@@ -38,11 +39,11 @@ def source_files() -> tuple[str, ...]:
 class DsparkPassManager(CustomGraphPass):
     def __init__(
         self,
-        config: DsparkConfig | None = None,
+        config: DsparkConfig | Mapping[str, Any] | None = None,
         user_pass: Callable[[fx.Graph], None] | None = None,
         observer: Observer | None = None,
     ) -> None:
-        self.config = config or DsparkConfig()
+        self.config = as_config(config, "DsparkPassManager")
         self.user_pass = user_pass
         self.observer = observer
         self.input_names: list[str] | None = None
