@@ -99,11 +99,16 @@ class CaptureBackend:
         return merged
 
     def graph_diff(self, index: int = -1) -> str:
+        """The diff of compile `index` (default: the last) before and after the passes."""
+        if not self.before:
+            raise RuntimeError("CaptureBackend.graph_diff: nothing was compiled with this backend yet")
+        if not -len(self.before) <= index < len(self.before):
+            raise IndexError(f"CaptureBackend.graph_diff: index {index}, but {len(self.before)} graph(s) compiled")
         return graph_diff(self.before[index], self.after[index])
 
     def assert_fused(self, n_groups: int, n_branches: list[int] | None = None) -> None:
         """Every graph compiled so far fused `n_groups` GEMM groups with `n_branches` GEMMs each."""
-        assert self.reports, "nothing was compiled"
+        assert self.reports, "nothing was compiled with this backend yet"
         for report in self.reports:
             assert report.n_groups == n_groups, f"expected {n_groups} fused group(s):\n{report}"
             if n_branches is not None:
