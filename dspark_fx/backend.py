@@ -17,6 +17,7 @@ Users of plain `torch.compile(model)` can install the manager themselves:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,15 +105,16 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: Dspar
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._inductor.decomposition import select_decomp_table
 
-    def forward_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]):
-        manager(fw.graph)
+    def compiler(fw: fx.GraphModule, _inputs: Sequence[Any], is_inference: bool):
+        manager(fw.graph, is_inference=is_inference)
         fw.recompile()
         return make_boxed_func(fw.forward)
 
     return aot_module_simplified(
         gm,
         list(example_inputs),
-        fw_compiler=forward_compiler,
+        fw_compiler=functools.partial(compiler, is_inference=False),
+        inference_compiler=functools.partial(compiler, is_inference=True),
         decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )

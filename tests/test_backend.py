@@ -5,11 +5,12 @@ import gc
 import pytest
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import dspark_fx
 from dspark_fx import DsparkConfig, make_backend
 from dspark_fx.backend import DsparkBackend
-from dspark_fx.passes.manager import DsparkPassManager
+from dspark_fx.passes.manager import _INFERENCE_AWARE, DsparkPassManager
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
 
 
@@ -96,3 +97,61 @@ def test_other_arguments_are_checked_at_call_time():
         dspark_fx.explain(_Three(), torch.randn(2, 16), config=3)
     with pytest.raises(TypeError, match=r"DsparkConfig\.max_leaf_numel must be int"):
         DsparkConfig(max_leaf_numel=2.5)
+
+
+class _Recording(CustomGraphPass):
+    """A user post-grad pass that records when it ran (and what it saw) in a shared log."""
+
+    def __init__(self, name, log, uuid=True):
+        self.name, self.log, self._uuid = name, log, uuid
+
+    def __call__(self, graph):
+        self.log.append((self.name, "dspark.multi_linear" in str(graph)))
+
+    def uuid(self):
+        return f"recording-{self.name}".encode() if self._uuid else None
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_list_of_user_post_grad_passes_is_composed_element_by_element(container):
+    torch._dynamo.reset()
+    log = []
+    first, second = _Recording("first", log), _Recording("second", log)
+    backend = make_backend(inner="aot_eager", observer=lambda _b, after, _r: log.append(("dspark", True)))
+    with torch._inductor.config.patch(post_grad_custom_post_pass=container([first, second])):
+        _compile_and_run(backend)
+    assert log == [("first", False), ("second", False), ("dspark", True)]  # user passes first, in order
+
+
+def test_uuid_of_composed_passes():
+    log = []
+    base = DsparkPassManager().uuid()
+    one = DsparkPassManager(user_pass=_Recording("a", log)).uuid()
+    both = DsparkPassManager(user_pass=[_Recording("a", log), _Recording("b", log)]).uuid()
+    assert len({base, one, both}) == 3 and None not in (base, one, both)
+    assert DsparkPassManager(user_pass=[_Recording("a", log), lambda graph: None]).uuid() is None
+    assert DsparkPassManager(user_pass=[_Recording("a", log, uuid=False)]).uuid() is None
+    assert DsparkPassManager(user_pass=[]).uuid() == base
+    with pytest.raises(TypeError, match="post_grad_custom_post_pass: expected a pass"):
+        DsparkPassManager(user_pass=[_Recording("a", log), "not a pass"])
+
+
+@pytest.mark.skipif(_INFERENCE_AWARE is None, reason="torch without inference-aware post-grad passes")
+def test_an_inference_aware_user_pass_gets_is_inference():
+    class InferenceAware(_INFERENCE_AWARE):
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, graph, is_inference):
+            self.calls.append(is_inference)
+
+        def uuid(self):
+            return b"inference-aware"
+
+    torch._dynamo.reset()
+    user_pass = InferenceAware()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[user_pass]):
+        _compile_and_run(make_backend(inner="aot_eager"))  # under no_grad: an inference graph
+    assert user_pass.calls == [True]
+    with pytest.raises(TypeError, match="inference-aware pass"):
+        DsparkPassManager(user_pass=user_pass)(torch.fx.Graph())

@@ -122,6 +122,15 @@ def test_user_post_pass_is_composed_not_overwritten():
     assert dspark_fx.DsparkPassManager(user_pass=user_pass).uuid() != dspark_fx.DsparkPassManager().uuid()
 
 
+def test_a_list_of_user_post_passes_is_composed_through_inductor():
+    torch._dynamo.reset()
+    first, second = _CountingPass(), _CountingPass()
+    cfg = small_config(write="return", num_layers=2)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[first, second], force_disable_caches=True):
+        _compile_once(dspark_fx.dspark_backend, cfg)
+    assert (first.calls, second.calls) == (1, 1)
+
+
 def test_mode_and_options_are_accepted():
     torch._dynamo.reset()
     cfg = small_config(write="return", num_layers=2)

@@ -1,9 +1,11 @@
 """`DsparkPassManager`: the Inductor post-grad custom pass that runs the dspark_fx passes in order.
 
 It is a `CustomGraphPass`, so Inductor's FX graph cache stays on: `uuid()` hashes every source file of
-`dspark_fx/passes/` and the op schema file it emits (`custom_ops/multi_linear.py`), the config, and the uuid of
-a user pass it was composed with. A user pass that already sat in `post_grad_custom_post_pass` runs first; a
-plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
+`dspark_fx/passes/` and the op schema file it emits (`custom_ops/multi_linear.py`), the config, and the uuids of
+the user passes it was composed with. User passes that already sat in `post_grad_custom_post_pass` (one pass, or a
+list or tuple of them, as Inductor accepts) run first, in order; a plain callable there has no uuid, so the manager
+then reports none either (caching off, as Inductor requires). Where Inductor has inference-aware passes
+(`CustomInferenceAwareGraphPass`, torch 2.13) the manager is one, and hands `is_inference` on to such user passes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.fx as fx
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import custom_ops.multi_linear
@@ -29,6 +32,9 @@ if os.environ.get("DSPARK_FX_LOG", "").lower() in ("debug", "info"):
     log.addHandler(logging.StreamHandler())
 
 Observer = Callable[[fx.Graph, fx.Graph, FusionReport], None]
+UserPasses = Callable[[fx.Graph], None] | list[Callable[[fx.Graph], None]] | tuple[Callable[[fx.Graph], None], ...]
+# torch 2.13 calls a pass of this class with `is_inference=`; torch 2.11 has no such class
+_INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
 
 def source_files() -> tuple[str, ...]:
@@ -36,22 +42,27 @@ def source_files() -> tuple[str, ...]:
     return (*passes, custom_ops.multi_linear.__file__)
 
 
-class DsparkPassManager(CustomGraphPass):
+class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
     def __init__(
         self,
         config: DsparkConfig | Mapping[str, Any] | None = None,
-        user_pass: Callable[[fx.Graph], None] | None = None,
+        user_pass: UserPasses | None = None,
         observer: Observer | None = None,
     ) -> None:
         self.config = as_config(config, "DsparkPassManager")
-        self.user_pass = user_pass
+        self.user_passes = _user_passes(user_pass)
         self.observer = observer
         self.input_names: list[str] | None = None
         self.reports: list[FusionReport] = []
 
-    def __call__(self, graph: fx.Graph) -> None:
-        if self.user_pass is not None:
-            self.user_pass(graph)
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        for user_pass in self.user_passes:
+            if _INFERENCE_AWARE is not None and isinstance(user_pass, _INFERENCE_AWARE):
+                if is_inference is None:
+                    raise TypeError(f"{user_pass!r} is an inference-aware pass: call the manager with is_inference=")
+                user_pass(graph, is_inference=is_inference)
+            else:
+                user_pass(graph)
         before = _copy(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
         report = FusionReport()
         if self.config.horizontal_fusion:
@@ -68,12 +79,22 @@ class DsparkPassManager(CustomGraphPass):
 
     def uuid(self) -> bytes | None:
         extra = self.config.to_json()
-        if self.user_pass is not None:
-            user_uuid = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else None
+        for user_pass in self.user_passes:
+            user_uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
             if user_uuid is None:
                 return None
             extra += repr(user_uuid)
         return get_hash_for_files(source_files(), extra)
+
+
+def _user_passes(user_pass: UserPasses | None) -> tuple[Callable[..., None], ...]:
+    """The passes of a post-grad slot, in order: None, one pass, or a list or tuple of passes."""
+    passes = tuple(user_pass) if isinstance(user_pass, (list, tuple)) else (user_pass,)
+    passes = tuple(p for p in passes if p is not None)
+    for p in passes:
+        if not callable(p):
+            raise TypeError(f"post_grad_custom_post_pass: expected a pass (a callable), got {type(p).__name__}")
+    return passes
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:
