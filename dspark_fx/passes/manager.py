@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,7 @@ from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.report import FusionReport
 
-log = logging.getLogger("dspark_fx")
-if os.environ.get("DSPARK_FX_LOG", "").lower() in ("debug", "info"):
-    log.setLevel(os.environ["DSPARK_FX_LOG"].upper())
-    log.addHandler(logging.StreamHandler())
+log = logging.getLogger("dspark_fx")  # DSPARK_FX_LOG=info|debug sets it up (dspark_fx/__init__.py)
 
 Observer = Callable[[fx.Graph, fx.Graph, FusionReport], None]
 UserPasses = Callable[[fx.Graph], None] | list[Callable[[fx.Graph], None]] | tuple[Callable[[fx.Graph], None], ...]
