@@ -23,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 import custom_ops.multi_linear
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.horizontal import fuse_kv_branches
-from dspark_fx.report import FusionReport
+from dspark_fx.report import FusionReport, count
 
 log = logging.getLogger("dspark_fx")  # DSPARK_FX_LOG=info|debug sets it up (dspark_fx/__init__.py)
 
@@ -64,6 +64,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
         self.reports.append(report)
+        count(report)
         if report.groups:
             log.info("%s", report)
         elif report.rejected:
