@@ -18,6 +18,7 @@ Users of plain `torch.compile(model)` can install the manager themselves:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from dspark_fx.passes.manager import DsparkPassManager, Observer
 
 INNER_MODES = ("inductor", "aot_eager")
+log = logging.getLogger("dspark_fx")
 
 
 class DsparkBackend:
@@ -93,12 +95,45 @@ def _inductor(
     mode: str | None,
     options: dict[str, Any],
 ) -> Callable[..., Any]:
+    from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     patches.update(options)
     patches["post_grad_custom_post_pass"] = manager
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    hits = _cache_hits(counters)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if not manager.reports:  # Inductor served the graph from a cache: its post-grad passes did not run
+        _log_pass_not_run(gm, manager, [cache for cache, n in _cache_hits(counters).items() if n > hits[cache]])
+    return compiled
+
+
+def _cache_hits(counters: Any) -> dict[str, int]:
+    return {
+        "FX graph cache": counters["inductor"]["fxgraph_cache_hit"],
+        "AOTAutograd cache": counters["aot_autograd"]["autograd_cache_hit"],
+    }
+
+
+def _log_pass_not_run(gm: fx.GraphModule, manager: DsparkPassManager, caches: list[str]) -> None:
+    """A cache hit skips the post-grad passes; say so, so that every compile of the backend leaves a log line."""
+    from torch._dynamo.utils import counters
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    graph = f"graph {compile_id} ({len(gm.graph.nodes)} nodes)"
+    if not caches:
+        log.info("dspark_fx: the pass did not run for %s (and Inductor counted no cache hit)", graph)
+        return
+    counters["dspark_fx"]["graphs_from_cache"] += 1
+    uuid = manager.uuid()
+    log.info(
+        "dspark_fx: %s: cache hit (%s): Inductor reuses a graph compiled earlier by this same pass (pass uuid %s, "
+        "part of the cache key), so the pass did not run now and there is no report or diff for it "
+        "(dspark_fx.explain() or dspark_fx.testing.CaptureBackend show them)",
+        graph,
+        " and ".join(caches),
+        uuid.hex()[:16] if isinstance(uuid, bytes) else uuid,
+    )
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: DsparkPassManager) -> Callable[..., Any]:

@@ -2,6 +2,7 @@
 no per-call weight copies, mode/options, and composition with a user's post-grad pass."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -75,6 +76,37 @@ def test_fx_graph_cache_hits_and_misses(tmp_path, monkeypatch):
         monkeypatch.setattr(manager_module, "source_files", lambda: (*original(), str(changed_source)))
         _compile_once(dspark_fx.make_backend(), cfg)
         assert counters["inductor"]["fxgraph_cache_miss"] == 3, "a changed pass source must miss the cache"
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_a_cache_hit_is_logged_and_counted():
+    """The pass does not run on an FX graph cache hit; the backend still logs the compile, as a cache hit."""
+    cfg = small_config(write="return", num_layers=2)
+    logger, records = logging.getLogger("dspark_fx"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        with fresh_cache():
+            counters.clear()
+            _compile_once(dspark_fx.make_backend(), cfg)
+            assert not any("cache hit" in m for m in records.messages), records.messages
+            _compile_once(dspark_fx.make_backend(), cfg)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+    hits = [m for m in records.messages if "cache hit" in m]
+    assert len(hits) == 1 and "the pass did not run now" in hits[0], records.messages
+    assert counters["dspark_fx"]["pass_runs"] == 1 and counters["dspark_fx"]["graphs_from_cache"] == 1
 
 
 def test_in_place_weight_updates_are_seen_and_no_weight_is_copied_per_call():
