@@ -30,10 +30,13 @@ def explain(
 ) -> FusionReport:
     """Trace `model(*example_args, **example_kwargs)` once and return the merged fusion report of its graphs.
 
-    `model` is an `nn.Module` or a function (a keyword input cannot be called `config`). Afterwards the module's
+    `model` is an `nn.Module` (or what `torch.compile` made of one) or a function (a keyword input cannot be called
+    `config`). Afterwards the module's
     parameters and buffers, the tensors passed in and `counters["dspark_fx"]` are as they were (tensors a
     function reaches otherwise, e.g. globals, are not restored)."""
     config = as_config(config, "explain")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile(module): explain the module
+        model = model._orig_mod
     if not callable(model):
         raise TypeError(f"explain: model must be an nn.Module or a function, got {type(model).__name__}")
     reports: list[FusionReport] = []

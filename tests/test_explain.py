@@ -39,7 +39,7 @@ def test_explain_does_not_recompile_models_compiled_before():
         compiled_a(*args)
     assert counter.frame_count == 1 and counts["frames"] == 0, "explain() made a compiled model recompile"
     assert len(_debug_get_cache_entry_list(DraftKVWriter.forward.__code__)) == entries
-    report = explain(model_a, *args)  # the compiled model itself
+    report = explain(compiled_a, *args)  # the compiled model itself
     assert report.n_branches == [cfg.num_layers]
     with torch.no_grad():
         compiled_a(*args)
