@@ -8,10 +8,13 @@ import importlib
 import logging
 import os
 
+from custom_ops._torch_range import warn_if_untested_torch
 from dspark_fx.backend import DsparkBackend, dspark_backend, make_backend
 from dspark_fx.config import DsparkConfig
 from dspark_fx.explain import explain
 from dspark_fx.report import FusionReport
+
+warn_if_untested_torch()
 
 if os.environ.get("DSPARK_FX_LOG", "").lower() in ("debug", "info"):
     logging.getLogger("dspark_fx").setLevel(os.environ["DSPARK_FX_LOG"].upper())

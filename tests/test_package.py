@@ -4,9 +4,11 @@ import ast
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ("dspark_fx", "custom_ops", "tests", "examples", "benchmarks", "scripts", "docs")
@@ -50,3 +52,44 @@ def test_lazy_names_of_dspark_fx_resolve():
     assert set(dspark_fx.__all__) <= set(dir(dspark_fx))
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         dspark_fx.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.9.1+cu128", "2.14.0", "2.14.0a0+git1234", "3.0.0"])
+def test_an_untested_torch_warns_naming_the_tested_range(monkeypatch, version):
+    from custom_ops import _torch_range
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(_torch_range, "_warned", False)
+    with pytest.warns(UserWarning, match=rf"torch {re.escape(version)} is outside .*torch>=2\.11,<2\.14"):
+        _torch_range.warn_if_untested_torch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _torch_range.warn_if_untested_torch()  # once per process
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.13.1"])
+def test_a_tested_torch_does_not_warn(monkeypatch, version):
+    from custom_ops import _torch_range
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(_torch_range, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _torch_range.warn_if_untested_torch()
+
+
+@pytest.mark.parametrize("module", ["dspark_fx", "custom_ops"])
+def test_import_warns_with_an_untested_torch(module):
+    code = f"import torch; torch.__version__ = '2.10.0'; import {module}"
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and "torch 2.10.0 is outside the range" in out.stderr, out.stderr[-2000:]
+
+
+def test_package_metadata_declares_the_tested_torch_range_and_only_used_dependencies():
+    tomllib = pytest.importorskip("tomllib")
+    from custom_ops._torch_range import TESTED_TORCH
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == [f"torch{TESTED_TORCH}"]
+    assert project["license"] == "MIT" and "MIT License" in (ROOT / "LICENSE").read_text()
+    assert not re.search(r"^\s*(import|from)\s+numpy\b", "\n".join(_corpus().values()), re.MULTILINE)
