@@ -95,7 +95,7 @@ class FusionReport:
 
 
 def count(report: FusionReport) -> None:
-    """Add one pass run to `torch._dynamo.utils.counters["dspark_fx"]` (keys: README, "Counters")."""
+    """Add one pass run to `torch._dynamo.utils.counters["dspark_fx"]` (keys: README.md)."""
     from torch._dynamo.utils import counters
 
     group = counters["dspark_fx"]
