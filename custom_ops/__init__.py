@@ -10,9 +10,12 @@ from custom_ops import (  # noqa: F401  (_library defines the dspark namespace f
     multi_linear,
     multi_linear_kv_write,
 )
+from custom_ops._torch_range import warn_if_untested_torch
 from custom_ops.checks import checks, checks_enabled, set_checks
 from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
 from custom_ops.rope import precompute_freqs
+
+warn_if_untested_torch()
 
 __all__ = [
     "checks",

@@ -30,6 +30,7 @@ from custom_ops.checks import check_index_range, must_check_values
 from custom_ops.dsv4_compress import compress_decode, compress_prefill
 from custom_ops.dsv4_compress_common import (
     FLT_MAX,
+    HEAD_DIMS,
     STATE_DTYPES,
     check_index,
     check_tensor,
@@ -110,8 +111,10 @@ class DSV4Compressor(torch.nn.Module):
     | ape | [ratio, coff*D] | fp32 (checkpoint layout) |
     | norm_weight | [D] | fp32 |
 
-    with coff = 2 for c4 (overlap) and 1 for c128. `online=True` (c128, D = 512 or 128) keeps one running
-    softmax state per request instead of raw rows. `state_dtype` (offline only) is fp32 or bf16.
+    with coff = 2 for c4 (overlap) and 1 for c128. Every combination of `head_dim` (D) in {128, 512} and `ratio`
+    in {4, 128} is valid; other values raise `ValueError` here, naming the argument. `online=True` (c128, D = 512 or
+    128) keeps one running softmax state per request instead of raw rows. `state_dtype` (offline only) is fp32 or
+    bf16.
     """
 
     def __init__(
@@ -127,8 +130,17 @@ class DSV4Compressor(torch.nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size: expected a positive int, got {hidden_size!r}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"head_dim: expected one of {HEAD_DIMS} (512: an attention layer's compressor, 128: the indexer's), "
+                f"got {head_dim!r}"
+            )
         if ratio not in (4, 128):
-            raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
+            raise ValueError(f"ratio: expected 4 or 128, got {ratio!r}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {state_dtype!r}")
         if online and (ratio != 128 or state_dtype != torch.float32):
             raise ValueError("online: needs ratio 128 and an fp32 state")
         self.ratio, self.head_dim, self.online = ratio, head_dim, online

@@ -3,7 +3,13 @@
     compiled = torch.compile(model, backend=dspark_backend)                      # Inductor + dspark_fx
     compiled = torch.compile(model, backend=dspark_backend, mode="reduce-overhead")
     compiled = torch.compile(model, backend=make_backend(DsparkConfig(batch_regions=False)))
+    compiled = torch.compile(model, backend=make_backend({"min_branches": 3}))  # a dict of DsparkConfig fields
     compiled = torch.compile(model, backend=make_backend(inner="aot_eager"))    # passes, no codegen (debug)
+
+A backend (`DsparkBackend`) holds only its settings: every compiled graph gets its own `DsparkPassManager`, which
+lives as long as that compile needs it, so a process that compiles for days keeps nothing per compile here. To see
+what the passes did, pass `observer=` (called with the graph before, after and the report of each compile),
+use `dspark_fx.explain()` or `dspark_fx.testing.CaptureBackend`.
 
 Users of plain `torch.compile(model)` can install the manager themselves:
 `torch._inductor.config.post_grad_custom_post_pass = DsparkPassManager()`.
@@ -11,61 +17,139 @@ Users of plain `torch.compile(model)` can install the manager themselves:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
-from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-from torch._inductor.compile_fx import compile_fx
-from torch._inductor.decomposition import select_decomp_table
 
-from dspark_fx.config import DsparkConfig
-from dspark_fx.passes.manager import DsparkPassManager, Observer
+from dspark_fx.config import DsparkConfig, as_config
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from dspark_fx.passes.manager import DsparkPassManager, Observer
 
 INNER_MODES = ("inductor", "aot_eager")
+log = logging.getLogger("dspark_fx")
 
 
-def make_backend(
-    config: DsparkConfig | None = None, *, inner: str = "inductor", observer: Observer | None = None
-) -> Callable[..., Any]:
-    """A torch.compile backend running the dspark_fx passes; `inner="aot_eager"` skips Inductor codegen."""
-    if inner not in INNER_MODES:
-        raise ValueError(f"make_backend: inner must be one of {INNER_MODES}, got {inner!r}")
-    config = config or DsparkConfig()
+class DsparkBackend:
+    """A torch.compile backend running the dspark_fx passes; `inner="aot_eager"` skips Inductor codegen.
 
-    def backend(
+    Accepts `mode=`/`options=` as `torch.compile` passes them. A post-grad pass already installed in
+    `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs first."""
+
+    def __init__(
+        self,
+        config: DsparkConfig | Mapping[str, Any] | None = None,
+        *,
+        inner: str = "inductor",
+        observer: Observer | None = None,
+    ) -> None:
+        if inner not in INNER_MODES:
+            raise ValueError(f"make_backend: inner must be one of {INNER_MODES}, got {inner!r}")
+        if observer is not None and not callable(observer):
+            raise TypeError(f"make_backend: observer must be callable or None, got {type(observer).__name__}")
+        self.config = as_config(config, "make_backend")
+        self.inner = inner
+        self.observer = observer
+
+    def __repr__(self) -> str:
+        return f"DsparkBackend({self.config}, inner={self.inner!r})"
+
+    def __call__(
+        self,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         mode: str | None = None,
         options: dict[str, Any] | None = None,
     ) -> Callable[..., Any]:
+        from dspark_fx.passes.manager import DsparkPassManager
+
         options = dict(options or {})
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
-        manager = DsparkPassManager(config, user_pass=user_pass, observer=observer)
+        manager = DsparkPassManager(self.config, user_pass=user_pass, observer=self.observer)
         manager.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        backend.managers.append(manager)
-        if inner == "aot_eager":
+        if self.inner == "aot_eager":
             return _aot_eager(gm, example_inputs, manager)
-        patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-        patches.update(options)
-        patches["post_grad_custom_post_pass"] = manager
-        return compile_fx(gm, example_inputs, config_patches=patches)
-
-    backend.managers = []
-    return backend
+        return _inductor(gm, example_inputs, manager, mode, options)
 
 
-def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: DsparkPassManager):
-    def forward_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]):
-        manager(fw.graph)
+def make_backend(
+    config: DsparkConfig | Mapping[str, Any] | None = None,
+    *,
+    inner: str = "inductor",
+    observer: Observer | None = None,
+) -> DsparkBackend:
+    """A torch.compile backend running the dspark_fx passes (see `DsparkBackend`). `config` is a `DsparkConfig`,
+    a dict of its fields or None (the defaults); a wrong one raises here, not at the first compile."""
+    return DsparkBackend(config, inner=inner, observer=observer)
+
+
+def _inductor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    manager: DsparkPassManager,
+    mode: str | None,
+    options: dict[str, Any],
+) -> Callable[..., Any]:
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    patches.update(options)
+    patches["post_grad_custom_post_pass"] = manager
+    hits = _cache_hits(counters)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if not manager.reports:  # Inductor served the graph from a cache: its post-grad passes did not run
+        _log_pass_not_run(gm, manager, [cache for cache, n in _cache_hits(counters).items() if n > hits[cache]])
+    return compiled
+
+
+def _cache_hits(counters: Any) -> dict[str, int]:
+    return {
+        "FX graph cache": counters["inductor"]["fxgraph_cache_hit"],
+        "AOTAutograd cache": counters["aot_autograd"]["autograd_cache_hit"],
+    }
+
+
+def _log_pass_not_run(gm: fx.GraphModule, manager: DsparkPassManager, caches: list[str]) -> None:
+    """A cache hit skips the post-grad passes; say so, so that every compile of the backend leaves a log line."""
+    from torch._dynamo.utils import counters
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    graph = f"graph {compile_id} ({len(gm.graph.nodes)} nodes)"
+    if not caches:
+        log.info("dspark_fx: the pass did not run for %s (and Inductor counted no cache hit)", graph)
+        return
+    counters["dspark_fx"]["graphs_from_cache"] += 1
+    uuid = manager.uuid()
+    log.info(
+        "dspark_fx: %s: cache hit (%s): Inductor reuses a graph compiled earlier by this same pass (pass uuid %s, "
+        "part of the cache key), so the pass did not run now and there is no report or diff for it "
+        "(dspark_fx.explain() or dspark_fx.testing.CaptureBackend show them)",
+        graph,
+        " and ".join(caches),
+        uuid.hex()[:16] if isinstance(uuid, bytes) else uuid,
+    )
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: DsparkPassManager) -> Callable[..., Any]:
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._inductor.decomposition import select_decomp_table
+
+    def compiler(fw: fx.GraphModule, _inputs: Sequence[Any], is_inference: bool):
+        manager(fw.graph, is_inference=is_inference)
         fw.recompile()
         return make_boxed_func(fw.forward)
 
     return aot_module_simplified(
         gm,
         list(example_inputs),
-        fw_compiler=forward_compiler,
+        fw_compiler=functools.partial(compiler, is_inference=False),
+        inference_compiler=functools.partial(compiler, is_inference=True),
         decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )
@@ -78,4 +162,4 @@ def dspark_backend(
     return _DEFAULT(gm, example_inputs, mode=mode, options=options)
 
 
-_DEFAULT = make_backend()
+_DEFAULT = DsparkBackend()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+_FIELD_TYPES = {"bool": (bool,), "int": (int,)}
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,11 @@ class DsparkConfig:
     skinny_linears: bool = True
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            types = _FIELD_TYPES.get(str(f.type))
+            if types and (not isinstance(value, types) or (f.type == "int" and isinstance(value, bool))):
+                raise TypeError(f"DsparkConfig.{f.name} must be {f.type}, got {type(value).__name__} {value!r}")
         if self.min_branches < 2:
             raise ValueError(f"DsparkConfig.min_branches must be >= 2, got {self.min_branches}")
         if self.max_leaf_numel < 1:
@@ -34,3 +43,26 @@ class DsparkConfig:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+
+def as_config(config: DsparkConfig | Mapping[str, Any] | None, where: str) -> DsparkConfig:
+    """`config` as a `DsparkConfig`: None gives the defaults, a dict of fields is checked and converted.
+
+    Raises, naming `where` (the call that received it), TypeError for another type and ValueError for a key
+    that is not a field, so a wrong config fails where it is passed, not at the first compile."""
+    if config is None:
+        return DsparkConfig()
+    if isinstance(config, DsparkConfig):
+        return config
+    if isinstance(config, Mapping):
+        names = [f.name for f in fields(DsparkConfig)]
+        unknown = sorted(str(k) for k in config if k not in names)
+        if unknown:
+            raise ValueError(f"{where}: config has unknown field(s) {unknown}; DsparkConfig fields are {names}")
+        try:
+            return DsparkConfig(**config)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{where}: config: {err}") from None
+    raise TypeError(
+        f"{where}: config must be a DsparkConfig, a dict of its fields or None, got {type(config).__name__}"
+    )

@@ -1,29 +1,112 @@
-"""`explain(model, *example_inputs)`: what the dspark_fx passes fuse in a model, and why they leave the rest."""
+"""`explain(model, *args, **kwargs)`: what the dspark_fx passes fuse in a model, and why they leave the rest.
+
+The model is compiled once, in isolation, with a backend of its own (AOTAutograd, no Inductor codegen): Dynamo
+traces a fresh copy of the code object it starts from (the module's `forward`, or the function), so its caches
+and automatic-dynamic state for every other compiled model, even one of the same class, stay as they were, and
+Dynamo is never reset. (A graph break inside a function the entry calls makes Dynamo compile that function's own
+frames too: those get entries for explain's backend, as with any other backend, and keep them.)
+"""
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from dspark_fx.backend import make_backend
-from dspark_fx.config import DsparkConfig
+from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.report import FusionReport
 
 
-def explain(model: torch.nn.Module, *example_inputs: Any, config: DsparkConfig | None = None) -> FusionReport:
-    """Trace `model` once (no Inductor codegen, model state unchanged) and return the merged fusion report."""
-    backend = make_backend(config, inner="aot_eager")
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            torch.compile(model, backend=backend, fullgraph=False)(*example_inputs)
-    finally:
-        model.load_state_dict(snapshot)
-        torch._dynamo.reset()
+def explain(
+    model: torch.nn.Module | Callable[..., Any],
+    /,
+    *example_args: Any,
+    config: DsparkConfig | Mapping[str, Any] | None = None,
+    **example_kwargs: Any,
+) -> FusionReport:
+    """Trace `model(*example_args, **example_kwargs)` once and return the merged fusion report of its graphs.
+
+    `model` is an `nn.Module` (or what `torch.compile` made of one) or a function (a keyword input cannot be called
+    `config`). Afterwards the module's
+    parameters and buffers, the tensors passed in and `counters["dspark_fx"]` are as they were (tensors a
+    function reaches otherwise, e.g. globals, are not restored)."""
+    config = as_config(config, "explain")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile(module): explain the module
+        model = model._orig_mod
+    if not callable(model):
+        raise TypeError(f"explain: model must be an nn.Module or a function, got {type(model).__name__}")
+    reports: list[FusionReport] = []
+    backend = make_backend(config, inner="aot_eager", observer=lambda _before, _after, report: reports.append(report))
+    # automatic_dynamic_shapes=False: neither read nor update the sizes other compiles of the same code recorded
+    with (
+        _restored(model, (example_args, example_kwargs)),
+        _fresh_code(model) as entry,
+        torch.no_grad(),
+        torch._dynamo.config.patch(automatic_dynamic_shapes=False),
+    ):
+        torch.compile(entry, backend=backend, fullgraph=False)(*example_args, **example_kwargs)
     report = FusionReport()
-    for manager in backend.managers:
-        for part in manager.reports:
-            report.merge(part)
+    for part in reports:
+        report.merge(part)
     return report
+
+
+def _fresh_function(func: types.FunctionType) -> types.FunctionType:
+    """`func` with a copy of its code object: Dynamo keeps its cache entries on the code object."""
+    fresh = types.FunctionType(
+        func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
+    fresh.__kwdefaults__ = func.__kwdefaults__
+    fresh.__dict__.update(func.__dict__)
+    return fresh
+
+
+@contextmanager
+def _fresh_code(model: Any) -> Iterator[Any]:
+    """What to compile: the module with its `forward` (for the duration) or the function on fresh code."""
+    if isinstance(model, torch.nn.Module):
+        func = getattr(model.forward, "__func__", None)
+        if not isinstance(func, types.FunctionType):
+            yield model
+            return
+        had_own = "forward" in vars(model)
+        own = vars(model).get("forward")
+        model.forward = types.MethodType(_fresh_function(func), model)
+        try:
+            yield model
+        finally:
+            if had_own:
+                model.forward = own
+            else:
+                del model.forward
+    elif isinstance(model, types.FunctionType):
+        yield _fresh_function(model)
+    elif isinstance(model, types.MethodType) and isinstance(model.__func__, types.FunctionType):
+        yield types.MethodType(_fresh_function(model.__func__), model.__self__)
+    else:
+        yield model
+
+
+@contextmanager
+def _restored(model: Any, inputs: Any) -> Iterator[None]:
+    """Put back the module state, the input tensors and the dspark_fx counters that tracing `model` changes."""
+    from torch._dynamo.utils import counters
+
+    counts = dict(counters["dspark_fx"])
+    state = {k: v.clone() for k, v in model.state_dict().items()} if isinstance(model, torch.nn.Module) else None
+    tensors = {id(t): t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    saved = [(t, t.detach().clone()) for t in tensors.values()]
+    try:
+        yield
+    finally:
+        if state is not None:
+            model.load_state_dict(state)
+        with torch.no_grad():
+            for tensor, copy in saved:
+                tensor.copy_(copy)
+        counters["dspark_fx"].clear()
+        counters["dspark_fx"].update(counts)

@@ -21,10 +21,34 @@ class GroupReport:
     unbatched: list[tuple[int, str]] = field(default_factory=list)  # (branch, why its ops stayed its own)
 
 
+# Why a GEMM was not fused, by the start of the reason text (gemm_branches.match_gemm, horizontal): the key of
+# `Rejection.kind` and of the `rejected_<kind>` counters. Checked in order; a reason matching none is "other".
+REJECTION_KINDS = (
+    ("bias", "bias"),
+    ("weight is a slice of", "weight_not_parameter"),
+    ("weight slice", "weight_slice"),
+    ("weight is computed by", "weight_computed"),
+    ("weight operand is", "weight_not_transposed"),
+    ("weight dtype", "dtype_mismatch"),
+    ("addmm with alpha/beta", "alpha_beta"),
+    ("output is read through", "storage_layout"),
+    ("operands carry no tensor metadata", "no_metadata"),
+    ("fewer than min_branches", "below_min_branches"),  # "N fusable GEMM(s) on x, fewer than min_branches"
+)
+
+
 @dataclass
 class Rejection:
-    node: str
+    node: str  # the GEMM, by the parameters its weight operand is computed from
     reason: str
+
+    @property
+    def kind(self) -> str:
+        """A short stable key for the reason (`REJECTION_KINDS`), for counters and tests."""
+        for text, kind in REJECTION_KINDS:
+            if self.reason.startswith(text) or (kind == "below_min_branches" and text in self.reason):
+                return kind
+        return "other"
 
 
 @dataclass
@@ -68,3 +92,18 @@ class FusionReport:
             lines.append("  not fused:")
             lines += [f"    {r.node}: {r.reason}" for r in self.rejected]
         return "\n".join(lines)
+
+
+def count(report: FusionReport) -> None:
+    """Add one pass run to `torch._dynamo.utils.counters["dspark_fx"]` (keys: README.md)."""
+    from torch._dynamo.utils import counters
+
+    group = counters["dspark_fx"]
+    group["pass_runs"] += 1
+    group["groups_fused"] += report.n_groups
+    group["branches_fused"] += sum(report.n_branches)
+    group["branches_batched"] += sum(len(c.branches) for g in report.groups for c in g.classes)
+    group["lone_gemms_routed"] += len(report.routed)
+    for rejection in report.rejected:
+        group["rejected"] += 1
+        group[f"rejected_{rejection.kind}"] += 1

@@ -12,7 +12,7 @@ assert_close_for_dtype(out, model(*inputs))
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from dspark_fx.backend import make_backend
-from dspark_fx.config import DsparkConfig
+from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.passes.manager import graph_diff
 from dspark_fx.report import FusionReport
@@ -75,7 +75,8 @@ class CaptureBackend:
     a cache hit would skip the passes, and there would be nothing to record.
     """
 
-    def __init__(self, config: DsparkConfig | None = None, inner: str = "aot_eager") -> None:
+    def __init__(self, config: DsparkConfig | Mapping[str, Any] | None = None, inner: str = "aot_eager") -> None:
+        config = as_config(config, "CaptureBackend")
         self.before: list[fx.Graph] = []
         self.after: list[fx.Graph] = []
         self.reports: list[FusionReport] = []
@@ -98,11 +99,16 @@ class CaptureBackend:
         return merged
 
     def graph_diff(self, index: int = -1) -> str:
+        """The diff of compile `index` (default: the last) before and after the passes."""
+        if not self.before:
+            raise RuntimeError("CaptureBackend.graph_diff: nothing was compiled with this backend yet")
+        if not -len(self.before) <= index < len(self.before):
+            raise IndexError(f"CaptureBackend.graph_diff: index {index}, but {len(self.before)} graph(s) compiled")
         return graph_diff(self.before[index], self.after[index])
 
     def assert_fused(self, n_groups: int, n_branches: list[int] | None = None) -> None:
         """Every graph compiled so far fused `n_groups` GEMM groups with `n_branches` GEMMs each."""
-        assert self.reports, "nothing was compiled"
+        assert self.reports, "nothing was compiled with this backend yet"
         for report in self.reports:
             assert report.n_groups == n_groups, f"expected {n_groups} fused group(s):\n{report}"
             if n_branches is not None:

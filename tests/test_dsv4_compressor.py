@@ -131,3 +131,33 @@ def test_compressor_rejects_requests_outside_the_state(ratio, online, idx_dtype)
     want = compress_sequence(comp.kv_score(x), comp.kernel_ape(), ratio)
     got = out.entries[out.valid] if out.valid.any() else want[:0]
     torch.testing.assert_close(got, want[want.shape[0] - got.shape[0] :], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"head_dim": 256}, r"head_dim: expected one of \(128, 512\) .* got 256"),
+        ({"head_dim": 64, "ratio": 128}, r"head_dim: expected one of \(128, 512\)"),
+        ({"ratio": 8}, r"ratio: expected 4 or 128, got 8"),
+        ({"state_dtype": torch.float16}, r"state_dtype: expected one of"),
+        ({"online": True}, r"online: needs ratio 128"),
+    ],
+)
+def test_compressor_rejects_invalid_arguments_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DSV4Compressor(256, **kwargs)
+
+
+def test_compressor_rejects_an_invalid_hidden_size():
+    for hidden in (0, -4, 2.5):
+        with pytest.raises(ValueError, match="hidden_size: expected a positive int"):
+            DSV4Compressor(hidden)
+
+
+@pytest.mark.parametrize("head_dim", [128, 512])
+@pytest.mark.parametrize(("ratio", "online"), [(4, False), (128, False), (128, True)])
+def test_every_valid_combination_constructs_and_runs(head_dim, ratio, online):
+    comp = DSV4Compressor(64, head_dim=head_dim, ratio=ratio, online=online, dtype=torch.float32)
+    state = comp.new_state(2)
+    out = comp(torch.randn(8, 64), state, torch.tensor([4, 4]), torch.tensor([0, 1]), extend_lens=torch.tensor([4, 4]))
+    assert out.entries.shape[1] == head_dim

@@ -2,6 +2,7 @@
 no per-call weight copies, mode/options, and composition with a user's post-grad pass."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -77,6 +78,37 @@ def test_fx_graph_cache_hits_and_misses(tmp_path, monkeypatch):
         assert counters["inductor"]["fxgraph_cache_miss"] == 3, "a changed pass source must miss the cache"
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_a_cache_hit_is_logged_and_counted():
+    """The pass does not run on an FX graph cache hit; the backend still logs the compile, as a cache hit."""
+    cfg = small_config(write="return", num_layers=2)
+    logger, records = logging.getLogger("dspark_fx"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        with fresh_cache():
+            counters.clear()
+            _compile_once(dspark_fx.make_backend(), cfg)
+            assert not any("cache hit" in m for m in records.messages), records.messages
+            _compile_once(dspark_fx.make_backend(), cfg)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+    hits = [m for m in records.messages if "cache hit" in m]
+    assert len(hits) == 1 and "the pass did not run now" in hits[0], records.messages
+    assert counters["dspark_fx"]["pass_runs"] == 1 and counters["dspark_fx"]["graphs_from_cache"] == 1
+
+
 def test_in_place_weight_updates_are_seen_and_no_weight_is_copied_per_call():
     torch._dynamo.reset()
     cfg = small_config(write="return", qkv_bias=True)
@@ -113,13 +145,22 @@ def test_user_post_pass_is_composed_not_overwritten():
     torch._dynamo.reset()
     user_pass = _CountingPass()
     cfg = small_config(write="return", num_layers=2)
-    backend = dspark_fx.make_backend()
+    reports = []
+    backend = dspark_fx.make_backend(observer=lambda _before, _after, report: reports.append(report))
     with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass, force_disable_caches=True):
         _compile_once(backend, cfg)
     assert user_pass.calls == 1
-    (manager,) = backend.managers
-    assert manager.user_pass is user_pass and manager.reports[0].n_groups == 1
-    assert manager.uuid() != dspark_fx.DsparkPassManager().uuid()
+    assert [r.n_groups for r in reports] == [1]
+    assert dspark_fx.DsparkPassManager(user_pass=user_pass).uuid() != dspark_fx.DsparkPassManager().uuid()
+
+
+def test_a_list_of_user_post_passes_is_composed_through_inductor():
+    torch._dynamo.reset()
+    first, second = _CountingPass(), _CountingPass()
+    cfg = small_config(write="return", num_layers=2)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[first, second], force_disable_caches=True):
+        _compile_once(dspark_fx.dspark_backend, cfg)
+    assert (first.calls, second.calls) == (1, 1)
 
 
 def test_mode_and_options_are_accepted():

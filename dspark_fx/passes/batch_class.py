@@ -17,12 +17,24 @@ a value read through `as_strided` depends on its storage layout and is never bat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dspark_fx.passes.batching import BatchError, Operand, batch_op
 from dspark_fx.passes.branch_regions import Alignment, Region
 from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
+
+
+@dataclass
+class _Exit:
+    """A value that leaves the batched ops: reference op `node`'s counterpart in class member `member` (an index
+    into the class) is read by `users` outside the class; they will read `select(batched, 0, member)`."""
+
+    node: fx.Node
+    member: int
+    users: list[fx.Node]
 
 
 def batch_class(
@@ -44,16 +56,16 @@ def batch_class(
     counterparts = [{n: n for n in ref.nodes}] + [a.mapping for a in alignments[1:]]
     images = [{c[n] for n in shared_ops} for c in counterparts]
     exits = [
-        (node, idx, [u for u in c[node].users if u not in images[idx]])
+        _Exit(node, idx, [u for u in c[node].users if u not in images[idx]])
         for node in nodes
         for idx, c in enumerate(counterparts)
     ]
-    exits = [(node, idx, users) for node, idx, users in exits if users]
-    for node, idx, _ in exits:
-        if tensor_val(node) is None:
-            raise BatchError("a non-tensor value leaves the batched ops", node)
-        if reads_storage_layout(counterparts[idx][node]):
-            raise BatchError("read through as_strided or a dtype view (its storage layout)", node)
+    exits = [e for e in exits if e.users]
+    for e in exits:
+        if tensor_val(e.node) is None:
+            raise BatchError("a non-tensor value leaves the batched ops", e.node)
+        if reads_storage_layout(counterparts[e.member][e.node]):
+            raise BatchError("read through as_strided or a dtype view (its storage layout)", e.node)
     existing = set(graph.nodes)
     try:
         with graph.inserting_before(ref.nodes[1]):
@@ -67,15 +79,15 @@ def batch_class(
                 except BatchError as err:
                     err.node = err.node or node
                     raise
-            views = [call(graph, aten.select.int, (batched[node], 0, idx)) for node, idx, _ in exits]
+            views = [call(graph, aten.select.int, (batched[e.node], 0, e.member)) for e in exits]
     except Exception:
         for node in reversed(list(graph.nodes)):
             if node not in existing and not node.users:
                 graph.erase_node(node)
         raise
-    for (node, idx, users), view in zip(exits, views, strict=True):
-        for user in users:
-            user.replace_input_with(counterparts[idx][node], view)
+    for e, view in zip(exits, views, strict=True):
+        for user in e.users:
+            user.replace_input_with(counterparts[e.member][e.node], view)
     for member in members:
         for node in reversed(regions[member].nodes):
             if not node.users:

@@ -55,11 +55,20 @@ def _slice_args(node: fx.Node) -> tuple:
     return (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])
 
 
-def _row_range(node: fx.Node) -> tuple[fx.Node, int, int] | str:
-    """`(placeholder, start, stop)` for a placeholder or a unit-step row slice of one, else a reason."""
+@dataclass
+class RowRange:
+    """Rows `[start, stop)` of the placeholder `base` (a parameter, or a buffer)."""
+
+    base: fx.Node
+    start: int
+    stop: int
+
+
+def _row_range(node: fx.Node) -> RowRange | str:
+    """The rows of a placeholder that `node` is (all of them) or a unit-step row slice of, else a reason."""
     if node.op == "placeholder":
         val = tensor_val(node)
-        return node, 0, int(val.shape[0])
+        return RowRange(node, 0, int(val.shape[0]))
     if node.target is aten.slice.Tensor:
         base, dim, start, stop, step = _slice_args(node)
         base_val = tensor_val(base)
@@ -71,7 +80,7 @@ def _row_range(node: fx.Node) -> tuple[fx.Node, int, int] | str:
             return "weight slice bounds are symbolic"
         rows = int(base_val.shape[0])
         start, stop = slice(start, stop).indices(rows)[:2]
-        return base, start, stop
+        return RowRange(base, start, stop)
     return f"weight is computed by {op_name(node)} (quantized or transformed weights never fuse)"
 
 
@@ -97,18 +106,18 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     rows = _row_range(weight)
     if isinstance(rows, str):
         return rows
-    base, start, stop = rows
-    if tensor_val(base).dtype != x_val.dtype:
-        return f"weight dtype {tensor_val(base).dtype} differs from activation dtype {x_val.dtype}"
-    bias_base = None
+    if tensor_val(rows.base).dtype != x_val.dtype:
+        return f"weight dtype {tensor_val(rows.base).dtype} differs from activation dtype {x_val.dtype}"
+    bias_rows = None
     if bias is not None:
         bias_rows = _row_range(bias) if isinstance(bias, fx.Node) else "bias is not a tensor"
         if isinstance(bias_rows, str):
             return "bias: " + bias_rows
-        bias_base, b_start, b_stop = bias_rows
-        if (b_start, b_stop) != (start, stop) or tensor_val(bias_base).shape != (tensor_val(base).shape[0],):
+        same_rows = (bias_rows.start, bias_rows.stop) == (rows.start, rows.stop)
+        if not same_rows or tensor_val(bias_rows.base).shape != (tensor_val(rows.base).shape[0],):
             return "bias rows do not match the weight rows"
-    return GemmBranch(node, x, base, start, stop - start, bias_base)
+    bias_base = bias_rows.base if bias_rows is not None else None
+    return GemmBranch(node, x, rows.base, rows.start, rows.stop - rows.start, bias_base)
 
 
 def _used_columns(node: fx.Node) -> tuple[int, int] | None:

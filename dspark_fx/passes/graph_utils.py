@@ -1,9 +1,8 @@
-"""Small FX helpers shared by the passes: fake-value propagation, input walking, node descriptions."""
+"""Small FX helpers shared by the passes: fake-value propagation, node descriptions, view handling."""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,14 +34,6 @@ def shape_key(node: fx.Node) -> str:
     if isinstance(val, (list, tuple)):
         return "(" + ",".join(f"{v.dtype}{list(v.shape)}" for v in val if isinstance(v, torch.Tensor)) + ")"
     return type(val).__name__
-
-
-def input_nodes(node: fx.Node) -> Iterator[fx.Node]:
-    seen: set[fx.Node] = set()
-    for arg in node.all_input_nodes:
-        if arg not in seen:
-            seen.add(arg)
-            yield arg
 
 
 def call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:

@@ -35,7 +35,7 @@ from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches
 from dspark_fx.passes.batch_class import batch_class
 from dspark_fx.passes.batching import BatchError
-from dspark_fx.passes.graph_utils import op_name, tensor_val, views_to_reshapes
+from dspark_fx.passes.graph_utils import aten, op_name, tensor_val, views_to_reshapes
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
 from dspark_fx.report import ClassReport, FusionReport, GroupReport, Rejection
 
@@ -50,7 +50,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     for node in list(graph.nodes):
         match = gemm_branches.match_gemm(node)
         if isinstance(match, str):
-            report.rejected.append(Rejection(names.of(node), match))
+            report.rejected.append(Rejection(names.weight_of(node), match))
         elif match is not None:
             groups[(match.activation, match.dtype)].append(match)
     for (activation, _), branches in groups.items():
@@ -62,7 +62,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
             gemm_branches.rewrite_group(graph, branches)
         else:
             why = f"{len(branches)} fusable GEMM(s) on {names.of(activation)}, fewer than min_branches"
-            report.rejected.extend(Rejection(names.of(b.node), why) for b in branches)
+            report.rejected.extend(Rejection(_describe(b, names), why) for b in branches)
     if report.groups or report.routed:
         fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
         views_to_reshapes(list(branch_regions.descendants(graph, fused)))
@@ -204,10 +204,29 @@ class _Namer:
     def of(self, node: fx.Node) -> str:
         return self.names.get(node, node.name)
 
+    def weight_of(self, gemm: fx.Node) -> str:
+        """A GEMM by the inputs (parameters, buffers) its weight operand is computed from; a weight computed by
+        another GEMM names that GEMM by its own weight (`aten.mm(layers.0.k_proj.weight)`)."""
+        weight = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
+        found, stack, seen = [], [weight], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, fx.Node) or node in seen:
+                continue
+            seen.add(node)
+            if node.op in ("placeholder", "get_attr"):
+                found.append(self.of(node) if node.op == "placeholder" else str(node.target))
+            elif node.target in (aten.mm.default, aten.addmm.default):
+                found.append(f"{op_name(node)}({self.weight_of(node)})")
+            else:
+                stack += reversed(node.all_input_nodes)
+        return ", ".join(found) if found else gemm.name
+
 
 def _clean(name: str) -> str:
-    name = name.removeprefix("L_").removeprefix("l_").removeprefix("self_")
+    name = next((name[2:] for p in ("L_", "l_", "G_", "g_") if name.startswith(p)), name).removeprefix("self_")
     for part in ("_modules_", "_parameters_", "_buffers_"):
         name = name.replace(part, ".")
-    name = name.removeprefix("modules_").removeprefix("self.")
+    for part in ("modules_", "parameters_", "buffers_", "self."):
+        name = name.removeprefix(part)
     return name.rstrip("_")

@@ -1,33 +1,36 @@
 """`DsparkPassManager`: the Inductor post-grad custom pass that runs the dspark_fx passes in order.
 
 It is a `CustomGraphPass`, so Inductor's FX graph cache stays on: `uuid()` hashes every source file of
-`dspark_fx/passes/` and the op schema file it emits (`custom_ops/multi_linear.py`), the config, and the uuid of
-a user pass it was composed with. A user pass that already sat in `post_grad_custom_post_pass` runs first; a
-plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
+`dspark_fx/passes/` and the op schema file it emits (`custom_ops/multi_linear.py`), the config, and the uuids of
+the user passes it was composed with. User passes that already sat in `post_grad_custom_post_pass` (one pass, or a
+list or tuple of them, as Inductor accepts) run first, in order; a plain callable there has no uuid, so the manager
+then reports none either (caching off, as Inductor requires). Where Inductor has inference-aware passes
+(`CustomInferenceAwareGraphPass`, torch 2.13) the manager is one, and hands `is_inference` on to such user passes.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.fx as fx
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import custom_ops.multi_linear
-from dspark_fx.config import DsparkConfig
+from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.horizontal import fuse_kv_branches
-from dspark_fx.report import FusionReport
+from dspark_fx.report import FusionReport, count
 
-log = logging.getLogger("dspark_fx")
-if os.environ.get("DSPARK_FX_LOG", "").lower() in ("debug", "info"):
-    log.setLevel(os.environ["DSPARK_FX_LOG"].upper())
-    log.addHandler(logging.StreamHandler())
+log = logging.getLogger("dspark_fx")  # DSPARK_FX_LOG=info|debug sets it up (dspark_fx/__init__.py)
 
 Observer = Callable[[fx.Graph, fx.Graph, FusionReport], None]
+UserPasses = Callable[[fx.Graph], None] | list[Callable[[fx.Graph], None]] | tuple[Callable[[fx.Graph], None], ...]
+# torch 2.13 calls a pass of this class with `is_inference=`; torch 2.11 has no such class
+_INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
 
 def source_files() -> tuple[str, ...]:
@@ -35,27 +38,33 @@ def source_files() -> tuple[str, ...]:
     return (*passes, custom_ops.multi_linear.__file__)
 
 
-class DsparkPassManager(CustomGraphPass):
+class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
     def __init__(
         self,
-        config: DsparkConfig | None = None,
-        user_pass: Callable[[fx.Graph], None] | None = None,
+        config: DsparkConfig | Mapping[str, Any] | None = None,
+        user_pass: UserPasses | None = None,
         observer: Observer | None = None,
     ) -> None:
-        self.config = config or DsparkConfig()
-        self.user_pass = user_pass
+        self.config = as_config(config, "DsparkPassManager")
+        self.user_passes = _user_passes(user_pass)
         self.observer = observer
         self.input_names: list[str] | None = None
         self.reports: list[FusionReport] = []
 
-    def __call__(self, graph: fx.Graph) -> None:
-        if self.user_pass is not None:
-            self.user_pass(graph)
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        for user_pass in self.user_passes:
+            if _INFERENCE_AWARE is not None and isinstance(user_pass, _INFERENCE_AWARE):
+                if is_inference is None:
+                    raise TypeError(f"{user_pass!r} is an inference-aware pass: call the manager with is_inference=")
+                user_pass(graph, is_inference=is_inference)
+            else:
+                user_pass(graph)
         before = _copy(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
         report = FusionReport()
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
         self.reports.append(report)
+        count(report)
         if report.groups:
             log.info("%s", report)
         elif report.rejected:
@@ -67,12 +76,22 @@ class DsparkPassManager(CustomGraphPass):
 
     def uuid(self) -> bytes | None:
         extra = self.config.to_json()
-        if self.user_pass is not None:
-            user_uuid = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else None
+        for user_pass in self.user_passes:
+            user_uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
             if user_uuid is None:
                 return None
             extra += repr(user_uuid)
         return get_hash_for_files(source_files(), extra)
+
+
+def _user_passes(user_pass: UserPasses | None) -> tuple[Callable[..., None], ...]:
+    """The passes of a post-grad slot, in order: None, one pass, or a list or tuple of passes."""
+    passes = tuple(user_pass) if isinstance(user_pass, (list, tuple)) else (user_pass,)
+    passes = tuple(p for p in passes if p is not None)
+    for p in passes:
+        if not callable(p):
+            raise TypeError(f"post_grad_custom_post_pass: expected a pass (a callable), got {type(p).__name__}")
+    return passes
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:

@@ -1,0 +1,157 @@
+"""The backend object: validated settings at `make_backend` time, nothing kept per compile."""
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import dspark_fx
+from dspark_fx import DsparkConfig, make_backend
+from dspark_fx.backend import DsparkBackend
+from dspark_fx.passes.manager import _INFERENCE_AWARE, DsparkPassManager
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
+
+
+class _Three(nn.Module):
+    """Three GEMMs on one input: one fused group."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return [lin(x).relu() for lin in self.lins]
+
+
+def _compile_and_run(backend, width: int = 16):
+    model = _Three(width)
+    x = torch.randn(4, width)
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(model, backend=backend)(x), model(x))
+
+
+def _container_sizes(obj) -> dict[str, int]:
+    return {k: len(v) for k, v in vars(obj).items() if isinstance(v, (list, dict, set, tuple))}
+
+
+def _live_managers() -> int:
+    gc.collect()
+    return sum(type(o) is DsparkPassManager for o in gc.get_objects())
+
+
+def test_backends_keep_nothing_per_compile():
+    """A server that compiles again and again must not accumulate pass managers in the backend."""
+    torch._dynamo.reset()
+    backend = make_backend(inner="aot_eager")
+    sizes = _container_sizes(backend)
+    for width in (8, 16, 24):  # three graphs
+        _compile_and_run(backend, width)
+    assert _container_sizes(backend) == sizes
+    torch._dynamo.reset()
+    assert _live_managers() == 0, "a pass manager outlived the compiled code that used it"
+
+
+def test_default_backend_is_a_stateless_backend_object():
+    assert isinstance(dspark_fx.backend._DEFAULT, DsparkBackend)
+    assert _container_sizes(dspark_fx.backend._DEFAULT) == {}
+    assert isinstance(make_backend(), DsparkBackend)
+
+
+def test_make_backend_accepts_a_dict_of_config_fields():
+    torch._dynamo.reset()
+    backend = make_backend({"min_branches": 3, "batch_regions": False}, inner="aot_eager")
+    assert backend.config == DsparkConfig(min_branches=3, batch_regions=False)
+    _compile_and_run(backend)
+    capture = CaptureBackend({"min_branches": 4})
+    _compile_and_run(capture)
+    capture.assert_fused(n_groups=0)
+    assert DsparkPassManager({"skinny_linears": False}).config == DsparkConfig(skinny_linears=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        ({"min_branch": 2}, ValueError, r"make_backend: config has unknown field\(s\) \['min_branch'\]"),
+        ({"min_branches": 1}, ValueError, r"make_backend: config: DsparkConfig.min_branches must be >= 2"),
+        ({"min_branches": "2"}, TypeError, r"make_backend: config: DsparkConfig.min_branches must be int, got str"),
+        ({"batch_regions": 1}, TypeError, r"DsparkConfig.batch_regions must be bool, got int"),
+        (5, TypeError, r"make_backend: config must be a DsparkConfig, a dict of its fields or None, got int"),
+        ("min_branches=2", TypeError, r"make_backend: config must be .*, got str"),
+    ],
+)
+def test_make_backend_rejects_a_wrong_config_at_call_time(config, error, match):
+    with pytest.raises(error, match=match):
+        make_backend(config)
+
+
+def test_other_arguments_are_checked_at_call_time():
+    with pytest.raises(ValueError, match="make_backend: inner must be one of"):
+        make_backend(inner="eager")
+    with pytest.raises(TypeError, match="make_backend: observer must be callable"):
+        make_backend(observer=[])
+    with pytest.raises(TypeError, match="CaptureBackend: config must be"):
+        CaptureBackend(3)
+    with pytest.raises(TypeError, match="explain: config must be"):
+        dspark_fx.explain(_Three(), torch.randn(2, 16), config=3)
+    with pytest.raises(TypeError, match=r"DsparkConfig\.max_leaf_numel must be int"):
+        DsparkConfig(max_leaf_numel=2.5)
+
+
+class _Recording(CustomGraphPass):
+    """A user post-grad pass that records when it ran (and what it saw) in a shared log."""
+
+    def __init__(self, name, log, uuid=True):
+        self.name, self.log, self._uuid = name, log, uuid
+
+    def __call__(self, graph):
+        self.log.append((self.name, "dspark.multi_linear" in str(graph)))
+
+    def uuid(self):
+        return f"recording-{self.name}".encode() if self._uuid else None
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_list_of_user_post_grad_passes_is_composed_element_by_element(container):
+    torch._dynamo.reset()
+    log = []
+    first, second = _Recording("first", log), _Recording("second", log)
+    backend = make_backend(inner="aot_eager", observer=lambda _b, after, _r: log.append(("dspark", True)))
+    with torch._inductor.config.patch(post_grad_custom_post_pass=container([first, second])):
+        _compile_and_run(backend)
+    assert log == [("first", False), ("second", False), ("dspark", True)]  # user passes first, in order
+
+
+def test_uuid_of_composed_passes():
+    log = []
+    base = DsparkPassManager().uuid()
+    one = DsparkPassManager(user_pass=_Recording("a", log)).uuid()
+    both = DsparkPassManager(user_pass=[_Recording("a", log), _Recording("b", log)]).uuid()
+    assert len({base, one, both}) == 3 and None not in (base, one, both)
+    assert DsparkPassManager(user_pass=[_Recording("a", log), lambda graph: None]).uuid() is None
+    assert DsparkPassManager(user_pass=[_Recording("a", log, uuid=False)]).uuid() is None
+    assert DsparkPassManager(user_pass=[]).uuid() == base
+    with pytest.raises(TypeError, match="post_grad_custom_post_pass: expected a pass"):
+        DsparkPassManager(user_pass=[_Recording("a", log), "not a pass"])
+
+
+@pytest.mark.skipif(_INFERENCE_AWARE is None, reason="torch without inference-aware post-grad passes")
+def test_an_inference_aware_user_pass_gets_is_inference():
+    class InferenceAware(_INFERENCE_AWARE):
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, graph, is_inference):
+            self.calls.append(is_inference)
+
+        def uuid(self):
+            return b"inference-aware"
+
+    torch._dynamo.reset()
+    user_pass = InferenceAware()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[user_pass]):
+        _compile_and_run(make_backend(inner="aot_eager"))  # under no_grad: an inference graph
+    assert user_pass.calls == [True]
+    with pytest.raises(TypeError, match="inference-aware pass"):
+        DsparkPassManager(user_pass=user_pass)(torch.fx.Graph())

@@ -1,0 +1,112 @@
+"""`dspark_fx.explain()`: compiles the inspected model in isolation (no Dynamo reset, no recompile of anything
+compiled before), accepts functions and keyword inputs, names weights in every line, and restores state."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import draft_inputs, small_config
+from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.testing import CompileCounter
+
+from dspark_fx import explain
+from dspark_fx.reference_draft import DraftKVWriter
+from dspark_fx.testing import compile_counts
+
+counters = torch._dynamo.utils.counters
+ATEN_NODE = re.compile(r"(add)?mm(_\d+)?|primals_\d+|arg\d+_\d+")
+
+
+def test_explain_does_not_recompile_models_compiled_before():
+    """Model A (compiled) and model B (explained) share their forward code: explaining B must leave A's compiled
+    code, and Dynamo's cache entries on that forward, as they were."""
+    torch._dynamo.reset()
+    cfg = small_config()
+    model_a, model_b = DraftKVWriter(cfg), DraftKVWriter(cfg)
+    counter = CompileCounter()
+    compiled_a = torch.compile(model_a, backend=counter)
+    args = draft_inputs(cfg, 6)
+    with torch.no_grad():
+        compiled_a(*args)
+    entries = len(_debug_get_cache_entry_list(DraftKVWriter.forward.__code__))
+    assert counter.frame_count == 1
+    for tokens in (6, 9):
+        report = explain(model_b, *draft_inputs(cfg, tokens))
+        assert report.n_branches == [cfg.num_layers]
+    with compile_counts() as counts, torch.no_grad():
+        compiled_a(*args)
+    assert counter.frame_count == 1 and counts["frames"] == 0, "explain() made a compiled model recompile"
+    assert len(_debug_get_cache_entry_list(DraftKVWriter.forward.__code__)) == entries
+    report = explain(compiled_a, *args)  # the compiled model itself
+    assert report.n_branches == [cfg.num_layers]
+    with torch.no_grad():
+        compiled_a(*args)
+    assert counter.frame_count == 1
+
+
+draft_lins = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+dequant_weight = torch.randn(16, 16)
+
+
+def _draft_function(x, *, scale, cache):
+    cache.add_(1.0)  # a mutated input: explain() restores it
+    return [lin(x) * scale for lin in draft_lins], F.linear(x, dequant_weight * 2)
+
+
+def test_explain_accepts_a_function_and_keyword_inputs():
+    x, cache = torch.randn(4, 16), torch.zeros(3)
+    report = explain(_draft_function, x, scale=2.0, cache=cache)
+    assert report.n_branches == [3]
+    assert report.groups[0].branches == [f"draft_lins.{i}.weight[0:16]" for i in range(3)]
+    assert [r.node for r in report.rejected] == ["dequant_weight"]
+    assert torch.equal(cache, torch.zeros(3)), "explain() must leave its inputs as they were"
+
+
+class _KeywordModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, *, scale=1.0):
+        self.calls += 1
+        return [lin(x) * scale for lin in self.lins]
+
+
+def test_explain_accepts_module_keyword_inputs_and_restores_state():
+    torch._dynamo.reset()
+    model = _KeywordModule()
+    report = explain(model, torch.randn(4, 16), scale=3.0)
+    assert report.groups[0].branches == ["lins.0.weight[0:16] + bias", "lins.1.weight[0:16] + bias"]
+    assert model.calls.item() == 0 and "forward" not in vars(model)
+    assert explain(model.forward, torch.randn(4, 16), scale=3.0).n_branches == [2]
+    with pytest.raises(TypeError, match=r"explain: model must be an nn\.Module or a function"):
+        explain(3, torch.randn(4, 16))
+
+
+class _Quantized(nn.Module):
+    """Two fusable GEMMs, a dequantized one, and a lone one (rejected with skinny linears off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(2))
+        self.register_buffer("w_int8", torch.randint(-127, 128, (16, 16), dtype=torch.int8))
+        self.register_buffer("w_scale", torch.rand(16) / 127)
+        self.bias = nn.Parameter(torch.randn(16))
+        self.lone = nn.Linear(16, 16)
+
+    def forward(self, x, x2):
+        dequantized = F.linear(x, self.w_int8.to(x.dtype) * self.w_scale[:, None], self.bias)
+        return [lin(x) for lin in self.lins], dequantized, self.lone(x2)
+
+
+def test_every_report_line_names_weights_not_aten_nodes():
+    counters.clear()
+    report = explain(_Quantized(), torch.randn(4, 16), torch.randn(4, 16), config={"skinny_linears": False})
+    nodes = [r.node for r in report.rejected]
+    assert nodes == ["w_int8, w_scale", "lone.weight[0:16] + bias"], report
+    assert not any(ATEN_NODE.fullmatch(part) for node in nodes for part in node.split(", ")), report
+    assert "addmm" not in str(report) and "mm_" not in str(report)
+    assert not counters["dspark_fx"], "explain() must leave the counters as they were"

@@ -1,0 +1,95 @@
+"""Package hygiene: light imports, no dead top-level code in dspark_fx."""
+
+import ast
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ("dspark_fx", "custom_ops", "tests", "examples", "benchmarks", "scripts", "docs")
+
+
+def _corpus() -> dict[Path, str]:
+    files = [p for d in CORPUS for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md")]
+    return {p: p.read_text() for p in [*files, ROOT / "README.md"]}
+
+
+def test_every_top_level_function_and_class_of_dspark_fx_is_used():
+    texts = _corpus()
+    dead = []
+    for path in sorted((ROOT / "dspark_fx").rglob("*.py")):
+        for node in ast.parse(texts[path]).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("__"):
+                word = re.compile(rf"\b{re.escape(node.name)}\b")
+                if sum(len(word.findall(text)) for text in texts.values()) <= 1:  # only its definition
+                    dead.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not dead, f"defined but never used: {dead}"
+
+
+HEAVY = ("torch._inductor.compile_fx", "torch._functorch.aot_autograd", "torch._dynamo", "torch._inductor")
+
+
+@pytest.mark.parametrize("module", ["dspark_fx", "custom_ops"])
+def test_import_does_not_load_dynamo_aot_autograd_or_inductor(module):
+    """`import dspark_fx` / `import custom_ops` cost little more than `import torch`: the compiler stack is
+    imported when the backend first compiles (compile_fx and aot_autograd alone take seconds to import)."""
+    code = f"import sys, {module}; print([m for m in {HEAVY!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"import {module} imported {out.stdout.strip()}"
+
+
+def test_lazy_names_of_dspark_fx_resolve():
+    import dspark_fx
+    from dspark_fx.passes import manager
+
+    assert dspark_fx.DsparkPassManager is manager.DsparkPassManager
+    assert dspark_fx.graph_diff is manager.graph_diff
+    assert set(dspark_fx.__all__) <= set(dir(dspark_fx))
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        dspark_fx.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.9.1+cu128", "2.14.0", "2.14.0a0+git1234", "3.0.0"])
+def test_an_untested_torch_warns_naming_the_tested_range(monkeypatch, version):
+    from custom_ops import _torch_range
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(_torch_range, "_warned", False)
+    with pytest.warns(UserWarning, match=rf"torch {re.escape(version)} is outside .*torch>=2\.11,<2\.14"):
+        _torch_range.warn_if_untested_torch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _torch_range.warn_if_untested_torch()  # once per process
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.13.1"])
+def test_a_tested_torch_does_not_warn(monkeypatch, version):
+    from custom_ops import _torch_range
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(_torch_range, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _torch_range.warn_if_untested_torch()
+
+
+@pytest.mark.parametrize("module", ["dspark_fx", "custom_ops"])
+def test_import_warns_with_an_untested_torch(module):
+    code = f"import torch; torch.__version__ = '2.10.0'; import {module}"
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and "torch 2.10.0 is outside the range" in out.stderr, out.stderr[-2000:]
+
+
+def test_package_metadata_declares_the_tested_torch_range_and_only_used_dependencies():
+    tomllib = pytest.importorskip("tomllib")
+    from custom_ops._torch_range import TESTED_TORCH
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == [f"torch{TESTED_TORCH}"]
+    assert project["license"] == "MIT" and "MIT License" in (ROOT / "LICENSE").read_text()
+    assert not re.search(r"^\s*(import|from)\s+numpy\b", "\n".join(_corpus().values()), re.MULTILINE)
