@@ -20,7 +20,7 @@ class DsparkConfig:
     `max_leaf_numel`: largest per-branch tensor (e.g. a norm weight) that may be stacked per call.
     `skinny_linears`: also route a GEMM that has no partner on its activation (a draft's o_proj, down_proj, fc)
     through `dspark::multi_linear` with one weight. On CUDA the op takes its small-T kernel where that beats cuBLAS
-    (up to 8 tokens: 1.04-1.35x on an H200 for single [4096, 4096], [1024, 4096], [4096, 12288] weights, see
+    (up to 16 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
     BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
     """
 
