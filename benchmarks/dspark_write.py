@@ -1,8 +1,9 @@
-"""Draft context-KV write: eager per-layer, stacked eager, torch.compile and dspark_backend (with and without
-mode="reduce-overhead") against the floor, for three draft shapes.
+"""Draft context-KV write: eager, stacked eager, torch.compile and dspark_backend (+ reduce-overhead) vs the floor.
 
     python benchmarks/dspark_write.py --out BENCH.md            # GPU: the three configs below, bf16, T 1..4096
+    python benchmarks/dspark_write.py --small                   # GPU check: tiny dims, bf16, T in {1, 8}
     python benchmarks/dspark_write.py --device cpu --small      # CPU check: tiny dims, fp32, T in {1, 8}
+    (--configs qwen3-8b hd64 and --tokens 8 64 pick a subset)
 
 Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
 slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
