@@ -476,6 +476,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; choose from {list(configs)}")
     tokens_list = tuple(args.tokens or (SMALL_TOKENS if args.small else TOKENS))
+    slots = min(configs[key][1].num_slots for key in keys)
+    if not all(0 < t <= slots for t in tokens_list):
+        parser.error(f"every T must be in [1, {slots}] (distinct cache slots per token)")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     # 6 compiled callables (the path probe's too) share `DraftKVWriter.forward`'s cache: 2 graphs each
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
