@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import graphed
+from _timing import graphed, median_us
 from torch import nn
 
 import dspark_fx
@@ -210,21 +209,6 @@ def assert_parity(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     else:
         assert error <= TOLERANCES[dtype], f"relative RMS error {error:.2e} exceeds {TOLERANCES[dtype]:.0e}"
     return f"relative RMS error {error:.1e}, max abs error {(actual - expected).abs().max():.1e}"
-
-
-def median_us(fn, device: str) -> float:
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
 
 
 def copy_bandwidth(device: str) -> float:

@@ -1,28 +1,87 @@
-"""Draft context-KV write on the GPU: eager per-layer vs hand-stacked vs torch.compile vs dspark_backend.
+"""Draft context-KV write: eager, stacked eager, torch.compile and dspark_backend (+ reduce-overhead) vs the floor.
 
-Qwen3-8B DSpark draft dims (N=5, hidden 4096, 32/8 heads, head_dim 128, bf16), T in {8, 64, 512, 4096}.
-Every variant is timed as called (eager launches) and captured in a manual `torch.cuda.CUDAGraph` (how engines
-run it); the floor is max(weight bytes / measured copy bandwidth, GEMM FLOPs / measured bf16 GEMM rate).
-Times are medians of `triton.testing.do_bench`; ratios are against eager per-layer in the same run.
+    python benchmarks/dspark_write.py --out BENCH.md            # GPU: the three configs below, bf16, T 1..4096
+    python benchmarks/dspark_write.py --small                   # GPU check: tiny dims, bf16, T in {1, 8}
+    python benchmarks/dspark_write.py --device cpu --small      # CPU check: tiny dims, fp32, T in {1, 8}
+    (--configs qwen3-8b hd64 and --tokens 8 64 pick a subset)
 
-    python benchmarks/dspark_write.py --out BENCH.md
+Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
+slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
+  qwen3-8b   Qwen3-8B draft: hidden 4096, 32/8 heads x head_dim 128
+  qwen3-4b   Qwen3-4B draft: hidden 2560, 32/8 heads x head_dim 128
+  hd64       head_dim 64:    hidden 7168, 64/16 heads x head_dim 64
+T in {1, 8, 64, 512, 4096}.
+
+One table per config, one row per T. A time cell is µs per call and, in brackets, time ÷ the torch.compile cell
+of the same row (below 1.00x: faster than torch.compile). Columns:
+  floor µs           max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), both measured in the same run
+                     (which one binds in brackets); reading ctx and writing the caches are not counted
+  eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
+  stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
+                     k_norm, one RoPE, per-layer writes
+  torch.compile      torch.compile(model)
+  torch.compile RO   torch.compile(model, mode="reduce-overhead")
+  dspark_backend     torch.compile(model, backend=dspark_fx.dspark_backend)
+  dspark_backend RO  torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead"): torch.compile
+                     passes `mode` on to a custom backend, and dspark_backend applies Inductor's options of that mode
+                     (triton.cudagraphs=True), so Inductor wraps its output in CUDA graph trees as for plain RO
+  dspark ÷ floor     the dspark_backend and dspark_backend RO times ÷ the floor
+  dspark path        the op the dspark passes lowered the layers' K/V to: multi_linear_kv_write (GEMM, k_norm, RoPE
+                     and cache writes in one op) or multi_linear (one GEMM; norm, RoPE and writes left to Inductor),
+                     read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes
+
+Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, torch.compile and dspark_backend are
+captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables
+replay their own CUDA graph trees, which cannot be captured inside another graph: they are timed as called after
+warm-up calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc into the graphs'
+static inputs; one more call per T checks that it replays a CUDA graph (cells marked † where not).
+Each compiled variant is compiled once per config with T marked dynamic (one graph for all T > 1, one for T = 1).
+Before timing, every variant's cache writes at T = 8, run as timed (graph replay, RO call), are checked against
+eager per-layer (max |error| / max |eager| <= 2e-2 in bf16, 1e-5 in fp32); a variant that disagrees is printed and
+its cells are marked ✗. `--device cpu` times wall clock without CUDA graphs and skips the RO variants.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import datetime
+import functools
+import gc
+import platform
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
-from _timing import graphed
-from triton.testing import do_bench
+from _timing import graphed, median_us
 
 import dspark_fx
 from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter, apply_rope
+from dspark_fx.testing import TOLERANCES, compile_counts, op_counts
 
-CFG = DraftKVConfig(num_layers=5, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_slots=8192)
-TOKENS = (8, 64, 512, 4096)
+_DIMS = dict(num_layers=5, num_slots=8192)
+CONFIGS = {
+    "qwen3-8b": ("Qwen3-8B draft", DraftKVConfig(hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, **_DIMS)),
+    "qwen3-4b": ("Qwen3-4B draft", DraftKVConfig(hidden=2560, num_heads=32, num_kv_heads=8, head_dim=128, **_DIMS)),
+    "hd64": ("head_dim 64", DraftKVConfig(hidden=7168, num_heads=64, num_kv_heads=16, head_dim=64, **_DIMS)),
+}
+_SMALL_DIMS = dict(num_layers=2, hidden=64, num_slots=64, max_position=64)
+SMALL_CONFIGS = {
+    "small-hd16": ("small, head_dim 16", DraftKVConfig(num_heads=4, num_kv_heads=2, head_dim=16, **_SMALL_DIMS)),
+    "small-hd32": ("small, head_dim 32", DraftKVConfig(num_heads=2, num_kv_heads=1, head_dim=32, **_SMALL_DIMS)),
+}
+TOKENS = (1, 8, 64, 512, 4096)
+SMALL_TOKENS = (1, 8)
+PARITY_TOKENS = 8
+RO_WARMUP_CALLS = 5  # warm-up, record, then replays: per T, since every new T records its own graph
+BENCH = dict(warmup=10, rep=50)  # do_bench budgets in ms, per cell
 
 
 class HandStacked(torch.nn.Module):
@@ -48,65 +107,394 @@ class HandStacked(torch.nn.Module):
             v_cache[cache_loc] = kv[:, i, 1]
 
 
-def measure_ceilings() -> tuple[float, float]:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    build: Callable[[DraftKVWriter], Callable]  # the callable under test, from the model copy it writes with
+    reduce_overhead: bool = False  # runs its own CUDA graph trees: timed as called, CUDA only
+
+
+VARIANTS = (
+    Variant("eager per-layer", lambda model: model),
+    Variant("stacked eager", HandStacked),
+    Variant("torch.compile", torch.compile),
+    Variant("torch.compile RO", functools.partial(torch.compile, mode="reduce-overhead"), reduce_overhead=True),
+    Variant("dspark_backend", functools.partial(torch.compile, backend=dspark_fx.dspark_backend)),
+    Variant(
+        "dspark_backend RO",
+        functools.partial(torch.compile, backend=dspark_fx.dspark_backend, mode="reduce-overhead"),
+        reduce_overhead=True,
+    ),
+)
+BASELINE = "torch.compile"
+FLOOR_RATIOS = ("dspark_backend", "dspark_backend RO")
+
+
+@dataclass
+class Entry:
+    """One variant in one config: its model copy (whose caches it writes), its callable and what went wrong."""
+
+    variant: Variant
+    model: DraftKVWriter
+    fn: Callable
+    graphs: int = 0  # Dynamo graphs compiled
+    parity: str = "not checked"
+    wrong: bool = False  # failed the parity check
+    no_cuda_graph: bool = False  # an RO call ran without launching a CUDA graph
+    error: str | None = None
+
+
+@dataclass
+class Row:
+    tokens: int
+    floor_us: float
+    floor_bound: str
+    path: str
+    times: dict[str, float | str] = field(default_factory=dict)  # µs, or why there is no time
+
+
+@dataclass
+class ConfigRun:
+    label: str
+    cfg: DraftKVConfig
+    rows: list[Row]
+    entries: list[Entry]
+
+
+def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Tensor, ...]:
+    """`(ctx [T, hidden], positions [T] int64, cache_loc [T] int64 distinct)`, T marked dynamic for Dynamo."""
+    gen = torch.Generator().manual_seed(tokens)
+    ctx = torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype)
+    positions = torch.randint(0, cfg.max_position, (tokens,), generator=gen)
+    cache_loc = torch.randperm(cfg.num_slots, generator=gen)[:tokens]
+    inputs = tuple(t.to(device) for t in (ctx, positions, cache_loc))
+    for t in inputs:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return inputs
+
+
+def measure_ceilings(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, read + write; GEMM rate in FLOP/s of `dtype`): 2 GiB copy and 8192^3 GEMM on
+    CUDA, 64 MiB and 512^3 on CPU."""
+    n_bytes, n = ((2 << 30), 8192) if device == "cuda" else ((64 << 20), 512)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    gemm_ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
-    return 2 * src.numel() / (copy_ms * 1e-3), 2 * 8192**3 / (gemm_ms * 1e-3)
+    copy_us = median_us(lambda: dst.copy_(src), device)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    gemm_us = median_us(lambda: a @ b, device)
+    return 2 * n_bytes / (1e-6 * copy_us), 2 * n**3 / (1e-6 * gemm_us)
+
+
+def kv_weight_bytes(cfg: DraftKVConfig) -> int:
+    return cfg.num_layers * 2 * cfg.kv_size * cfg.hidden * cfg.dtype.itemsize
+
+
+def floor_us(cfg: DraftKVConfig, tokens: int, bandwidth: float, gemm_rate: float) -> tuple[float, str]:
+    """The floor in µs and what binds it ("copy" or "GEMM")."""
+    copy_us = 1e6 * kv_weight_bytes(cfg) / bandwidth
+    gemm_us = 1e6 * 2 * tokens * cfg.num_layers * 2 * cfg.kv_size * cfg.hidden / gemm_rate
+    return (copy_us, "copy") if copy_us >= gemm_us else (gemm_us, "GEMM")
+
+
+def lowering(graph: torch.fx.Graph) -> str:
+    """Which dspark op a post-pass graph carries the K/V projection in."""
+    counts = op_counts(graph)
+    for op in ("multi_linear_kv_write", "multi_linear"):
+        if counts[f"dspark.{op}"]:
+            return op
+    return "unfused"
+
+
+class PathProbe:
+    """A torch.compile backend: the dspark passes without Inductor codegen (`make_backend(inner="aot_eager")`); each
+    compiled graph, when it runs, adds the op its K/V projection was lowered to to `seen`."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self._path = "unfused"
+        self._backend = dspark_fx.make_backend(inner="aot_eager", observer=self._observe)
+
+    def _observe(self, _before: torch.fx.Graph, after: torch.fx.Graph, _report: object) -> None:
+        self._path = lowering(after)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> Callable:
+        self._path = "unfused"
+        compiled = self._backend(gm, example_inputs, **kwargs)
+        path = self._path
+
+        @functools.wraps(compiled)  # keeps `_boxed_call` and the like
+        def run(*args):
+            self.seen.add(path)
+            return compiled(*args)
+
+        return run
+
+
+def dspark_paths(base: DraftKVWriter, inputs: dict[int, tuple]) -> dict[int, str]:
+    """Per T, the op the dspark passes lowered the K/V group to, compiled as the timed models are (T = 8 first)."""
+    probe = PathProbe()
+    model = torch.compile(copy.deepcopy(base), backend=probe)
+    paths = {}
+    with torch.no_grad():
+        for tokens in sorted(inputs, key=lambda t: t != PARITY_TOKENS):
+            probe.seen.clear()
+            model(*inputs[tokens])
+            paths[tokens] = "/".join(sorted(probe.seen)) or "?"
+    return paths
+
+
+def launched_cuda_graph(call: Callable[[], object]) -> bool:
+    """Whether one `call()` replayed a `torch.cuda.CUDAGraph`: Inductor's CUDA graph trees replay through that class,
+    and every path on which they run a graph eagerly instead (skipped or falling back) replays none."""
+    replays = 0
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counting_replay(graph: torch.cuda.CUDAGraph) -> None:
+        nonlocal replays
+        replays += 1
+        replay(graph)
+
+    with mock.patch.object(torch.cuda.CUDAGraph, "replay", counting_replay):
+        call()
+    return replays > 0
+
+
+def prepare(entry: Entry, inputs: tuple, device: str) -> Callable[[], object]:
+    """The entry as timed, as a call without arguments: a manual CUDA-graph replay (after three warm-up calls), or
+    on CPU and for RO the call itself after `RO_WARMUP_CALLS` warm-up calls."""
+    with compile_counts() as counts:
+        if device == "cuda" and not entry.variant.reduce_overhead:
+            call = graphed(entry.fn, inputs)
+        else:
+            for _ in range(RO_WARMUP_CALLS):
+                entry.fn(*inputs)
+            call = functools.partial(entry.fn, *inputs)
+    entry.graphs += counts["frames"]
+    return call
+
+
+def zero_caches(model: DraftKVWriter) -> None:
+    for k_cache, v_cache in model.caches():
+        k_cache.zero_()
+        v_cache.zero_()
+
+
+def cache_error(model: DraftKVWriter, reference: DraftKVWriter) -> float:
+    """max |cache - reference cache| / max |reference cache| over all K/V caches."""
+    pairs = [
+        (ours.float(), ref.float())
+        for layer, ref_layer in zip(model.caches(), reference.caches(), strict=True)
+        for ours, ref in zip(layer, ref_layer, strict=True)
+    ]
+    return max((a - e).abs().max().item() for a, e in pairs) / max(e.abs().max().item() for _, e in pairs)
+
+
+def check_parity(entries: list[Entry], reference: DraftKVWriter, inputs: tuple, device: str) -> None:
+    """Every entry, run as timed, writes the caches that eager per-layer writes (within the dtype's tolerance)."""
+    zero_caches(reference)
+    reference(*inputs)
+    tolerance = TOLERANCES[reference.cfg.dtype]
+    for entry in entries:
+        if entry.error:
+            continue
+        start = time.perf_counter()
+        try:
+            call = prepare(entry, inputs, device)
+            zero_caches(entry.model)
+            call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            error = cache_error(entry.model, reference)
+        except Exception as exc:
+            fail(entry, exc, f"T={inputs[0].shape[0]}")
+            continue
+        entry.wrong = not error <= tolerance
+        entry.parity = f"max error / max |eager| {error:.1e}" + (f" > {tolerance:.0e}: WRONG" if entry.wrong else "")
+        seconds = time.perf_counter() - start
+        print(f"  parity {entry.variant.name}: {entry.parity} ({seconds:.1f} s, {entry.graphs} graph(s))", flush=True)
+        if entry.wrong:
+            print(f"  PARITY FAILURE: {entry.variant.name} disagrees with eager per-layer; cells marked ✗", flush=True)
+        del call
+
+
+def fail(entry: Entry, exc: Exception, where: str) -> None:
+    entry.error = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    print(f"  ERROR {entry.variant.name}: {entry.error}", flush=True)
+    traceback.print_exc()
+
+
+def time_entry(entry: Entry, inputs: tuple, device: str) -> float | str:
+    """µs per call of the entry at these inputs, or why there is none."""
+    if entry.error:
+        return "error"
+    try:
+        call = prepare(entry, inputs, device)
+        us = median_us(call, device, **BENCH)
+        if device == "cuda" and entry.variant.reduce_overhead and not launched_cuda_graph(call):
+            entry.no_cuda_graph = True
+            print(f"  {entry.variant.name} T={inputs[0].shape[0]}: ran without a CUDA graph launch", flush=True)
+        return us
+    except Exception as exc:
+        fail(entry, exc, f"T={inputs[0].shape[0]}")
+        return "error"
+
+
+def run_config(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...], device: str, ceilings) -> ConfigRun:
+    print(f"{label}: {cfg}", flush=True)
+    torch._dynamo.reset()
+    base = DraftKVWriter(cfg, device).requires_grad_(False)
+    inputs = {t: make_inputs(cfg, t, device) for t in sorted({PARITY_TOKENS, *tokens_list})}
+    paths = dspark_paths(base, inputs)
+    print(f"  dspark path per T: {paths}", flush=True)
+    entries = []
+    for variant in VARIANTS:
+        if device == "cuda" or not variant.reduce_overhead:
+            model = copy.deepcopy(base)
+            entries.append(Entry(variant, model, variant.build(model)))
+    by_name = {entry.variant.name: entry for entry in entries}
+    rows = []
+    with torch.no_grad():
+        check_parity(entries, base, inputs[PARITY_TOKENS], device)
+        for tokens in tokens_list:
+            row = Row(tokens, *floor_us(cfg, tokens, *ceilings), paths[tokens])
+            for variant in VARIANTS:
+                entry = by_name.get(variant.name)
+                row.times[variant.name] = time_entry(entry, inputs[tokens], device) if entry else "n/a (cpu)"
+            rows.append(row)
+            print(f"  T={tokens} µs:", {k: v if isinstance(v, str) else round(v, 1) for k, v in row.times.items()})
+    for entry in entries:  # the models and their graphs go before the next config
+        entry.fn = entry.model = None
+    del base, inputs, by_name
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return ConfigRun(label, cfg, rows, entries)
+
+
+def cell(times: dict[str, float | str], name: str, entry: Entry | None) -> str:
+    value, baseline = times[name], times.get(BASELINE)
+    if isinstance(value, str):
+        return value
+    text = f"{value:.1f}"
+    if isinstance(baseline, float):
+        text += f" ({value / baseline:.2f}x)"
+    if entry is not None and entry.wrong:
+        text += " ✗"
+    if entry is not None and entry.no_cuda_graph:
+        text += " †"
+    return text
+
+
+def config_table(run: ConfigRun) -> list[str]:
+    cfg = run.cfg
+    names = [v.name for v in VARIANTS]
+    entries = {e.variant.name: e for e in run.entries}
+    columns = ["T", "floor µs", *names, *(f"{name} ÷ floor" for name in FLOOR_RATIOS), "dspark path"]
+    lines = [
+        f"### {run.label}: {cfg.num_layers} layers, hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "
+        f"{cfg.head_dim}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.num_slots} slots; K/V weights "
+        f"{kv_weight_bytes(cfg) / 1e6:.3g} MB",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in run.rows:
+        cells = [cell(row.times, name, entries.get(name)) for name in names]
+        ratios = [
+            f"{row.times[n] / row.floor_us:.2f}x" if isinstance(row.times[n], float) else "—" for n in FLOOR_RATIOS
+        ]
+        floor = f"{row.floor_us:.1f} ({row.floor_bound})"
+        lines.append(f"| {row.tokens} | {floor} | " + " | ".join(cells + ratios) + f" | {row.path} |")
+    lines.append("")
+    for entry in run.entries:
+        compiled = f", {entry.graphs} graph(s) compiled" if entry.variant.name.startswith(("torch", "dspark")) else ""
+        lines.append(f"- {entry.variant.name}: parity at T={PARITY_TOKENS}: {entry.parity}{compiled}")
+        if entry.error:
+            lines.append(f"  - error: {entry.error}")
+        if entry.no_cuda_graph:
+            lines.append("  - †: at least one call launched no CUDA graph (Inductor skipped them: see the log)")
+    return [*lines, ""]
+
+
+def report(runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dtype: torch.dtype) -> str:
+    bandwidth, gemm_rate = ceilings
+    if device == "cuda":
+        import triton
+
+        where = f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+        timing = (
+            "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), medians of "
+            f"triton.testing.do_bench (warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms)"
+        )
+    else:
+        where = f"CPU {platform.machine()}, torch {torch.__version__}"
+        timing = "wall clock, no CUDA graphs (RO columns n/a)"
+    command = f"{Path(sys.executable).name} {shlex.join(sys.argv)}"
+    lines = [
+        "## Draft context-KV write (`benchmarks/dspark_write.py`)",
+        "",
+        f"{where}; {datetime.date.today().isoformat()}; command `{command}`. Measured copy bandwidth "
+        f"{bandwidth / 1e12:.3g} TB/s (read + write), {str(dtype).removeprefix('torch.')} GEMM "
+        f"{gemm_rate / 1e12:.3g} TFLOP/s. Times: {timing}.",
+        "",
+        "- Cells: µs per call (time ÷ torch.compile in the same row; below 1.00x is faster). eager per-layer, "
+        "stacked eager, torch.compile and dspark_backend: replay of a manual `torch.cuda.CUDAGraph` captured per T. "
+        'RO (`mode="reduce-overhead"`): the compiled callable as called, replaying its own CUDA graph trees after '
+        f"{RO_WARMUP_CALLS} warm-up calls per T, so the time includes Dynamo's guards and the copy of "
+        "ctx/positions/cache_loc into the graphs' static inputs.",
+        "- eager per-layer: `DraftKVWriter` as is (per layer a GEMM, k_norm, RoPE, two writes). stacked eager: "
+        "sglang-style, the layers' K/V weight rows concatenated once (a copy), one GEMM, one batched k_norm, one "
+        "RoPE, per-layer writes. dspark_backend RO: "
+        '`torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead")`.',
+        "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
+        "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor.",
+        "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
+        "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor).",
+        "- Every compiled variant is compiled once per config with T marked dynamic (one graph for T > 1, one for "
+        f"T = 1). Before timing, each variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against "
+        "eager per-layer. ✗: failed that check. †: an RO call that launched no CUDA graph. n/a (cpu): "
+        "reduce-overhead needs CUDA graphs.",
+        "",
+    ]
+    for run in runs:
+        lines += config_table(run)
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--small", action="store_true", help="tiny dims (2 layers, hidden 64), T in {1, 8}")
+    parser.add_argument("--configs", nargs="+", help="config keys to run (default: all of the chosen set)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 8 64 512 4096; --small: 1 8)")
+    parser.add_argument("--out", type=Path, help="write the markdown report here")
     args = parser.parse_args()
+    configs = SMALL_CONFIGS if args.small else CONFIGS
+    keys = args.configs or list(configs)
+    unknown = set(keys) - set(configs)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; choose from {list(configs)}")
+    tokens_list = tuple(args.tokens or (SMALL_TOKENS if args.small else TOKENS))
+    slots = min(configs[key][1].num_slots for key in keys)
+    if not all(0 < t <= slots for t in tokens_list):
+        parser.error(f"every T must be in [1, {slots}] (distinct cache slots per token)")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    # 6 compiled callables (the path probe's too) share `DraftKVWriter.forward`'s cache: 2 graphs each
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 64)
     torch.manual_seed(0)
-    bandwidth, gemm_rate = measure_ceilings()
-    base = DraftKVWriter(CFG, "cuda")
-    variants = {
-        "eager per-layer": base,
-        "hand-stacked eager": HandStacked(copy.deepcopy(base)),
-        "torch.compile": torch.compile(copy.deepcopy(base)),
-        "dspark_backend": torch.compile(copy.deepcopy(base), backend=dspark_fx.dspark_backend),
-    }
-    weight_bytes = CFG.num_layers * 2 * CFG.kv_size * CFG.hidden * 2
-    rows = []
-    with torch.no_grad():
-        for tokens in TOKENS:
-            ctx = torch.randn(tokens, CFG.hidden, device="cuda", dtype=CFG.dtype)
-            positions = torch.randint(0, CFG.max_position, (tokens,), device="cuda")
-            loc = torch.randperm(CFG.num_slots, device="cuda")[:tokens]
-            inputs = (ctx, positions, loc)
-            gemm_flops = 2 * tokens * weight_bytes // 2  # 2 FLOPs per bf16 weight element per token
-            floor_us = 1e6 * max(weight_bytes / bandwidth, gemm_flops / gemm_rate)
-            times = {}
-            for name, fn in variants.items():
-                times[name] = 1e3 * do_bench(
-                    lambda fn=fn, inputs=inputs: fn(*inputs), warmup=25, rep=100, return_mode="median"
-                )
-                replay = graphed(fn, inputs)
-                times[name + " (graph)"] = 1e3 * do_bench(replay, warmup=25, rep=100, return_mode="median")
-            rows.append((tokens, floor_us, times))
-            print(tokens, {k: round(v, 1) for k, v in times.items()}, flush=True)
-    names = list(rows[0][2])
-    header = "| T | floor µs | " + " | ".join(names) + " |"
-    lines = [
-        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth "
-        f"{bandwidth / 1e12:.2f} TB/s, bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s; µs (ratio vs eager per-layer)",
-        "",
-        header,
-        "|" + "---|" * (len(names) + 2),
-    ]
-    for tokens, floor_us, times in rows:
-        ref = times["eager per-layer"]
-        cells = [f"{times[n]:.1f} ({ref / times[n]:.2f}x)" for n in names]
-        lines.append(f"| {tokens} | {floor_us:.1f} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
+    start = time.perf_counter()
+    ceilings = measure_ceilings(args.device, dtype)
+    runs = []
+    for key in keys:
+        label, cfg = configs[key]
+        runs.append(run_config(label, dataclasses.replace(cfg, dtype=dtype), tokens_list, args.device, ceilings))
+        print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
+    text = report(runs, args.device, ceilings, dtype)
+    print(text)
     if args.out:
-        args.out.write_text(table + "\n")
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

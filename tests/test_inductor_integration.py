@@ -175,3 +175,21 @@ def test_mode_and_options_are_accepted():
     compiled = torch.compile(copy.deepcopy(eager), backend=dspark_fx.dspark_backend, mode="default")
     with torch.no_grad():
         assert_close_for_dtype(compiled(*args), eager(*args))
+
+
+def test_reduce_overhead_reaches_inductor():
+    """`torch.compile(..., backend=dspark_backend, mode="reduce-overhead")` hands the mode to the backend, which turns
+    on Inductor's CUDA graphs (`triton.cudagraphs`): on CPU Inductor then records one skipped CUDA graph, which it
+    does not without the mode."""
+    cfg = small_config(num_layers=2)
+    model = DraftKVWriter(cfg)
+    args = draft_inputs(cfg, 5)
+    skips = []
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(copy.deepcopy(model), backend=dspark_fx.dspark_backend, mode=mode)
+        with torch.no_grad():
+            compiled(*args)
+        skips.append(counters["inductor"]["cudagraph_skips"])
+    assert skips == [0, 1]
