@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from dspark_fx.config import DsparkConfig
-from dspark_fx.passes import branch_regions, gemm_branches
+from dspark_fx.passes import branch_regions, gemm_branches, kv_write
 from dspark_fx.passes.batch_class import batch_class
 from dspark_fx.passes.batching import BatchError
 from dspark_fx.passes.graph_utils import op_name, tensor_val, views_to_reshapes
@@ -46,6 +46,8 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     report = FusionReport()
     names = _Namer(graph, input_names)
     eliminate_common_subexpressions(graph)
+    if config.kv_write_op != "never":
+        report.kv_writes, report.kv_kept = kv_write.lower_kv_writes(graph, config, names)
     groups: dict[tuple, list[gemm_branches.GemmBranch]] = defaultdict(list)
     for node in list(graph.nodes):
         match = gemm_branches.match_gemm(node)
@@ -63,7 +65,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
         else:
             why = f"{len(branches)} fusable GEMM(s) on {names.of(activation)}, fewer than min_branches"
             report.rejected.extend(Rejection(names.of(b.node), why) for b in branches)
-    if report.groups or report.routed:
+    if report.groups or report.routed or report.kv_writes:
         fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
         views_to_reshapes(list(branch_regions.descendants(graph, fused)))
         eliminate_common_subexpressions(graph)
@@ -209,5 +211,5 @@ def _clean(name: str) -> str:
     name = name.removeprefix("L_").removeprefix("l_").removeprefix("self_")
     for part in ("_modules_", "_parameters_", "_buffers_"):
         name = name.replace(part, ".")
-    name = name.removeprefix("modules_").removeprefix("self.")
+    name = name.removeprefix("modules_").removeprefix("self.").removeprefix("buffers_").removeprefix("parameters_")
     return name.rstrip("_")

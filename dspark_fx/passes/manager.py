@@ -1,9 +1,10 @@
 """`DsparkPassManager`: the Inductor post-grad custom pass that runs the dspark_fx passes in order.
 
 It is a `CustomGraphPass`, so Inductor's FX graph cache stays on: `uuid()` hashes every source file of
-`dspark_fx/passes/` and the op schema file it emits (`custom_ops/multi_linear.py`), the config, and the uuid of
-a user pass it was composed with. A user pass that already sat in `post_grad_custom_post_pass` runs first; a
-plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
+`dspark_fx/passes/` and the op schema files it emits (`custom_ops/multi_linear.py`, `multi_linear_kv_write.py`),
+the config, and the uuid of a user pass it was composed with. A user pass that already sat in
+`post_grad_custom_post_pass` runs first; a plain callable there has no uuid, so the manager then reports none
+either (caching off, as Inductor requires).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import custom_ops.multi_linear
+import custom_ops.multi_linear_kv_write
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.report import FusionReport
@@ -32,7 +34,7 @@ Observer = Callable[[fx.Graph, fx.Graph, FusionReport], None]
 
 def source_files() -> tuple[str, ...]:
     passes = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
-    return (*passes, custom_ops.multi_linear.__file__)
+    return (*passes, custom_ops.multi_linear.__file__, custom_ops.multi_linear_kv_write.__file__)
 
 
 class DsparkPassManager(CustomGraphPass):
@@ -56,7 +58,7 @@ class DsparkPassManager(CustomGraphPass):
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
         self.reports.append(report)
-        if report.groups:
+        if report.groups or report.kv_writes:
             log.info("%s", report)
         elif report.rejected:
             log.info("dspark_fx: nothing fused; %d GEMM(s) rejected: %s", len(report.rejected), report.rejected)
