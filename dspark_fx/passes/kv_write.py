@@ -562,7 +562,13 @@ def _index_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
         commit = _commit(cache, loc, value)
         if commit is not None:
             return _Site(cache, copy, new, value.args[1], commit, [new, value, value.args[2]])
-    return _Site(cache, copy, new, value, ("index", loc), [new])
+    nodes = [new]
+    if isinstance(value, fx.Node) and value.target in _VIEWS and loc_val.shape[0] == 1:
+        src = tensor_val(value.args[0])  # one token: `[1, h, d]` viewed as `[h, d]` (it broadcasts to the slot)
+        if src is not None and src.dim() == 3 and src.shape[0] == 1 and tensor_val(value).shape == src.shape[1:]:
+            nodes.append(value)
+            value = value.args[0]
+    return _Site(cache, copy, new, value, ("index", loc), nodes)
 
 
 def _commit(cache: fx.Node, loc: fx.Node, where: fx.Node) -> tuple | None:
@@ -911,7 +917,7 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
         else:
             _, start, stop = plan.key
             loc = call(graph, aten.arange.start, (start, stop), {"dtype": torch.int64, "device": x_val.device})
-            write = f"slice [{_sym(start)}:{_sym(stop)}] (cache_loc = arange)"
+            write = f"slice [{_sym(start, names)}:{_sym(stop, names)}] (cache_loc = arange)"
         flat_loc = loc if kind != "commit" else call(graph, aten.reshape.default, (loc, [-1]))
         if plan.rope is not None:
             tables, positions, where = _tables(graph, ks, x, names)
@@ -969,8 +975,8 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
     return KVWriteReport(names.of(x), layers, write, norm, rope)
 
 
-def _sym(value: Any) -> str:
-    return value.name if isinstance(value, fx.Node) else str(value)
+def _sym(value: Any, names) -> str:
+    return names.of(value) if isinstance(value, fx.Node) else str(value)
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
