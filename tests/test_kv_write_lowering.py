@@ -413,3 +413,23 @@ def test_inductor_runs_the_op_in_place():
                 m.layers[1].qkv_proj.weight.mul_(-1.0)
     assert torch._dynamo.utils.counters["inductor"]["possibly_missed_reinplacing_opportunities"] == missed
     assert len(capture.reports) == 2 and all(len(r.kv_writes) == 1 for r in capture.reports)
+
+
+def test_one_token_broadcast_to_several_slots_keeps_eager_semantics():
+    """`cache[loc] = k` with one token and several slots writes that token everywhere in eager; the lowered graph
+    assumes one slot per token (a guard), so such a call compiles a graph that keeps today's path."""
+    torch._dynamo.reset()
+    cfg = small_config()
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for tokens, slots in ((6, 6), (9, 9), (1, 3)):
+            ctx, positions, _ = draft_inputs(cfg, tokens, seed=tokens)
+            loc = torch.randperm(cfg.num_slots)[:slots]
+            eager(ctx, positions, loc)
+            compiled(ctx, positions, loc)
+            assert_close_for_dtype([t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv])
+    assert [len(r.kv_writes) for r in capture.reports] == [1, 1, 0], [r.kv_kept for r in capture.reports]
+    assert "written with [T, heads, head_dim]" in capture.reports[-1].kv_kept[0]  # a [heads, head_dim] value

@@ -273,7 +273,7 @@ class _Evaluator:
             if (
                 src.dtype.is_floating_point
                 and isinstance(src.shape[1], int)
-                and same_shape(src.shape[:1], val.shape[:1])
+                and same_shape(src.shape[:1], (self.tokens,))
             ):
                 return _Fac(args[0], (src.shape[1],), tuple(range(src.shape[1])))
             return None
@@ -749,6 +749,11 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names) -> _Plan:
     keys = {w.site.key for w in writes}
     if len(keys) != 1:
         raise _NoMatch("the layers write at different slots (cache_loc, slice or commit lengths)")
+    tokens = tensor_val(group.activation).shape[0]
+    key = next(iter(keys))
+    slots = tensor_val(key[1]) if key[0] != "slice" else None
+    if slots is not None and not _guard_equal(slots.numel(), tokens):
+        raise _NoMatch(f"{names.of(key[1])} has {slots.numel()} slots for {tokens} tokens (eager would broadcast)")
     if len({w.eps is None for w in ks}) != 1:
         raise _NoMatch("some layers norm K and others do not (the op norms all layers or none)")
     ropes = [w.rope for w in ks]
@@ -767,6 +772,14 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names) -> _Plan:
     _check_exclusive(group, names)
     _check_device(config, x_val, head_dim, [w.site.cache for w in writes])
     return _Plan(ks, vs, heads, head_dim, keys.pop(), ropes[0])
+
+
+def _guard_equal(a: Any, b: Any) -> bool:
+    """Whether two sizes are equal; when only the symbols' current values say so, a guard is installed (a call
+    where they differ, e.g. one token broadcast to several slots, recompiles and keeps today's path)."""
+    if statically_known_true(a == b):
+        return True
+    return bool(a == b)
 
 
 def _check_exclusive(group: _Group, names) -> None:
@@ -890,18 +903,22 @@ def _tables(graph: fx.Graph, ks: list[_Write], x: fx.Node, names):
                 table = call(graph, prims.convert_element_type.default, (table, torch.float32))
             built[key] = table
         tables.append(built[key])
+    positions = _arange_tokens(graph, x)
+    return tables, positions, "per-token [T, R] rows built from {} at arange(T)"
+
+
+def _arange_tokens(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """`arange(T)` for the rows of `x` (a symbolic T is read with sym_size: no recompile, no host sync)."""
     x_val = tensor_val(x)
     tokens = x_val.shape[0]
     if not isinstance(tokens, int):
         tokens = call(graph, aten.sym_size.int, (x, 0))
-    positions = call(graph, aten.arange.default, (tokens,), {"dtype": torch.int64, "device": x_val.device})
-    return tables, positions, "per-token [T, R] rows built from {} at arange(T)"
+    return call(graph, aten.arange.default, (tokens,), {"dtype": torch.int64, "device": x_val.device})
 
 
 def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
     ks, vs = plan.ks, plan.vs
     x = group.activation
-    x_val = tensor_val(x)
     first_copy = min((w.site.copy for w in ks + vs), key=_position(graph))
     slots = int(tensor_val(ks[0].site.cache).shape[0])
     with graph.inserting_before(first_copy):
@@ -916,7 +933,7 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
             write = f"index_put at {names.of(plan.key[1])}[b, j] for j < {names.of(commit_lens)}[b] (commit_lens)"
         else:
             _, start, stop = plan.key
-            loc = call(graph, aten.arange.start, (start, stop), {"dtype": torch.int64, "device": x_val.device})
+            loc = call(graph, aten.add.Tensor, (_arange_tokens(graph, x), start))
             write = f"slice [{_sym(start, names)}:{_sym(stop, names)}] (cache_loc = arange)"
         flat_loc = loc if kind != "commit" else call(graph, aten.reshape.default, (loc, [-1]))
         if plan.rope is not None:
