@@ -433,3 +433,37 @@ def test_one_token_broadcast_to_several_slots_keeps_eager_semantics():
             assert_close_for_dtype([t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv])
     assert [len(r.kv_writes) for r in capture.reports] == [1, 1, 0], [r.kv_kept for r in capture.reports]
     assert "written with [T, heads, head_dim]" in capture.reports[-1].kv_kept[0]  # a [heads, head_dim] value
+
+
+@pytest.mark.parametrize(
+    ("x", "head_dim", "cache", "why"),
+    [
+        ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), None), ""),
+        ((4, 64, "cpu", torch.bfloat16), 16, ((32, 2, 16), None), "the tensors are on cpu"),
+        ((4, 64, "cuda", torch.float32), 16, ((32, 2, 16), None), "not bf16/fp16"),
+        ((4, 60, "cuda", torch.float16), 16, ((32, 2, 16), None), "K = 60"),
+        ((4, 64, "cuda", torch.float16), 12, ((32, 2, 12), None), "head_dim = 12"),
+        ((4, 64, "cuda", torch.float16), 512, ((32, 1, 512), None), "head_dim = 512"),
+        ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), (32, 1, 64)), "unit inner stride"),
+        ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), (40, 20, 1)), "16-byte aligned"),
+    ],
+)
+def test_auto_lowers_only_where_the_cuda_kernel_runs(monkeypatch, x, head_dim, cache, why):
+    """The "auto" rule on fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dspark_fx.passes import kv_write
+
+    monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: True)
+    *shape, device, dtype = x
+    with FakeTensorMode():
+        x_val = torch.empty(shape, device=device, dtype=dtype)
+        size, stride = cache
+        c = torch.empty(size, device=device, dtype=dtype)
+        if stride is not None:
+            c = torch.empty_strided(size, stride, device=device, dtype=dtype)
+        got = kv_write.kernel_mismatch(x_val, head_dim, [c])
+    assert (why in got) if why else got == "", got
+    monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: False)
+    if device == "cuda":
+        assert "no CUDA kernel" in kv_write.kernel_mismatch(x_val, head_dim, [c])

@@ -43,15 +43,17 @@ whole or not at all; anything that does not match keeps today's path, with the r
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import custom_ops  # noqa: F401  (registers dspark::multi_linear_kv_write)
+import custom_ops  # registers dspark::multi_linear_kv_write
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import gemm_branches
 from dspark_fx.passes.batching import same_shape
@@ -817,10 +819,24 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return out
 
 
+@functools.cache
+def has_cuda_kernel() -> bool:
+    """A CUDA kernel of the op is registered, or its first-use entry is and the CUDA sources define the op."""
+    name = "dspark::multi_linear_kv_write"
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"):
+        return True
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
+        return False
+    csrc = Path(custom_ops.__file__).parent / "csrc"
+    return any("multi_linear_kv_write" in path.read_text() for path in csrc.glob("*.c*"))
+
+
 def kernel_mismatch(x_val: torch.Tensor, head_dim: int, caches: list[torch.Tensor]) -> str:
     """Why the op's CUDA kernel cannot run on these operands ("" if it can)."""
     if x_val.device.type != "cuda":
         return f"the tensors are on {x_val.device.type}"
+    if not has_cuda_kernel():
+        return "this build of custom_ops has no CUDA kernel of the op"
     if x_val.dtype not in (torch.bfloat16, torch.float16):
         return f"the activation is {x_val.dtype}, not bf16/fp16"
     if not isinstance(x_val.shape[1], int) or x_val.shape[1] % 8:
