@@ -15,12 +15,16 @@ After:
     r  = the same ops once on kv (views as reshapes), with cat([w_0[None] .. w_N-1[None]]) for the norm weights
     index_put(k_cache_l, [loc], select(r, 0, l))                            # per-branch outputs are views
 
-Steps: normalize (CSE) → group GEMMs by activation (`gemm_branches`) → rewrite each group into one multi-linear
-→ grow per-branch regions and split them into classes of identical branches (`branch_regions`) → emit the
-batched ops of each class (`batch_class`, with the rules of `batching`/`batch_rules`) → the views below a fused
-GEMM become reshapes (its column blocks and branch slices have other strides). Anything that does not fit is
-left as it was and reported; an unexpected error while batching a class leaves that class unbatched (reported,
-and logged as a warning), never a failed compile.
+Where the branches end in per-layer K/V cache writes, `kv_write` first replaces GEMMs, norm, RoPE and writes
+of all layers by one `dspark::multi_linear_kv_write` (`DsparkConfig.kv_write_op`: by default on CUDA only, where
+the op has its kernel; see that module); the GEMMs it does not take are fused as below.
+
+Steps: normalize (CSE) → lower cache writes (`kv_write`) → group GEMMs by activation (`gemm_branches`) → rewrite
+each group into one multi-linear → grow per-branch regions and split them into classes of identical branches
+(`branch_regions`) → emit the batched ops of each class (`batch_class`, with the rules of `batching`/`batch_rules`)
+→ the views below a fused GEMM become reshapes (its column blocks and branch slices have other strides). Anything
+that does not fit is left as it was and reported; an unexpected error while batching a class leaves that class
+unbatched (reported, and logged as a warning), never a failed compile.
 """
 
 from __future__ import annotations

@@ -17,10 +17,12 @@ After (the weights, norm weights, tables and caches are the original placeholder
 
 Write sites (each the only mutation of a cache placeholder, its new value read by nothing but the final `copy_`):
 `index_put(cache, [loc], value)` (`cache[loc] = k`, `cache.index_copy_(0, loc, k)`); `slice_scatter(cache,
-copy(slice(cache, 0, a, b), value), 0, a, b)` (`cache[a:b] = k`, `a >= 0`; the op gets `arange(a, b)`); and
+copy(slice(cache, 0, a, b), value), 0, a, b)` (`cache[a:b] = k`, `a >= 0`; the op gets `a + arange(T)`); and
 `index_put(cache, [view(loc2d, [-1])], where(keep, value, index(cache, [view(loc2d, [-1])])))` with `keep =
 view(lt(unsqueeze(arange(W), 0), unsqueeze(lens, 1)), [-1, 1, 1])` (rows `j < lens[b]` of `loc2d [B, W]`: the op's
-`commit_lens`).
+`commit_lens`). There must be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
+token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
+graph), after every read of the old cache values, which must all come before it.
 
 What is written must be, element for element, the op's formula applied to a column block of a GEMM on the shared
 activation. K values are checked by a small symbolic evaluation: every element of the written `[T, h, d]` value is a
@@ -36,7 +38,8 @@ built in the graph and read at `arange(T)`.
 The op computes in fp32 and rounds K and V once, when stored; eager rounds the GEMM output and each step in the
 model dtype, so a lowered bf16/fp16 model agrees with eager to that dtype's tolerance and an fp32 one to fp32
 rounding. Whether to lower is `DsparkConfig.kv_write_op`: "auto" where the op's CUDA kernel runs (CUDA, bf16/fp16,
-`K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, unit inner stride and 16-byte aligned rows of the caches), "always"
+`K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, unit inner stride and 16-byte aligned rows of the caches, and a
+CUDA kernel of the op in this build), "always"
 wherever the semantics match (CPU: the fp32 reference), "never". A group of writes on one activation is lowered as a
 whole or not at all; anything that does not match keeps today's path, with the reason in the report.
 """
