@@ -17,7 +17,7 @@ from test_equivalent_models import HF_WRITES, HFStyleKVWriter
 
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE
-from dspark_fx.reference_draft import DraftKVWriter
+from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
 
 ALWAYS = DsparkConfig(kv_write_op="always")
@@ -281,6 +281,52 @@ def test_rope_style_differing_across_layers_keeps_todays_path():
     assert "the RoPE differs across layers" in _kept(capture)
 
 
+class _HalfTableLayer(DraftKVLayer):
+    """Rotates by the first half of the table row only: a RoPE of half the width of the other layers'."""
+
+    def forward(self, ctx, cos_sin):
+        return super().forward(ctx, cos_sin[:, : cos_sin.shape[1] // 2])
+
+
+def _half_table_layer_1(cfg, device):
+    model = DraftKVWriter(cfg, device)
+    model.layers[1].__class__ = _HalfTableLayer
+    return model
+
+
+def test_rope_tables_of_different_widths_keep_todays_path():
+    torch._dynamo.reset()
+    capture = CaptureBackend(ALWAYS)
+    for eager, compiled in eager_and_compiled(small_config(), capture, model_factory=_half_table_layer_1):
+        assert_close_for_dtype(compiled, eager)
+    assert "the RoPE differs across layers (neox R=16, neox R=8)" in _kept(capture)
+
+
+def test_head_layouts_differing_across_layers_keep_todays_path():
+    class TwoLayouts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(32, 16, bias=False) for _ in range(4))
+            for i in range(4):
+                self.register_buffer(f"c{i}", torch.zeros(20, *((2, 8) if i < 2 else (4, 4))))
+
+        def forward(self, x, loc):
+            for i, lin in enumerate(self.lins):
+                cache = getattr(self, f"c{i}")
+                cache[loc] = lin(x).view(-1, *cache.shape[1:])
+
+    torch._dynamo.reset()
+    model = TwoLayouts()
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    with torch.no_grad():
+        x, loc = torch.randn(5, 32), torch.tensor([3, 0, 19, 7, 11])
+        model(x, loc)
+        torch.compile(compiled_model, backend=capture)(x, loc)
+    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    assert "the caches or heads differ across layers" in _kept(capture)
+
+
 def test_norm_on_some_layers_only_keeps_todays_path():
     model = HFStyleKVWriter("index_put")
     model.layers[2].k_norm = None
@@ -432,7 +478,7 @@ def test_one_token_broadcast_to_several_slots_keeps_eager_semantics():
             compiled(ctx, positions, loc)
             assert_close_for_dtype([t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv])
     assert [len(r.kv_writes) for r in capture.reports] == [1, 1, 0], [r.kv_kept for r in capture.reports]
-    assert "written with [T, heads, head_dim]" in capture.reports[-1].kv_kept[0]  # a [heads, head_dim] value
+    assert "written with a [T, heads, head_dim] value" in capture.reports[-1].kv_kept[0]  # a [heads, head_dim] value
 
 
 @pytest.mark.parametrize(

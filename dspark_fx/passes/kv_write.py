@@ -666,12 +666,12 @@ def _analyse(site: _Site, activation_rows: Any) -> _Write:
     cache_val = tensor_val(site.cache)
     value_val = tensor_val(site.value)
     if cache_val.dim() != 3 or value_val is None or value_val.dim() != 3:
-        raise _NoMatch(f"{site.cache.name} is not a [slots, heads, head_dim] cache written with [T, heads, head_dim]")
+        raise _NoMatch("not a [slots, heads, head_dim] cache written with a [T, heads, head_dim] value")
     if tuple(value_val.shape[1:]) != tuple(cache_val.shape[1:]) or value_val.dtype != cache_val.dtype:
-        raise _NoMatch(f"the value written to {site.cache.name} is {value_val.dtype}{list(value_val.shape)}")
+        raise _NoMatch(f"the value written is {value_val.dtype}{list(value_val.shape)}")
     lin = _Evaluator(activation_rows)(site.value)
     if not isinstance(lin, _Lin):
-        raise _NoMatch(f"the value written to {site.cache.name} is not a [T, heads, head_dim] tensor")
+        raise _NoMatch("the value written is not a [T, heads, head_dim] tensor")
     d = int(cache_val.shape[2])
     rope = _rope_of(lin, d)
     base, weight = _strip(lin.base), None
