@@ -923,7 +923,7 @@ def _tables(graph: fx.Graph, ks: list[_Write], x: fx.Node, names):
             built[key] = table
         tables.append(built[key])
     positions = _arange_tokens(graph, x)
-    return tables, positions, "per-token [T, R] rows built from {} at arange(T)"
+    return tables, positions, "fp32 [T, R] rows built in the graph from the model's per-token cos/sin, at arange(T)"
 
 
 def _arange_tokens(graph: fx.Graph, x: fx.Node) -> fx.Node:
@@ -953,11 +953,11 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
         else:
             _, start, stop = plan.key
             loc = call(graph, aten.add.Tensor, (_arange_tokens(graph, x), start))
-            write = f"slice [{_sym(start, names)}:{_sym(stop, names)}] (cache_loc = arange)"
+            write = f"slice [{_sym(start, names)}:{_sym(stop, names)}] (cache_loc = {_sym(start, names)} + arange(T))"
         flat_loc = loc if kind != "commit" else call(graph, aten.reshape.default, (loc, [-1]))
         if plan.rope is not None:
             tables, positions, where = _tables(graph, ks, x, names)
-            names_of_tables = ", ".join(dict.fromkeys(names.of(t) if t.op == "placeholder" else t.name for t in tables))
+            names_of_tables = ", ".join(dict.fromkeys(names.of(t) for t in tables))
             rope = (
                 f"{'neox' if plan.rope.neox else 'GPT-J'} RoPE on {plan.rope.rot} of {plan.head_dim} dims, "
                 + where.format(names_of_tables)
@@ -1003,7 +1003,8 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
         for k, v in zip(ks, vs, strict=True)
     ]
     if has_norm:
-        weights = "weights" if all(w.weight is not None for w in ks) else "weights/none"
+        present = [w.weight is not None for w in ks]
+        weights = "weights" if all(present) else "no weight" if not any(present) else "weights on some layers"
         eps = list(dict.fromkeys(f"{w.eps:g}" for w in ks))
         norm = f"k_norm RMSNorm eps {eps[0] if len(eps) == 1 else [f'{w.eps:g}' for w in ks]} ({weights})"
     else:
