@@ -97,7 +97,7 @@ def _strip(node: Any, converts: bool = True) -> Any:
 
 
 def _noop_row_slice(node: fx.Node) -> bool:
-    if node.target is not aten.slice.Tensor:
+    if node.target is not aten.slice.Tensor or node.kwargs:
         return False
     _, dim, start, stop, step = gemm_branches._slice_args(node)
     return (
@@ -164,6 +164,8 @@ def _column_key(node: fx.Node, col: int) -> tuple:
             break
         if t in _COPIES or _noop_row_slice(node):
             node = src
+        elif node.kwargs:
+            break  # only positional arguments are read below
         elif op_name(node) == "prims.convert_element_type" or t in _UNARY:
             chain.append((op_name(node), *node.args[1:]))
             node = src
@@ -273,6 +275,8 @@ class _Evaluator:
         args = node.args
         if t in _COPIES or _is_float_convert(node):
             return self(args[0])
+        if node.kwargs and t not in (aten.add.Tensor, aten.sub.Tensor):
+            return None  # only positional arguments are read below
         src = tensor_val(args[0]) if args and isinstance(args[0], fx.Node) else None
         if t is aten.unsqueeze.default and _dim(args[1], val.dim()) == 1 and src is not None and src.dim() == 2:
             if (
@@ -502,7 +506,7 @@ def _projection(node: fx.Node) -> _Projection:
         if gemm_branches._split_dim(split) not in (1, -1) or not gemm_branches._constant_args(split):
             raise _NoMatch("the projection is split along another dim or by symbolic sizes")
         col = gemm_branches._split_bounds(split, int(tensor_val(gemm).shape[1]))[block.args[1]][0]
-    elif block.target is aten.slice.Tensor and gemm_branches._constant_args(block):
+    elif block.target is aten.slice.Tensor and gemm_branches._constant_args(block) and not block.kwargs:
         gemm, dim, start, stop, step = gemm_branches._slice_args(block)
         if dim not in (1, -1) or step != 1:
             raise _NoMatch("the projection is a strided or row slice of the GEMM output")
@@ -622,7 +626,7 @@ def _is_arange(node: fx.Node, width: int) -> bool:
 
 
 def _slice_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
-    if new.target is not aten.slice_scatter.default or new.args[0] is not cache:
+    if new.target is not aten.slice_scatter.default or new.args[0] is not cache or new.kwargs:
         return None
     args = (*new.args, *(0, None, None, 1)[len(new.args) - 2 :])
     _, src, dim, start, stop, step = args[:6]
