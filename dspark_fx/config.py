@@ -9,6 +9,8 @@ from typing import Any
 
 _FIELD_TYPES = {"bool": (bool,), "int": (int,)}
 
+KV_WRITE_MODES = ("auto", "always", "never")
+
 
 @dataclass(frozen=True)
 class DsparkConfig:
@@ -22,6 +24,12 @@ class DsparkConfig:
     through `dspark::multi_linear` with one weight. On CUDA the op takes its small-T kernel where that beats cuBLAS
     (up to 16 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
     BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
+    `kv_write_op`: lower N layers' K/V cache writes from one activation (projection, k_norm, RoPE, write) to one
+    `dspark::multi_linear_kv_write` (`passes/kv_write.py`). "auto": where the op's CUDA kernel runs (CUDA tensors,
+    bf16/fp16, K % 8 == 0, head_dim % 8 == 0 and <= 256, caches with unit inner stride and 16-byte aligned rows);
+    "always": wherever the graph computes the op's formula (on CPU the op is its fp32 reference: for tests); "never":
+    off. The op computes in fp32 and rounds once, so a lowered model matches eager to the dtype's tolerance. It is a
+    step of the horizontal fusion (`horizontal_fusion=False` turns it off too).
     """
 
     horizontal_fusion: bool = True
@@ -29,6 +37,7 @@ class DsparkConfig:
     min_branches: int = 2
     max_leaf_numel: int = 1 << 16
     skinny_linears: bool = True
+    kv_write_op: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -40,6 +49,9 @@ class DsparkConfig:
             raise ValueError(f"DsparkConfig.min_branches must be >= 2, got {self.min_branches}")
         if self.max_leaf_numel < 1:
             raise ValueError(f"DsparkConfig.max_leaf_numel must be >= 1, got {self.max_leaf_numel}")
+
+        if self.kv_write_op not in KV_WRITE_MODES:
+            raise ValueError(f"DsparkConfig.kv_write_op must be one of {KV_WRITE_MODES}, got {self.kv_write_op!r}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

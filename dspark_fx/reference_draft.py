@@ -17,6 +17,7 @@ The options cover the ways real drafts write this path, so the fusion pass is te
 | `rope_style`  | `"neox"` (halves) or `"gptj"` (interleaved pairs); `rotary_dim < head_dim` is partial RoPE  |
 | `write`       | `"cache_loc"` `forward(ctx, positions, cache_loc)`; `"commit"`                              |
 |               | `forward(ctx, positions, cache_loc_2d [B, W], commit_lens [B])` writes rows `j < commit_lens[b]`; |
+|               | `"slice"` `forward(ctx, positions, cache_start: int)` writes `cache[start : start + T] = k`;  |
 |               | `"return"` `forward(ctx, positions) -> ((k_0, v_0), ...)`                                   |
 | `qkv_bias`, `eps`, `rope_theta` | one value for all layers or a tuple with one value per layer            |
 
@@ -36,7 +37,7 @@ from torch import nn
 PROJ_FORMS = ("qkv_slice", "qkv_split", "kv_separate")
 NORM_FORMS = ("manual", "rms_norm")
 ROPE_STYLES = ("neox", "gptj")
-WRITE_MODES = ("cache_loc", "commit", "return")
+WRITE_MODES = ("cache_loc", "commit", "slice", "return")
 
 
 def _per_layer(value: object, num_layers: int, name: str) -> tuple:
@@ -194,7 +195,7 @@ class DraftKVWriter(nn.Module):
         self,
         ctx: torch.Tensor,
         positions: torch.Tensor,
-        cache_loc: torch.Tensor | None = None,
+        cache_loc: torch.Tensor | int | None = None,
         commit_lens: torch.Tensor | None = None,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
         tables = [getattr(self, f"cos_sin_{j}")[positions] for j in range(len(set(self.table_of_layer)))]
@@ -210,6 +211,8 @@ class DraftKVWriter(nn.Module):
             keep = torch.arange(width, device=ctx.device)[None, :] < commit_lens[:, None]
             keep = keep.reshape(-1, 1, 1)
             cache_loc = cache_loc.reshape(-1)
+        if self.cfg.write == "slice":  # cache_loc is the first slot of a contiguous run
+            cache_loc = slice(cache_loc, cache_loc + ctx.shape[0])
         for (k, v), (k_cache, v_cache) in zip(kvs, self.caches(), strict=True):
             if self.cfg.write == "commit":
                 k = torch.where(keep, k, k_cache[cache_loc])

@@ -38,6 +38,17 @@ REJECTION_KINDS = (
 
 
 @dataclass
+class KVWriteReport:
+    """One group of cache writes lowered to `dspark::multi_linear_kv_write`."""
+
+    activation: str
+    layers: list[str]  # per layer: K rows -> cache, V rows -> cache
+    write: str  # how the slots are addressed
+    norm: str
+    rope: str
+
+
+@dataclass
 class Rejection:
     node: str  # the GEMM, by the parameters its weight operand is computed from
     reason: str
@@ -56,6 +67,8 @@ class FusionReport:
     groups: list[GroupReport] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     routed: list[str] = field(default_factory=list)  # lone GEMMs routed through multi_linear (skinny linears)
+    kv_writes: list[KVWriteReport] = field(default_factory=list)  # cache writes lowered to multi_linear_kv_write
+    kv_kept: list[str] = field(default_factory=list)  # cache writes of projections left on today's path, and why
 
     @property
     def n_groups(self) -> int:
@@ -69,6 +82,8 @@ class FusionReport:
         self.groups += other.groups
         self.rejected += other.rejected
         self.routed += other.routed
+        self.kv_writes += other.kv_writes
+        self.kv_kept += other.kv_kept
 
     def __str__(self) -> str:
         lines = [f"dspark_fx horizontal fusion: {self.n_groups} fused GEMM group(s)"]
@@ -85,6 +100,15 @@ class FusionReport:
                 lines += [f"      kept per branch from {why}" for why in cls.kept]
             for bi, why in group.unbatched:
                 lines.append(f"    branch {bi} keeps its own ops: {why}")
+        for kv in self.kv_writes:
+            lines.append(
+                f"  KV writes of {len(kv.layers)} layer(s) on {kv.activation} -> one multi_linear_kv_write "
+                f"(projection, {kv.norm}, {kv.rope}; {kv.write})"
+            )
+            lines += [f"    layer {i}: {desc}" for i, desc in enumerate(kv.layers)]
+        if self.kv_kept:
+            lines.append("  KV writes kept on the multi_linear path (not lowered to multi_linear_kv_write):")
+            lines += [f"    {why}" for why in self.kv_kept]
         if self.routed:
             lines.append("  lone GEMMs routed through multi_linear (small-T kernel on CUDA where it beats cuBLAS):")
             lines += [f"    {r}" for r in self.routed]

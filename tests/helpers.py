@@ -18,7 +18,8 @@ def small_config(**overrides) -> DraftKVConfig:
 def draft_inputs(cfg: DraftKVConfig, tokens: int, device: str = "cpu", seed: int = 1) -> tuple:
     """Fresh random inputs for `DraftKVWriter(cfg)` with `tokens` rows (distinct slots, random positions).
 
-    `write="commit"` rounds `tokens` up to whole verify windows of width 4 with random `commit_lens` in [0, 4].
+    `write="commit"` rounds `tokens` up to whole verify windows of width 4 with random `commit_lens` in [0, 4];
+    `write="slice"` passes a random first slot (a Python int) of a run of `tokens` slots.
     """
     gen = torch.Generator().manual_seed(seed)
     width = 4
@@ -31,6 +32,9 @@ def draft_inputs(cfg: DraftKVConfig, tokens: int, device: str = "cpu", seed: int
         args = (ctx, positions)
     elif cfg.write == "cache_loc":
         args = (ctx, positions, slots)
+    elif cfg.write == "slice":
+        start = int(torch.randint(0, cfg.num_slots - tokens + 1, (), generator=gen))
+        return (ctx.to(device), positions.to(device), start)
     else:
         batch = tokens // width
         args = (

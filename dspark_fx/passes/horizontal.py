@@ -15,12 +15,16 @@ After:
     r  = the same ops once on kv (views as reshapes), with cat([w_0[None] .. w_N-1[None]]) for the norm weights
     index_put(k_cache_l, [loc], select(r, 0, l))                            # per-branch outputs are views
 
-Steps: normalize (CSE) → group GEMMs by activation (`gemm_branches`) → rewrite each group into one multi-linear
-→ grow per-branch regions and split them into classes of identical branches (`branch_regions`) → emit the
-batched ops of each class (`batch_class`, with the rules of `batching`/`batch_rules`) → the views below a fused
-GEMM become reshapes (its column blocks and branch slices have other strides). Anything that does not fit is
-left as it was and reported; an unexpected error while batching a class leaves that class unbatched (reported,
-and logged as a warning), never a failed compile.
+Where the branches end in per-layer K/V cache writes, `kv_write` first replaces GEMMs, norm, RoPE and writes
+of all layers by one `dspark::multi_linear_kv_write` (`DsparkConfig.kv_write_op`: by default on CUDA only, where
+the op has its kernel; see that module); the GEMMs it does not take are fused as below.
+
+Steps: normalize (CSE) → lower cache writes (`kv_write`) → group GEMMs by activation (`gemm_branches`) → rewrite
+each group into one multi-linear → grow per-branch regions and split them into classes of identical branches
+(`branch_regions`) → emit the batched ops of each class (`batch_class`, with the rules of `batching`/`batch_rules`)
+→ the views below a fused GEMM become reshapes (its column blocks and branch slices have other strides). Anything
+that does not fit is left as it was and reported; an unexpected error while batching a class leaves that class
+unbatched (reported, and logged as a warning), never a failed compile.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from dspark_fx.config import DsparkConfig
-from dspark_fx.passes import branch_regions, gemm_branches
+from dspark_fx.passes import branch_regions, gemm_branches, kv_write
 from dspark_fx.passes.batch_class import batch_class
 from dspark_fx.passes.batching import BatchError
 from dspark_fx.passes.graph_utils import aten, op_name, tensor_val, views_to_reshapes
@@ -46,6 +50,8 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     report = FusionReport()
     names = _Namer(graph, input_names)
     eliminate_common_subexpressions(graph)
+    if config.kv_write_op != "never":
+        report.kv_writes, report.kv_kept = kv_write.lower_kv_writes(graph, config, names)
     groups: dict[tuple, list[gemm_branches.GemmBranch]] = defaultdict(list)
     for node in list(graph.nodes):
         match = gemm_branches.match_gemm(node)
@@ -63,7 +69,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
         else:
             why = f"{len(branches)} fusable GEMM(s) on {names.of(activation)}, fewer than min_branches"
             report.rejected.extend(Rejection(_describe(b, names), why) for b in branches)
-    if report.groups or report.routed:
+    if report.groups or report.routed or report.kv_writes:
         fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
         views_to_reshapes(list(branch_regions.descendants(graph, fused)))
         eliminate_common_subexpressions(graph)

@@ -1,0 +1,498 @@
+"""K/V cache writes lowered to `dspark::multi_linear_kv_write` (`DsparkConfig(kv_write_op="always")` forces it on
+CPU, where the op is its fp32 reference): the op replaces the GEMMs, norms, RoPE and writes of every write variant of
+the reference draft and of HF-style writers, matches eager, sees in-place weight updates and keeps one symbolic
+graph; what it cannot prove equivalent keeps today's path, with the reason in the report. Fast: no Inductor codegen.
+"""
+
+import copy
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import draft_inputs, eager_and_compiled, small_config
+from test_equivalent_models import HF_WRITES, HFStyleKVWriter
+
+from dspark_fx import DsparkConfig, explain
+from dspark_fx.passes.kv_write import KV_WRITE
+from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
+
+ALWAYS = DsparkConfig(kv_write_op="always")
+OP = "dspark.multi_linear_kv_write"
+GONE = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.index_put",
+    "aten.slice_scatter",
+    "aten.copy_",
+    "aten.rsqrt",
+    "dspark.multi_linear",
+)
+
+REFERENCE_VARIANTS = [
+    dict(write="cache_loc"),
+    dict(write="commit", qkv_bias=True),
+    dict(write="slice"),
+    dict(proj="qkv_split", write="cache_loc", rope_style="gptj", rotary_dim=8, norm="rms_norm"),
+    dict(proj="qkv_split", write="slice", qkv_bias=True, rotary_dim=12),
+    dict(proj="kv_separate", write="commit", rotary_dim=12, norm="rms_norm"),
+    dict(proj="kv_separate", write="slice", qkv_bias=(True, False, True), rope_style="gptj"),
+    dict(write="cache_loc", eps=(1e-6, 1e-5, 1e-6), rope_theta=(1e6, 1e4, 1e6)),
+]
+
+
+def _op_node(graph):
+    (node,) = [n for n in graph.nodes if n.target is KV_WRITE]
+    return node
+
+
+def _assert_lowered(capture, layers: int) -> None:
+    for report, before, after in zip(capture.reports, capture.before, capture.after, strict=True):
+        (group,) = report.kv_writes
+        assert len(group.layers) == layers, str(report)
+        counts = op_counts(after)
+        assert counts[OP] == 1 and not any(counts[op] for op in GONE), capture.graph_diff()
+        writes = op_counts(before)
+        assert (
+            writes["aten.copy_"] == 2 * layers and writes["aten.index_put"] + writes["aten.slice_scatter"] == 2 * layers
+        )
+        args = _op_node(after).args
+        assert all(w.op == "placeholder" for w in args[1] + args[4]), "weights must be read in place"
+        assert all(c.op == "placeholder" for c in args[12] + args[13])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("options", REFERENCE_VARIANTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_reference_draft_writes_become_one_op(options, dtype):
+    torch._dynamo.reset()
+    cfg = small_config(dtype=dtype, **options)
+    capture = CaptureBackend(ALWAYS)
+    for eager, compiled in eager_and_compiled(cfg, capture, tokens_list=(8, 13)):
+        assert_close_for_dtype(compiled, eager, dtype)
+    _assert_lowered(capture, cfg.num_layers)
+    args = _op_node(capture.after[-1]).args
+    assert args[8] == list(_eps(cfg)) and args[11] == (cfg.rope_style == "neox")
+    tables = args[9]
+    assert all(t.op == "placeholder" for t in tables), "table[positions] in the graph: the op reads the table"
+    assert tables[0].meta["val"].shape[1] == cfg.rope_dim
+    if cfg.write == "commit":
+        assert args[15] is not None and args[14].meta["val"].dim() == 2
+
+
+def _eps(cfg):
+    eps = cfg.eps if isinstance(cfg.eps, tuple) else (cfg.eps,) * cfg.num_layers
+    return [float(torch.tensor(e, dtype=torch.float32)) if cfg.norm == "rms_norm" else e for e in eps]
+
+
+def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64):
+    """Eager vs compiled caches of an HF-style writer; returns the capture."""
+    torch._dynamo.reset()
+    model = model.to(dtype)
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(config)
+    compiled = torch.compile(compiled_model, backend=capture)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tokens in tokens_list:
+            x = torch.randn(tokens, 64, generator=gen).to(dtype)
+            positions = torch.randint(0, 4096, (tokens,), generator=gen)
+            loc = torch.randperm(slots, generator=gen)[:tokens]
+            if model.write == "slice":
+                loc = int(torch.randint(0, slots - tokens + 1, (), generator=gen))
+            model(x, positions, loc)
+            compiled(x, positions, loc)
+            assert_close_for_dtype(compiled_model.caches(), model.caches(), dtype)
+    return capture
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("write", HF_WRITES)
+def test_hf_style_writers_become_one_op(write, dtype):
+    """HF cos/sin [T, head_dim] (duplicated halves, model dtype): the op gets [T, R] fp32 rows built in the graph."""
+    capture = _hf_run(HFStyleKVWriter(write), dtype)
+    _assert_lowered(capture, 4)
+    args = _op_node(capture.after[-1]).args
+    (table,) = set(args[9])
+    assert table.op != "placeholder" and table.meta["val"].dtype == torch.float32
+    assert table.meta["val"].shape[1] == 16
+    assert op_counts(capture.after[-1])["aten.arange"] >= 1  # positions = arange(T)
+    assert "built in the graph from the model's per-token cos/sin" in str(capture.report)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(norm="plain"), dict(norm=None), dict(rotary_dim=8), dict(norm="plain", rotary_dim=8, eps=1e-5)],
+    ids=["weightless-norm", "no-norm", "partial-rotary", "weightless-partial-eps"],
+)
+def test_hf_style_norm_and_rope_variants_map_onto_op_arguments(options):
+    capture = _hf_run(HFStyleKVWriter("index_copy", **options), torch.float32)
+    _assert_lowered(capture, 4)
+    args = _op_node(capture.after[-1]).args
+    norm = options.get("norm", "weight")
+    assert args[7] == [None] * 4 if norm != "weight" else all(w is not None for w in args[7])
+    assert args[8] == ([] if norm is None else [options.get("eps", 1e-6)] * 4)
+    assert args[9][0].meta["val"].shape[1] == options.get("rotary_dim", 16)
+
+
+def test_writes_without_norm_or_rope_lower_too():
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(32, 16, bias=False) for _ in range(4))
+            for i in range(4):
+                self.register_buffer(f"c{i}", torch.zeros(20, 2, 8))
+
+        def forward(self, x, loc):
+            for i, lin in enumerate(self.lins):
+                getattr(self, f"c{i}")[loc] = lin(x).view(-1, 2, 8)
+
+    torch._dynamo.reset()
+    model = Plain()
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    with torch.no_grad():
+        x, loc = torch.randn(5, 32), torch.tensor([3, 0, 19, 7, 11])
+        model(x, loc)
+        torch.compile(compiled_model, backend=capture)(x, loc)
+    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    args = _op_node(capture.after[-1]).args
+    assert args[8] == [] and args[9] == [] and op_counts(capture.after[-1])[OP] == 1
+
+
+def test_negative_slots_wrap_as_in_eager():
+    """`cache[-1] = k` writes the last slot in eager; the op skips negative slots, so the lowering wraps them."""
+    torch._dynamo.reset()
+    cfg = small_config()
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(model, backend=capture)
+    ctx, positions, _ = draft_inputs(cfg, 5)
+    loc = torch.tensor([-1, 3, -cfg.num_slots, 7, 126])
+    with torch.no_grad():
+        eager(ctx, positions, loc)
+        compiled(ctx, positions, loc)
+    assert op_counts(capture.after[-1])[OP] == 1
+    assert model.k_cache_0[-1].abs().sum() > 0 and model.k_cache_0[0].abs().sum() > 0
+    assert_close_for_dtype([t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv])
+
+
+def test_in_place_weight_updates_after_compile_are_seen():
+    torch._dynamo.reset()
+    cfg = small_config(qkv_bias=True, write="commit")
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for step in range(3):
+            args = draft_inputs(cfg, 12, seed=step)
+            eager(*args)
+            compiled(*args)
+            assert_close_for_dtype(
+                [t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv], cfg.dtype
+            )
+            for m in (eager, model):
+                m.layers[1].qkv_proj.weight.mul_(-1.5)
+                m.layers[2].qkv_proj.bias.add_(0.25)
+                m.layers[0].k_norm_weight.mul_(2.0)
+                m.cos_sin_0.mul_(0.5)
+    assert len(capture.reports) == 1, "an in-place update must not recompile"
+    _assert_lowered(capture, cfg.num_layers)
+
+
+def test_token_counts_share_one_symbolic_graph():
+    torch._dynamo.reset()
+    cfg = small_config(write="cache_loc")
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(model, backend=capture)
+    with compile_counts() as counts, torch.no_grad():
+        for tokens in (1, 5, 9, 13, 40):
+            args = draft_inputs(cfg, tokens, seed=tokens)
+            eager(*args)
+            compiled(*args)
+            assert_close_for_dtype([t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv])
+    assert counts["frames"] <= 2, f"compiled {counts['frames']} graphs for 5 token counts"
+    _assert_lowered(capture, cfg.num_layers)
+    for graph in capture.after:  # no host sync: nothing reads a tensor value back
+        assert not {"aten.item", "aten._local_scalar_dense", "aten.nonzero"} & set(op_counts(graph))
+
+
+# ---- today's path, with the reason ---------------------------------------------------------------------------------
+
+
+def test_auto_on_cpu_leaves_the_graph_exactly_as_today_and_says_why():
+    """The default ("auto") lowers only where the op's CUDA kernel runs: on CPU the graph is the one of "never"."""
+    graphs = {}
+    for mode in ("auto", "never"):
+        torch._dynamo.reset()
+        capture = CaptureBackend(DsparkConfig(kv_write_op=mode))
+        eager_and_compiled(small_config(write="commit", dtype=torch.bfloat16), capture)
+        graphs[mode] = str(capture.after[-1])
+        assert OP not in graphs[mode] and not capture.report.kv_writes
+        if mode == "auto":
+            (why,) = capture.report.kv_kept
+            assert "kv_write_op='auto'" in why and "cpu" in why
+            assert "KV writes kept on the multi_linear path" in str(capture.report)
+        else:
+            assert not capture.report.kv_kept
+    assert graphs["auto"] == graphs["never"]
+
+
+def _kept(capture) -> str:
+    assert not capture.report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
+    assert all(r.n_groups == 1 for r in capture.reports), "the horizontal fusion still fuses the GEMMs"
+    return "\n".join(capture.report.kv_kept)
+
+
+class _WritesAndReturnsK(DraftKVWriter):
+    """Writes the caches and also returns layer 0's K (read by something else than the write)."""
+
+    def forward(self, ctx, positions, cache_loc=None, commit_lens=None):
+        super().forward(ctx, positions, cache_loc, commit_lens)
+        return self.layers[0](ctx, self.cos_sin_0[positions])[0] * 2
+
+
+def test_k_also_read_elsewhere_keeps_todays_path():
+    torch._dynamo.reset()
+    capture = CaptureBackend(ALWAYS)
+    cfg = small_config()
+    for eager, compiled in eager_and_compiled(cfg, capture, model_factory=_WritesAndReturnsK):
+        assert_close_for_dtype(compiled, eager)
+    assert "also read by" in _kept(capture) and "the op returns nothing" in _kept(capture)
+
+
+def _gptj_layer_1(cfg, device):
+    model = DraftKVWriter(cfg, device)
+    model.layers[1].cfg = dataclasses.replace(cfg, rope_style="gptj")
+    return model
+
+
+def test_rope_style_differing_across_layers_keeps_todays_path():
+    torch._dynamo.reset()
+    capture = CaptureBackend(ALWAYS)
+    for eager, compiled in eager_and_compiled(small_config(), capture, model_factory=_gptj_layer_1):
+        assert_close_for_dtype(compiled, eager)
+    assert "the RoPE differs across layers" in _kept(capture)
+
+
+class _HalfTableLayer(DraftKVLayer):
+    """Rotates by the first half of the table row only: a RoPE of half the width of the other layers'."""
+
+    def forward(self, ctx, cos_sin):
+        return super().forward(ctx, cos_sin[:, : cos_sin.shape[1] // 2])
+
+
+def _half_table_layer_1(cfg, device):
+    model = DraftKVWriter(cfg, device)
+    model.layers[1].__class__ = _HalfTableLayer
+    return model
+
+
+def test_rope_tables_of_different_widths_keep_todays_path():
+    torch._dynamo.reset()
+    capture = CaptureBackend(ALWAYS)
+    for eager, compiled in eager_and_compiled(small_config(), capture, model_factory=_half_table_layer_1):
+        assert_close_for_dtype(compiled, eager)
+    assert "the RoPE differs across layers (neox R=16, neox R=8)" in _kept(capture)
+
+
+def test_head_layouts_differing_across_layers_keep_todays_path():
+    class TwoLayouts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(32, 16, bias=False) for _ in range(4))
+            for i in range(4):
+                self.register_buffer(f"c{i}", torch.zeros(20, *((2, 8) if i < 2 else (4, 4))))
+
+        def forward(self, x, loc):
+            for i, lin in enumerate(self.lins):
+                cache = getattr(self, f"c{i}")
+                cache[loc] = lin(x).view(-1, *cache.shape[1:])
+
+    torch._dynamo.reset()
+    model = TwoLayouts()
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    with torch.no_grad():
+        x, loc = torch.randn(5, 32), torch.tensor([3, 0, 19, 7, 11])
+        model(x, loc)
+        torch.compile(compiled_model, backend=capture)(x, loc)
+    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    assert "the caches or heads differ across layers" in _kept(capture)
+
+
+def test_norm_on_some_layers_only_keeps_todays_path():
+    model = HFStyleKVWriter("index_put")
+    model.layers[2].k_norm = None
+    capture = _hf_run(model, torch.float32)
+    assert "some layers norm K and others do not" in _kept(capture)
+
+
+class _VOnlyLayer(HFStyleKVWriter):
+    """Layer 0 writes only its V (its K is computed and dropped)."""
+
+    def forward(self, x, positions, loc):
+        for i, (k, v) in enumerate(HFStyleKVWriter.__mro__[1].forward(self, x, positions)):
+            if i:
+                getattr(self, f"k_cache_{i}")[loc] = k
+            getattr(self, f"v_cache_{i}")[loc] = v
+
+
+def test_v_only_layer_keeps_todays_path():
+    capture = _hf_run(_VOnlyLayer("index_put"), torch.float32)
+    assert "3 normed/rotated (K) and 4 plain (V) cache writes" in _kept(capture)
+
+
+class _UnequalHalves(HFStyleKVWriter):
+    """cos/sin whose two halves differ (`cat(f, 2f)`): not the op's rotation, must not be lowered."""
+
+    def forward(self, x, positions, loc):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, 2 * freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer(x, cos, sin)
+            getattr(self, f"k_cache_{i}")[loc] = k
+            getattr(self, f"v_cache_{i}")[loc] = v
+
+
+def test_cos_sin_halves_not_provably_equal_keep_todays_path():
+    capture = _hf_run(_UnequalHalves("index_put"), torch.float32)
+    assert "not provably equal" in _kept(capture)
+
+
+def test_explain_reports_the_lowering():
+    cfg = small_config(write="commit")
+    model = DraftKVWriter(cfg)
+    before = model.k_cache_0.clone()
+    text = str(explain(model, *draft_inputs(cfg, 8), config=ALWAYS))
+    assert "KV writes of 3 layer(s) on ctx -> one multi_linear_kv_write" in text
+    assert (
+        "layer 0: K layers.0.qkv_proj.weight[64:96] -> k_cache_0, V layers.0.qkv_proj.weight[96:128] -> v_cache_0"
+        in text
+    )
+    assert "commit_lens" in text and "tables cos_sin_0 at positions" in text
+    assert torch.equal(model.k_cache_0, before)
+    text = str(explain(model, *draft_inputs(cfg, 8)))
+    assert "kv_write_op='auto' lowers only where the op's CUDA kernel runs: the tensors are on cpu" in text
+
+
+def test_draft_step_context_kv_read_by_attention_keeps_todays_path():
+    """The DFlash-like draft of benchmarks/draft_step.py, its context K/V also written to per-layer caches: the
+    attention reads them too, so the op (which returns nothing) cannot replace them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    draft_step = importlib.import_module("draft_step")
+
+    class CachingLayer(draft_step.DraftLayer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            shape = (64, cfg.num_kv_heads, cfg.head_dim)
+            self.register_buffer("k_cache", torch.zeros(shape))
+            self.register_buffer("v_cache", torch.zeros(shape))
+
+        def attention(self, x, target_hidden, ctx_rope, block_rope):
+            k, v = self.key_value(target_hidden, *ctx_rope)
+            slots = torch.arange(k.shape[0], device=k.device)
+            self.k_cache.index_copy_(0, slots, k)
+            self.v_cache.index_copy_(0, slots, v)
+            return super().attention(x, target_hidden, ctx_rope, block_rope)
+
+    torch._dynamo.reset()
+    cfg = draft_step.SMALL
+    model = draft_step.build_draft(cfg, "cpu", torch.float32)
+    for i, layer in enumerate(model.layers):
+        cached = CachingLayer(cfg)
+        cached.load_state_dict(layer.state_dict(), strict=False)
+        model.layers[i] = cached
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    inputs = draft_step.draft_inputs(cfg, 9, "cpu", torch.float32)
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(compiled_model, backend=capture)(*inputs), model(*inputs))
+    assert_close_for_dtype([b for _, b in compiled_model.named_buffers()], [b for _, b in model.named_buffers()])
+    (report,) = capture.reports
+    assert not report.kv_writes and op_counts(capture.after[-1])[OP] == 0
+    (why,) = report.kv_kept
+    assert why.startswith("target_hidden:") and "also read by" in why
+
+
+def test_inductor_runs_the_op_in_place():
+    """Real Inductor codegen: the op mutates the cache buffers in place (no clone, no missed reinplacing), the
+    symbolic graph serves new token counts, and an in-place weight update is seen."""
+    torch._dynamo.reset()
+    cfg = small_config(dtype=torch.bfloat16)
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS, inner="inductor")
+    compiled = torch.compile(model, backend=capture)
+    missed = torch._dynamo.utils.counters["inductor"]["possibly_missed_reinplacing_opportunities"]
+    with torch.no_grad():
+        for tokens in (8, 13, 21):
+            args = draft_inputs(cfg, tokens, seed=tokens)
+            eager(*args)
+            compiled(*args)
+            assert_close_for_dtype(model.caches(), eager.caches(), cfg.dtype)
+            for m in (eager, model):
+                m.layers[1].qkv_proj.weight.mul_(-1.0)
+    assert torch._dynamo.utils.counters["inductor"]["possibly_missed_reinplacing_opportunities"] == missed
+    assert len(capture.reports) == 2 and all(len(r.kv_writes) == 1 for r in capture.reports)
+
+
+def test_one_token_broadcast_to_several_slots_keeps_eager_semantics():
+    """`cache[loc] = k` with one token and several slots writes that token everywhere in eager; the lowered graph
+    assumes one slot per token (a guard), so such a call compiles a graph that keeps today's path."""
+    torch._dynamo.reset()
+    cfg = small_config()
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for tokens, slots in ((6, 6), (9, 9), (1, 3)):
+            ctx, positions, _ = draft_inputs(cfg, tokens, seed=tokens)
+            loc = torch.randperm(cfg.num_slots)[:slots]
+            eager(ctx, positions, loc)
+            compiled(ctx, positions, loc)
+            assert_close_for_dtype([t for kv in model.caches() for t in kv], [t for kv in eager.caches() for t in kv])
+    assert [len(r.kv_writes) for r in capture.reports] == [1, 1, 0], [r.kv_kept for r in capture.reports]
+    assert "written with a [T, heads, head_dim] value" in capture.reports[-1].kv_kept[0]  # a [heads, head_dim] value
+
+
+@pytest.mark.parametrize(
+    ("x", "head_dim", "cache", "why"),
+    [
+        ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), None), ""),
+        ((4, 64, "cpu", torch.bfloat16), 16, ((32, 2, 16), None), "the tensors are on cpu"),
+        ((4, 64, "cuda", torch.float32), 16, ((32, 2, 16), None), "not bf16/fp16"),
+        ((4, 60, "cuda", torch.float16), 16, ((32, 2, 16), None), "K = 60"),
+        ((4, 64, "cuda", torch.float16), 12, ((32, 2, 12), None), "head_dim = 12"),
+        ((4, 64, "cuda", torch.float16), 512, ((32, 1, 512), None), "head_dim = 512"),
+        ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), (32, 1, 64)), "unit inner stride"),
+        ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), (40, 20, 1)), "16-byte aligned"),
+    ],
+)
+def test_auto_lowers_only_where_the_cuda_kernel_runs(monkeypatch, x, head_dim, cache, why):
+    """The "auto" rule on fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dspark_fx.passes import kv_write
+
+    monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: True)
+    *shape, device, dtype = x
+    with FakeTensorMode():
+        x_val = torch.empty(shape, device=device, dtype=dtype)
+        size, stride = cache
+        c = torch.empty(size, device=device, dtype=dtype)
+        if stride is not None:
+            c = torch.empty_strided(size, stride, device=device, dtype=dtype)
+        got = kv_write.kernel_mismatch(x_val, head_dim, [c])
+    assert (why in got) if why else got == "", got
+    monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: False)
+    if device == "cuda":
+        assert "no CUDA kernel" in kv_write.kernel_mismatch(x_val, head_dim, [c])
