@@ -248,7 +248,6 @@ def _case(spec: Spec, seed: int) -> dict:
 def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
     """Run the fused kernel or (with the projections of the GEMM path, rounded to x's dtype) the heads kernel."""
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
-    esize = a["x"].element_size()
     keep = []  # tensors whose pointers the driver reads
 
     def ptr(t, offset=0):
@@ -261,8 +260,10 @@ def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
     if not fused:
         blocks = []
         for i in range(layers):
-            for w, s, b in ((a["k_weights"][i], a["k_row_starts"][i], a["k_biases"][i]),
-                            (a["v_weights"][i], a["v_row_starts"][i], a["v_biases"][i])):
+            for w, s, b in (
+                (a["k_weights"][i], a["k_row_starts"][i], a["k_biases"][i]),
+                (a["v_weights"][i], a["v_row_starts"][i], a["v_biases"][i]),
+            ):
                 out = a["x"].float() @ w[s : s + kv].float().t()
                 blocks.append(out + b[s : s + kv].float() if b is not None else out)
         projections = torch.cat(blocks, dim=1).to(a["x"].dtype).contiguous()
@@ -320,7 +321,6 @@ def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
     ]
     ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), None, None, None, *per_layer]
     eps = a["k_norm_eps"] or [0.0] * layers
-    _ = esize
     emu.emu_kv_write(
         (ctypes.c_int * len(ints))(*ints),
         (ctypes.c_int64 * len(longs))(*longs),
