@@ -147,7 +147,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
     kv.norm_fp32[i] = ints[18 + i];
     kv.eps[i] = eps[i];
     kv.cos_sin[i] = static_cast<const float*>(q[7]);
-    kv.table_rows[i] = s[6];
+    kv.position_limit = i == 0 ? s[6] : std::min<int64_t>(kv.position_limit, s[6]);
     kv.table_stride[i] = s[7];
   }
   kv.has_norm = ints[8];
@@ -334,9 +334,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _check(emu, spec: Spec, *, fused: bool, split: int = 1, seed: int = 0) -> None:
+def _check(emu, spec: Spec, *, fused: bool, split: int = 1, seed: int = 0, edit=None) -> None:
+    """Emulate the kernel on one case and the reference on an identical one; `edit(got, want)` may change both."""
     got = _case(spec, seed)
     want = _case(spec, seed)
+    if edit is not None:
+        edit(got, want)
     before = [_bits(c.clone()) for c in got["k_caches"] + got["v_caches"]]
     _emulate(emu, got, fused=fused, split=split)
     want_caches = [c.clone() for c in want["k_caches"] + want["v_caches"]]
@@ -390,3 +393,15 @@ def test_heads_kernel(emu, head_dim, rot, neox):
 
 def test_heads_kernel_fp16_without_norm(emu):
     _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), fused=False)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_position_past_the_shortest_table_skips_the_token(emu, fused):
+    """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
+    layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
+
+    def edit(got, want):
+        got["positions"][1] = 40
+        want["cache_loc"].view(-1)[1] = -1
+
+    _check(emu, Spec(tokens=6, head_dim=64), fused=fused, edit=edit)

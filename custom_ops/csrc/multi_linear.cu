@@ -23,11 +23,12 @@ namespace {
 
 // The switch between the two CUDA paths (fp32 and layouts the kernel cannot read always take cuBLAS, see
 // kernel_blocker). Measured on the H200 (benchmarks/multi_linear_tune.cu and benchmarks/multi_linear.py, L2-cold
-// weights) with default_variant's tiles: up to 16 tokens the kernel beats per-weight cuBLAS for every group
-// (single weights 1.03-1.26x at 16 tokens); up to 32 tokens for groups of several weights of <= 4096 rows on
-// average (KV of 5 layers 31 vs 51 us, q/k/v 22 vs 31 us; 2 x 12288 rows and single weights on par); at 64 tokens
-// it is compute-bound (mma.sync fed from shared memory, 1-2 CTAs per SM) and cuBLAS wins or ties.
-constexpr int64_t kTokenThreshold = 16;
+// weights) with default_variant's tiles: up to 8 tokens the kernel beats per-weight cuBLAS for every group
+// (1.04-1.8x); up to 32 tokens for groups of several weights of <= 4096 rows on average (KV of 5 layers 31 vs 51
+// us, q/k/v 22 vs 31 us); single weights and 2 x 12288 rows measured 0.95-1.03x at 16 tokens, so they stay on
+// cuBLAS; at 64 tokens the kernel is compute-bound (mma.sync fed from shared memory, 1-2 CTAs per SM) and cuBLAS
+// wins or ties.
+constexpr int64_t kTokenThreshold = 8;
 constexpr int64_t kGroupTokenThreshold = 32;
 constexpr int64_t kGroupMaxMeanRows = 4096;
 static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");

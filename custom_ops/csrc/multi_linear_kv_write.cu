@@ -347,7 +347,6 @@ KvWrite kv_table(const Call& c, size_t first, size_t count) {
       TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, kOp, "cos_sin_caches[", num(i),
                         "] must have a unit inner stride on CUDA");
       kv.cos_sin[j] = t.data_ptr<float>();
-      kv.table_rows[j] = t.size(0);
       kv.table_stride[j] = t.stride(0);
     }
   }
@@ -371,6 +370,10 @@ KvWrite kv_table(const Call& c, size_t first, size_t count) {
     kv.commit_int64 = c.commit->scalar_type() == at::kLong;
   }
   kv.slots = c.k_caches[0].size(0);
+  kv.position_limit = 0;
+  for (size_t i = 0; i < c.tables.size(); ++i) {
+    kv.position_limit = i == 0 ? c.tables[i].size(0) : std::min(kv.position_limit, c.tables[i].size(0));
+  }
   kv.heads = static_cast<int>(c.heads);
   kv.head_dim = static_cast<int>(c.head_dim);
   kv.rotary_dim = c.tables.empty() ? 0 : static_cast<int>(c.tables[0].size(1));

@@ -17,8 +17,8 @@
 //
 // Per (token, head) unit, in fp32 (each lane holds V = head_dim / 32 consecutive elements): the token's slot
 // (cache_loc, or cache_loc_2d and commit_lens) and, with RoPE, its position; a negative or out-of-range slot, a
-// masked commit column or a position outside the layer's table skips the unit (nothing is read through it,
-// nothing written). K: sum of squares across the warp, scale = rsqrt(mean + eps), times the norm weight; RoPE
+// masked commit column or a position outside the shortest table skips the token (nothing is read through it,
+// nothing written, in any layer). K: sum of squares across the warp, scale = rsqrt(mean + eps), times the norm weight; RoPE
 // pairs (j, j + R/2) (neox) or (2j, 2j + 1) (GPT-J) for j < R/2 through a warp-private row of shared memory; then
 // every lane stores its V elements, rounded once, with one vector store.
 #pragma once
@@ -41,7 +41,6 @@ struct KvWrite {
   int norm_fp32[kMaxLayers];            // norm_weight is fp32 (else the element type)
   float eps[kMaxLayers];
   const float* cos_sin[kMaxLayers];     // [rows][R]: cos in [0, R/2), sin in [R/2, R)
-  int64_t table_rows[kMaxLayers];
   int64_t table_stride[kMaxLayers];
   const void* positions;
   int64_t positions_stride;
@@ -54,6 +53,8 @@ struct KvWrite {
   int commit_int64;
   int width;                            // 32-bit index arithmetic throughout (the binding checks the ranges)
   int64_t slots;
+  int64_t position_limit;               // rows of the shortest table of the call: a position outside [0, limit)
+                                        // skips its token in every layer (the CPU op raises for it)
   int heads, head_dim, rotary_dim;
   int neox, has_norm, has_rope;
 };
@@ -309,7 +310,7 @@ struct KvWriteEpilogue {
     }
     if (t >= kTokens) return;
     const int j = t % kv.width;
-    const bool rope_ok = !kv.has_rope || (pre.pos >= 0 && pre.pos < kv.table_rows[h.layer]);
+    const bool rope_ok = !kv.has_rope || (pre.pos >= 0 && pre.pos < kv.position_limit);
     const bool live = t < args.gemm.tokens && j < pre.commit && pre.loc >= 0 && pre.loc < kv.slots && rope_ok;
     slots[t] = live ? pre.loc : -1;
     if (!live || h.kind != 0 || !kv.has_rope) return;
@@ -390,7 +391,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   const int64_t slot = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
   const int64_t pos = kv.has_rope ? load_index(kv.positions, token * kv.positions_stride, kv.positions_int64) : 0;
   if (j >= commit || slot < 0 || slot >= kv.slots) return;
-  if (kv.has_rope && (pos < 0 || pos >= kv.table_rows[layer])) return;
+  if (kv.has_rope && (pos < 0 || pos >= kv.position_limit)) return;
   float g[V], c[V], sn[V];
   load_weight<T, V>(kind == 0 && kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim,
                     g);
