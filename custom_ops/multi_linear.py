@@ -20,7 +20,7 @@ Which path runs:
 | device | when                                                      | path                                           |
 |--------|-----------------------------------------------------------|------------------------------------------------|
 | CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
-| CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 16,   | the kernel, one launch per 64 row ranges       |
+| CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 8,    | the kernel, one launch per 64 row ranges       |
 |        | or T <= 32 for >= 2 row ranges of <= 4096 rows on average |                                                |
 | CUDA   | otherwise (fp32, larger T, other K, other layouts)        | one cuBLAS `mm`/`addmm` per row range (b)      |
 

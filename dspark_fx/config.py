@@ -22,7 +22,7 @@ class DsparkConfig:
     `max_leaf_numel`: largest per-branch tensor (e.g. a norm weight) that may be stacked per call.
     `skinny_linears`: also route a GEMM that has no partner on its activation (a draft's o_proj, down_proj, fc)
     through `dspark::multi_linear` with one weight. On CUDA the op takes its small-T kernel where that beats cuBLAS
-    (up to 16 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
+    (up to 8 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
     BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
     `kv_write_op`: lower N layers' K/V cache writes from one activation (projection, k_norm, RoPE, write) to one
     `dspark::multi_linear_kv_write` (`passes/kv_write.py`). "auto": where the op's CUDA kernel runs (CUDA tensors,
