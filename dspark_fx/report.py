@@ -128,6 +128,8 @@ def count(report: FusionReport) -> None:
     group["branches_fused"] += sum(report.n_branches)
     group["branches_batched"] += sum(len(c.branches) for g in report.groups for c in g.classes)
     group["lone_gemms_routed"] += len(report.routed)
+    group["kv_writes_lowered"] += len(report.kv_writes)
+    group["kv_writes_kept"] += len(report.kv_kept)
     for rejection in report.rejected:
         group["rejected"] += 1
         group[f"rejected_{rejection.kind}"] += 1

@@ -80,3 +80,21 @@ def test_every_rejection_reason_has_a_kind():
     assert not other, f"reasons without a kind in report.REJECTION_KINDS: {other}"
     assert Rejection("w", "2 fusable GEMM(s) on x, fewer than min_branches").kind == "below_min_branches"
     assert Rejection("w", "bias: weight is computed by aten.mul").kind == "bias"
+
+
+def test_counters_count_lowered_and_kept_cache_writes():
+    """The draft writer's K/V cache writes: forced lowering (CPU) counts one lowered group; "auto" on CPU keeps
+    them on the fused-GEMM path and counts that."""
+    from helpers import draft_inputs, small_config
+
+    from dspark_fx.reference_draft import DraftKVWriter
+
+    cfg = small_config(write="cache_loc")
+    for mode, lowered, kept in (("always", 1, 0), ("auto", 0, 1)):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(DraftKVWriter(cfg), backend=CaptureBackend(DsparkConfig(kv_write_op=mode)))
+        with torch.no_grad():
+            compiled(*draft_inputs(cfg, 5))
+        assert counters["dspark_fx"]["kv_writes_lowered"] == lowered, dict(counters["dspark_fx"])
+        assert counters["dspark_fx"]["kv_writes_kept"] == kept, dict(counters["dspark_fx"])
