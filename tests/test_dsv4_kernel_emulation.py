@@ -17,10 +17,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import dsv4_cases as ref
 import pytest
-import test_dsv4_reference as ref
 import torch
-from test_dsv4_reference import Session, make_inputs
+from dsv4_cases import Session, make_inputs
 
 import custom_ops  # noqa: F401
 from custom_ops import dsv4_compress_plan as cp
