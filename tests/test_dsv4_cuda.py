@@ -9,8 +9,7 @@ import random
 
 import pytest
 import torch
-from dsv4_cases import Session, make_inputs
-from test_dsv4_store import assert_cache_bytes_close
+from dsv4_cases import Session, assert_cache_bytes_close, make_inputs
 
 import custom_ops  # noqa: F401
 from custom_ops import _build

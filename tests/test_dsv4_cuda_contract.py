@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from dsv4_cases import assert_cache_bytes_close
 from test_dsv4_kernel_emulation import (
     STORE_FREQS,
     STORE_PAGE,
@@ -21,7 +22,6 @@ from test_dsv4_kernel_emulation import (
     store_case,
     storing_rows,
 )
-from test_dsv4_store import assert_cache_bytes_close
 
 import custom_ops
 from custom_ops import _build

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from dsv4_cases import FREQS, assert_cache_bytes_close, check_store
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_dsv4_store import FREQS, assert_cache_bytes_close, check_store
 
 import custom_ops
 from custom_ops.dsv4_compress_common import read_compress_plan
