@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dsv4_kernel_emulation import SHIM
-from test_flashmla_contract import (
+from flashmla_cases import (
     ALL_OPS,
     HUGE,
     MUTATED,
@@ -28,6 +27,7 @@ from test_flashmla_contract import (
     _reference_result,
     _unused_slot,
 )
+from test_dsv4_kernel_emulation import SHIM
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
