@@ -11,10 +11,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from dsv4_cases import assert_cache_bytes_close
-from test_dsv4_kernel_emulation import (
+from dsv4_cases import (
     STORE_FREQS,
     STORE_PAGE,
+    assert_cache_bytes_close,
     corruption_case,
     plan_corruptions,
     planner_problem_stages,

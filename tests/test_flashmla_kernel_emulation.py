@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dsv4_emulation_shim import SHIM
 from flashmla_cases import (
     ALL_OPS,
     HUGE,
@@ -27,7 +28,6 @@ from flashmla_cases import (
     _reference_result,
     _unused_slot,
 )
-from test_dsv4_kernel_emulation import SHIM
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
