@@ -10,7 +10,7 @@ entry or seq_len past `req_to_token`, a slot past the cache.
 
 CPU: the bad try raises ValueError naming the argument and modifies nothing; after every step each entry equals
 `compress_sequence` of its request's whole sequence (every complete window exactly once over the scenario), only
-state rows owned by the step's requests changed, and the cache holds what `test_dsv4_store.check_store` expects
+state rows owned by the step's requests changed, and the cache holds what `check_store` (tests/dsv4_cases.py) expects
 (bytes outside the stored slots unchanged). CUDA: the same scenarios with the bad values left in (skipped on the
 device) equal the CPU path with them neutralized (padding request, unmapped table entry, slot -1).
 """

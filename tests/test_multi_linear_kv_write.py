@@ -1,4 +1,4 @@
-"""dspark::multi_linear_kv_write on CPU: the op against an fp64 formula written here, untouched cache bytes, errors.
+"""dspark::multi_linear_kv_write on CPU: the op against an fp64 formula, untouched cache bytes, errors.
 
 The fp64 formula (`fp64_kv`, `written_tokens`) is independent of `custom_ops.multi_linear_kv_write`: einsum
 projections, RMSNorm and a loop over the rotated pairs in float64, and a plain Python walk over `cache_loc` /
