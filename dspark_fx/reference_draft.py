@@ -1,6 +1,6 @@
 """The reference DSpark/DFlash draft context-KV writer: one definition used by tests, examples and benchmarks.
 
-Per draft layer `l`, from the shared `ctx` hidden states (spec `dspark_stacked_kv.md` §1.2):
+Per draft layer `l`, from the shared `ctx` hidden states (the path README.md describes as `kv_proj → k_norm → rope`):
 
     kv_l = ctx @ W_kv_l^T (+ b_l)                 one GEMM per layer
     k_l  = RMSNorm_l(k_l per head)                fp32 math, one cast back

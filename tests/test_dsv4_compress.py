@@ -1,7 +1,8 @@
 """Offline c4 / c128 compression (CPU reference) against the fp64 whole-sequence ground truth.
 
-Covers the spec §8 scenarios in both addressing modes, unaligned prefixes, padding, bf16 state and a
-randomized split of sequences into prefill + extends + decodes.
+Covers the reference scenarios of docs/dsv4_compress.md ("Reference formula and scenarios") in both addressing
+modes, unaligned prefixes, padding, bf16 state and a randomized split of sequences into prefill + extends +
+decodes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import random
 
 import pytest
 import torch
-from test_dsv4_reference import Session, make_inputs
+from dsv4_cases import Session, make_inputs
 
 from custom_ops.dsv4_compress_common import read_write_plan
 from custom_ops.dsv4_compress_plan import plan_prefill

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dsv4_reference import gt_compress
+from dsv4_cases import gt_compress
 
 import custom_ops  # noqa: F401
 from custom_ops.dsv4_compress_store import cache_page_bytes

@@ -1,6 +1,7 @@
-"""CUDA kernels of the DeepSeek-V4 compressor: CUDA == CPU reference (and the fp64 ground truth) on the spec §8
-scenarios in both addressing modes, online c128, bf16 state, the store op, a compiled step without clones, and
-decode steps captured in a CUDA graph and replayed 300 times."""
+"""CUDA kernels of the DeepSeek-V4 compressor: CUDA == CPU reference (and the fp64 ground truth) on the reference
+scenarios of docs/dsv4_compress.md ("Reference formula and scenarios") in both addressing modes, online c128,
+bf16 state, the store op, a compiled step without clones, and decode steps captured in a CUDA graph and replayed
+300 times."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import random
 
 import pytest
 import torch
-from test_dsv4_reference import Session, make_inputs
-from test_dsv4_store import assert_cache_bytes_close
+from dsv4_cases import Session, assert_cache_bytes_close, make_inputs
 
 import custom_ops  # noqa: F401
 from custom_ops import _build

@@ -11,9 +11,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from test_dsv4_kernel_emulation import (
+from dsv4_cases import (
     STORE_FREQS,
     STORE_PAGE,
+    assert_cache_bytes_close,
     corruption_case,
     plan_corruptions,
     planner_problem_stages,
@@ -21,7 +22,6 @@ from test_dsv4_kernel_emulation import (
     store_case,
     storing_rows,
 )
-from test_dsv4_store import assert_cache_bytes_close
 
 import custom_ops
 from custom_ops import _build

@@ -17,132 +17,30 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import dsv4_cases as ref
 import pytest
-import test_dsv4_reference as ref
 import torch
-from test_dsv4_reference import Session, make_inputs
+from dsv4_cases import (
+    STORE_FREQS,
+    STORE_PAGE,
+    Session,
+    corruption_case,
+    make_inputs,
+    plan_corruptions,
+    planner_problem_stages,
+    run_compress,
+    store_case,
+    storing_rows,
+)
+from dsv4_emulation_shim import SHIM
 
 import custom_ops  # noqa: F401
 from custom_ops import dsv4_compress_plan as cp
 from custom_ops.dsv4_compress_common import read_compress_plan, read_decode_plan
-from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
-from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store, row_slots, stored_rows
-from custom_ops.rope import precompute_freqs
+from custom_ops.dsv4_compress_store import compress_norm_rope_store
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
-SHIM = {
-    "cuda_runtime.h": r"""
-#pragma once
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
-struct uint2 { uint32_t x, y; };
-struct uint4 { uint32_t x, y, z, w; };
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline float2 make_float2(float a, float b) { return {a, b}; }
-struct Dim { unsigned x = 0; };
-inline thread_local Dim threadIdx, blockIdx, gridDim;
-inline thread_local std::barrier<>* g_block = nullptr;
-inline thread_local std::barrier<>* g_warp = nullptr;
-inline thread_local double* g_lanes = nullptr;
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline float __expf(float x) { return std::exp(x); }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __double2float_rn(double d) { return float(d); }
-inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-template <typename T> inline T lane_exchange(T v, int src, bool take) {
-  const int lane = threadIdx.x & 31;
-  std::memcpy(&g_lanes[lane], &v, sizeof(T));
-  g_warp->arrive_and_wait();
-  T r = v;
-  if (take) std::memcpy(&r, &g_lanes[src], sizeof(T));
-  g_warp->arrive_and_wait();
-  return r;
-}
-template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) {
-  return lane_exchange(v, (threadIdx.x & 31) ^ m, true);
-}
-template <typename T> inline T __shfl_up_sync(unsigned, T v, int o) {
-  const int lane = threadIdx.x & 31;
-  return lane_exchange(v, lane - o, lane >= o);
-}
-inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
-  std::atomic_ref<unsigned long long> word(*p);
-  unsigned long long old = word.load();
-  while (v < old && !word.compare_exchange_weak(old, v)) {
-  }
-  return old;
-}
-using std::fmaxf;
-using std::fminf;
-""",
-    "cuda_bf16.h": r"""
-#pragma once
-#include "cuda_runtime.h"
-struct __nv_bfloat16 {
-  uint16_t x;
-  operator float() const { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
-struct __nv_bfloat162 { __nv_bfloat16 x, y; };
-inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return __nv_bfloat16{uint16_t(u >> 16)};
-}
-inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
-inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
-  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
-}
-inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return __floats2bfloat162_rn(v.x, v.y); }
-""",
-    "cuda_fp16.h": r"""
-#pragma once
-#include "cuda_bf16.h"
-struct __half { uint16_t x; };
-inline float __half2float(__half) { return 0.f; }
-inline __half __float2half_rn(float) { return __half{0}; }
-""",
-    "cuda_fp8.h": r"""
-#pragma once
-#include "cuda_runtime.h"
-enum { __NV_SATFINITE = 1, __NV_E4M3 = 2 };
-inline float e4m3_value(int code) {
-  const int e = (code >> 3) & 0xF, m = code & 7;
-  return e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-}
-inline uint8_t e4m3_rne_satfinite(float v) {
-  if (std::isnan(v)) return 0x7F;
-  const uint8_t sign = v < 0 ? 0x80 : 0;
-  const float a = std::fabs(v);
-  if (a >= 448.f) return sign | 0x7E;
-  int best = 0;
-  float dist = 1e30f;
-  for (int c = 0; c <= 0x7E; ++c) {
-    const float d = std::fabs(e4m3_value(c) - a);
-    if (d < dist || (d == dist && (c & 1) == 0)) { dist = d; best = c; }
-  }
-  return sign | best;
-}
-inline uint16_t __nv_cvt_float2_to_fp8x2(float2 v, int, int) {
-  return uint16_t(e4m3_rne_satfinite(v.x)) | uint16_t(e4m3_rne_satfinite(v.y) << 8);
-}
-""",
-}
 
 DRIVER = r"""
 #include "dsv4_compress_plan_kernels.cuh"
@@ -393,138 +291,6 @@ def test_emulated_online_kernels_match_fp64(emu, monkeypatch, d, num_sms):
     _random_session(128, "ring", True, d, seed=3, long=True)
 
 
-INVALID_C = [-1, 0, -1, -1]  # CompressPlan padding row as int32 words
-INVALID_D = [-1, -1, -1, -1]  # DecodePlan padding row
-
-
-def _first(mask: torch.Tensor) -> int:
-    return int(mask.nonzero()[0, 0])
-
-
-def decode_corruptions(ratio: int, online: bool, rows: int):
-    """(field, corrupt): `corrupt(bad, neutral)` edits the int32 words of two copies of a decode plan: `bad` gets an
-    out-of-range row, `neutral` the same row as the CPU path accepts it with the effect a skipping kernel has
-    (padding; or, for a row whose window read is bad, a row that writes but does not close its window)."""
-    if online:
-
-        def loads(w):
-            return (w[:, 1] >= 0) & ((w[:, 0] - 1) % 128 != 0)
-
-        def write_loc(bad, good):
-            r = _first(bad[0][:, 1] >= 0)
-            bad[0][r, 1] = rows
-            good[0][r] = torch.tensor(INVALID_D)
-
-        def read_page_0(bad, good):
-            r = _first(loads(bad[0]))
-            bad[0][r, 2] = rows + 1
-            good[0][r] = torch.tensor(INVALID_D)
-
-        return [("write_loc", write_loc), ("read_page_0", read_page_0)]
-
-    def emitting(w):
-        return (w[:, 1] >= 0) & (w[:, 0] % ratio == 0)
-
-    def write_loc(bad, good):
-        r = _first(bad[0][:, 1] >= 0)
-        bad[0][r, 1] = rows + 5
-        good[0][r] = torch.tensor(INVALID_D)
-
-    def page(col, value):
-        def corrupt(bad, good):
-            r = _first(emitting(bad[0]))
-            bad[0][r, col] = value
-            good[0][r, 0] += 1  # writes the row, closes no window
-
-        return corrupt
-
-    def not_last_row(bad, good):
-        r = _first(emitting(bad[0]))
-        bad[0][r, 1] -= 1
-        good[0][r, 1] -= 1
-        good[0][r, 0] += 1
-
-    cases = [("write_loc", write_loc), ("read_page_1", page(3, rows // ratio + 3)), ("write_loc", not_last_row)]
-    return [*cases, ("read_page_0", page(2, -7))] if ratio == 4 else cases
-
-
-def prefill_corruptions(ratio: int, online: bool, rows: int, inputs: int):
-    """As `decode_corruptions`, for the two plans of a prefill (every corrupted row becomes padding)."""
-    window = 8 if ratio == 4 else 128
-
-    def field(plan: int, col: int, value, pick=lambda w: w[:, 0] != -1, keep=0):
-        """Set the bits of word `col` outside `keep` to `value` in the first row of `plan` that `pick` selects."""
-
-        def corrupt(bad, good):
-            r = _first(pick(bad[plan]))
-            bad[plan][r, col] = (bad[plan][r, col] & keep) | value
-            good[plan][r] = torch.tensor(INVALID_C if online or plan == 0 else [-1, -1])
-
-        return corrupt
-
-    def buffered(w):
-        return (w[:, 0] != -1) & ((w[:, 1] >> 16) > 0)
-
-    ragged = ("ragged_id", field(0, 1, inputs + 1, keep=~0xFFFF))
-    buffer_len = field(0, 1, 0 if online else (window + 1) << 16, keep=0xFFFF)
-    if online:
-        return [
-            ragged,
-            ("buffer_len", buffer_len),
-            ("buffer_len", field(1, 1, 129 << 16, keep=0xFFFF)),
-            ("read_page_0", field(1, 2, rows)),
-            ("read_page_1", field(0, 3, rows + 4)),
-        ]
-    return [
-        ragged,
-        ("buffer_len", buffer_len),
-        ("ragged_id", field(0, 1, 0)),  # ragged id 0, buffer_len 0: the window starts before row 0
-        ("read_page_1", field(0, 3, -2, buffered)),
-        ("write_loc", field(1, 1, rows)),
-        ("ragged_id", field(1, 0, inputs)),
-    ]
-
-
-def plan_corruptions(ratio: int, online: bool, decode: bool, state: torch.Tensor, kv: torch.Tensor):
-    """`decode_corruptions` or `prefill_corruptions` for the buffers of a `corruption_case`."""
-    if decode:
-        return decode_corruptions(ratio, online, state.shape[0])
-    return prefill_corruptions(ratio, online, state.shape[0], kv.shape[0])
-
-
-def corruption_case(ratio: int, online: bool, decode: bool, g: torch.Generator):
-    """A random state, input and ape, and valid plans of 3-4 requests."""
-    d = 128
-    window = 8 if ratio == 4 else 128
-    ring = 1 if online else window
-    state = torch.randn(5 * ring, 3 * d if online else (4 if ratio == 4 else 2) * d, generator=g)
-    if online:
-        state[:, d : 2 * d] = state[:, d : 2 * d].abs() + 1
-    ape = torch.randn(window, d, generator=g)
-    in_width = (4 if ratio == 4 else 2) * d
-    r = ratio
-    if decode:
-        seq = torch.tensor([128, 200, 1, 129] if online else [r, 2 * r, 2 * r + 1, 3 * r])
-        rid = torch.arange(4)
-        plans = (plan_online_decode(seq, rid),) if online else (plan_decode(seq, rid, None, None, r, ring),)
-        return state, torch.randn(4, in_width, generator=g), ape, plans
-    seq, ext = ([300, 128, 5], [200, 128, 1]) if online else ([2 * r + 3, 3 * r, r + 1], [r + 5, 2 * r, 2])
-    seq, ext, rid = torch.tensor(seq), torch.tensor(ext), torch.arange(3)
-    n = int(ext.sum()) + 2
-    plans = plan_online_prefill(seq, ext, rid, n) if online else plan_prefill(seq, ext, rid, None, None, r, ring, 0, n)
-    return state, torch.randn(n, in_width, generator=g), ape, plans
-
-
-def run_compress(online, decode, state, kv, ape, plans, ratio):
-    """The registered compress op of (online, decode) on the tensors' device."""
-    ops = torch.ops.dspark
-    if online:
-        op = ops.dsv4_online_compress_decode if decode else ops.dsv4_online_compress_prefill
-        return op(state, kv, ape, *plans)
-    op = ops.dsv4_compress_decode if decode else ops.dsv4_compress_prefill
-    return op(state, kv, ape, *plans, ratio)
-
-
 def _emu_compress(emu, online, decode, state, kv, ape, plans, ratio):
     plan_w = None if decode else plans[1]
     if online:
@@ -654,40 +420,6 @@ def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     _check_online_planners(emu, seq, ext, rid, n, check)
 
 
-def planner_problem_stages():
-    """Planner inputs (seq, ext, rid, r2t, f2s, num_q_tokens) with every kind of out-of-range value, fixed one kind
-    at a time, so that stage k's first problem has rank k (ERR_*); the paged tables also hold unmapped entries."""
-    g = torch.Generator().manual_seed(5)
-    batch = 40
-    seq = torch.randint(1, 600, (batch,), generator=g)
-    ext = torch.minimum(seq, torch.randint(1, 40, (batch,), generator=g))
-    rid = torch.arange(batch) % 11 - 1
-    picks = torch.randperm(batch, generator=g)[:6].tolist()
-    good_ext = ext.clone()
-    ext[picks[0]], ext[picks[1]] = -3, 70000
-    seq[picks[2]] = 2**40  # past int32 positions
-    rid[picks[3]], rid[picks[4]] = 2**33 + 1, 2**62  # wrap in int32, overflow int64 when multiplied
-    rid[picks[5]], seq[picks[5]] = 2, ext[picks[5]] - 1  # shorter than its extend
-    r2t = (torch.arange(10)[:, None] * 1024 + torch.arange(1024)).to(torch.int64)
-    r2t[3] = 10 * 1024 + 7  # past full_to_state
-    f2s = torch.arange(10 * 1024)
-    f2s[5 * 1024 : 6 * 1024] = 2**45  # state rows beyond int32
-    f2s[7 * 1024 + 10 : 7 * 1024 + 500] = -1  # unmapped: skipped, never reported
-    tokens = int(good_ext.sum())
-    stages = [
-        (lambda: None, tokens - 5),
-        (lambda: ext.copy_(good_ext), tokens - 5),  # the extends end past num_q_tokens
-        (lambda: None, tokens),  # a seq_len shorter than its extend
-        (lambda: seq.copy_(torch.maximum(seq, ext)), tokens),  # a seq_len past int32
-        (lambda: seq.copy_(seq.clamp(max=600)), tokens),  # request ids
-        (lambda: rid.copy_(torch.where(rid > 9, -1, rid)), tokens),  # req_to_token entries (paged)
-        (lambda: r2t[3].copy_(torch.arange(3 * 1024, 4 * 1024)), tokens),  # full_to_state entries (paged)
-    ]
-    for change, n in stages:
-        change()
-        yield seq.clone(), ext.clone(), rid.clone(), r2t.clone(), f2s.clone(), n
-
-
 def test_emulated_planners_skip_and_report_out_of_range_values(emu):
     """The kernels skip exactly the rows the reference skips and report the problem the CPU path raises."""
     ranks = []
@@ -698,28 +430,6 @@ def test_emulated_planners_skip_and_report_out_of_range_values(emu):
                 _check_planners(emu, seq, ext, rid, tables, ratio, ring, n, True)
         _check_online_planners(emu, seq, ext, rid, n, True)
     assert ranks == list(range(7))
-
-
-STORE_FREQS = precompute_freqs(4096, 64, 160000.0, original_seq_len=65536, factor=16.0)
-STORE_PAGE = 16
-
-
-def store_case(d: int, fp4: bool, decode: bool):
-    """Random entries, their plan (ratio 4), out_loc (some negative) and a poisoned cache of 32 pages of 16."""
-    g = torch.Generator().manual_seed(d + decode)
-    if decode:
-        seq = torch.randint(1, 3000, (24,), generator=g)
-        seq[::2] = (seq[::2] // 4 + 1) * 4
-        plan = plan_decode(seq, torch.arange(24), None, None, 4, 8)
-        out_loc = torch.randperm(500, generator=g)[:24] - 10
-    else:
-        seq, ext = torch.tensor([300, 41]), torch.tensor([200, 41])
-        plan, _ = plan_prefill(seq, ext, torch.arange(2), None, None, 4, 8, 0, 241)
-        out_loc = torch.randperm(500, generator=g)[:241] - 10
-    kv = torch.randn(plan.shape[0], d, generator=g) * 3
-    w = torch.rand(d, generator=g) + 0.5
-    cache = torch.randint(0, 256, (32, cache_page_bytes(d, STORE_PAGE, fp4)), dtype=torch.uint8, generator=g)
-    return kv, plan, w, out_loc.long(), cache
 
 
 def _emu_store(emu, kv, plan, w, freqs, out_loc, cache, decode, fp4) -> None:
@@ -757,13 +467,6 @@ def test_emulated_store_kernels_write_the_reference_bytes(emu, d, fp4, decode):
     assert not torch.equal(want, before)
     _emu_store(emu, kv, plan, w, STORE_FREQS, out_loc, cache, decode, fp4)
     assert torch.equal(cache, want)
-
-
-def storing_rows(plan, out_loc, decode):
-    """Plan rows that store, and the out_loc index of each."""
-    rows = stored_rows(plan, 4, decode)
-    stores = rows.valid & (row_slots(rows, out_loc) >= 0)
-    return stores.nonzero().squeeze(1), rows.source
 
 
 @pytest.mark.parametrize("decode", [True, False])

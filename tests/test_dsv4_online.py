@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from test_dsv4_reference import Session, make_inputs
+from dsv4_cases import Session, make_inputs
 
 D = 512
 

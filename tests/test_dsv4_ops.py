@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dsv4_cases import call_op
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401
 from custom_ops.dsv4_compress import compress_decode, compress_prefill
@@ -84,14 +84,6 @@ def _decode_args(ratio=4):
     kv = torch.randn(2, state.shape[1], generator=g)
     plan = plan_decode(torch.tensor([4, 9]), torch.tensor([0, 1]), None, None, ratio, ring)
     return {"state": state, "kv_score": kv, "ape": ape, "plan": plan, "ratio": ratio}
-
-
-def call_op(op, args: dict, fake: bool):
-    """Call a registered op on real tensors, or (fake) on fake copies: its fake impl, which torch.compile runs."""
-    if not fake:
-        return op(*args.values())
-    with FakeTensorMode() as mode:
-        return op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args.values()])
 
 
 DECODE_BAD_STRUCTURE = [

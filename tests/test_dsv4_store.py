@@ -2,125 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from test_dsv4_ops import call_op
+from dsv4_cases import EPS, FREQS, call_op, check_store
 
 import custom_ops  # noqa: F401
 from custom_ops.dsv4_compress_plan import plan_decode, plan_prefill
 from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
-from custom_ops.fp8_layout import dequantize_flashmla_cache
-from custom_ops.rope import precompute_freqs
-
-EPS = 1e-6
-FREQS = precompute_freqs(4096, 64, 160000.0, original_seq_len=65536, factor=16.0)
-
-
-def _expected(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, hadamard: bool) -> torch.Tensor:
-    """fp64: RMSNorm, interleaved RoPE of the last 64 dims at `pos`, optional normalized Hadamard."""
-    x = x.double()
-    y = x / torch.sqrt(x.square().mean(1, keepdim=True) + EPS) * w.double()
-    d = y.shape[1]
-    t = FREQS[pos].double()
-    c, s = t[:, 0::2], t[:, 1::2]
-    re, im = y[:, d - 64 :: 2], y[:, d - 63 :: 2]
-    rot = torch.stack([re * c - im * s, re * s + im * c], -1).flatten(1)
-    y = torch.cat([y[:, : d - 64], rot], 1)
-    if hadamard:
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < d:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        y = y @ h.T / math.sqrt(d)
-    return y
-
-
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the e2m1 magnitudes, written out independently of fp4_layout
-
-
-def _decode_indexer(cache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    flat = cache.view(-1)
-    out = []
-    for loc in slots.tolist():
-        base = (loc // page_size) * cache.shape[1]
-        off = loc % page_size
-        codes = flat[base + off * 128 : base + off * 128 + 128].view(torch.float8_e4m3fn).double()
-        scale = flat[base + 128 * page_size + off * 4 : base + 128 * page_size + off * 4 + 4].view(torch.float32)
-        out.append(codes * scale.double())
-    return torch.stack(out)
-
-
-def _decode_indexer_fp4(cache: torch.Tensor, page_size: int, slots: torch.Tensor):
-    """fp64 values and the per-32 scales 2^(e-127) of FP4 indexer slots (nibbles: even element low, bit 3 sign)."""
-    flat = cache.view(-1)
-    values, scales = [], []
-    for loc in slots.tolist():
-        base = (loc // page_size) * cache.shape[1]
-        off = loc % page_size
-        row = []
-        for byte in flat[base + off * 64 : base + off * 64 + 64].tolist():
-            for nibble in (byte & 0xF, byte >> 4):
-                row.append(-E2M1[nibble & 7] if nibble & 8 else E2M1[nibble & 7])
-        exps = flat[base + 64 * page_size + off * 4 : base + 64 * page_size + off * 4 + 4].double()
-        scale = torch.pow(2.0, exps - 127)
-        values.append(torch.tensor(row, dtype=torch.float64) * scale.repeat_interleave(32))
-        scales.append(scale)
-    return torch.stack(values), torch.stack(scales)
-
-
-def _touched(cache: torch.Tensor, page_size: int, slots: list[int], d: int, fp4: bool) -> torch.Tensor:
-    """Mask of the bytes the store may write for `slots` (payload regions only)."""
-    mask = torch.zeros(cache.numel(), dtype=torch.bool)
-    codes = 64 if fp4 else 128
-    for loc in slots:
-        base = (loc // page_size) * cache.shape[1]
-        off = loc % page_size
-        if d == 512:
-            mask[base + off * 576 : base + off * 576 + 576] = True
-            mask[base + page_size * 576 + off * 8 : base + page_size * 576 + off * 8 + 7] = True
-        else:
-            mask[base + off * codes : base + off * codes + codes] = True
-            mask[base + codes * page_size + off * 4 : base + codes * page_size + off * 4 + 4] = True
-    return mask
-
-
-def _check_fp4(got: torch.Tensor, scales: torch.Tensor, want: torch.Tensor) -> None:
-    """Per group of 32: the scale is the smallest power of two >= amax / 6, every value the nearest e2m1 step."""
-    groups = want.reshape(-1, 4, 32)
-    floor = groups.abs().amax(-1).clamp(min=1e-4) / 6
-    assert (scales >= floor * (1 - 1e-6)).all() and (scales < 2 * floor * (1 + 1e-6)).all()
-    v = groups.abs() / scales[..., None]
-    half_step = torch.where(v < 2, 0.25, torch.where(v < 4, 0.5, 1.0)) * scales[..., None]
-    err = (got.reshape(-1, 4, 32) - groups).abs()
-    assert (err <= half_step * (1 + 1e-5) + 1e-7).all(), (err / half_step).amax()
-
-
-def assert_cache_bytes_close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """CUDA and CPU caches agree byte for byte except for rare rounding ties (an FP8 code one step apart): a few
-    bytes per call, or one in 100,000 for large caches."""
-    diff = (got.cpu() != want.cpu()).sum().item()
-    assert diff <= max(4, want.numel() // 100000), f"{what}{diff} cache bytes differ from the CPU path"
-
-
-def check_store(kv, w, pos, slots, cache, before, page_size, fp4=False):
-    d = kv.shape[1]
-    want = _expected(kv, w, pos, hadamard=d == 128)
-    untouched = ~_touched(cache, page_size, slots.tolist(), d, fp4)
-    assert torch.equal(cache.view(-1)[untouched], before.view(-1)[untouched]), "bytes outside the slots changed"
-    if fp4:
-        _check_fp4(*_decode_indexer_fp4(cache, page_size, slots), want)
-    elif d == 512:
-        got = dequantize_flashmla_cache(cache, page_size, slots).double()
-        tiles = want[:, :448].reshape(-1, 7, 64).abs().amax(-1).clamp(min=1e-4)
-        scale = torch.exp2(torch.ceil(torch.log2(tiles / 448)))
-        err = (got[:, :448] - want[:, :448]).reshape(-1, 7, 64).abs()
-        assert (err <= scale[..., None] * 18).all(), (err / scale[..., None]).amax((1, 2))  # half ulp + bf16
-        torch.testing.assert_close(got[:, 448:], want[:, 448:], atol=1e-2, rtol=8e-3)
-    else:
-        got = _decode_indexer(cache, page_size, slots)
-        amax = want.abs().amax(1, keepdim=True)
-        assert ((got - want).abs() <= amax / 448 * 16 + 1e-6).all()
 
 
 @pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])

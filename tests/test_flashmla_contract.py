@@ -11,14 +11,26 @@ import re
 
 import pytest
 import torch
-from test_flashmla_writes import (
+from flashmla_cases import (
+    ALL_OPS,
     EPS,
+    HEADS,
+    HUGE,
+    K_OPS,
     MAX_POS,
+    MUTATED,
+    PAGE_SIZE,
+    REFERENCES,
+    ROPE_OPS,
     _assert_cache_acceptance,
-    _fp8_ordinal,
+    _assert_matches_reference,
+    _bits,
+    _break_rows,
+    _effective_slots,
     _gen,
-    _k_inputs,
-    _tol,
+    _inputs,
+    _reference_result,
+    _unused_slot,
     _written_mask,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,60 +41,9 @@ from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
 
 ops = torch.ops.dspark
 
-K_OPS = ("fused_k_norm_rope_flashmla", "store_flashmla_cache")
-ROPE_OPS = (
-    "fused_k_norm_rope_flashmla",
-    "fused_q_norm_rope",
-    "fused_norm_rope_inplace",
-    "fused_q_indexer_rope_hadamard_quant",
-)
-ALL_OPS = (*ROPE_OPS, "store_flashmla_cache")
-MUTATED = {
-    "fused_k_norm_rope_flashmla": "kvcache",
-    "store_flashmla_cache": "kvcache",
-    "fused_q_norm_rope": "q_out",
-    "fused_norm_rope_inplace": "kv",
-}
-REFERENCES = {
-    "fused_k_norm_rope_flashmla": fw.fused_k_norm_rope_flashmla_reference,
-    "store_flashmla_cache": fw.store_flashmla_cache_reference,
-    "fused_q_norm_rope": fw.fused_q_norm_rope_reference,
-    "fused_norm_rope_inplace": fw.fused_norm_rope_inplace_reference,
-    "fused_q_indexer_rope_hadamard_quant": fw.fused_q_indexer_rope_hadamard_quant_reference,
-}
-HEADS = 3
-PAGE_SIZE = 2
-HUGE = 2**62  # slot * page_bytes wraps to slot % 2**62 * page_bytes in int64 for page_size 2 (1728 = 27 * 2**6)
-
-
-def _inputs(name, b=8, seed=0, page_size=PAGE_SIZE):
-    """Fresh random arguments of op `name` (CPU, schema order, every slot and position valid); the mutated tensor
-    is poisoned (random cache bytes, NaN q_out) and `kv` is a row-strided view."""
-    kv, weight, freqs, pos, loc, cache = _k_inputs(b, page_size=page_size, seed=seed, loc_dtype=torch.int64)
-    g = _gen(seed + 1000)
-    if name == "fused_k_norm_rope_flashmla":
-        return dict(
-            kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos, out_loc=loc, kvcache=cache, page_size=page_size
-        )
-    if name == "store_flashmla_cache":
-        return dict(kv=kv, out_loc=loc, kvcache=cache, page_size=page_size)
-    if name == "fused_q_norm_rope":
-        q = torch.randn(b, HEADS, 512, generator=g).to(torch.bfloat16)
-        return dict(q=q, q_out=torch.full_like(q, float("nan")), eps=EPS, freqs=freqs, positions=pos)
-    if name == "fused_norm_rope_inplace":
-        return dict(kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos)
-    q = torch.randn(b, HEADS, 128, generator=g).to(torch.bfloat16)
-    weight = torch.randn(b, HEADS, generator=g).to(torch.bfloat16)
-    return dict(q=q, weight=weight, weight_scale=0.01, freqs=freqs, positions=pos)
-
 
 def _call(name, args):
     return getattr(ops, name)(*args.values())
-
-
-def _bits(t):
-    """Bit pattern of `t` (NaN poison compares equal to itself)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu().clone()
 
 
 def _snapshot(name, args):
@@ -104,12 +65,6 @@ def _slot_message(i, value, num_pages, page_size):
 
 def _position_message(i, value, max_pos=MAX_POS):
     return f"positions[{i}] = {value} is out of range: positions must be in [0, {max_pos}), the rows of freqs"
-
-
-def _unused_slot(args):
-    """A slot of the cache that no row addresses (where a wrapped huge slot id would land)."""
-    used = set(args["out_loc"].tolist())
-    return next(s for s in range(args["kvcache"].shape[0] * args["page_size"]) if s not in used)
 
 
 # ---------------------------------------------------------------------------------------------- CPU: slots
@@ -190,22 +145,6 @@ def test_empty_rope_table(name):
 
 
 # ---------------------------------------------------------------------------------------------- CPU: references
-
-
-def _break_rows(name, args):
-    """Make rows 1, 3, 5 and 7 out of range (positions -1 / max_pos, slots capacity / huge); returns the mask of
-    the rows that stay valid."""
-    valid = torch.ones(args["positions" if "positions" in args else "out_loc"].shape[0], dtype=torch.bool)
-    if "positions" in args:
-        args["positions"][1] = -1
-        args["positions"][3] = MAX_POS
-        valid[[1, 3]] = False
-    if "out_loc" in args:
-        capacity = args["kvcache"].shape[0] * args["page_size"]
-        args["out_loc"][5] = capacity
-        args["out_loc"][7] = HUGE + _unused_slot(args)
-        valid[[5, 7]] = False
-    return valid
 
 
 def _subset(name, args, rows):
@@ -453,35 +392,6 @@ def test_fake_impl_does_not_read_index_values():
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
-
-
-def _effective_slots(args, valid):
-    return torch.where(valid, args["out_loc"], -1)
-
-
-def _assert_matches_reference(name, got, want, before, valid, args):
-    """A kernel result `got` (on CPU) against the reference result `want` of the same inputs."""
-    if name in K_OPS:
-        _assert_cache_acceptance(got, want, before, args["page_size"], _effective_slots(args, valid))
-        return
-    if name in ("fused_q_norm_rope", "fused_norm_rope_inplace"):
-        assert torch.equal(_bits(got[~valid]), _bits(before[~valid]))
-        tol = _tol(got.dtype)
-        torch.testing.assert_close(got[valid].double(), want[valid].double(), rtol=2 * tol, atol=4 * tol)
-        if valid.any():  # bit for bit except rare rounding ties (a few elements of a small batch)
-            assert (got[valid] == want[valid]).float().mean() >= 0.99
-        return
-    (got_q, got_w), (want_q, want_w) = got, want
-    assert not _bits(got_q[~valid]).any() and not got_w[~valid].any()
-    codes_got, codes_want = got_q[valid].view(torch.uint8), want_q[valid].view(torch.uint8)
-    assert ((_fp8_ordinal(codes_got) - _fp8_ordinal(codes_want)).abs() <= 1).all()
-    torch.testing.assert_close(got_w[valid], want_w[valid], rtol=1e-6, atol=0)
-
-
-def _reference_result(name, args):
-    ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    out = REFERENCES[name](*ref.values())
-    return ref[MUTATED[name]] if name in MUTATED else out
 
 
 def _run_cuda(name, args, graph, checks_in_capture=False):

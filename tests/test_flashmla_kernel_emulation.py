@@ -1,5 +1,5 @@
 """The FlashMLA-write / norm-RoPE CUDA kernels (`custom_ops/csrc/flashmla_writes_kernels.cuh`), compiled for the
-host with the CUDA shim of test_dsv4_kernel_emulation and run on CPU tensors.
+host with the CUDA shim of tests/dsv4_emulation_shim.py and run on CPU tensors.
 
 This runs the kernels' own index handling without a GPU: rows whose slot or position is out of range (negative
 positions, positions past the table, slots at or past the capacity, huge slot ids that would wrap in int64) must be
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dsv4_kernel_emulation import SHIM
-from test_flashmla_contract import (
+from dsv4_emulation_shim import SHIM
+from flashmla_cases import (
     ALL_OPS,
     HUGE,
     MUTATED,

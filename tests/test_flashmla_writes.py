@@ -1,13 +1,31 @@
 """dspark DeepSeek-V4 norm/RoPE/FP8 ops and the FlashMLA V4 cache writes: fp64 formulas, byte layout, registration.
 
-CPU tests check the CPU reference (the op on CPU) against fp64 formulas written here; CUDA tests check the kernels
-against the CPU reference with the spec's acceptance thresholds.
+CPU tests check the CPU reference (the op on CPU) against fp64 formulas (tests/flashmla_cases.py); CUDA tests check
+the kernels against the CPU reference with the acceptance thresholds of docs/ops.md ("FlashMLA V4 cache layout").
 """
 
 import math
 
 import pytest
 import torch
+from flashmla_cases import (
+    EPS,
+    MAX_POS,
+    _assert_cache_acceptance,
+    _check_bf16_close,
+    _check_indexer_fp64,
+    _check_nope_bytes,
+    _fp8_ordinal,
+    _fp64_k_rows,
+    _fp64_norm_rope_rows,
+    _fp64_q_rows,
+    _gen,
+    _k_inputs,
+    _slot_bytes,
+    _sylvester,
+    _tol,
+    _written_mask,
+)
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
@@ -16,135 +34,10 @@ from custom_ops import flashmla_writes as fw
 from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes, quantize_tiles_ue8m0
 from custom_ops.rope import precompute_freqs
 
-EPS = 1e-6
-MAX_POS = 512
 ops = torch.ops.dspark
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _k_inputs(
-    b,
-    *,
-    page_size=64,
-    dtype=torch.bfloat16,
-    pos_dtype=torch.int64,
-    loc_dtype=torch.int32,
-    row_stride=1536,
-    seed=0,
-    skip_every=5,
-):
-    """Fresh random K inputs; kv is the last 512 columns of a (b, row_stride) buffer; the cache is poisoned."""
-    g = _gen(seed)
-    kv = torch.randn(b, row_stride, generator=g).to(dtype)[:, row_stride - 512 :]
-    weight = (1 + 0.3 * torch.randn(512, generator=g)).to(dtype)
-    freqs = precompute_freqs(MAX_POS)
-    positions = torch.randint(0, MAX_POS, (b,), generator=g).to(pos_dtype)
-    num_pages = b // page_size + 2
-    out_loc = torch.randperm(num_pages * page_size, generator=g)[:b]
-    if skip_every:
-        out_loc[::skip_every] = -1 - torch.arange(out_loc[::skip_every].numel())
-    out_loc = out_loc.to(loc_dtype)
-    cache = torch.randint(0, 256, (num_pages, flashmla_page_bytes(page_size)), generator=g, dtype=torch.uint8)
-    return kv, weight, freqs, positions, out_loc, cache
-
-
-def _slot_bytes(cache, page_size, loc):
-    """Value (N, 576) and scale (N, 8) bytes of slots `loc`, addressed independently of the library."""
-    loc = loc.long()
-    page_bytes = cache.shape[1]
-    page, off = loc // page_size, loc % page_size
-    flat = cache.reshape(-1)
-    vbase = page * page_bytes + off * 576
-    sbase = page * page_bytes + page_size * 576 + off * 8
-    return flat[vbase[:, None] + torch.arange(576)], flat[sbase[:, None] + torch.arange(8)]
-
-
-def _written_mask(cache, page_size, loc):
-    mask = torch.zeros(cache.numel(), dtype=torch.bool)
-    loc = loc.long()[loc >= 0]
-    page, off = loc // page_size, loc % page_size
-    vbase = page * cache.shape[1] + off * 576
-    sbase = page * cache.shape[1] + page_size * 576 + off * 8
-    mask[(vbase[:, None] + torch.arange(576)).reshape(-1)] = True
-    mask[(sbase[:, None] + torch.arange(7)).reshape(-1)] = True
-    return mask.view_as(cache)
-
-
-def _fp8_ordinal(codes):
-    c = codes.to(torch.int32)
-    return torch.where((c & 0x80) != 0, -(c & 0x7F), c & 0x7F)
-
-
-def _fp64_rope(r, table_rows):
-    c, s = table_rows[..., 0::2], table_rows[..., 1::2]
-    re, im = r[..., 0::2], r[..., 1::2]
-    return torch.stack([re * c - im * s, re * s + im * c], dim=-1).flatten(-2)
-
-
-def _fp64_k_rows(kv, weight, eps, freqs, positions):
-    x = kv.double()
-    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
-    return y[:, :448], _fp64_rope(y[:, 448:], freqs.double()[positions.long()])
-
-
-def _fp64_q_rows(q, eps, freqs, positions):
-    """fp64 weightless RMSNorm + RoPE of (B, H, 512) rows."""
-    x = q.double()
-    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
-    return torch.cat([y[..., :448], _fp64_rope(y[..., 448:], freqs.double()[positions.long()][:, None, :])], -1)
-
-
-def _fp64_norm_rope_rows(kv, weight, eps, freqs, positions):
-    """fp64 RMSNorm with weight + RoPE of (B, 512) rows."""
-    nope64, rope64 = _fp64_k_rows(kv, weight, eps, freqs, positions)
-    return torch.cat([nope64, rope64], -1)
-
-
-def _sylvester(n):
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def _check_indexer_fp64(q_fp8, w_out, q, weight, weight_scale, freqs, positions):
-    """Indexer outputs against fp64: RoPE, Hadamard / sqrt(128), codes within FP8 rounding of y / scale."""
-    x = q.double()
-    x = torch.cat([x[..., :64], _fp64_rope(x[..., 64:], freqs.double()[positions.long()][:, None, :])], -1)
-    y = x @ _sylvester(128).T / math.sqrt(128)
-    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448
-    deq = q_fp8.double() * scale
-    assert ((deq - y).abs() <= y.abs() * 2.0**-4 + scale * 2.0**-9 + 1e-12).all()
-    torch.testing.assert_close(w_out.double(), weight.double()[..., None] * weight_scale * scale, rtol=1e-5, atol=0)
-
-
-def _check_nope_bytes(values, scales, y64):
-    """Scale bytes = ceil-UE8M0 of the fp64 amax, codes within one code of the fp64 quantization."""
-    n = y64.shape[0]
-    tiles = y64.reshape(n, 7, 64)
-    sraw = tiles.abs().amax(-1).clamp(min=1e-4) / 448
-    e64 = torch.ceil(torch.log2(sraw)) + 127
-    e = scales[:, :7].long()
-    assert (e == e64.long()).float().mean() >= 0.999
-    assert ((e - e64.long()).abs() <= 1).all()
-    q64 = (tiles * torch.pow(2.0, 127 - e.double())[..., None]).clamp(-448, 448)
-    codes64 = q64.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, 448)
-    assert ((_fp8_ordinal(values[:, :448]) - _fp8_ordinal(codes64)).abs() <= 1).all()
-    deq = values[:, :448].view(torch.float8_e4m3fn).double().reshape(n, 7, 64) * torch.pow(2.0, e - 127.0)[..., None]
-    step = torch.pow(2.0, e - 127.0 - 9)[..., None]
-    assert ((deq - tiles).abs() <= tiles.abs() * 2.0**-4 + step).all()
-
-
-def _check_bf16_close(got_bf16, want64):
-    got = got_bf16.double()
-    ulp = torch.pow(2.0, torch.floor(torch.log2(want64.abs().clamp(min=1e-30))) - 7)
-    assert ((got - want64).abs() <= ulp).all()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -279,10 +172,6 @@ def test_fused_vs_unfused_value_space():
 
 
 # ---------------------------------------------------------------------------------------------- other ops
-
-
-def _tol(dtype):
-    return {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -486,24 +375,6 @@ def test_cuda_entry_and_build_errors():
 
 def _cuda(*ts):
     return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in ts)
-
-
-def _assert_cache_acceptance(got, want, before, page_size, loc):
-    """Spec acceptance of a CUDA cache against the CPU reference cache (all on CPU)."""
-    mask = _written_mask(want, page_size, loc)
-    assert torch.equal(got[~mask], before[~mask])  # untouched bytes
-    keep = loc >= 0
-    if not bool(keep.any()):
-        return
-    gv, gs = _slot_bytes(got, page_size, loc[keep])
-    wv, ws = _slot_bytes(want, page_size, loc[keep])
-    assert torch.equal(gv[:, 448:], wv[:, 448:])  # rope bytes exact
-    assert (gs[:, :7] == ws[:, :7]).float().mean() >= 0.999
-    assert ((_fp8_ordinal(gv[:, :448]) - _fp8_ordinal(wv[:, :448])).abs() <= 1).all()
-    dg = dequantize_flashmla_cache(got, page_size, loc[keep])[:, :448]
-    dw = dequantize_flashmla_cache(want, page_size, loc[keep])[:, :448]
-    assert ((dg - dw).abs() / dw.abs().clamp(min=1e-6)).mean() <= 0.005
-    assert (dg - dw).abs().max() <= 1.0
 
 
 @pytest.mark.cuda

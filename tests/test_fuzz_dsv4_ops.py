@@ -10,7 +10,7 @@ entry or seq_len past `req_to_token`, a slot past the cache.
 
 CPU: the bad try raises ValueError naming the argument and modifies nothing; after every step each entry equals
 `compress_sequence` of its request's whole sequence (every complete window exactly once over the scenario), only
-state rows owned by the step's requests changed, and the cache holds what `test_dsv4_store.check_store` expects
+state rows owned by the step's requests changed, and the cache holds what `check_store` (tests/dsv4_cases.py) expects
 (bytes outside the stored slots unchanged). CUDA: the same scenarios with the bad values left in (skipped on the
 device) equal the CPU path with them neutralized (padding request, unmapped table entry, slot -1).
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from dsv4_cases import FREQS, assert_cache_bytes_close, check_store
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_dsv4_store import FREQS, assert_cache_bytes_close, check_store
 
 import custom_ops
 from custom_ops.dsv4_compress_common import read_compress_plan

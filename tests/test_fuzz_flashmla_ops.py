@@ -19,11 +19,12 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_flashmla_contract import MUTATED, REFERENCES, _assert_matches_reference, _bits
-from test_flashmla_writes import (
+from flashmla_cases import (
     EPS,
+    MUTATED,
+    REFERENCES,
+    _assert_matches_reference,
+    _bits,
     _check_bf16_close,
     _check_indexer_fp64,
     _check_nope_bytes,
@@ -34,6 +35,8 @@ from test_flashmla_writes import (
     _tol,
     _written_mask,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import custom_ops
 from custom_ops.fp8_layout import flashmla_page_bytes

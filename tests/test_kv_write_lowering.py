@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import draft_inputs, eager_and_compiled, small_config
-from test_equivalent_models import HF_WRITES, HFStyleKVWriter
+from hf_models import HF_WRITES, HFStyleKVWriter
 
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE

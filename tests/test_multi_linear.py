@@ -2,21 +2,12 @@
 
 import pytest
 import torch
+from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
 from custom_ops.multi_linear import multi_linear_reference
 
 op = torch.ops.dspark.multi_linear
-
-
-def fp64_formula(x, weights, starts, counts, biases):
-    """The op's result in fp64, written independently of `multi_linear_reference` (shared by the CUDA and
-    kernel-emulation tests)."""
-    blocks = []
-    for w, s, c, b in zip(weights, starts, counts, biases, strict=True):
-        y = x.double() @ w[s : s + c].double().T
-        blocks.append(y if b is None else y + b[s : s + c].double())
-    return torch.cat(blocks, dim=1)
 
 
 def _case(tokens=5, dtype=torch.float32, seed=0):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_multi_linear import fp64_formula
+from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
 from custom_ops import _build

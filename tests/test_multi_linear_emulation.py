@@ -14,8 +14,8 @@ import ctypes
 
 import pytest
 import torch
+from multi_linear_cases import fp64_formula
 from multi_linear_emulation_shim import build
-from test_multi_linear import fp64_formula
 
 DRIVER = r"""
 #include "multi_linear_kernels.cuh"

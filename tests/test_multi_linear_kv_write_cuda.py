@@ -4,7 +4,7 @@ and aliasing-but-disjoint caches; every byte outside the written rows unchanged;
 skipped (checking mode: the CPU message, nothing written); CUDA-graph capture and replay with new inputs and an
 in-place weight update; opcheck; the argument errors of the CPU table and the CUDA-only rules, before any write.
 
-Inputs come from `make_case` of tests/test_multi_linear_kv_write.py: a spec built on CPU and on CUDA holds the same
+Inputs come from `make_case` of tests/multi_linear_cases.py: a spec built on CPU and on CUDA holds the same
 values, so the CPU op on the CPU case is the oracle of the CUDA op on the CUDA case.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_multi_linear_kv_write import (
+from multi_linear_cases import (
     BAD,
     BAD_CASES,
     Case,

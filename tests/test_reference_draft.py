@@ -10,7 +10,8 @@ from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter
 
 
 def _fp64_layer(cfg, layer, ctx, positions, eps):
-    """Per-layer K/V written from the spec's formulas with Python loops over the rotated pairs."""
+    """Per-layer K/V written from the formulas in the docstring of `dspark_fx/reference_draft.py`, with Python loops
+    over the rotated pairs."""
     q, kv = cfg.q_size, cfg.kv_size
     proj = layer.k_proj.weight if cfg.proj == "kv_separate" else layer.qkv_proj.weight[q : q + kv]
     v_proj = layer.v_proj.weight if cfg.proj == "kv_separate" else layer.qkv_proj.weight[q + kv : q + 2 * kv]

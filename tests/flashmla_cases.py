@@ -1,0 +1,283 @@
+"""Shared by the FlashMLA-write / norm-RoPE op tests: random inputs, fp64 formulas of the five ops (the Numerics
+section of docs/ops.md), byte views of the FlashMLA V4 cache (its layout in docs/ops.md) and the CUDA acceptance
+check (docs/ops.md, after the cache layout); for the input contract (docs/contract.md), the op table, the
+`*_reference` oracles and the out-of-range row breakers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
+from custom_ops import flashmla_writes as fw
+from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
+from custom_ops.rope import precompute_freqs
+
+EPS = 1e-6
+
+
+MAX_POS = 512
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _k_inputs(
+    b,
+    *,
+    page_size=64,
+    dtype=torch.bfloat16,
+    pos_dtype=torch.int64,
+    loc_dtype=torch.int32,
+    row_stride=1536,
+    seed=0,
+    skip_every=5,
+):
+    """Fresh random K inputs; kv is the last 512 columns of a (b, row_stride) buffer; the cache is poisoned."""
+    g = _gen(seed)
+    kv = torch.randn(b, row_stride, generator=g).to(dtype)[:, row_stride - 512 :]
+    weight = (1 + 0.3 * torch.randn(512, generator=g)).to(dtype)
+    freqs = precompute_freqs(MAX_POS)
+    positions = torch.randint(0, MAX_POS, (b,), generator=g).to(pos_dtype)
+    num_pages = b // page_size + 2
+    out_loc = torch.randperm(num_pages * page_size, generator=g)[:b]
+    if skip_every:
+        out_loc[::skip_every] = -1 - torch.arange(out_loc[::skip_every].numel())
+    out_loc = out_loc.to(loc_dtype)
+    cache = torch.randint(0, 256, (num_pages, flashmla_page_bytes(page_size)), generator=g, dtype=torch.uint8)
+    return kv, weight, freqs, positions, out_loc, cache
+
+
+def _slot_bytes(cache, page_size, loc):
+    """Value (N, 576) and scale (N, 8) bytes of slots `loc`, addressed independently of the library."""
+    loc = loc.long()
+    page_bytes = cache.shape[1]
+    page, off = loc // page_size, loc % page_size
+    flat = cache.reshape(-1)
+    vbase = page * page_bytes + off * 576
+    sbase = page * page_bytes + page_size * 576 + off * 8
+    return flat[vbase[:, None] + torch.arange(576)], flat[sbase[:, None] + torch.arange(8)]
+
+
+def _written_mask(cache, page_size, loc):
+    mask = torch.zeros(cache.numel(), dtype=torch.bool)
+    loc = loc.long()[loc >= 0]
+    page, off = loc // page_size, loc % page_size
+    vbase = page * cache.shape[1] + off * 576
+    sbase = page * cache.shape[1] + page_size * 576 + off * 8
+    mask[(vbase[:, None] + torch.arange(576)).reshape(-1)] = True
+    mask[(sbase[:, None] + torch.arange(7)).reshape(-1)] = True
+    return mask.view_as(cache)
+
+
+def _fp8_ordinal(codes):
+    c = codes.to(torch.int32)
+    return torch.where((c & 0x80) != 0, -(c & 0x7F), c & 0x7F)
+
+
+def _fp64_rope(r, table_rows):
+    c, s = table_rows[..., 0::2], table_rows[..., 1::2]
+    re, im = r[..., 0::2], r[..., 1::2]
+    return torch.stack([re * c - im * s, re * s + im * c], dim=-1).flatten(-2)
+
+
+def _fp64_k_rows(kv, weight, eps, freqs, positions):
+    x = kv.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
+    return y[:, :448], _fp64_rope(y[:, 448:], freqs.double()[positions.long()])
+
+
+def _fp64_q_rows(q, eps, freqs, positions):
+    """fp64 weightless RMSNorm + RoPE of (B, H, 512) rows."""
+    x = q.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    return torch.cat([y[..., :448], _fp64_rope(y[..., 448:], freqs.double()[positions.long()][:, None, :])], -1)
+
+
+def _fp64_norm_rope_rows(kv, weight, eps, freqs, positions):
+    """fp64 RMSNorm with weight + RoPE of (B, 512) rows."""
+    nope64, rope64 = _fp64_k_rows(kv, weight, eps, freqs, positions)
+    return torch.cat([nope64, rope64], -1)
+
+
+def _sylvester(n):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def _check_indexer_fp64(q_fp8, w_out, q, weight, weight_scale, freqs, positions):
+    """Indexer outputs against fp64: RoPE, Hadamard / sqrt(128), codes within FP8 rounding of y / scale."""
+    x = q.double()
+    x = torch.cat([x[..., :64], _fp64_rope(x[..., 64:], freqs.double()[positions.long()][:, None, :])], -1)
+    y = x @ _sylvester(128).T / math.sqrt(128)
+    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448
+    deq = q_fp8.double() * scale
+    assert ((deq - y).abs() <= y.abs() * 2.0**-4 + scale * 2.0**-9 + 1e-12).all()
+    torch.testing.assert_close(w_out.double(), weight.double()[..., None] * weight_scale * scale, rtol=1e-5, atol=0)
+
+
+def _check_nope_bytes(values, scales, y64):
+    """Scale bytes = ceil-UE8M0 of the fp64 amax, codes within one code of the fp64 quantization."""
+    n = y64.shape[0]
+    tiles = y64.reshape(n, 7, 64)
+    sraw = tiles.abs().amax(-1).clamp(min=1e-4) / 448
+    e64 = torch.ceil(torch.log2(sraw)) + 127
+    e = scales[:, :7].long()
+    assert (e == e64.long()).float().mean() >= 0.999
+    assert ((e - e64.long()).abs() <= 1).all()
+    q64 = (tiles * torch.pow(2.0, 127 - e.double())[..., None]).clamp(-448, 448)
+    codes64 = q64.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, 448)
+    assert ((_fp8_ordinal(values[:, :448]) - _fp8_ordinal(codes64)).abs() <= 1).all()
+    deq = values[:, :448].view(torch.float8_e4m3fn).double().reshape(n, 7, 64) * torch.pow(2.0, e - 127.0)[..., None]
+    step = torch.pow(2.0, e - 127.0 - 9)[..., None]
+    assert ((deq - tiles).abs() <= tiles.abs() * 2.0**-4 + step).all()
+
+
+def _check_bf16_close(got_bf16, want64):
+    got = got_bf16.double()
+    ulp = torch.pow(2.0, torch.floor(torch.log2(want64.abs().clamp(min=1e-30))) - 7)
+    assert ((got - want64).abs() <= ulp).all()
+
+
+def _tol(dtype):
+    return {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]
+
+
+def _assert_cache_acceptance(got, want, before, page_size, loc):
+    """Acceptance of a CUDA cache against the CPU reference cache (all on CPU; the thresholds of docs/ops.md,
+    "FlashMLA V4 cache layout")."""
+    mask = _written_mask(want, page_size, loc)
+    assert torch.equal(got[~mask], before[~mask])  # untouched bytes
+    keep = loc >= 0
+    if not bool(keep.any()):
+        return
+    gv, gs = _slot_bytes(got, page_size, loc[keep])
+    wv, ws = _slot_bytes(want, page_size, loc[keep])
+    assert torch.equal(gv[:, 448:], wv[:, 448:])  # rope bytes exact
+    assert (gs[:, :7] == ws[:, :7]).float().mean() >= 0.999
+    assert ((_fp8_ordinal(gv[:, :448]) - _fp8_ordinal(wv[:, :448])).abs() <= 1).all()
+    dg = dequantize_flashmla_cache(got, page_size, loc[keep])[:, :448]
+    dw = dequantize_flashmla_cache(want, page_size, loc[keep])[:, :448]
+    assert ((dg - dw).abs() / dw.abs().clamp(min=1e-6)).mean() <= 0.005
+    assert (dg - dw).abs().max() <= 1.0
+
+
+K_OPS = ("fused_k_norm_rope_flashmla", "store_flashmla_cache")
+
+
+ROPE_OPS = (
+    "fused_k_norm_rope_flashmla",
+    "fused_q_norm_rope",
+    "fused_norm_rope_inplace",
+    "fused_q_indexer_rope_hadamard_quant",
+)
+
+
+ALL_OPS = (*ROPE_OPS, "store_flashmla_cache")
+
+
+MUTATED = {
+    "fused_k_norm_rope_flashmla": "kvcache",
+    "store_flashmla_cache": "kvcache",
+    "fused_q_norm_rope": "q_out",
+    "fused_norm_rope_inplace": "kv",
+}
+
+
+REFERENCES = {
+    "fused_k_norm_rope_flashmla": fw.fused_k_norm_rope_flashmla_reference,
+    "store_flashmla_cache": fw.store_flashmla_cache_reference,
+    "fused_q_norm_rope": fw.fused_q_norm_rope_reference,
+    "fused_norm_rope_inplace": fw.fused_norm_rope_inplace_reference,
+    "fused_q_indexer_rope_hadamard_quant": fw.fused_q_indexer_rope_hadamard_quant_reference,
+}
+
+
+HEADS = 3
+
+
+PAGE_SIZE = 2
+
+
+HUGE = 2**62  # slot * page_bytes wraps to slot % 2**62 * page_bytes in int64 for page_size 2 (1728 = 27 * 2**6)
+
+
+def _inputs(name, b=8, seed=0, page_size=PAGE_SIZE):
+    """Fresh random arguments of op `name` (CPU, schema order, every slot and position valid); the mutated tensor
+    is poisoned (random cache bytes, NaN q_out) and `kv` is a row-strided view."""
+    kv, weight, freqs, pos, loc, cache = _k_inputs(b, page_size=page_size, seed=seed, loc_dtype=torch.int64)
+    g = _gen(seed + 1000)
+    if name == "fused_k_norm_rope_flashmla":
+        return dict(
+            kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos, out_loc=loc, kvcache=cache, page_size=page_size
+        )
+    if name == "store_flashmla_cache":
+        return dict(kv=kv, out_loc=loc, kvcache=cache, page_size=page_size)
+    if name == "fused_q_norm_rope":
+        q = torch.randn(b, HEADS, 512, generator=g).to(torch.bfloat16)
+        return dict(q=q, q_out=torch.full_like(q, float("nan")), eps=EPS, freqs=freqs, positions=pos)
+    if name == "fused_norm_rope_inplace":
+        return dict(kv=kv, weight=weight, eps=EPS, freqs=freqs, positions=pos)
+    q = torch.randn(b, HEADS, 128, generator=g).to(torch.bfloat16)
+    weight = torch.randn(b, HEADS, generator=g).to(torch.bfloat16)
+    return dict(q=q, weight=weight, weight_scale=0.01, freqs=freqs, positions=pos)
+
+
+def _bits(t):
+    """Bit pattern of `t` (NaN poison compares equal to itself)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu().clone()
+
+
+def _unused_slot(args):
+    """A slot of the cache that no row addresses (where a wrapped huge slot id would land)."""
+    used = set(args["out_loc"].tolist())
+    return next(s for s in range(args["kvcache"].shape[0] * args["page_size"]) if s not in used)
+
+
+def _break_rows(name, args):
+    """Make rows 1, 3, 5 and 7 out of range (positions -1 / max_pos, slots capacity / huge); returns the mask of
+    the rows that stay valid."""
+    valid = torch.ones(args["positions" if "positions" in args else "out_loc"].shape[0], dtype=torch.bool)
+    if "positions" in args:
+        args["positions"][1] = -1
+        args["positions"][3] = MAX_POS
+        valid[[1, 3]] = False
+    if "out_loc" in args:
+        capacity = args["kvcache"].shape[0] * args["page_size"]
+        args["out_loc"][5] = capacity
+        args["out_loc"][7] = HUGE + _unused_slot(args)
+        valid[[5, 7]] = False
+    return valid
+
+
+def _effective_slots(args, valid):
+    return torch.where(valid, args["out_loc"], -1)
+
+
+def _assert_matches_reference(name, got, want, before, valid, args):
+    """A kernel result `got` (on CPU) against the reference result `want` of the same inputs."""
+    if name in K_OPS:
+        _assert_cache_acceptance(got, want, before, args["page_size"], _effective_slots(args, valid))
+        return
+    if name in ("fused_q_norm_rope", "fused_norm_rope_inplace"):
+        assert torch.equal(_bits(got[~valid]), _bits(before[~valid]))
+        tol = _tol(got.dtype)
+        torch.testing.assert_close(got[valid].double(), want[valid].double(), rtol=2 * tol, atol=4 * tol)
+        if valid.any():  # bit for bit except rare rounding ties (a few elements of a small batch)
+            assert (got[valid] == want[valid]).float().mean() >= 0.99
+        return
+    (got_q, got_w), (want_q, want_w) = got, want
+    assert not _bits(got_q[~valid]).any() and not got_w[~valid].any()
+    codes_got, codes_want = got_q[valid].view(torch.uint8), want_q[valid].view(torch.uint8)
+    assert ((_fp8_ordinal(codes_got) - _fp8_ordinal(codes_want)).abs() <= 1).all()
+    torch.testing.assert_close(got_w[valid], want_w[valid], rtol=1e-6, atol=0)
+
+
+def _reference_result(name, args):
+    ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    out = REFERENCES[name](*ref.values())
+    return ref[MUTATED[name]] if name in MUTATED else out

@@ -1,0 +1,97 @@
+"""HF-style draft models, written independently of `dspark_fx.reference_draft`.
+
+`HFStyleDraft` differs from the reference on purpose: separate biased `k_proj`/`v_proj` (addmm), the norm weight
+multiplied *after* the cast back to the model dtype (HF RMSNorm), `rotate_half` RoPE, and cos/sin computed in the
+graph from positions and an `inv_freq` buffer. `HFStyleKVWriter` writes those K/V into per-layer caches the ways
+HF-style code does (`index_copy_` as HF's static cache, `cache[loc] = k`, `cache[start:end] = k`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class HFRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6, weight=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(dim) + 0.5) if weight else None
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.to(dtype) if self.weight is None else self.weight * x.to(dtype)
+
+
+class HFLayer(nn.Module):
+    """`norm`: "weight" (HF RMSNorm), "plain" (without weight) or None (no k_norm); `rotary_dim < head_dim` rotates
+    the first dims only (`k_rot, k_pass` as in partial-rotary HF models)."""
+
+    def __init__(self, hidden, kv_heads, head_dim, norm="weight", eps=1e-6, rotary_dim=None):
+        super().__init__()
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=True)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=True)
+        self.k_norm = HFRMSNorm(head_dim, eps, weight=norm == "weight") if norm else None
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_proj(x).view(shape)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k_rot, k_pass = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
+        k_rot = k_rot * cos[:, None, :] + rotate_half(k_rot) * sin[:, None, :]
+        return torch.cat((k_rot, k_pass), dim=-1), self.v_proj(x).view(shape)
+
+
+class HFStyleDraft(nn.Module):
+    def __init__(self, layers=4, hidden=64, kv_heads=2, head_dim=16, theta=10000.0, rotary_dim=None, **layer_options):
+        super().__init__()
+        rotary_dim = rotary_dim or head_dim
+        self.layers = nn.ModuleList(
+            HFLayer(hidden, kv_heads, head_dim, rotary_dim=rotary_dim, **layer_options) for _ in range(layers)
+        )
+        self.register_buffer("inv_freq", theta ** -(torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+
+    def forward(self, x, positions):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return [layer(x, cos, sin) for layer in self.layers]
+
+
+HF_WRITES = ("index_copy", "index_put", "slice")
+
+
+class HFStyleKVWriter(HFStyleDraft):
+    """`HFStyleDraft` whose K/V go into per-layer `[slots, kv_heads, head_dim]` caches (buffers `k_cache_i`,
+    `v_cache_i`): `forward(x, positions, loc)` with `loc` a `[T]` slot tensor (`index_copy`: `cache.index_copy_(0,
+    loc, k)`, `index_put`: `cache[loc] = k`) or the first slot, an int (`slice`: `cache[loc : loc + T] = k`)."""
+
+    def __init__(self, write="index_copy", slots=64, layers=4, kv_heads=2, head_dim=16, **options):
+        super().__init__(layers=layers, kv_heads=kv_heads, head_dim=head_dim, **options)
+        self.write = write
+        for i in range(layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(slots, kv_heads, head_dim))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(slots, kv_heads, head_dim))
+
+    def caches(self):
+        return [getattr(self, f"{kind}_cache_{i}") for i in range(len(self.layers)) for kind in "kv"]
+
+    def forward(self, x, positions, loc):
+        for (k, v), i in zip(super().forward(x, positions), range(len(self.layers)), strict=True):
+            for cache, value in ((getattr(self, f"k_cache_{i}"), k), (getattr(self, f"v_cache_{i}"), v)):
+                if self.write == "index_copy":
+                    cache.index_copy_(0, loc, value)
+                elif self.write == "index_put":
+                    cache[loc] = value
+                else:
+                    cache[loc : loc + x.shape[0]] = value
