@@ -12,13 +12,19 @@ class ClassReport:
     kept: list[str] = field(default_factory=list)  # ops the class shares but that stay per branch, and why
 
 
+@dataclass(frozen=True)
+class UnbatchedBranch:
+    branch: int  # index into GroupReport.branches
+    reason: str  # why its ops stayed its own
+
+
 @dataclass
 class GroupReport:
     activation: str
     branches: list[str]  # one description per fused GEMM: weight[rows]
     weight_bytes: int  # weight (+ bias) bytes the fused GEMM reads per call
     classes: list[ClassReport] = field(default_factory=list)
-    unbatched: list[tuple[int, str]] = field(default_factory=list)  # (branch, why its ops stayed its own)
+    unbatched: list[UnbatchedBranch] = field(default_factory=list)
 
 
 # Why a GEMM was not fused, by the start of the reason text (gemm_branches.match_gemm, horizontal): the key of
@@ -98,8 +104,8 @@ class FusionReport:
                 ops = ", ".join(cls.ops)
                 lines.append(f"    batched branches {cls.branches}: {len(cls.ops)} ops each -> one set [{ops}]")
                 lines += [f"      kept per branch from {why}" for why in cls.kept]
-            for bi, why in group.unbatched:
-                lines.append(f"    branch {bi} keeps its own ops: {why}")
+            for u in group.unbatched:
+                lines.append(f"    branch {u.branch} keeps its own ops: {u.reason}")
         for kv in self.kv_writes:
             lines.append(
                 f"  KV writes of {len(kv.layers)} layer(s) on {kv.activation} -> one multi_linear_kv_write "

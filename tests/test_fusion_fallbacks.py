@@ -30,8 +30,8 @@ def test_eps_mismatch_shares_the_gemm_but_keeps_its_own_norm():
     report = capture.report
     assert _batched_ops(report, 1) == [] and "aten.rsqrt" in _batched_ops(report, 0)
     assert [c.branches for c in report.groups[0].classes] == [[0, 2, 3]]
-    ((branch, why),) = report.groups[0].unbatched
-    assert branch == 1 and "aten.add" in why
+    (unbatched,) = report.groups[0].unbatched
+    assert unbatched.branch == 1 and "aten.add" in unbatched.reason
     assert op_counts(capture.after[-1])["aten.rsqrt"] == 2  # one batched norm + layer 1's own
 
 
@@ -80,7 +80,7 @@ def test_different_rope_table_is_not_batched_with_the_others():
     report = capture.report
     capture.assert_fused(n_groups=1, n_branches=[3])
     assert [c.branches for c in report.groups[0].classes] == [[0, 2]]
-    assert report.groups[0].unbatched[0][0] == 1
+    assert report.groups[0].unbatched[0].branch == 1
 
 
 class _TwoInputs(nn.Module):

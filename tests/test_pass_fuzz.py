@@ -65,7 +65,7 @@ def run_case(seed: int) -> Outcome:
     return Outcome(
         groups=report.n_groups,
         batched_ops=tuple(op for g in report.groups for c in g.classes for op in c.ops),
-        reasons=tuple(why for g in report.groups for _, why in g.unbatched)
+        reasons=tuple(u.reason for g in report.groups for u in g.unbatched)
         + tuple(why for g in report.groups for c in g.classes for why in c.kept),
     )
 

@@ -12,19 +12,24 @@ After:
     consumers of n_0 read select(n, 0, 0); consumers of n_1 read select(n, 0, 1)
 
 The per-branch values are strided slices of batched ones (the fusion turns the views below them into reshapes);
-a value read through `as_strided` depends on its storage layout and is never batched.
+a value read through `as_strided` depends on its storage layout and is never batched. An op that no rule can
+batch stays per branch with every op after it (the class batches the ops before it, the report says why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
+from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dspark_fx.passes.batching import BatchError, Operand, batch_op
-from dspark_fx.passes.branch_regions import Alignment, Region
+from dspark_fx.passes.branch_classes import BranchClass
+from dspark_fx.passes.branch_regions import Region
+from dspark_fx.passes.gemm_branches import FusedGemm
 from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
+from dspark_fx.report import ClassReport
 
 
 @dataclass
@@ -37,18 +42,37 @@ class _Exit:
     users: list[fx.Node]
 
 
-def batch_class(
-    graph: fx.Graph,
-    fused: fx.Node,
-    blocks: list[fx.Node],
-    regions: list[Region],
-    members: list[int],
-    alignments: list[Alignment | None],
-    shared_ops: set[fx.Node],
-) -> list[str]:
-    """Batch the ops `shared_ops` of the reference branch `members[0]` for all `members` (their column blocks
-    are adjacent in `fused`); returns the batched op names. On `BatchError` (naming the op it is about) or any
-    other error the graph is left as it was."""
+def batch_class(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchClass) -> ClassReport:
+    """Batch a class (its column blocks are adjacent in `fused`). An op that no rule can batch stays per branch
+    with every op after it (the class batches the ops before it); `BatchError` when no op is left to batch."""
+    kept = []
+    while True:
+        try:
+            ops = _emit(graph, fused, regions, cls)
+        except BatchError as err:
+            if err.node not in cls.shared_ops:
+                raise
+            kept.append(f"{op_name(err.node)} ({err.node.name}): {err}")
+            cls = replace(cls, shared_ops=cls.shared_ops - _with_dependents(err.node, regions[cls.members[0]]))
+            if len(cls.shared_ops) < 2:  # only the GEMM block itself
+                raise BatchError("; ".join(kept)) from None
+            continue
+        stable_topological_sort(graph)  # batched ops may read shared values defined after the class's first op
+        return ClassReport(cls.members, ops, kept)
+
+
+def _with_dependents(node: fx.Node, region: Region) -> set[fx.Node]:
+    out = {node}
+    for other in region.nodes:
+        if any(i in out for i in other.all_input_nodes):
+            out.add(other)
+    return out
+
+
+def _emit(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchClass) -> list[str]:
+    """Batch the ops `cls.shared_ops` of the reference branch `cls.members[0]` for all members; returns the
+    batched op names. On `BatchError` (naming the op it is about) or any other error the graph is left as it was."""
+    members, alignments, shared_ops, blocks = cls.members, cls.alignments, cls.shared_ops, fused.blocks
     k = len(members)
     ref = regions[members[0]]
     nodes = [n for n in ref.nodes[1:] if n in shared_ops]
@@ -69,7 +93,7 @@ def batch_class(
     existing = set(graph.nodes)
     try:
         with graph.inserting_before(ref.nodes[1]):
-            cols = call(graph, aten.slice.Tensor, (fused, 1, start, start + k * (stop - start)))
+            cols = call(graph, aten.slice.Tensor, (fused.node, 1, start, start + k * (stop - start)))
             viewed = call(graph, aten.view.default, (cols, [-1, k, stop - start]))
             batched = {ref.root: call(graph, aten.permute.default, (viewed, [1, 0, 2]))}
             for node in nodes:

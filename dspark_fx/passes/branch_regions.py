@@ -7,8 +7,8 @@ writes) and ops that mix branches — including an op that reads another branch'
 
 Two branches are *aligned* when their regions match node for node: same op, same constants (eps, rope style
 as op structure), the same shared nodes, per-branch leaves of the same form (a parameter, possibly cast or
-viewed, small enough to stack), and the same value shapes. Branches that align completely form a class; a class
-of at least two branches is batched. A branch that aligns with nobody keeps its own ops (it still shares the GEMM).
+viewed, small enough to stack), and the same value shapes. An alignment may cover only part of the reference
+region (nodes downstream of a difference stay unmatched); `branch_classes` picks the classes from the alignments.
 """
 
 from __future__ import annotations

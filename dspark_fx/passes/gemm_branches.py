@@ -1,4 +1,5 @@
-"""Find the GEMMs that share an activation and rewrite each group into one `dspark::multi_linear`.
+"""Find the GEMMs that share an activation (`find_groups`) and rewrite each group into one `dspark::multi_linear`
+(`rewrite_group`).
 
 Before (N layers, each projecting the same `ctx`; the weight may be a row slice of a fused qkv weight):
 
@@ -21,6 +22,7 @@ narrowed to the used rows first. A GEMM whose weight is computed in the graph (d
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,8 @@ import torch.fx as fx
 
 import custom_ops  # noqa: F401  (registers dspark::multi_linear)
 from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
+from dspark_fx.passes.names import Namer
+from dspark_fx.report import Rejection
 
 MULTI_LINEAR = torch.ops.dspark.multi_linear.default
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
@@ -48,6 +52,40 @@ class GemmBranch:
     @property
     def dtype(self) -> torch.dtype:
         return tensor_val(self.node).dtype
+
+    def describe(self, names: Namer) -> str:
+        """`weight[start:stop]` (+ bias), by parameter name."""
+        rows = f"{names.of(self.weight)}[{self.row_start}:{self.row_start + self.row_count}]"
+        return rows + (" + bias" if self.bias is not None else "")
+
+
+@dataclass(frozen=True)
+class GemmGroup:
+    """The fusable GEMMs that read one activation (of one dtype), in graph order."""
+
+    activation: fx.Node
+    branches: list[GemmBranch]
+
+
+@dataclass(frozen=True)
+class GemmScan:
+    """The fusable GEMMs of a graph by activation, and the GEMMs that cannot fuse (with the reason)."""
+
+    groups: list[GemmGroup]
+    rejected: list[Rejection]
+
+
+def find_groups(graph: fx.Graph, names: Namer) -> GemmScan:
+    """Every GEMM of the graph, matched (`match_gemm`) and grouped by the activation it reads."""
+    groups: dict[tuple, list[GemmBranch]] = defaultdict(list)
+    rejected = []
+    for node in graph.nodes:
+        match = match_gemm(node)
+        if isinstance(match, str):
+            rejected.append(Rejection(names.weight_of(node), match))
+        elif match is not None:
+            groups[(match.activation, match.dtype)].append(match)
+    return GemmScan([GemmGroup(activation, branches) for (activation, _), branches in groups.items()], rejected)
 
 
 def _slice_args(node: fx.Node) -> tuple:
@@ -195,8 +233,16 @@ def _rewire_users(graph: fx.Graph, branch: GemmBranch, block: fx.Node) -> None:
             graph.erase_node(user)
 
 
-def rewrite_group(graph: fx.Graph, branches: list[GemmBranch]) -> tuple[fx.Node, list[fx.Node]]:
-    """Replace the GEMMs of `branches` (one activation) by one multi-linear; returns it and the column blocks."""
+@dataclass(frozen=True)
+class FusedGemm:
+    """The multi-linear that replaced a group's GEMMs, and each branch's column block of its output (a slice)."""
+
+    node: fx.Node
+    blocks: list[fx.Node]  # one per branch, in the order of the group's branches
+
+
+def rewrite_group(graph: fx.Graph, branches: list[GemmBranch]) -> FusedGemm:
+    """Replace the GEMMs of `branches` (one activation) by one multi-linear, their column blocks side by side."""
     first = min((b.node for b in branches), key=_position(graph))
     with graph.inserting_before(first):
         fused = call(
@@ -221,7 +267,22 @@ def rewrite_group(graph: fx.Graph, branches: list[GemmBranch]) -> tuple[fx.Node,
         blocks.append(block)
     for branch in branches:
         _erase_with_dead_inputs(graph, branch.node)
-    return fused, blocks
+    return FusedGemm(fused, blocks)
+
+
+def reorder_blocks(fused: FusedGemm, branches: list[GemmBranch], order: list[int]) -> None:
+    """Lay the multi-linear output out with the branches' column blocks in `order` (indices into `branches`)."""
+    if order == list(range(len(fused.blocks))):
+        return
+    new_args = list(fused.node.args)
+    for pos in range(1, 5):
+        new_args[pos] = [fused.node.args[pos][i] for i in order]
+    fused.node.args = tuple(new_args)
+    col = 0
+    for i in order:
+        width = branches[i].row_count
+        fused.blocks[i].args = (fused.node, 1, col, col + width)
+        col += width
 
 
 def _erase_with_dead_inputs(graph: fx.Graph, node: fx.Node) -> None:

@@ -61,6 +61,7 @@ from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import gemm_branches
 from dspark_fx.passes.batching import same_shape
 from dspark_fx.passes.graph_utils import aten, call, is_pure, op_name, tensor_val
+from dspark_fx.passes.names import Namer
 from dspark_fx.report import KVWriteReport
 
 KV_WRITE = torch.ops.dspark.multi_linear_kv_write.default
@@ -702,8 +703,14 @@ class _Group:
         self.failed: list[str] = []
 
 
-def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names) -> tuple[list[KVWriteReport], list[str]]:
-    """Lower every group of cache writes that fits; returns (lowered groups, reasons for the groups kept)."""
+@dataclass(frozen=True)
+class KVLowering:
+    lowered: list[KVWriteReport]  # the groups of writes lowered to multi_linear_kv_write
+    kept: list[str]  # the groups of writes kept on today's path, and why
+
+
+def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLowering:
+    """Lower every group of cache writes that fits."""
     groups: dict[fx.Node, _Group] = {}
     for site in _find_sites(graph):
         gemm = _nearest_gemm(site.value)
@@ -727,7 +734,7 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names) -> tuple[list[
             kept.append(f"{where}: {err}")
             continue
         lowered.append(_emit(graph, group, plan, names))
-    return lowered, kept
+    return KVLowering(lowered, kept)
 
 
 @dataclass
@@ -740,7 +747,7 @@ class _Plan:
     rope: _Rope | None
 
 
-def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names) -> _Plan:
+def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) -> _Plan:
     if group.failed:
         raise _NoMatch("; ".join(group.failed))
     writes = group.writes
@@ -791,7 +798,7 @@ def _guard_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _check_exclusive(group: _Group, names) -> None:
+def _check_exclusive(group: _Group, names: Namer) -> None:
     """Every node computing a written value only feeds the writes (the op returns nothing), and every other read of
     a cache comes before the writes."""
     inside: set[fx.Node] = set()
@@ -893,7 +900,7 @@ def _gathered_table(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return table, pos
 
 
-def _tables(graph: fx.Graph, ks: list[_Write], x: fx.Node, names):
+def _tables(graph: fx.Graph, ks: list[_Write], x: fx.Node, names: Namer):
     """(per-layer cos/sin tables, positions, description) for the op."""
     half = ks[0].rope.rot // 2
     direct = []
@@ -939,7 +946,7 @@ def _arange_tokens(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return call(graph, aten.arange.default, (tokens,), {"dtype": torch.int64, "device": x_val.device})
 
 
-def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
+def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteReport:
     ks, vs = plan.ks, plan.vs
     x = group.activation
     first_copy = min((w.site.copy for w in ks + vs), key=_position(graph))
@@ -1016,7 +1023,7 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names) -> KVWriteReport:
     return KVWriteReport(names.of(x), layers, write, norm, rope)
 
 
-def _sym(value: Any, names) -> str:
+def _sym(value: Any, names: Namer) -> str:
     return names.of(value) if isinstance(value, fx.Node) else str(value)
 
 

@@ -1,0 +1,49 @@
+"""Readable names for report lines: a placeholder by its Dynamo input name (`layers.0.k_proj.weight`), a GEMM by
+the parameters its weight operand is computed from. The passes name nodes through a `Namer`; they never print
+FX node names where a parameter path is known."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from dspark_fx.passes.graph_utils import aten, op_name
+
+
+class Namer:
+    """Readable names for report lines: placeholders get the Dynamo input names (parameter paths) if known."""
+
+    def __init__(self, graph: fx.Graph, input_names: list[str] | None) -> None:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.names = {}
+        if input_names and len(input_names) == len(placeholders):
+            self.names = {p: _clean(name) for p, name in zip(placeholders, input_names, strict=True)}
+
+    def of(self, node: fx.Node) -> str:
+        return self.names.get(node, node.name)
+
+    def weight_of(self, gemm: fx.Node) -> str:
+        """A GEMM by the inputs (parameters, buffers) its weight operand is computed from; a weight computed by
+        another GEMM names that GEMM by its own weight (`aten.mm(layers.0.k_proj.weight)`)."""
+        weight = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
+        found, stack, seen = [], [weight], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, fx.Node) or node in seen:
+                continue
+            seen.add(node)
+            if node.op in ("placeholder", "get_attr"):
+                found.append(self.of(node) if node.op == "placeholder" else str(node.target))
+            elif node.target in (aten.mm.default, aten.addmm.default):
+                found.append(f"{op_name(node)}({self.weight_of(node)})")
+            else:
+                stack += reversed(node.all_input_nodes)
+        return ", ".join(found) if found else gemm.name
+
+
+def _clean(name: str) -> str:
+    name = next((name[2:] for p in ("L_", "l_", "G_", "g_") if name.startswith(p)), name).removeprefix("self_")
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, ".")
+    for part in ("modules_", "parameters_", "buffers_", "self."):
+        name = name.removeprefix(part)
+    return name.rstrip("_")
