@@ -806,7 +806,8 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
         gemm = w.proj.gemm.node
         chain = _ancestors(w.site.value) & _descendants(gemm)
         inside |= chain | set(w.site.nodes) | {w.site.copy}
-    for node in inside:
+    order = {n: i for i, n in enumerate(group.activation.graph.nodes)}
+    for node in sorted(inside, key=order.__getitem__):  # graph order: the reason names the same node every run
         for user in node.users:
             if user in inside:
                 continue
@@ -815,7 +816,6 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
             raise _NoMatch(
                 f"{node.name} ({op_name(node)}) is also read by {user.name} ({op_name(user)}); the op returns nothing"
             )
-    order = {n: i for i, n in enumerate(group.activation.graph.nodes)}
     first = min(order[w.site.copy] for w in group.writes)
     for w in group.writes:
         for user in w.site.cache.users:
