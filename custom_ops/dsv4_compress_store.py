@@ -51,6 +51,7 @@ from custom_ops.fp4_layout import quantize_groups_e2m1
 from custom_ops.fp8_layout import (
     AMAX_FLOOR,
     FP8_MAX,
+    INDEXER_DIM,
     NOPE_DIM,
     ROPE_DIM,
     flashmla_page_bytes,
@@ -60,7 +61,6 @@ from custom_ops.fp8_layout import (
 )
 from custom_ops.rope import apply_rope_interleaved
 
-INDEXER_DIM = 128
 INDEXER_SCALE_BYTES = 4  # per token: one fp32 scale (FP8) or 4 UE8M0 exponents (FP4)
 
 LIB.define(

@@ -38,6 +38,7 @@ from custom_ops.checks import check_index_range
 from custom_ops.fp8_layout import (
     FP8_MAX,
     HEAD_DIM,
+    INDEXER_DIM,
     NOPE_DIM,
     ROPE_DIM,
     flashmla_page_bytes,
@@ -58,7 +59,6 @@ __all__ = [
     "walsh_hadamard",
 ]
 
-INDEXER_DIM = 128
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -34,6 +34,7 @@ NUM_TILES = NOPE_DIM // TILE
 VALUE_BYTES = 576
 SCALE_BYTES = 8
 TOKEN_BYTES = VALUE_BYTES + SCALE_BYTES
+INDEXER_DIM = 128  # the indexer's K width (FlashMLA indexer quantization, DeepSeek-V4 indexer store)
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 MAX_PAGE_SIZE = 1 << 30

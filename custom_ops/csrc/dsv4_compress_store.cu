@@ -25,7 +25,7 @@ void check_on(const at::Tensor& t, const char* name, const at::Tensor& kv) {
 
 int64_t cache_page_bytes(int64_t d, int64_t page_size, bool fp4) {
   if (d == kIndexerDim) return ((fp4 ? kIndexerDim / 2 : kIndexerDim) + 4) * page_size;
-  return ((kValueBytes + kScaleBytes) * page_size + kValueBytes - 1) / kValueBytes * kValueBytes;
+  return (kTokenBytes * page_size + kValueBytes - 1) / kValueBytes * kValueBytes;
 }
 
 // dsv4_compress_store.check_store_values (checking mode): out_loc entries inside the cache, then the out_loc index of

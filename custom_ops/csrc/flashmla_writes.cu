@@ -141,7 +141,7 @@ void check_table(const at::Tensor& freqs, const at::Tensor& positions, int64_t n
 constexpr int64_t kMaxPageSize = int64_t{1} << 30;
 
 int64_t page_bytes_of(int64_t page_size) {
-  return (584 * page_size + kValueBytes - 1) / kValueBytes * kValueBytes;
+  return (kTokenBytes * page_size + kValueBytes - 1) / kValueBytes * kValueBytes;
 }
 
 void check_cache(const at::Tensor& out_loc, const at::Tensor& kvcache, int64_t page_size, const at::Tensor& kv) {

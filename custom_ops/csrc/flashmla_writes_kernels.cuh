@@ -26,6 +26,7 @@ constexpr int kNopeDim = 448;
 constexpr int kRopeDim = 64;
 constexpr int kValueBytes = 576;
 constexpr int kScaleBytes = 8;
+constexpr int kTokenBytes = kValueBytes + kScaleBytes;  // 584: one token's payload (fp8_layout.TOKEN_BYTES)
 constexpr int kLaneElems = 16;               // 512 / 32
 constexpr int kRopeLane0 = kNopeDim / kLaneElems;  // 28
 constexpr int kIndexerDim = 128;

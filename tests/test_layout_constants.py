@@ -1,0 +1,50 @@
+"""One source of truth for the FlashMLA V4 layout: the constants of `custom_ops/csrc/flashmla_writes_kernels.cuh`
+(used by the FlashMLA and DeepSeek-V4 store kernels and bindings) equal those of `custom_ops/fp8_layout.py`
+(the CPU references, fake impls and docs). The header is parsed as text, so this runs without a GPU or nvcc."""
+
+import ast
+import re
+from pathlib import Path
+
+from custom_ops import fp8_layout
+
+HEADER = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc" / "flashmla_writes_kernels.cuh"
+
+
+def _header_ints() -> dict[str, int]:
+    """`constexpr int kName = <integer expression of earlier names>;` at namespace level, evaluated in order."""
+    values: dict[str, int] = {}
+    for name, expr in re.findall(r"^constexpr int (k\w+) = ([^;]+);", HEADER.read_text(), flags=re.M):
+        tree = ast.parse(re.sub(r"\b(k\w+)\b", lambda m: str(values[m.group(1)]), expr), mode="eval")
+        values[name] = int(eval(compile(tree, str(HEADER), "eval"), {"__builtins__": {}}))
+    return values
+
+
+def test_header_and_python_layout_constants_agree():
+    python = {
+        "kHeadDim": fp8_layout.HEAD_DIM,
+        "kNopeDim": fp8_layout.NOPE_DIM,
+        "kRopeDim": fp8_layout.ROPE_DIM,
+        "kValueBytes": fp8_layout.VALUE_BYTES,
+        "kScaleBytes": fp8_layout.SCALE_BYTES,
+        "kTokenBytes": fp8_layout.TOKEN_BYTES,
+        "kIndexerDim": fp8_layout.INDEXER_DIM,
+    }
+    header = _header_ints()
+    assert {name: header[name] for name in python} == python
+
+
+def test_no_layout_literal_left_in_the_cuda_sources():
+    """The 584-byte token and the 576-byte value region are named constants in every CUDA source."""
+    csrc = HEADER.parent
+    for path in sorted(csrc.iterdir()):
+        if path.suffix in (".cu", ".cuh", ".h") and path != HEADER:
+            text = re.sub(r"//.*", "", path.read_text())
+            assert not re.search(r"\b(584|576)\b", text), f"{path.name} spells a layout size as a literal"
+
+
+def test_python_defines_the_indexer_width_once():
+    from custom_ops import dsv4_compress_store, flashmla_writes
+
+    assert flashmla_writes.INDEXER_DIM is fp8_layout.INDEXER_DIM
+    assert dsv4_compress_store.INDEXER_DIM is fp8_layout.INDEXER_DIM
