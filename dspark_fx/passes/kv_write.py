@@ -60,6 +60,7 @@ import custom_ops  # registers dspark::multi_linear_kv_write
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import gemm_branches
 from dspark_fx.passes.batching import same_shape
+from dspark_fx.passes.branch_regions import descendants
 from dspark_fx.passes.graph_utils import aten, call, is_pure, op_name, tensor_val
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import KVWriteReport
@@ -804,7 +805,7 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
     inside: set[fx.Node] = set()
     for w in group.writes:
         gemm = w.proj.gemm.node
-        chain = _ancestors(w.site.value) & _descendants(gemm)
+        chain = _ancestors(w.site.value) & descendants(gemm.graph, [gemm])
         inside |= chain | set(w.site.nodes) | {w.site.copy}
     order = {n: i for i, n in enumerate(group.activation.graph.nodes)}
     for node in sorted(inside, key=order.__getitem__):  # graph order: the reason names the same node every run
@@ -821,16 +822,6 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
         for user in w.site.cache.users:
             if user not in inside and order[user] > first:
                 raise _NoMatch(f"{names.of(w.site.cache)} is read by {user.name} after the writes")
-
-
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    out, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(n.users)
-    return out
 
 
 @functools.cache
