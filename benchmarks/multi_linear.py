@@ -2,11 +2,18 @@
 
 Groups (bf16, no bias): the fused draft KV group 5 x [2048, 4096], q/k/v [4096 | 1024 | 1024, 4096], gate/up
 2 x [12288, 4096], single [4096, 4096], [1024, 4096] and [4096, 12288] (K = 12288); M (tokens) in
-{1, 8, 16, 64, 128, 512}. Every variant is captured in a CUDA graph that calls it once on each of several copies of
-the group's weights (enough copies for 3x the L2, so the L2 never serves the weights) and replayed; the time per call
-is the median replay time (`triton.testing.do_bench`) over the number of copies. "% copy" is (weights + x + out
-bytes) / time over a large device-to-device copy measured in the same run (bytes read + written); the floor is those
-bytes at that rate. Every output is checked against cuBLAS on the concatenated copy first.
+{1, 8, 16, 64, 128, 512}. Each weight is its own tensor with a gap after it, as in a model (weights that lie back to
+back in memory would be merged into one row range by the op). Every variant is captured in a CUDA graph that calls
+it once on each of several copies of the group's weights (enough copies for 3x the L2, so the L2 never serves the
+weights) and replayed; the time per call is the median replay time (`triton.testing.do_bench`) over the number of
+copies. "% copy" is (weights + x + out bytes) / time over a large device-to-device copy measured in the same run
+(bytes read + written); the floor is those bytes at that rate. Every output is checked against cuBLAS on the
+concatenated copy first.
+
+Columns: op (the default dispatch; "path" names what it ran), kernel (`_multi_linear_variant` with the default tile,
+M <= 64), cuBLAS batched (`_multi_linear_cublas(..., batched=True)`: row ranges of one shape in one
+`cublasGemmBatchedEx`), cuBLAS per weight (one `mm` per weight), cuBLAS concat (one `mm` on a concatenated copy: a
+bound, not an option, since it needs a second copy of the weights).
 
     python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
@@ -29,7 +36,13 @@ import torch
 from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops.multi_linear import KernelVariant, kernel_variants, multi_linear_reference, uses_kernel
+from custom_ops.multi_linear import (
+    KernelVariant,
+    cublas_batches,
+    kernel_variants,
+    multi_linear_reference,
+    uses_kernel,
+)
 
 GROUPS: dict[str, list[tuple[int, int]]] = {
     "kv 5x[2048,4096]": [(2048, 4096)] * 5,
@@ -47,6 +60,8 @@ MAX_REL_ERROR = 1e-2
 
 op = torch.ops.dspark.multi_linear
 variant_op = torch.ops.dspark._multi_linear_variant
+cublas_op = torch.ops.dspark._multi_linear_cublas
+MAX_KERNEL_TOKENS = 64
 
 
 @dataclass
@@ -64,7 +79,7 @@ class Group:
         k = shapes[0][1]
         weight_bytes = sum(r * k for r, _ in shapes) * DTYPE.itemsize
         n = max(2, math.ceil(3 * l2_bytes / weight_bytes))
-        copies = [[torch.randn(r, k, device="cuda", dtype=DTYPE) for r, _ in shapes] for _ in range(n)]
+        copies = [[separate_weight(r, k) for r, _ in shapes] for _ in range(n)]
         return cls(name, [r for r, _ in shapes], k, copies, [torch.cat(ws) for ws in copies])
 
     def args(self, x: torch.Tensor, i: int) -> tuple:
@@ -73,6 +88,12 @@ class Group:
 
     def bytes_moved(self, tokens: int) -> int:
         return (sum(self.rows) * self.k + tokens * self.k + tokens * sum(self.rows)) * DTYPE.itemsize
+
+
+def separate_weight(rows: int, k: int) -> torch.Tensor:
+    """A random [rows, k] weight followed by a 4 KiB gap, so no other weight starts where it ends."""
+    storage = torch.randn(rows * k + 2048, device="cuda", dtype=DTYPE)
+    return storage[: rows * k].view(rows, k)
 
 
 def copy_bandwidth() -> float:
@@ -115,7 +136,26 @@ def variant_call(group: Group, x: torch.Tensor, variant: KernelVariant, split: i
     return lambda i: variant_op(*group.args(x, i), variant.index, split)
 
 
-METHODS = {"op": op_call, "cuBLAS per weight": per_weight_call, "cuBLAS concat": concat_call}
+def kernel_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor] | None:
+    return (lambda i: variant_op(*group.args(x, i), -1, 0)) if x.shape[0] <= MAX_KERNEL_TOKENS else None
+
+
+def batched_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    return lambda i: cublas_op(*group.args(x, i), True)
+
+
+METHODS = {
+    "op": op_call,
+    "kernel": kernel_call,
+    "cuBLAS batched": batched_call,
+    "cuBLAS per weight": per_weight_call,
+    "cuBLAS concat": concat_call,
+}
+
+
+def cublas_path(tokens: int, rows: list[int]) -> str:
+    """What the op's cuBLAS path runs for separate weights of these row counts."""
+    return "cuBLAS batched" if cublas_batches(tokens, rows) else "cuBLAS"
 
 
 def main_table(groups: list[Group], bandwidth: float) -> str:
@@ -133,6 +173,9 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
             times, cells = {}, []
             for name, make_call in METHODS.items():
                 call = make_call(group, x)
+                if call is None:
+                    cells.append("-")
+                    continue
                 err = rel_error(call(0), ref)
                 if err > MAX_REL_ERROR:
                     cells.append(f"WRONG (rel err {err:.2e})")
@@ -143,7 +186,7 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
                 f"{times[base] / times['op']:.2f}x" if {"op", base} <= times.keys() else "-"
                 for base in ("cuBLAS per weight", "cuBLAS concat")
             ]
-            path = "kernel" if uses_kernel(tokens, group.rows) else "cuBLAS"
+            path = "kernel" if uses_kernel(tokens, group.rows) else cublas_path(tokens, group.rows)
             row = f"| {group.name} | {tokens} | {path} | {floor:.1f} | " + " | ".join(cells + ratios) + " |"
             print(row, flush=True)
             lines.append(row)

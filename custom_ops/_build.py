@@ -51,6 +51,7 @@ log = logging.getLogger("custom_ops")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CXX_FLAGS = ["-O3"]
+LD_FLAGS = ["-lcublas"]  # dspark::multi_linear's batched GEMM (the handle and workspace are torch's)
 CUDA_FLAGS = [
     "-O3",
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -76,7 +77,7 @@ def build_key() -> str:
     for p in sorted(CSRC.iterdir()):
         if p.is_file():
             h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(repr((CXX_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
+    h.update(repr((CXX_FLAGS, CUDA_FLAGS, LD_FLAGS, torch.__version__, torch.version.cuda)).encode())
     return h.hexdigest()[:16]
 
 
@@ -121,22 +122,24 @@ def load(verbose: bool = False) -> Path:
         _require_toolchain()
         from torch.utils import cpp_extension
 
-        build_dir = _build_dir()
+        build_dir, path = _build_dir(), library_path()
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("building dspark CUDA ops in %s", build_dir)
         try:
             cpp_extension.load(
-                name=_name(),
+                name=path.stem,
                 sources=[str(p) for p in _source_files()],
-                extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=CUDA_FLAGS,
+                # copies: cpp_extension appends torch's own flags to these lists, which would change build_key()
+                extra_cflags=list(CXX_FLAGS),
+                extra_cuda_cflags=list(CUDA_FLAGS),
+                extra_ldflags=list(LD_FLAGS),
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,
             )
         except (RuntimeError, OSError) as e:
             raise BuildError(f"building the dspark CUDA ops in {build_dir} failed: {e}") from e
-        _loaded = library_path()
+        _loaded = path
         checks.attach_native(_loaded)
         return _loaded
 

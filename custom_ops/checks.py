@@ -77,14 +77,18 @@ def must_check_values(t: torch.Tensor) -> bool:
     return _enabled and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def check_index_range(name: str, index: torch.Tensor, hi: int, what: str, *, negative_skips: bool = True) -> None:
+def check_index_range(
+    name: str, index: torch.Tensor, hi: int, what: str, *, negative_skips: bool = True, wrap: bool = False
+) -> None:
     """Raise `ValueError` for the first entry of `index` outside `[0, hi)` (negative entries are allowed when
-    `negative_skips`: they mean "skip this row"). `what` describes the valid range for the message.
+    `negative_skips`: they mean "skip this row"; with `wrap` the range is `[-hi, hi)`, a negative entry counting from
+    the end as in Python indexing). `what` describes the valid range for the message.
 
     The CUDA bindings raise the same message (`csrc/range_checks.h`). The caller decides whether to check
     (`must_check_values`)."""
     values = index.long()
-    bad = values >= hi if negative_skips else (values < 0) | (values >= hi)
+    low = -hi if wrap else None if negative_skips else 0
+    bad = values >= hi if low is None else (values < low) | (values >= hi)
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
         label = ", ".join(str(i) for i in where)

@@ -22,12 +22,20 @@ Which path runs:
 | CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
 | CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 8,    | the kernel, one launch per 64 row ranges       |
 |        | or T <= 32 for >= 2 row ranges of <= 4096 rows on average |                                                |
-| CUDA   | otherwise (fp32, larger T, other K, other layouts)        | one cuBLAS `mm`/`addmm` per row range (b)      |
+|        | unless cuBLAS can batch all of them (c)                   |                                                |
+| CUDA   | otherwise (fp32, larger T, other K, other layouts)        | cuBLAS: one batched GEMM per shape (c), one    |
+|        |                                                           | `mm`/`addmm` per other row range (b)           |
 
 (a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
-that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. The rule is
-`kernel_pays` in `csrc/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)`
-evaluates it. The kernel itself handles up to 64 tokens (`_multi_linear_variant` forces it).
+that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. (c) up to 512
+tokens, bf16/fp16 row ranges without bias that share their row count and row stride are one `cublasGemmBatchedEx`
+(one launch for the group instead of one GEMM each: the DSpark KV group of 5 layers at 64 tokens takes 29 instead
+of 53 µs); its per-GEMM pointers are written to a small device tensor by a one-block kernel from a by-value kernel
+parameter, so there is still no host sync and no state between calls. The rule is `kernel_pays` in
+`csrc/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
+`cublas_batches(tokens, row_counts)` evaluate it. The kernel itself handles up to 64 tokens
+(`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS path, batched or one GEMM
+per range.
 
 On CUDA, consecutive row ranges that lie back to back in memory (weight `i + 1`'s first used row right after weight
 `i`'s last, same row stride, biases both absent or also back to back) are treated as one range: one GEMM over the
@@ -35,15 +43,16 @@ stacked view, one kernel segment. That is found from data pointers and strides o
 activation's own layout never blocks the kernel: rows that are not 16-byte aligned or a non-unit inner stride get a
 contiguous copy of `x` (T x K, small).
 
-The kernel (see the header of `csrc/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows as the
-M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over the
-CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once
-from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
-ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
-inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
-writing its own output columns. This keeps the op free of host syncs, device-side tables and workspaces: it
-allocates only its output, keeps no state between calls, and is CUDA-graph capturable; the output shape depends
-only on `x.shape[0]` and the row counts, so it works with a symbolic T in compiled graphs (the fake impl gives it).
+The kernel (see the header of `csrc/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows as the M
+dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over the CTAs
+of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once from HBM
+with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment ends) travel
+by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB, inside the
+classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each writing its own
+output columns. This keeps the op free of host syncs, device-side tables and workspaces: it allocates only its
+output (and, on the batched cuBLAS path, its pointer table), keeps no state between calls, and is CUDA-graph
+capturable; the output shape depends only on `x.shape[0]` and the row counts, so it works with a symbolic T in
+compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
@@ -63,6 +72,10 @@ LIB.define("multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row
 LIB.define(
     "_multi_linear_variant(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
     "int variant, int split) -> Tensor"
+)
+LIB.define(
+    "_multi_linear_cublas(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
+    "bool batched) -> Tensor"
 )
 
 
@@ -173,11 +186,27 @@ def kernel_token_threshold() -> int:
 
 def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
-    of `row_counts` rows, given a kernel-readable bf16/fp16 layout (the rule of `kernel_pays` in the binding)."""
+    of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout and one row stride per row count
+    (the rule of `kernel_pays` in the binding)."""
     runs = [c for c in row_counts if c > 0]
     lib = _native()
-    lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3
-    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs)))
+    lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs), int(_all_batched(tokens, runs))))
+
+
+def batched_max_tokens() -> int:
+    """Largest token count for which the CUDA op's cuBLAS path batches row ranges of one shape into one GEMM."""
+    return int(_native().dspark_multi_linear_batched_max_tokens())
+
+
+def _all_batched(tokens: int, runs: Sequence[int]) -> bool:
+    return tokens <= batched_max_tokens() and all(runs.count(c) >= 2 for c in runs)
+
+
+def cublas_batches(tokens: int, row_counts: Sequence[int]) -> bool:
+    """Whether the CUDA op's cuBLAS path batches some of these row ranges (same assumptions as `uses_kernel`)."""
+    runs = [c for c in row_counts if c > 0]
+    return tokens <= batched_max_tokens() and any(runs.count(c) >= 2 for c in runs)
 
 
 def kernel_variants() -> list[KernelVariant]:
@@ -195,3 +224,4 @@ def kernel_variants() -> list[KernelVariant]:
 LIB.impl("multi_linear", multi_linear_reference, "CPU")
 _build.register_cuda_entry(LIB, "multi_linear")
 _build.register_cuda_entry(LIB, "_multi_linear_variant")
+_build.register_cuda_entry(LIB, "_multi_linear_cublas")

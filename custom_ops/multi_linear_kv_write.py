@@ -30,6 +30,7 @@ All math is fp32 from the inputs (GEMM accumulation, norm, rotation); K and V ar
 | `commit_lens`    | `[B]` or None              | int32/int64    |     | `[B, W]` slots: write `j < commit_lens[b]`    |
 | `num_kv_heads`   | `int`                      |                |     | heads per layer                               |
 | `head_dim`       | `int`                      |                |     | elements per head                             |
+| `wrap_negative`  | `bool` (default False)     |                |     | negative index values count from the end      |
 | returns          | nothing                    |                |     |                                               |
 
 RoPE rotates the first `R` elements of each head (`R` even, `0 < R <= head_dim`, the same for every layer; the rest
@@ -54,10 +55,13 @@ impl raises the same errors under `torch.compile`. The CUDA binding adds what it
 Index values (the contract of every dspark op, docs/contract.md): a negative `cache_loc` entry skips the token (its
 K and V are not written); an entry `>= S`, or a position outside `[0, min_i P_i)` (a row of every table), raises
 `ValueError` on CPU (and on CUDA with `custom_ops.set_checks(True)`) before any cache is modified; on CUDA without
-checks such a token is skipped. Every entry is checked, those of skipped tokens too (a masked `[B, W]` entry, a token
-with a negative slot): slots first, then positions (when `cos_sin_caches` is not empty). `commit_lens` values are not
-index values: `<= 0` writes none of the row's tokens, `>= W` all of them. Two written tokens addressing one slot
-leave either token's row (unspecified which).
+checks such a token is skipped. With `wrap_negative=True` the values index as in Python (what eager `cache[loc] = k`
+and `table[positions]` do, so a compiled graph needs no extra kernel to wrap them): an entry `l` in `[-S, 0)`
+addresses slot `S + l` and a position `p` in `[-P, 0)` row `P + p` (`P = min_i P_i`); entries below `-S` / `-P` are
+out of range like those `>= S` / `>= P`. Every entry is checked, those of skipped tokens too (a masked `[B, W]`
+entry, a token with a negative slot): slots first, then positions (when `cos_sin_caches` is not empty).
+`commit_lens` values are not index values: `<= 0` writes none of the row's tokens, `>= W` all of them. Two written
+tokens addressing one slot leave either token's row (unspecified which).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ LIB.define(
     "multi_linear_kv_write(Tensor x, Tensor[] k_weights, int[] k_row_starts, Tensor?[] k_biases, "
     "Tensor[] v_weights, int[] v_row_starts, Tensor?[] v_biases, Tensor?[] k_norm_weights, float[] k_norm_eps, "
     "Tensor[] cos_sin_caches, Tensor positions, bool is_neox, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-    "Tensor cache_loc, Tensor? commit_lens, int num_kv_heads, int head_dim) -> ()"
+    "Tensor cache_loc, Tensor? commit_lens, int num_kv_heads, int head_dim, bool wrap_negative=False) -> ()"
 )
 
 _OP = "multi_linear_kv_write"
@@ -286,9 +290,10 @@ def _check_args(
     commit_lens: torch.Tensor | None,
     num_kv_heads: int,
     head_dim: int,
+    wrap_negative: bool = False,
 ) -> None:
     """Every structural rule of the op (shapes, dtypes, devices, lengths), raised before anything is written. Takes
-    the op's arguments (`is_neox` has no rule beyond its schema type)."""
+    the op's arguments (`is_neox` and `wrap_negative` have no rule beyond their schema type)."""
     if x.dim() != 2:
         raise _fail(f"x must be 2-D [T, K], got {tuple(x.shape)}")
     if x.dtype not in _FLOATS:
@@ -334,22 +339,39 @@ def _check_args(
     _check_aliasing(_named_caches(k_caches, v_caches), inputs)
 
 
+def _position_rows(cos_sin_caches: Sequence[torch.Tensor]) -> int:
+    """Rows of the shortest table: the positions every layer can read."""
+    return min(c.shape[0] for c in cos_sin_caches)
+
+
 def _check_values(
     cos_sin_caches: Sequence[torch.Tensor],
     positions: torch.Tensor,
     k_caches: Sequence[torch.Tensor],
     cache_loc: torch.Tensor,
+    wrap_negative: bool,
 ) -> None:
     """The index-value rules (CPU always, CUDA in checking mode): every slot below S, every position a row of every
-    table (skipped tokens included), slots first."""
+    table (skipped tokens included), slots first; with `wrap_negative` down to -S and -P."""
     if not must_check_values(cache_loc):
         return
     slots = k_caches[0].shape[0]
-    check_index_range("cache_loc", cache_loc, slots, f"cache slots are [0, {slots}) (negative entries skip the token)")
+    if wrap_negative:
+        what = f"cache slots are [-{slots}, {slots}) (a negative entry l addresses slot {slots} + l)"
+    else:
+        what = f"cache slots are [0, {slots}) (negative entries skip the token)"
+    check_index_range("cache_loc", cache_loc, slots, what, wrap=wrap_negative)
     if cos_sin_caches:
-        rows = min(c.shape[0] for c in cos_sin_caches)
-        what = f"positions must be in [0, {rows}), a row of every cos_sin_caches table"
-        check_index_range("positions", positions, rows, what, negative_skips=False)
+        rows = _position_rows(cos_sin_caches)
+        low = -rows if wrap_negative else 0
+        what = f"positions must be in [{low}, {rows}), a row of every cos_sin_caches table"
+        check_index_range("positions", positions, rows, what, negative_skips=False, wrap=wrap_negative)
+
+
+def _wrapped(index: torch.Tensor, size: int) -> torch.Tensor:
+    """`index` with entries in `[-size, 0)` moved to `size + index` (Python indexing); others unchanged."""
+    index = index.long()
+    return torch.where((index < 0) & (index >= -size), index + size, index)
 
 
 def _written_tokens(cache_loc: torch.Tensor, commit_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,6 +429,7 @@ def multi_linear_kv_write_reference(
     commit_lens: torch.Tensor | None,
     num_kv_heads: int,
     head_dim: int,
+    wrap_negative: bool = False,
 ) -> None:
     """The op in plain torch, fp32 math (the CPU implementation and the single source of truth for the kernels)."""
     _check_args(
@@ -429,7 +452,11 @@ def multi_linear_kv_write_reference(
         num_kv_heads,
         head_dim,
     )
-    _check_values(cos_sin_caches, positions, k_caches, cache_loc)
+    _check_values(cos_sin_caches, positions, k_caches, cache_loc, wrap_negative)
+    if wrap_negative:
+        cache_loc = _wrapped(cache_loc, k_caches[0].shape[0])
+        if cos_sin_caches:
+            positions = _wrapped(positions, _position_rows(cos_sin_caches))
     tokens, slots = _written_tokens(cache_loc, commit_lens)
     xs = x[tokens].float()
     pos = positions[tokens].long()

@@ -263,6 +263,29 @@ def make_case(spec: Spec, device: str = "cpu", fresh_weights: bool = False) -> C
     return Case(spec, args, bases, views)
 
 
+def counted_from_the_end(case: Case, every: int = 3) -> Case:
+    """`case` with its own copy of the caches, every `every`-th slot `l >= 0` given as `l - S` and position `p` as
+    `p - P` (P: rows of the shortest table), and `wrap_negative=True`: the same writes, addressed as Python indexing
+    does."""
+    args = dict(case.args)
+    slots = args["k_caches"][0].shape[0]
+    loc = args["cache_loc"].clone()
+    flat = loc.view(-1)
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[::every] = True
+    flat[chosen & (flat >= 0)] -= slots
+    args["cache_loc"] = loc
+    if args["cos_sin_caches"]:
+        rows = min(t.shape[0] for t in args["cos_sin_caches"])
+        positions = args["positions"].clone()
+        positions[1::every] -= rows
+        args["positions"] = positions
+    bases = [b.clone() for b in case.bases]
+    args["k_caches"], args["v_caches"] = case.views(bases)
+    args["wrap_negative"] = True
+    return Case(case.spec, args, bases, case.views)
+
+
 def _fp64_rope(k: torch.Tensor, rows: torch.Tensor, neox: bool) -> torch.Tensor:
     """Rotate pairs of the first R = rows.shape[1] dims of `k [T, heads, D]`; `rows [T, R]` = [cos | sin] halves."""
     half = rows.shape[1] // 2

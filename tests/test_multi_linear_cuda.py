@@ -11,7 +11,14 @@ from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
 from custom_ops import _build
-from custom_ops.multi_linear import _check_args, kernel_token_threshold, kernel_variants
+from custom_ops.multi_linear import (
+    _check_args,
+    batched_max_tokens,
+    cublas_batches,
+    kernel_token_threshold,
+    kernel_variants,
+    uses_kernel,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -152,6 +159,104 @@ def test_more_weights_than_one_launch():
         _check(op(*args), fp64_formula(*args))
 
 
+def _same_shape_case(tokens, *, dtype=torch.bfloat16, seed=0, x_stride_pad=0):
+    """Separate weights where row ranges of one shape repeat (batched by cuBLAS), mixed with others that do not, a
+    bias that keeps its range out of the batch, and weights with a row stride != K."""
+    gen = torch.Generator().manual_seed(seed)
+    k = 264
+    x = torch.randn(tokens, k + x_stride_pad, generator=gen).to(dtype)[:, :k]
+    weights, starts, counts, biases = [], [], [], []
+    for rows, stride, bias in [
+        (96, k, False),
+        (96, k, False),
+        (40, k + 8, False),
+        (96, k, True),
+        (96, k, False),
+        (40, k + 8, False),
+        (17, k, False),
+        (96, k + 8, False),
+        (96, k + 8, False),
+    ]:
+        w = torch.randn(rows + 2, stride, generator=gen).to(dtype)[:, :k]
+        weights.append(w)
+        starts.append(1)
+        counts.append(rows)
+        biases.append(torch.randn(rows + 2, generator=gen).to(dtype) if bias else None)
+    cuda = lambda t: t.cuda() if t is not None else None
+    return cuda(x), [cuda(w) for w in weights], starts, counts, [cuda(b) for b in biases]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 33, 64, 200])
+def test_batched_cublas_matches_fp64(tokens, dtype):
+    """Row ranges of one shape in one batched GEMM (the op's cuBLAS path, and forced at any T): the same result as
+    one GEMM per range, every output column written (the output comes from NaN-filled freed memory)."""
+    args = _same_shape_case(tokens, dtype=dtype, seed=tokens, x_stride_pad=8 * (tokens % 2))
+    ref = fp64_formula(*args)
+    for batched in (True, False):
+        torch.full((tokens * 1000 + 1024,), float("nan"), device="cuda", dtype=dtype)  # freed, reused below
+        _check(torch.ops.dspark._multi_linear_cublas(*args, batched), ref)
+    _check(op(*args), ref)
+
+
+def test_batched_cublas_fewer_kernels_and_more_ranges_than_one_batch():
+    """70 ranges of one shape: two batched GEMMs (64 + 6 ranges) and their pointer tables, far fewer kernels than
+    one GEMM per range; fp32 is never batched (TF32 and precision follow torch's mm)."""
+    x, weights, starts, counts, biases = _case(100, 64, [24] * 70, seed=3, pad_rows=1, bias=(False,))
+    args = (x, weights, starts, counts, biases)
+    _check(op(*args), fp64_formula(*args))
+    batched = _cuda_kernels(lambda: torch.ops.dspark._multi_linear_cublas(*args, True))
+    assert batched < _cuda_kernels(lambda: torch.ops.dspark._multi_linear_cublas(*args, False)) // 4
+    x32, w32 = x.float(), [w.float() for w in weights]
+    torch.testing.assert_close(
+        torch.ops.dspark._multi_linear_cublas(x32, w32, starts, counts, biases, True),
+        torch.ops.dspark._multi_linear_cublas(x32, w32, starts, counts, biases, False),
+    )
+
+
+def test_batched_cublas_in_a_cuda_graph_sees_new_inputs_and_weight_updates():
+    args = _same_shape_case(64, seed=5)
+    x, weights = args[0], args[1]
+    op(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*args)
+    for step in range(3):
+        x.copy_(torch.randn_like(x))
+        if step == 2:
+            with torch.no_grad():
+                weights[0].mul_(-2)
+                weights[4].add_(1)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, fp64_formula(*args))
+
+
+def _kernel_names(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "counts"),
+    [(8, [256] * 4), (16, [256] * 4), (16, [512, 128, 128]), (16, [128, 256]), (40, [128, 256]), (40, [256] * 4)],
+)
+def test_the_path_the_rule_names_runs(tokens, counts):
+    """The kernel, a batched GEMM (its pointer-table kernel) or neither, as `uses_kernel` / `cublas_batches` say; above
+    the batching limit ranges of one shape get one GEMM each."""
+    args = _case(tokens, 256, counts, seed=tokens, pad_rows=1, bias=(False,))
+    names = _kernel_names(lambda: op(*args))
+    kernel = uses_kernel(tokens, counts)
+    assert any("multi_linear_kernel" in n for n in names) == kernel
+    assert any("fill_pointer_table" in n for n in names) == (not kernel and cublas_batches(tokens, counts))
+    many = _case(batched_max_tokens() + 1, 64, [32] * 3, seed=1, pad_rows=1, bias=(False,))
+    assert not any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*many)))
+    _check(op(*many), fp64_formula(*many))
+
+
 def _adjacent_case(tokens, seed):
     """Three weights carved out of one packed tensor so that their used rows lie back to back, biases too."""
     gen = torch.Generator().manual_seed(seed)
@@ -253,6 +358,7 @@ def test_compiled_with_symbolic_tokens():
 @pytest.mark.parametrize("tokens", [1, 16, 100])
 def test_opcheck(tokens):
     torch.library.opcheck(op, _case(tokens, 64, [16, 0, 9], seed=tokens))
+    torch.library.opcheck(op, _case(tokens, 64, [16, 16, 16], seed=tokens, bias=(False,)))  # batched above 32
 
 
 def _python_error(args):

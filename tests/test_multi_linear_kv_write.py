@@ -28,6 +28,7 @@ from multi_linear_cases import (
     Spec,
     bits,
     cache_bits,
+    counted_from_the_end,
     fp64_kv,
     make_case,
     poison,
@@ -404,6 +405,48 @@ def test_out_of_range_index_raises_before_any_write(case):
     with pytest.raises(ValueError, match=re.escape(message)):
         base.call()
     assert all(torch.equal(bits(b), old) for b, old in zip(base.bases, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(),
+        Spec(loc_dtype=torch.int32, pos_dtype=torch.int32, neox=False),
+        Spec(rot=None),
+        Spec(tokens=12, window=4, commit=(2, 0, 7)),
+    ],
+    ids=["default", "int32", "no rope", "commit"],
+)
+def test_wrap_negative_indexes_like_python(spec):
+    """Slots in [-S, 0) and positions in [-P, 0) count from the end: the same cache bytes as their non-negative
+    equivalents (and the fake impl accepts the flag)."""
+    case = make_case(spec)
+    wrapped = counted_from_the_end(case)
+    assert (wrapped.args["cache_loc"] < -1).any()
+    case.call()
+    wrapped.call()
+    for plain, other in zip(case.bases, wrapped.bases, strict=True):
+        assert torch.equal(bits(plain), bits(other))
+    with FakeTensorMode() as mode:
+        op(**_fake_args(wrapped.args, mode))
+
+
+@pytest.mark.parametrize("what", ["slot", "position"])
+def test_wrap_negative_still_raises_below_minus_the_size(what):
+    case = make_case(Spec(negative=()))
+    args = counted_from_the_end(case).args
+    before = cache_bits(args)
+    if what == "slot":
+        slots = args["k_caches"][0].shape[0]
+        args["cache_loc"][2] = -slots - 1
+        message = f"cache_loc[2] = {-slots - 1} is out of range: cache slots are [-{slots}, {slots})"
+    else:
+        rows = min(t.shape[0] for t in args["cos_sin_caches"])
+        args["positions"][0] = -rows - 1
+        message = f"positions[0] = {-rows - 1} is out of range: positions must be in [-{rows}, {rows})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        op(**args)
+    assert all(torch.equal(a, b) for a, b in zip(cache_bits(args), before, strict=True))
 
 
 def test_zero_slot_caches():

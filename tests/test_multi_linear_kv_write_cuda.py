@@ -22,6 +22,7 @@ from multi_linear_cases import (
     Spec,
     bits,
     cache_bits,
+    counted_from_the_end,
     fp64_kv,
     make_case,
     written_masks,
@@ -243,6 +244,30 @@ def test_out_of_range_tokens_are_skipped(graph, loc_dtype):
     assert_matches_reference(cuda, cpu, before)
 
 
+@pytest.mark.parametrize("tokens", [8, 40])
+def test_wrap_negative_counts_from_the_end(tokens):
+    """wrap_negative on the fused path (8 tokens) and the GEMM path (40): slots `l - S` and positions `p - P` write the
+    same bytes as `l` and `p`; below `-S` / `-P` a token is skipped (without checking mode), in every layer."""
+    spec = replace(QWEN3_8B if tokens <= FUSED_MAX_TOKENS else HEAD_DIM_64, tokens=tokens, seed=tokens)
+    _, plain = pair(spec)
+    wrapped = counted_from_the_end(plain)
+    plain.call()
+    wrapped.call()
+    torch.cuda.synchronize()
+    for a, b in zip(plain.bases, wrapped.bases, strict=True):
+        assert torch.equal(bits(a), bits(b))
+    cpu, cuda = pair(spec)
+    cuda = counted_from_the_end(cuda)
+    cuda.args["cache_loc"].view(-1)[1] = -spec.slots - 1
+    cuda.args["positions"][3] = -spec.table_rows - 1
+    _skip_tokens(cpu, [1, 3])
+    before = [bits(b) for b in cuda.bases]
+    cpu.call()
+    cuda.call()
+    torch.cuda.synchronize()
+    assert_matches_reference(cuda, cpu, before)
+
+
 def _value_cases():
     """(id, spec, change(case)) with one out-of-range entry each."""
     s, rows = HEAD_DIM_64.slots, HEAD_DIM_64.table_rows
@@ -261,7 +286,19 @@ def _value_cases():
         ("position -1", HEAD_DIM_64, set_entry("positions", 3, -1)),
         ("position past the shorter table", HEAD_DIM_64, set_entry("positions", 1, rows)),
         ("int32 position", replace(HEAD_DIM_64, pos_dtype=torch.int32), set_entry("positions", 7, 2**31 - 1)),
+        ("wrapped slot below -S", HEAD_DIM_64, wrap_and(set_entry("cache_loc", 4, -s - 1))),
+        ("wrapped position below -P", HEAD_DIM_64, wrap_and(set_entry("positions", 2, -rows - 1))),
     ]
+
+
+def wrap_and(change):
+    """`change` with `wrap_negative=True`."""
+
+    def wrapped(case):
+        case.args["wrap_negative"] = True
+        change(case)
+
+    return wrapped
 
 
 @pytest.mark.parametrize("case", _value_cases(), ids=[c[0] for c in _value_cases()])

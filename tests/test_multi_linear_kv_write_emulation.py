@@ -119,7 +119,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   KvWriteArgs args{};
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
-  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld
+  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -166,6 +166,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   kv.commit_stride = longs[3];
   kv.commit_int64 = ints[15];
   kv.slots = longs[5];
+  kv.wrap_negative = static_cast<int>(longs[7]);
   const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers};
   if (bf16) dispatch<__nv_bfloat16>(fused_path, split, args, h); else dispatch<__half>(fused_path, split, args, h);
 }
@@ -318,6 +319,7 @@ def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
         a["positions"].stride(0),
         a["k_caches"][0].shape[0],
         projections.stride(0) if projections is not None else 0,
+        int(a.get("wrap_negative", False)),
     ]
     ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), None, None, None, *per_layer]
     eps = a["k_norm_eps"] or [0.0] * layers
@@ -347,6 +349,8 @@ def _check(emu, spec: Spec, *, fused: bool, split: int = 1, seed: int = 0, edit=
     multi_linear_kv_write_reference(**ref_args)
     written = torch.zeros(spec.slots, dtype=torch.bool)
     loc = want["cache_loc"].reshape(-1)
+    if want.get("wrap_negative"):
+        loc = torch.where(loc < 0, loc + spec.slots, loc)
     keep = loc >= 0
     if want["commit_lens"] is not None:
         width = want["cache_loc"].shape[1]
@@ -403,5 +407,23 @@ def test_position_past_the_shortest_table_skips_the_token(emu, fused):
     def edit(got, want):
         got["positions"][1] = 40
         want["cache_loc"].view(-1)[1] = -1
+
+    _check(emu, Spec(tokens=6, head_dim=64), fused=fused, edit=edit)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_wrap_negative_counts_from_the_end(emu, fused):
+    """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
+    in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the
+    end."""
+
+    def edit(got, want):
+        for a in (got, want):
+            a["wrap_negative"] = True
+            loc, slots = a["cache_loc"].view(-1), a["k_caches"][0].shape[0]
+            free = min(set(range(slots)) - set(loc.tolist()))
+            loc[loc == -1] = free - slots
+            loc[0] -= slots
+            a["positions"][2] -= 40
 
     _check(emu, Spec(tokens=6, head_dim=64), fused=fused, edit=edit)

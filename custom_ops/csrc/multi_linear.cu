@@ -4,13 +4,17 @@
 // dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and
 // the C entry points through which Python reads the variant table and the token threshold.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -21,23 +25,30 @@ namespace dspark {
 namespace mlinear {
 namespace {
 
-// The switch between the two CUDA paths (fp32 and layouts the kernel cannot read always take cuBLAS, see
-// kernel_blocker). Measured on the H200 (benchmarks/multi_linear_tune.cu and benchmarks/multi_linear.py, L2-cold
-// weights) with default_variant's tiles: up to 8 tokens the kernel beats per-weight cuBLAS for every group
-// (1.04-1.8x); up to 32 tokens for groups of several weights of <= 4096 rows on average (KV of 5 layers 31 vs 51
-// us, q/k/v 22 vs 31 us); single weights and 2 x 12288 rows measured 0.95-1.03x at 16 tokens, so they stay on
-// cuBLAS; at 64 tokens the kernel is compute-bound (mma.sync fed from shared memory, 1-2 CTAs per SM) and cuBLAS
-// wins or ties.
+// The switch between the CUDA paths (fp32 and layouts the kernel cannot read always take cuBLAS, see
+// kernel_blocker). Measured on the H200 (benchmarks/multi_linear.py: separate weights, L2-cold, CUDA-graph replay;
+// BENCHMARKS.md) with default_variant's tiles:
+// - up to 8 tokens the kernel beats per-weight cuBLAS for every group (1.04-1.8x) and ties or beats the batched
+//   GEMM, except by 2-3 % where every range has one shape (KV of 5 layers: 27.7 vs 27.0 us at 1 token);
+// - up to 32 tokens it still wins for groups of several ranges of <= 4096 rows on average that cuBLAS cannot batch
+//   whole (q/k/v at 16 tokens: 20.4 us against 26.8 batched and 31.8 per weight), while a group of one shape is
+//   faster batched (KV at 16: 27.8 vs 30.2 us) and single weights and 2 x 12288 rows tie or lose (0.95-1.03x);
+// - at 64 tokens the kernel is compute-bound (mma.sync fed from shared memory, 1-2 CTAs per SM): cuBLAS.
 constexpr int64_t kTokenThreshold = 8;
 constexpr int64_t kGroupTokenThreshold = 32;
 constexpr int64_t kGroupMaxMeanRows = 4096;
 static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");
 
+// Up to this many tokens cuBLAS batches row ranges of one shape (KV of 5 layers at 64 tokens: 29.2 vs 53.0 us per
+// weight, at 512: 69.3 vs 86.7). Beyond, every GEMM alone fills the GPU and is compute-bound; the batched GEMM
+// measured slower there (the DSpark write at 4096 tokens: 570.8 vs 550.2 us).
+constexpr int64_t kBatchedMaxTokens = 512;
+
 // Whether a call with `tokens` rows of x over `runs` row ranges (after merging adjacent ones) of `rows` rows in all
-// takes the kernel.
-bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows) {
+// takes the kernel; `all_batched`: the cuBLAS path would batch every range (see batches_every_run).
+bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, bool all_batched) {
   if (tokens <= kTokenThreshold) return true;
-  return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs;
+  return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs && !all_batched;
 }
 
 // ------------------------------------------------------------------------------------------------ checks
@@ -78,6 +89,120 @@ void check_args(const at::Tensor& x, at::TensorList weights, at::IntArrayRef sta
   }
 }
 
+
+// ------------------------------------------------------------------------------------------------ batched cuBLAS
+
+// Runs of one shape (rows, row stride, no bias) are one cublasGemmBatchedEx instead of one GEMM each: one launch (and
+// one split-K reduction) for the whole group, its tiles filling the GPU together. cuBLAS reads the per-GEMM pointers
+// from device memory; fill_pointer_table writes them there from its by-value parameter (no host-to-device copy, no
+// sync, nothing kept between calls: capturable, and a CUDA graph replays the pointers it captured).
+struct PointerTable {
+  const void* weight[kMaxSegments];  // A of GEMM i: the run's first weight row
+  void* out[kMaxSegments];           // C of GEMM i: the run's column block of out
+  const void* x;                     // B of every GEMM
+  int count;
+};
+
+__global__ void fill_pointer_table(const __grid_constant__ PointerTable t, const void** table) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < t.count) {
+    table[i] = t.weight[i];
+    table[t.count + i] = t.x;
+    table[2 * t.count + i] = t.out[i];
+  }
+}
+
+// The runs cuBLAS can batch: 16-bit dtype, no bias, unit inner stride, a row stride cuBLAS accepts (>= K).
+bool batchable(const at::Tensor& x, const Run& r) {
+  return x.scalar_type() != at::kFloat && r.bias == nullptr && r.unit_inner && r.weight_stride >= x.size(1);
+}
+
+using Shape = std::pair<int64_t, int64_t>;  // (rows, row stride): runs of one shape share a batched GEMM
+
+// The batchable runs by shape (none above kBatchedMaxTokens tokens); `single` gets the others.
+std::map<Shape, std::vector<const Run*>> batches(const at::Tensor& x, const std::vector<Run>& runs,
+                                                 std::vector<Run>* single) {
+  std::map<Shape, std::vector<const Run*>> shapes;
+  const bool batching = x.size(0) <= kBatchedMaxTokens;
+  for (const Run& r : runs) {
+    if (batching && batchable(x, r)) {
+      shapes[{r.rows, r.weight_stride}].push_back(&r);
+    } else if (single != nullptr) {
+      single->push_back(r);
+    }
+  }
+  return shapes;
+}
+
+// Whether the cuBLAS path would put every run into a batched GEMM of >= 2 runs.
+bool batches_every_run(const at::Tensor& x, const std::vector<Run>& runs) {
+  size_t batched = 0;
+  for (const auto& [shape, group] : batches(x, runs, nullptr)) {
+    if (group.size() >= 2) batched += group.size();
+  }
+  return batched == runs.size();
+}
+
+// `runs` (all of one shape, 2..kMaxSegments of them) as one batched GEMM into their column blocks of `out`.
+void gemm_batched(const at::Tensor& x, const std::vector<const Run*>& runs, at::Tensor& out) {
+  const int count = static_cast<int>(runs.size());
+  const int64_t esize = static_cast<int64_t>(x.element_size());
+  PointerTable t{};
+  for (int i = 0; i < count; ++i) {
+    t.weight[i] = runs[i]->weight;
+    t.out[i] = static_cast<char*>(out.data_ptr()) + runs[i]->col * esize;
+  }
+  t.x = x.data_ptr();
+  t.count = count;
+  const at::Tensor table = at::empty({3 * count}, x.options().dtype(at::kLong));
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+  const void** pointers = static_cast<const void**>(table.data_ptr());
+  fill_pointer_table<<<1, count, 0, stream>>>(t, pointers);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Column-major view: out block^T [rows, T] = W [rows, K] (row-major, i.e. op T) x x^T [K, T] (op N).
+  const cudaDataType_t type = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  TORCH_CUDABLAS_CHECK(cublasGemmBatchedEx(
+      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(runs[0]->rows),
+      static_cast<int>(x.size(0)), static_cast<int>(x.size(1)), &alpha, pointers, type,
+      static_cast<int>(runs[0]->weight_stride), pointers + count, type, static_cast<int>(x.stride(0)), &beta,
+      const_cast<void**>(pointers + 2 * count), type, static_cast<int>(out.stride(0)), count, CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT));
+}
+
+// The cuBLAS path: up to kBatchedMaxTokens tokens, runs of one shape (batchable) in one batched GEMM per
+// kMaxSegments of them; every other run as its own mm / addmm. batched = false: one GEMM per run (the debug op
+// compares the two).
+void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts, const Biases& biases,
+                 const std::vector<Run>& runs, at::Tensor& out, bool batched) {
+  std::vector<Run> single;
+  if (!batched) {
+    run_cublas(x, weights, starts, biases, runs, out);
+    return;
+  }
+  const std::map<Shape, std::vector<const Run*>> shapes = batches(x, runs, &single);
+  // x for the batched GEMMs: unit inner stride and a row stride >= K (cuBLAS's ldb), else a contiguous copy.
+  at::Tensor xb;
+  for (const auto& [shape, group] : shapes) {
+    if (group.size() < 2) {
+      single.push_back(*group[0]);
+      continue;
+    }
+    if (!xb.defined()) {
+      xb = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+    }
+    for (size_t first = 0; first < group.size(); first += kMaxSegments) {
+      const size_t n = std::min<size_t>(kMaxSegments, group.size() - first);
+      if (n == 1) {
+        single.push_back(*group[first]);
+      } else {
+        gemm_batched(xb, std::vector<const Run*>(group.begin() + first, group.begin() + first + n), out);
+      }
+    }
+  }
+  run_cublas(x, weights, starts, biases, single, out);
+}
 
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
 // variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split).
@@ -140,11 +265,23 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   if (out.numel() == 0) return out;
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   const int64_t rows = out.size(1);
-  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows) && kernel_blocker(x, runs) == nullptr) {
+  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, batches_every_run(x, runs)) &&
+      kernel_blocker(x, runs) == nullptr) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
-    run_cublas(x, weights, row_starts, biases, runs, out);
+    cublas_path(x, weights, row_starts, biases, runs, out, /*batched=*/true);
   }
+  return out;
+}
+
+// The cuBLAS path whatever T, batched (as the op runs it) or one GEMM per row range, for the benchmark and the tests.
+at::Tensor multi_linear_cublas(const at::Tensor& x, at::TensorList weights, at::IntArrayRef row_starts,
+                               at::IntArrayRef row_counts, const Biases& biases, bool batched) {
+  check_args(x, weights, row_starts, row_counts, biases);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
+  if (out.numel() == 0) return out;
+  cublas_path(x, weights, row_starts, biases, collect_runs(x, weights, row_starts, row_counts, biases), out, batched);
   return out;
 }
 
@@ -174,6 +311,7 @@ at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at:
 TORCH_LIBRARY_IMPL(dspark, CUDA, m) {
   m.impl("multi_linear", &dspark::mlinear::multi_linear);
   m.impl("_multi_linear_variant", &dspark::mlinear::multi_linear_variant);
+  m.impl("_multi_linear_cublas", &dspark::mlinear::multi_linear_cublas);
 }
 
 // Read by custom_ops/multi_linear.py through ctypes (kernel_token_threshold, uses_kernel, kernel_variants).
@@ -182,8 +320,12 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
-                                                                                      int64_t rows) {
-  return dspark::mlinear::kernel_pays(tokens, runs, rows) ? 1 : 0;
+                                                                                      int64_t rows, int all_batched) {
+  return dspark::mlinear::kernel_pays(tokens, runs, rows, all_batched != 0) ? 1 : 0;
+}
+
+extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_batched_max_tokens() {
+  return static_cast<int>(dspark::mlinear::kBatchedMaxTokens);
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {

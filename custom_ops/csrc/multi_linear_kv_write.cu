@@ -237,6 +237,7 @@ struct Call {
   const std::optional<at::Tensor>& commit;
   int64_t heads;
   int64_t head_dim;
+  bool wrap_negative;
 };
 
 // The structural checks of _check_args in Python, in the same order.
@@ -315,12 +316,17 @@ void check_values(const Call& c) {
   if (!must_check_values()) return;
   const int64_t slots = c.k_caches[0].size(0);
   check_index_range(c.loc, slots, "cache_loc",
-                    "cache slots are [0, " + num(slots) + ") (negative entries skip the token)");
+                    c.wrap_negative ? "cache slots are [-" + num(slots) + ", " + num(slots) +
+                                          ") (a negative entry l addresses slot " + num(slots) + " + l)"
+                                    : "cache slots are [0, " + num(slots) + ") (negative entries skip the token)",
+                    true, c.wrap_negative);
   if (c.tables.empty()) return;
   int64_t rows = c.tables[0].size(0);
   for (const at::Tensor& t : c.tables) rows = std::min(rows, t.size(0));
   check_index_range(c.positions, rows, "positions",
-                    "positions must be in [0, " + num(rows) + "), a row of every cos_sin_caches table", false);
+                    "positions must be in [" + num(c.wrap_negative ? -rows : 0) + ", " + num(rows) +
+                        "), a row of every cos_sin_caches table",
+                    false, c.wrap_negative);
 }
 
 // ------------------------------------------------------------------------------------------------ launch tables
@@ -380,6 +386,7 @@ KvWrite kv_table(const Call& c, size_t first, size_t count) {
   kv.neox = c.neox;
   kv.has_norm = !c.eps.empty();
   kv.has_rope = !c.tables.empty();
+  kv.wrap_negative = c.wrap_negative;
   return kv;
 }
 
@@ -516,10 +523,12 @@ void multi_linear_kv_write(const at::Tensor& x, TensorList k_weights, at::IntArr
                            const OptionalList& v_biases, const OptionalList& k_norm_weights,
                            at::ArrayRef<double> k_norm_eps, TensorList cos_sin_caches, const at::Tensor& positions,
                            bool is_neox, TensorList k_caches, TensorList v_caches, const at::Tensor& cache_loc,
-                           const std::optional<at::Tensor>& commit_lens, int64_t num_kv_heads, int64_t head_dim) {
-  const Call c{x,          k_weights, k_row_starts, k_biases,     v_weights, v_row_starts,
+                           const std::optional<at::Tensor>& commit_lens, int64_t num_kv_heads, int64_t head_dim,
+                           bool wrap_negative) {
+  const Call c{x,          k_weights, k_row_starts, k_biases,     v_weights,    v_row_starts,
                v_biases,   k_norm_weights, k_norm_eps, cos_sin_caches, positions, is_neox,
-               k_caches,   v_caches,  cache_loc,    commit_lens,  num_kv_heads, head_dim};
+               k_caches,   v_caches,  cache_loc,    commit_lens,  num_kv_heads, head_dim,
+               wrap_negative};
   check_args(c);
   check_cuda_layout(c);
   // The kernels index tokens, heads and (token, head) units with 32-bit integers.

@@ -57,6 +57,7 @@ struct KvWrite {
                                         // skips its token in every layer (the CPU op raises for it)
   int heads, head_dim, rotary_dim;
   int neox, has_norm, has_rope;
+  int wrap_negative;                    // a slot in [-slots, 0) / position in [-limit, 0) counts from the end
 };
 
 struct KvWriteArgs {
@@ -66,6 +67,11 @@ struct KvWriteArgs {
 
 __device__ __forceinline__ int64_t load_index(const void* base, int64_t offset, int is_int64) {
   return is_int64 ? static_cast<const int64_t*>(base)[offset] : static_cast<const int32_t*>(base)[offset];
+}
+
+// `index` as Python indexing reads it when `wrap` (a value in [-size, 0) counts from the end), else unchanged.
+__device__ __forceinline__ int64_t wrapped(int64_t index, int64_t size, int wrap) {
+  return wrap && index < 0 ? index + size : index;
 }
 
 template <typename T, int V>
@@ -277,8 +283,12 @@ struct KvWriteEpilogue {
       const int b = t / kv.width, j = t % kv.width;
       pre.commit = kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64)
                                              : j + 1;
-      pre.loc = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
-      if (kv.has_rope) pre.pos = load_index(kv.positions, t * kv.positions_stride, kv.positions_int64);
+      pre.loc = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
+                        kv.wrap_negative);
+      if (kv.has_rope) {
+        pre.pos = wrapped(load_index(kv.positions, t * kv.positions_stride, kv.positions_int64), kv.position_limit,
+                          kv.wrap_negative);
+      }
     }
     const void* w = kv.norm_weight[h.layer];
     if (h.kind == 0 && kv.has_norm && w != nullptr && t < kHeadDim) {
@@ -388,8 +398,12 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   const int b = token / kv.width, j = token - b * kv.width;
   const int64_t commit =
       kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
-  const int64_t slot = load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64);
-  const int64_t pos = kv.has_rope ? load_index(kv.positions, token * kv.positions_stride, kv.positions_int64) : 0;
+  const int64_t slot =
+      wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots, kv.wrap_negative);
+  const int64_t pos =
+      kv.has_rope ? wrapped(load_index(kv.positions, token * kv.positions_stride, kv.positions_int64),
+                            kv.position_limit, kv.wrap_negative)
+                  : 0;
   if (j >= commit || slot < 0 || slot >= kv.slots) return;
   if (kv.has_rope && (pos < 0 || pos >= kv.position_limit)) return;
   float g[V], c[V], sn[V];

@@ -25,11 +25,14 @@ inline bool must_check_values() {
 }
 
 // Raise ValueError for the first entry of `index` outside [0, hi) (negative entries allowed when
-// `negative_skips`). Call only when must_check_values() is true: it syncs with the host.
+// `negative_skips`; with `wrap` the range is [-hi, hi), as in Python indexing). Call only when must_check_values()
+// is true: it syncs with the host.
 inline void check_index_range(const at::Tensor& index, int64_t hi, const char* name, const std::string& what,
-                              bool negative_skips = true) {
+                              bool negative_skips = true, bool wrap = false) {
   const at::Tensor values = index.to(at::kLong);
-  const at::Tensor bad = negative_skips ? values.ge(hi) : values.lt(0).logical_or(values.ge(hi));
+  const at::Tensor bad = wrap             ? values.lt(-hi).logical_or(values.ge(hi))
+                         : negative_skips ? values.ge(hi)
+                                          : values.lt(0).logical_or(values.ge(hi));
   if (!bad.any().item<bool>()) return;
   const at::Tensor where = bad.nonzero()[0].cpu();
   std::string label;

@@ -9,11 +9,12 @@ Before (per layer l, all projecting `ctx`; K and V may come from one fused qkv G
 
 After (the weights, norm weights, tables and caches are the original placeholders: nothing is copied per call):
 
-    loc_w = where(lt(loc, 0), add(loc, S), loc)             # eager wraps a negative slot; the op would skip it
-    pos_w = where(lt(pos, 0), add(pos, P), pos)             # eager wraps a negative table row too
     dspark.multi_linear_kv_write(ctx, [W_0 ..], [q ..], [None ..], [W_0 ..], [q + kv ..], [None ..], [w_0 ..],
-                                 [eps_0 ..], [table_0 ..], pos_w, True, [k_cache_0 ..], [v_cache_0 ..], loc_w,
-                                 None, h, d)
+                                 [eps_0 ..], [table_0 ..], pos, True, [k_cache_0 ..], [v_cache_0 ..], loc,
+                                 None, h, d, wrap_negative=True)
+
+`wrap_negative=True`: a negative slot or table row counts from the end, as eager indexing does (without it the op
+would skip a negative slot), so no kernel runs before the op to wrap them.
 
 Write sites (each the only mutation of a cache placeholder, its new value read by nothing but the final `copy_`):
 `index_put(cache, [loc], value)` (`cache[loc] = k`, `cache.index_copy_(0, loc, k)`); `slice_scatter(cache,
@@ -870,13 +871,6 @@ def _check_device(config: DsparkConfig, x_val: torch.Tensor, head_dim: int, cach
 # ---- emission --------------------------------------------------------------------------------------------------------
 
 
-def _wrapped(graph: fx.Graph, index: fx.Node, size: int) -> fx.Node:
-    """`where(index < 0, index + size, index)`: the slot/row eager indexing reads for a negative index."""
-    negative = call(graph, aten.lt.Scalar, (index, 0))
-    shifted = call(graph, aten.add.Tensor, (index, size))
-    return call(graph, aten.where.self, (negative, shifted, index))
-
-
 def _gathered_table(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """`(table, positions)` if `node` is `table[positions]` of a 2-D fp32 parameter/buffer."""
     node = _strip_rows(node)
@@ -907,8 +901,7 @@ def _tables(graph: fx.Graph, ks: list[_Write], x: fx.Node, names: Namer):
         and len({tensor_val(t).shape[0] for t, _ in direct}) == 1
     ):
         pos = direct[0][1]
-        positions = _wrapped(graph, pos, int(tensor_val(direct[0][0]).shape[0]))
-        return [t for t, _ in direct], positions, "tables {} at " + names.of(pos)
+        return [t for t, _ in direct], pos, "tables {} at " + names.of(pos)
     built: dict[tuple, fx.Node] = {}
     tables = []
     for w in ks:
@@ -941,15 +934,14 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteR
     ks, vs = plan.ks, plan.vs
     x = group.activation
     first_copy = min((w.site.copy for w in ks + vs), key=_position(graph))
-    slots = int(tensor_val(ks[0].site.cache).shape[0])
     with graph.inserting_before(first_copy):
         kind = plan.key[0]
         commit_lens = None
         if kind == "index":
-            loc = _wrapped(graph, plan.key[1], slots)
-            write = f"index_put at {names.of(plan.key[1])} (a negative slot wraps, as in eager)"
+            loc = plan.key[1]
+            write = f"index_put at {names.of(plan.key[1])} (a negative slot counts from the end, as in eager)"
         elif kind == "commit":
-            loc = _wrapped(graph, plan.key[1], slots)
+            loc = plan.key[1]
             commit_lens = plan.key[2]
             write = f"index_put at {names.of(plan.key[1])}[b, j] for j < {names.of(commit_lens)}[b] (commit_lens)"
         else:
@@ -986,6 +978,7 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteR
             commit_lens,
             plan.heads,
             plan.head_dim,
+            True,
         )
         op = graph.call_function(KV_WRITE, args)
         op.meta["val"] = None
