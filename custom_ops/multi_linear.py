@@ -79,6 +79,9 @@ LIB.define(
 )
 
 
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _check_args(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -86,16 +89,20 @@ def _check_args(
     row_counts: Sequence[int],
     biases: Sequence[torch.Tensor | None],
 ) -> None:
+    """The op's structural rules, each message starting with the argument it is about (the C++ binding raises the
+    same class and message)."""
     if x.dim() != 2:
         raise ValueError(f"multi_linear: x must be 2-D [T, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"multi_linear: x must be bfloat16, float16 or float32, got {x.dtype}")
     n = len(weights)
     if n == 0:
         raise ValueError("multi_linear: weights must hold at least one tensor")
-    if not (len(row_starts) == len(row_counts) == len(biases) == n):
-        raise ValueError(
-            "multi_linear: weights, row_starts, row_counts and biases must have the same length, got "
-            f"{n}, {len(row_starts)}, {len(row_counts)}, {len(biases)}"
-        )
+    for name, values in (("row_starts", row_starts), ("row_counts", row_counts), ("biases", biases)):
+        if len(values) != n:
+            raise ValueError(
+                f"multi_linear: {name} must hold one entry per weight ({n}, the length of weights), got {len(values)}"
+            )
     for i, (w, start, count, b) in enumerate(zip(weights, row_starts, row_counts, biases, strict=True)):
         if w.dim() != 2 or w.shape[1] != x.shape[1]:
             raise ValueError(
@@ -105,16 +112,24 @@ def _check_args(
             raise TypeError(f"multi_linear: weights[{i}] dtype {w.dtype} differs from x dtype {x.dtype}")
         if w.device != x.device:
             raise ValueError(f"multi_linear: weights[{i}] is on {w.device}, x is on {x.device}")
-        if start < 0 or count < 0 or start + count > w.shape[0]:
+        if count < 0:
+            raise ValueError(f"multi_linear: row_counts[{i}] must be >= 0, got {count}")
+        if start < 0 or start + count > w.shape[0]:
             raise ValueError(
-                f"multi_linear: rows [{start}, {start + count}) of weights[{i}] are out of range "
-                f"(it has {w.shape[0]} rows)"
+                f"multi_linear: row_starts[{i}] = {start}: rows [{start}, {start + count}) of weights[{i}] are out "
+                f"of range (it has {w.shape[0]} rows)"
             )
-        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype or b.device != x.device):
+        if b is None:
+            continue
+        if b.shape != (w.shape[0],):
             raise ValueError(
-                f"multi_linear: biases[{i}] must be [{w.shape[0]}] {x.dtype} on {x.device}, "
-                f"got {tuple(b.shape)} {b.dtype} on {b.device}"
+                f"multi_linear: biases[{i}] must be [{w.shape[0]}] (one entry per row of weights[{i}]), "
+                f"got {tuple(b.shape)}"
             )
+        if b.dtype != x.dtype:
+            raise TypeError(f"multi_linear: biases[{i}] dtype {b.dtype} differs from x dtype {x.dtype}")
+        if b.device != x.device:
+            raise ValueError(f"multi_linear: biases[{i}] is on {b.device}, x is on {x.device}")
 
 
 def multi_linear_reference(
@@ -225,3 +240,17 @@ LIB.impl("multi_linear", multi_linear_reference, "CPU")
 _build.register_cuda_entry(LIB, "multi_linear")
 _build.register_cuda_entry(LIB, "_multi_linear_variant")
 _build.register_cuda_entry(LIB, "_multi_linear_cublas")
+
+
+def _cuda_only(name: str) -> None:
+    def cpu(*args: object, **kwargs: object) -> torch.Tensor:
+        raise NotImplementedError(
+            f"dspark::{name} is a CUDA-only debug op (a forced CUDA path of multi_linear); on CPU use "
+            "dspark::multi_linear"
+        )
+
+    LIB.impl(name, cpu, "CPU")
+
+
+_cuda_only("_multi_linear_variant")
+_cuda_only("_multi_linear_cublas")

@@ -59,8 +59,11 @@ def test_opcheck():
     [
         (lambda a: a.__setitem__(0, a[0][0]), ValueError, "x must be 2-D"),
         (lambda a: a.__setitem__(1, []), ValueError, "at least one"),
-        (lambda a: a.__setitem__(2, [8, 0]), ValueError, "same length"),
-        (lambda a: a.__setitem__(3, [16, 17, 7]), ValueError, r"rows \[0, 17\) of weights\[1\]"),
+        (lambda a: a.__setitem__(2, [8, 0]), ValueError, r"row_starts must hold one entry per weight \(3"),
+        (lambda a: a.__setitem__(3, [16, 17, 7]), ValueError, r"row_starts\[1\] = 0: rows \[0, 17\) of weights\[1\]"),
+        (lambda a: a.__setitem__(3, [16, -1, 7]), ValueError, r"row_counts\[1\] must be >= 0"),
+        (lambda a: a.__setitem__(0, a[0].int()), TypeError, "x must be bfloat16, float16 or float32"),
+        (lambda a: a[4].__setitem__(1, a[4][1].double()), TypeError, r"biases\[1\] dtype"),
         (lambda a: a[1].__setitem__(0, a[1][0].double()), TypeError, r"weights\[0\] dtype"),
         (lambda a: a[1].__setitem__(2, a[1][2][:, :5]), ValueError, r"weights\[2\] must be"),
         (lambda a: a[4].__setitem__(1, a[4][1][:3]), ValueError, r"biases\[1\] must be"),

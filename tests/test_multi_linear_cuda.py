@@ -376,6 +376,8 @@ def _python_error(args):
         lambda a: a.__setitem__(1, []),
         lambda a: a.__setitem__(2, [3]),
         lambda a: a.__setitem__(3, [16, 13]),
+        lambda a: a.__setitem__(3, [16, -2]),
+        lambda a: a.__setitem__(0, a[0].int()),
         lambda a: a[1].__setitem__(0, a[1][0].float()),
         lambda a: a[1].__setitem__(1, a[1][1][:, :5]),
         lambda a: a[1].__setitem__(1, a[1][1].cpu()),

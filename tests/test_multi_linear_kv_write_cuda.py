@@ -268,6 +268,22 @@ def test_wrap_negative_counts_from_the_end(tokens):
     assert_matches_reference(cuda, cpu, before)
 
 
+@pytest.mark.parametrize("what", ["k_norm_weights", "cos_sin_caches"])
+def test_cuda_layout_error_in_a_later_launch_raises_before_any_write(what):
+    """34 layers take two launches (32 layers each); a bad layout in layer 33 raises before the first launch."""
+    _, cuda = pair(Spec(layers=34, tokens=5, head_dim=16, heads=2, dtype=torch.bfloat16, hidden=64))
+    if what == "k_norm_weights":
+        w = cuda.args["k_norm_weights"][33]
+        cuda.args["k_norm_weights"][33] = torch.stack([w, w], dim=1)[:, 0]
+    else:
+        t = cuda.args["cos_sin_caches"][33]
+        cuda.args["cos_sin_caches"][33] = torch.stack([t, t], dim=2)[:, :, 0]
+    before = cache_bits(cuda.args)
+    with pytest.raises(ValueError, match=re.escape(f"multi_linear_kv_write: {what}[33] must")):
+        cuda.call()
+    assert all(torch.equal(a, b) for a, b in zip(cache_bits(cuda.args), before, strict=True))
+
+
 def _value_cases():
     """(id, spec, change(case)) with one out-of-range entry each."""
     s, rows = HEAD_DIM_64.slots, HEAD_DIM_64.table_rows

@@ -60,35 +60,44 @@ void check_weight(const at::Tensor& x, const at::Tensor& w, size_t i, int64_t st
   TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), name, " dtype ", dtype_of(w.scalar_type()),
                    " differs from x dtype ", dtype_of(x.scalar_type()));
   TORCH_CHECK_VALUE(w.device() == x.device(), name, " is on ", w.device().str(), ", x is on ", x.device().str());
-  TORCH_CHECK_VALUE(start >= 0 && count >= 0 && start + count <= w.size(0), "multi_linear: rows [", num(start), ", ",
-                    num(start + count), ") of weights[", num(i), "] are out of range (it has ", num(w.size(0)),
-                    " rows)");
+  TORCH_CHECK_VALUE(count >= 0, "multi_linear: row_counts[", num(i), "] must be >= 0, got ", num(count));
+  TORCH_CHECK_VALUE(start >= 0 && start + count <= w.size(0), "multi_linear: row_starts[", num(i), "] = ", num(start),
+                    ": rows [", num(start), ", ", num(start + count), ") of weights[", num(i),
+                    "] are out of range (it has ", num(w.size(0)), " rows)");
 }
 
 void check_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, size_t i) {
-  TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == w.size(0) && b.scalar_type() == x.scalar_type() &&
-                        b.device() == x.device(),
-                    "multi_linear: biases[", num(i), "] must be [", num(w.size(0)), "] ", dtype_of(x.scalar_type()),
-                    " on ", x.device().str(), ", got ", shape_of(b.sizes()), " ", dtype_of(b.scalar_type()), " on ",
-                    b.device().str());
+  const std::string name = "multi_linear: biases[" + num(i) + "]";
+  TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == w.size(0), name, " must be [", num(w.size(0)),
+                    "] (one entry per row of weights[", num(i), "]), got ", shape_of(b.sizes()));
+  TORCH_CHECK_TYPE(b.scalar_type() == x.scalar_type(), name, " dtype ", dtype_of(b.scalar_type()),
+                   " differs from x dtype ", dtype_of(x.scalar_type()));
+  TORCH_CHECK_VALUE(b.device() == x.device(), name, " is on ", b.device().str(), ", x is on ", x.device().str());
+}
+
+void check_length(const char* name, size_t length, size_t n) {
+  TORCH_CHECK_VALUE(length == n, "multi_linear: ", name, " must hold one entry per weight (", num(n),
+                    ", the length of weights), got ", num(length));
 }
 
 // The structural checks of custom_ops.multi_linear._check_args, in the same order with the same messages.
 void check_args(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts, at::IntArrayRef counts,
                 const Biases& biases) {
   TORCH_CHECK_VALUE(x.dim() == 2, "multi_linear: x must be 2-D [T, K], got shape ", shape_of(x.sizes()));
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+                   "multi_linear: x must be bfloat16, float16 or float32, got ", dtype_of(dtype));
   const size_t n = weights.size();
   TORCH_CHECK_VALUE(n > 0, "multi_linear: weights must hold at least one tensor");
-  TORCH_CHECK_VALUE(starts.size() == n && counts.size() == n && biases.size() == n,
-                    "multi_linear: weights, row_starts, row_counts and biases must have the same length, got ", num(n),
-                    ", ", num(starts.size()), ", ", num(counts.size()), ", ", num(biases.size()));
+  check_length("row_starts", starts.size(), n);
+  check_length("row_counts", counts.size(), n);
+  check_length("biases", biases.size(), n);
   for (size_t i = 0; i < n; ++i) {
     check_weight(x, weights[i], i, starts[i], counts[i]);
     const std::optional<at::Tensor> b = biases.get(i);
     if (b.has_value()) check_bias(x, weights[i], *b, i);
   }
 }
-
 
 // ------------------------------------------------------------------------------------------------ batched cuBLAS
 

@@ -310,6 +310,17 @@ void check_cuda_layout(const Call& c) {
                         shape_of(t.strides()));
     }
   }
+  // Checked here, before any launch: a later layer group's bad entry must not raise after an earlier group wrote.
+  for (size_t i = 0; i < c.norm_weights.size(); ++i) {
+    const std::optional<at::Tensor> w = c.norm_weights.get(i);
+    TORCH_CHECK_VALUE(!w.has_value() || w->stride(0) == 1 || w->size(0) <= 1, kOp, "k_norm_weights[", num(i),
+                      "] must be contiguous on CUDA");
+  }
+  for (size_t i = 0; i < c.tables.size(); ++i) {
+    const at::Tensor& t = c.tables[i];
+    TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, kOp, "cos_sin_caches[", num(i),
+                      "] must have a unit inner stride on CUDA");
+  }
 }
 
 void check_values(const Call& c) {
@@ -345,13 +356,9 @@ KvWrite kv_table(const Call& c, size_t first, size_t count) {
     const std::optional<at::Tensor> w = c.norm_weights.get(i);
     kv.norm_weight[j] = w.has_value() ? w->data_ptr() : nullptr;
     kv.norm_fp32[j] = w.has_value() && w->scalar_type() == at::kFloat;
-    TORCH_CHECK_VALUE(!w.has_value() || w->stride(0) == 1 || w->size(0) <= 1, kOp, "k_norm_weights[", num(i),
-                      "] must be contiguous on CUDA");
     kv.eps[j] = c.eps.empty() ? 0.f : static_cast<float>(c.eps[i]);
     if (!c.tables.empty()) {
       const at::Tensor& t = c.tables[i];
-      TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, kOp, "cos_sin_caches[", num(i),
-                        "] must have a unit inner stride on CUDA");
       kv.cos_sin[j] = t.data_ptr<float>();
       kv.table_stride[j] = t.stride(0);
     }
