@@ -35,9 +35,9 @@ from dsv4_cases import (
 from dsv4_emulation_shim import SHIM
 
 import custom_ops  # noqa: F401
-from custom_ops import dsv4_compress_plan as cp
-from custom_ops.dsv4_compress_common import read_compress_plan, read_decode_plan
-from custom_ops.dsv4_compress_store import compress_norm_rope_store
+from custom_ops.dsv4 import plan as cp
+from custom_ops.dsv4.common import read_compress_plan, read_decode_plan
+from custom_ops.dsv4.store import compress_norm_rope_store
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 

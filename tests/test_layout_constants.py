@@ -1,12 +1,12 @@
 """One source of truth for the FlashMLA V4 layout: the constants of `custom_ops/csrc/flashmla_writes_kernels.cuh`
-(used by the FlashMLA and DeepSeek-V4 store kernels and bindings) equal those of `custom_ops/fp8_layout.py`
+(used by the FlashMLA and DeepSeek-V4 store kernels and bindings) equal those of `custom_ops/layouts/fp8.py`
 (the CPU references, fake impls and docs). The header is parsed as text, so this runs without a GPU or nvcc."""
 
 import ast
 import re
 from pathlib import Path
 
-from custom_ops import fp8_layout
+from custom_ops.layouts import fp8
 
 HEADER = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc" / "flashmla_writes_kernels.cuh"
 
@@ -22,13 +22,13 @@ def _header_ints() -> dict[str, int]:
 
 def test_header_and_python_layout_constants_agree():
     python = {
-        "kHeadDim": fp8_layout.HEAD_DIM,
-        "kNopeDim": fp8_layout.NOPE_DIM,
-        "kRopeDim": fp8_layout.ROPE_DIM,
-        "kValueBytes": fp8_layout.VALUE_BYTES,
-        "kScaleBytes": fp8_layout.SCALE_BYTES,
-        "kTokenBytes": fp8_layout.TOKEN_BYTES,
-        "kIndexerDim": fp8_layout.INDEXER_DIM,
+        "kHeadDim": fp8.HEAD_DIM,
+        "kNopeDim": fp8.NOPE_DIM,
+        "kRopeDim": fp8.ROPE_DIM,
+        "kValueBytes": fp8.VALUE_BYTES,
+        "kScaleBytes": fp8.SCALE_BYTES,
+        "kTokenBytes": fp8.TOKEN_BYTES,
+        "kIndexerDim": fp8.INDEXER_DIM,
     }
     header = _header_ints()
     assert {name: header[name] for name in python} == python
@@ -44,7 +44,8 @@ def test_no_layout_literal_left_in_the_cuda_sources():
 
 
 def test_python_defines_the_indexer_width_once():
-    from custom_ops import dsv4_compress_store, flashmla_writes
+    from custom_ops.dsv4 import store
+    from custom_ops.flashmla import writes
 
-    assert flashmla_writes.INDEXER_DIM is fp8_layout.INDEXER_DIM
-    assert dsv4_compress_store.INDEXER_DIM is fp8_layout.INDEXER_DIM
+    assert writes.INDEXER_DIM is fp8.INDEXER_DIM
+    assert store.INDEXER_DIM is fp8.INDEXER_DIM

@@ -5,7 +5,7 @@ import torch
 from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
-from custom_ops.multi_linear import multi_linear_reference
+from custom_ops.linear.multi_linear import multi_linear_reference
 
 op = torch.ops.dspark.multi_linear
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from multi_linear_emulation_shim import build
 
-from custom_ops.multi_linear_kv_write import multi_linear_kv_write_reference
+from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
 
 DRIVER = r"""
 #include "multi_linear_kv_write_kernels.cuh"

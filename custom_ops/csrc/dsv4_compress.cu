@@ -1,5 +1,5 @@
 // Torch binding of the DeepSeek-V4 compression kernels: argument checks (ValueError / TypeError in Python, the
-// rules of custom_ops/dsv4_compress.py and dsv4_compress_online.py; in checking mode also the plan values, with the
+// rules of custom_ops/dsv4/compress.py and online.py; in checking mode also the plan values, with the
 // CPU path's messages: dsv4_checks.h), dtype dispatch, launches on the current stream (prefill: compress launch,
 // then state-write launch) and registration under the CUDA key.
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 // Torch binding of the DeepSeek-V4 planners (CUDA key): argument checks, scratch / output allocation (shapes from
-// input shapes only), launches on the current stream. Reference: custom_ops/dsv4_compress_plan.py (the same
+// input shapes only), launches on the current stream. Reference: custom_ops/dsv4/plan.py (the same
 // structural checks, and in checking mode the same value errors, word for word).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -68,7 +68,7 @@ int64_t check_tokens(int64_t n) {
 // `t` must stay alive (and contiguous) while the kernel may run: callers pass contiguous() copies they own.
 IndexView index_view(const at::Tensor& t) { return IndexView{t.data_ptr(), t.scalar_type() == at::kLong}; }
 
-// The value limits of custom_ops/dsv4_compress_plan.py (_seq_limit, _request_limit) and how messages state them.
+// The value limits of custom_ops/dsv4/plan.py (_seq_limit, _request_limit) and how messages state them.
 struct Limits {
   int64_t seq_max;
   std::string seq_what;

@@ -1,5 +1,5 @@
 // Planners of the DeepSeek-V4 compressor. Plain CUDA, no torch headers. Semantics and byte layout:
-// custom_ops/dsv4_compress_plan.py (the CPU / composite reference, which these kernels reproduce byte for byte);
+// custom_ops/dsv4/plan.py (the CPU / composite reference, which these kernels reproduce byte for byte);
 // one launch instead of a chain of small torch ops.
 // - decode: one thread per request;
 // - prefill / extend: one block of 1024 threads; a block scan of extend_lens gives the ragged offsets, then the
@@ -17,7 +17,7 @@ namespace dsv4 {
 
 constexpr int kPlanThreads = 128;
 
-// Value problems a planner finds, by rank (the numbers of ERR_* in custom_ops/dsv4_compress_plan.py). In checking
+// Value problems a planner finds, by rank (the numbers of ERR_* in custom_ops/dsv4/plan.py). In checking
 // mode the kernels atomicMin `rank << kProblemShift | flat index into the argument` into one word, so the host
 // raises the same problem as the CPU path: the lowest rank, then the lowest index.
 enum PlanProblem : int {

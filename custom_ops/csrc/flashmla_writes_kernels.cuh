@@ -1,6 +1,6 @@
 // DeepSeek-V4 norm / RoPE / FP8 kernels and the FlashMLA V4 paged-cache writes. Plain CUDA, no torch headers.
 //
-// Numerics match the CPU references in custom_ops/flashmla_writes.py: sum of squares in fp64, ms = fp32(sum/D),
+// Numerics match the CPU references in custom_ops/flashmla/writes.py: sum of squares in fp64, ms = fp32(sum/D),
 // nf = fp32(1/sqrt(fp64(fp32(ms + eps)))), then only separately rounded fp32 operations (__fmul_rn & co., so
 // nvcc cannot contract them into FMAs); fp8 = e4m3 RNE with saturation; bf16/fp16 = RNE.
 //
@@ -26,7 +26,7 @@ constexpr int kNopeDim = 448;
 constexpr int kRopeDim = 64;
 constexpr int kValueBytes = 576;
 constexpr int kScaleBytes = 8;
-constexpr int kTokenBytes = kValueBytes + kScaleBytes;  // 584: one token's payload (fp8_layout.TOKEN_BYTES)
+constexpr int kTokenBytes = kValueBytes + kScaleBytes;  // 584: one token's payload (layouts/fp8.py, TOKEN_BYTES)
 constexpr int kLaneElems = 16;               // 512 / 32
 constexpr int kRopeLane0 = kNopeDim / kLaneElems;  // 28
 constexpr int kIndexerDim = 128;

@@ -1,4 +1,4 @@
-// Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/multi_linear.py (same error class,
+// Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/linear/multi_linear.py (same error class,
 // same message), merging of weights that are adjacent in memory, and the choice between the small-T kernel
 // (multi_linear_kernels.cuh) and per-weight cuBLAS GEMMs into the output's column blocks. Also the debug op
 // dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and
@@ -62,7 +62,7 @@ void check_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, s
                     b.device().str());
 }
 
-// The structural checks of custom_ops.multi_linear._check_args, in the same order with the same messages.
+// The structural checks of custom_ops.linear.multi_linear._check_args, in the same order with the same messages.
 void check_args(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts, at::IntArrayRef counts,
                 const Biases& biases) {
   TORCH_CHECK_VALUE(x.dim() == 2, "multi_linear: x must be 2-D [T, K], got shape ", shape_of(x.sizes()));
@@ -176,7 +176,7 @@ TORCH_LIBRARY_IMPL(dspark, CUDA, m) {
   m.impl("_multi_linear_variant", &dspark::mlinear::multi_linear_variant);
 }
 
-// Read by custom_ops/multi_linear.py through ctypes (kernel_token_threshold, uses_kernel, kernel_variants).
+// Read by custom_ops/linear/multi_linear.py through ctypes (kernel_token_threshold, uses_kernel, kernel_variants).
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_threshold() {
   return static_cast<int>(dspark::mlinear::kTokenThreshold);
 }

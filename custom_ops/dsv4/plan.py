@@ -59,7 +59,7 @@ import torch
 
 from custom_ops._library import LIB
 from custom_ops.checks import must_check_values
-from custom_ops.dsv4_compress_common import INT32_MAX, check_index, check_ratio
+from custom_ops.dsv4.common import INT32_MAX, check_index, check_ratio
 
 INVALID_U32 = -1  # 0xFFFFFFFF stored in an int32 field
 MAX_RAGGED = 65535  # ragged ids are u16 in CompressPlan

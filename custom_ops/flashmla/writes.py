@@ -15,10 +15,8 @@ see `custom_ops._build`):
 The argument tables are in the docstrings of the `*_reference` functions and in docs/ops.md.
 
 Numerics shared by the CPU references and the CUDA kernels (they agree bit for bit except in rare rounding ties):
-the sum of squares is accumulated in fp64 (exact for bf16/fp16 inputs, so independent of the reduction order),
-`ms = fp32(sum / D)`, `nf = fp32(1 / sqrt(fp64(ms + eps)))` (fp32 `ms + eps`), every later product and sum is a
-separately rounded fp32 operation (no FMA contraction). This deviates from sglang's `rsqrtf` on purpose: it makes
-the reference and the kernel agree exactly, and it is more accurate.
+the RMSNorm factor and the Walsh-Hadamard transform of `custom_ops.layouts.norm` (fp64 sum of squares, every later
+step a separately rounded fp32 operation), RoPE of `custom_ops.layouts.rope`, FP8 of `custom_ops.layouts.fp8`.
 
 Input contract (docs/contract.md): structural checks raise on every device (CPU impl, fake impl, CUDA binding)
 before anything is written. Index values: `positions` must lie in `[0, max_pos)` (no sentinel), `out_loc` in
@@ -35,7 +33,7 @@ import torch
 from custom_ops import _build
 from custom_ops._library import LIB
 from custom_ops.checks import check_index_range
-from custom_ops.fp8_layout import (
+from custom_ops.layouts.fp8 import (
     FP8_MAX,
     HEAD_DIM,
     INDEXER_DIM,
@@ -46,7 +44,8 @@ from custom_ops.fp8_layout import (
     quantize_tiles_ue8m0,
     scatter_flashmla_rows,
 )
-from custom_ops.rope import apply_rope_interleaved, rope_table_rows
+from custom_ops.layouts.norm import rms_norm_factor, walsh_hadamard
+from custom_ops.layouts.rope import apply_rope_interleaved, rope_table_rows
 
 __all__ = [
     "INDEXER_DIM",
@@ -54,9 +53,7 @@ __all__ = [
     "fused_norm_rope_inplace_reference",
     "fused_q_indexer_rope_hadamard_quant_reference",
     "fused_q_norm_rope_reference",
-    "rms_norm_factor",
     "store_flashmla_cache_reference",
-    "walsh_hadamard",
 ]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -260,12 +257,6 @@ def _check_slots(out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int) -
 # ---------------------------------------------------------------------------------------------- references
 
 
-def rms_norm_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 `1/sqrt(mean(x^2) + eps)` over the last dim (keepdim), with the fp64 steps described above."""
-    ms = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
-    return torch.reciprocal(torch.sqrt((ms + eps).double())).float()
-
-
 def fused_k_norm_rope_flashmla_reference(
     kv: torch.Tensor,
     weight: torch.Tensor,
@@ -363,22 +354,6 @@ def store_flashmla_cache_reference(
     """
     codes, exponents = quantize_tiles_ue8m0(kv[:, :NOPE_DIM].float())
     scatter_flashmla_rows(kvcache, page_size, out_loc, codes, kv[:, NOPE_DIM:].to(torch.bfloat16), exponents)
-
-
-def walsh_hadamard(y: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform over the last dim (power of two), natural (Sylvester) order.
-
-    Butterfly stages h = 1, 2, 4, ...: `(a, b) -> (a + b, a - b)` for element pairs `(i, i + h)`, `i & h == 0`,
-    each a separately rounded fp32 operation in the same stage order as the CUDA kernel.
-    """
-    n = y.shape[-1]
-    h = 1
-    while h < n:
-        v = y.reshape(*y.shape[:-1], n // (2 * h), 2, h)
-        a, b = v[..., 0, :], v[..., 1, :]
-        y = torch.stack([a + b, a - b], dim=-2).reshape(y.shape)
-        h *= 2
-    return y
 
 
 def fused_q_indexer_rope_hadamard_quant_reference(

@@ -29,7 +29,7 @@ import torch
 
 from custom_ops import _build
 from custom_ops._library import LIB
-from custom_ops.dsv4_compress_common import (
+from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
     CompressRows,
@@ -42,7 +42,7 @@ from custom_ops.dsv4_compress_common import (
     read_compress_plan,
     read_decode_plan,
 )
-from custom_ops.dsv4_compress_plan import ONLINE_RATIO
+from custom_ops.dsv4.plan import ONLINE_RATIO
 
 LIB.define("dsv4_online_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan) -> Tensor")
 LIB.define(

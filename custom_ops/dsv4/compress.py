@@ -31,7 +31,7 @@ import torch
 
 from custom_ops import _build
 from custom_ops._library import LIB
-from custom_ops.dsv4_compress_common import (
+from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
     STATE_DTYPES,
@@ -47,7 +47,7 @@ from custom_ops.dsv4_compress_common import (
     read_decode_plan,
     read_write_plan,
 )
-from custom_ops.dsv4_compress_plan import window_of
+from custom_ops.dsv4.plan import window_of
 
 LIB.define("dsv4_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan, int ratio) -> Tensor")
 LIB.define(

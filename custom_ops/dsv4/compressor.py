@@ -27,8 +27,7 @@ from typing import NamedTuple
 import torch
 
 from custom_ops.checks import check_index_range, must_check_values
-from custom_ops.dsv4_compress import compress_decode, compress_prefill
-from custom_ops.dsv4_compress_common import (
+from custom_ops.dsv4.common import (
     FLT_MAX,
     HEAD_DIMS,
     STATE_DTYPES,
@@ -37,15 +36,16 @@ from custom_ops.dsv4_compress_common import (
     read_compress_plan,
     read_decode_plan,
 )
-from custom_ops.dsv4_compress_online import online_compress_decode, online_compress_prefill
-from custom_ops.dsv4_compress_plan import (
+from custom_ops.dsv4.compress import compress_decode, compress_prefill
+from custom_ops.dsv4.online import online_compress_decode, online_compress_prefill
+from custom_ops.dsv4.plan import (
     plan_decode,
     plan_online_decode,
     plan_online_prefill,
     plan_prefill,
     window_of,
 )
-from custom_ops.dsv4_compress_store import compress_norm_rope_store
+from custom_ops.dsv4.store import compress_norm_rope_store
 
 
 @dataclass(frozen=True)

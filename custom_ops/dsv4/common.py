@@ -1,6 +1,6 @@
 """Shared helpers of the DeepSeek-V4 compressor ops: plan field readers and argument checks.
 
-The readers turn the uint8 plan bytes (layouts in `dsv4_compress_plan` and docs/dsv4_compress.md) into int64
+The readers turn the uint8 plan bytes (layouts in `custom_ops.dsv4.plan` and docs/dsv4_compress.md) into int64
 columns with a validity mask; they are used by the CPU references, the store op and the tests.
 
 The checks follow docs/contract.md. Structural checks (`check_*` of shapes, dtypes, devices) run in the CPU
