@@ -1,4 +1,15 @@
-"""Build, cache and load the CUDA kernels of `custom_ops` (all of `csrc/*.cu`, `csrc/*.cpp` in one library).
+"""Build, cache and load the CUDA kernels of `custom_ops`: every `.cu` / `.cpp` under `custom_ops/csrc/` (all
+subfolders) in one library.
+
+Where the sources are: `csrc/common/` (error formatting, the range-check switch), `csrc/flashmla/`, `csrc/dsv4/` and
+`csrc/linear/`, one folder per op family, like
+the Python packages `custom_ops.flashmla`, `custom_ops.dsv4` and `custom_ops.linear`. Every `#include` of this
+project names its header relative to `csrc/` (`#include "common/error_format.h"`); the build passes `-I csrc`.
+Source basenames are unique across the folders (the extension builder names object files by basename).
+
+This module is the implementation; `custom_ops/build.py` is the `python -m custom_ops.build` command on top of it.
+They are two modules because a module run with `-m` executes as a second copy (`__main__`) beside the one the op
+modules imported, with its own lock and loaded-library state; the command stays a thin separate module instead.
 
 How a CUDA call reaches a kernel, and why:
 
@@ -45,6 +56,7 @@ __all__ = [
     "load",
     "load_prebuilt",
     "register_cuda_entry",
+    "source_files",
 ]
 
 log = logging.getLogger("custom_ops")
@@ -66,16 +78,29 @@ class BuildError(RuntimeError):
     """The CUDA kernels cannot be built or loaded here (no CUDA torch, no nvcc, no ninja, compile error)."""
 
 
-def _source_files() -> list[Path]:
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
+def _csrc_files() -> list[Path]:
+    """Every file under csrc/, in every subfolder, in a stable order."""
+    return sorted((p for p in CSRC.rglob("*") if p.is_file()), key=lambda p: p.relative_to(CSRC).as_posix())
+
+
+def source_files() -> list[Path]:
+    """The translation units of the library: every `.cu` / `.cpp` under csrc/ (recursive). Their basenames must be
+    unique, since the extension builder names each object file after its source's basename."""
+    sources = [p for p in _csrc_files() if p.suffix in (".cu", ".cpp")]
+    seen: dict[str, Path] = {}
+    for p in sources:
+        other = seen.setdefault(p.stem, p)
+        if other is not p:
+            raise BuildError(f"two CUDA sources share the object name {p.stem!r}: {other} and {p}; rename one")
+    return sources
 
 
 def build_key() -> str:
-    """Hash of every file under csrc/, the flags and the torch / CUDA versions (names the cache directory)."""
+    """Hash of every file under csrc/ (recursive, with its path relative to csrc/), the flags and the torch / CUDA
+    versions (names the cache directory)."""
     h = hashlib.sha256()
-    for p in sorted(CSRC.iterdir()):
-        if p.is_file():
-            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in _csrc_files():
+        h.update(p.relative_to(CSRC).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(repr((CXX_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
     return h.hexdigest()[:16]
 
@@ -127,9 +152,10 @@ def load(verbose: bool = False) -> Path:
         try:
             cpp_extension.load(
                 name=_name(),
-                sources=[str(p) for p in _source_files()],
+                sources=[str(p) for p in source_files()],
                 extra_cflags=CXX_FLAGS,
                 extra_cuda_cflags=CUDA_FLAGS,
+                extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,

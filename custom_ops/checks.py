@@ -81,7 +81,7 @@ def check_index_range(name: str, index: torch.Tensor, hi: int, what: str, *, neg
     """Raise `ValueError` for the first entry of `index` outside `[0, hi)` (negative entries are allowed when
     `negative_skips`: they mean "skip this row"). `what` describes the valid range for the message.
 
-    The CUDA bindings raise the same message (`csrc/range_checks.h`). The caller decides whether to check
+    The CUDA bindings raise the same message (`csrc/common/range_checks.h`). The caller decides whether to check
     (`must_check_values`)."""
     values = index.long()
     bad = values >= hi if negative_skips else (values < 0) | (values >= hi)

@@ -1,6 +1,6 @@
 """The DeepSeek-V4 compression CUDA kernels, compiled for the host and checked on CPU.
 
-The kernel headers (`custom_ops/csrc/dsv4_compress*_kernels.cuh`) are plain CUDA without torch. Here they are
+The kernel headers (`custom_ops/csrc/dsv4/dsv4_compress*_kernels.cuh`) are plain CUDA without torch. Here they are
 compiled with g++ against a small shim of the CUDA built-ins they use (one OS thread per CUDA thread, barriers
 for `__syncthreads` and warp shuffles, bf16 / e4m3 conversions with round-to-nearest-even) and run on CPU
 tensors. This checks the kernels' indexing, plan handling and write/compress ordering on machines without a GPU:
@@ -43,8 +43,8 @@ CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
 
 DRIVER = r"""
-#include "dsv4_compress_plan_kernels.cuh"
-#include "dsv4_compress_store_kernels.cuh"
+#include "dsv4/dsv4_compress_plan_kernels.cuh"
+#include "dsv4/dsv4_compress_store_kernels.cuh"
 #include <thread>
 #include <type_traits>
 #include <vector>

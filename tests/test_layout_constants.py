@@ -1,6 +1,7 @@
-"""One source of truth for the FlashMLA V4 layout: the constants of `custom_ops/csrc/flashmla_writes_kernels.cuh`
-(used by the FlashMLA and DeepSeek-V4 store kernels and bindings) equal those of `custom_ops/layouts/fp8.py`
-(the CPU references, fake impls and docs). The header is parsed as text, so this runs without a GPU or nvcc."""
+"""One source of truth for the FlashMLA V4 layout: the constants of
+`custom_ops/csrc/flashmla/flashmla_writes_kernels.cuh` (used by the FlashMLA and DeepSeek-V4 store kernels and
+bindings) equal those of `custom_ops/layouts/fp8.py` (the CPU references, fake impls and docs). The header is parsed
+as text, so this runs without a GPU or nvcc."""
 
 import ast
 import re
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from custom_ops.layouts import fp8
 
-HEADER = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc" / "flashmla_writes_kernels.cuh"
+CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
+HEADER = CSRC / "flashmla" / "flashmla_writes_kernels.cuh"
 
 
 def _header_ints() -> dict[str, int]:
@@ -36,11 +38,11 @@ def test_header_and_python_layout_constants_agree():
 
 def test_no_layout_literal_left_in_the_cuda_sources():
     """The 584-byte token and the 576-byte value region are named constants in every CUDA source."""
-    csrc = HEADER.parent
-    for path in sorted(csrc.iterdir()):
-        if path.suffix in (".cu", ".cuh", ".h") and path != HEADER:
-            text = re.sub(r"//.*", "", path.read_text())
-            assert not re.search(r"\b(584|576)\b", text), f"{path.name} spells a layout size as a literal"
+    sources = [p for p in sorted(CSRC.rglob("*")) if p.suffix in (".cu", ".cuh", ".h", ".cpp") and p != HEADER]
+    assert len(sources) > 10, "the walk must reach the sources in every subfolder of csrc/"
+    for path in sources:
+        text = re.sub(r"//.*", "", path.read_text())
+        assert not re.search(r"\b(584|576)\b", text), f"{path.relative_to(CSRC)} spells a layout size as a literal"
 
 
 def test_python_defines_the_indexer_width_once():

@@ -93,3 +93,51 @@ def test_package_metadata_declares_the_tested_torch_range_and_only_used_dependen
     assert project["dependencies"] == [f"torch{TESTED_TORCH}"]
     assert project["license"] == "MIT" and "MIT License" in (ROOT / "LICENSE").read_text()
     assert not re.search(r"^\s*(import|from)\s+numpy\b", "\n".join(_corpus().values()), re.MULTILINE)
+
+
+CSRC = ROOT / "custom_ops" / "csrc"
+
+
+def test_package_data_ships_every_file_under_csrc():
+    """A non-editable install copies `custom_ops/csrc/**` through the package-data globs of pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["custom_ops"]
+    shipped = {p for g in globs for p in (ROOT / "custom_ops").glob(g)}
+    files = {p for p in CSRC.rglob("*") if p.is_file()}
+    assert files and files == shipped, sorted(str(p.relative_to(CSRC)) for p in files ^ shipped)
+
+
+def test_the_build_compiles_every_source_of_every_subfolder_and_hashes_every_file(tmp_path, monkeypatch):
+    from custom_ops import _build
+
+    sources = {p.relative_to(CSRC).as_posix() for p in _build.source_files()}
+    assert sources == {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp")}
+    assert {s.split("/")[0] for s in sources} == {"common", "dsv4", "flashmla", "linear"}
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.cuh").write_text("// x\n")
+    (tmp_path / "a" / "y.cu").write_text("// y\n")
+    monkeypatch.setattr(_build, "CSRC", tmp_path)
+    key = _build.build_key()
+    (tmp_path / "a" / "x.cuh").write_text("// x, changed\n")  # a header in a subfolder is part of the key
+    assert _build.build_key() != key
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "y.cpp").write_text("// another y\n")  # the extension builder would name both objects y.o
+    with pytest.raises(_build.BuildError, match="share the object name 'y'"):
+        _build.source_files()
+
+
+def test_every_project_include_resolves_relative_to_csrc():
+    """`#include "<family>/<header>"` everywhere (the build passes -I csrc; the emulation tests and the benchmark
+    program do the same)."""
+    users = [*CSRC.rglob("*.c*"), *CSRC.rglob("*.h"), ROOT / "benchmarks" / "multi_linear_tune.cu"]
+    users += [p for p in (ROOT / "tests").glob("test_*emulation*.py")]
+    missing = []
+    for path in users:
+        for name in re.findall(r'^\s*#include "([^"]+)"', path.read_text(), flags=re.M):
+            if name.startswith(("cuda_", "driver")):  # the emulation shims' own headers
+                continue
+            if not (CSRC / name).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing

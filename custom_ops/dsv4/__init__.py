@@ -6,7 +6,8 @@
 - `online`: online c128 compression (`dsv4_online_compress_*`);
 - `store`: RMSNorm -> RoPE -> FP8 / FP4 store of compressed entries (`dsv4_compress_norm_rope_store`);
 - `compressor`: `DSV4Compressor`, which ties them together (imported on demand);
-- `custom_ops/csrc/dsv4_*`: the CUDA bindings, kernels and plan-value checks.
+- `custom_ops/csrc/dsv4/`: the CUDA bindings (`dsv4_*.cu`), kernels (`dsv4_*_kernels.cuh`) and the checking-mode
+  plan-value checks (`dsv4_checks.h`).
 """
 
 from custom_ops.dsv4 import compress, online, plan, store  # noqa: F401  (registers the ops)

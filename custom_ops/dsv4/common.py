@@ -6,7 +6,7 @@ columns with a validity mask; they are used by the CPU references, the store op 
 The checks follow docs/contract.md. Structural checks (`check_*` of shapes, dtypes, devices) run in the CPU
 impls and in the fake impls alike, so an op called directly and an op traced by `torch.compile` reject the same
 inputs. Value checks of plan bytes (`check_plan_field`) run where index values are validated (CPU, and CUDA in
-checking mode); the CUDA bindings raise the same messages (`csrc/dsv4_checks.h`).
+checking mode); the CUDA bindings raise the same messages (`csrc/dsv4/dsv4_checks.h`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ State addressing (`state_loc(rid, pos)`, a row of the flat state buffer; page = 
 
 Plans are built with sync-free, fixed-shape torch ops (CompositeExplicitAutograd), so the same implementation
 serves CPU and CUDA tensors and can be captured in a CUDA graph; once the CUDA library is loaded, every
-planner runs as one kernel launch (`csrc/dsv4_compress_plan.cu`) that writes the same bytes.
+planner runs as one kernel launch (`csrc/dsv4/dsv4_compress_plan.cu`) that writes the same bytes.
 
 Prefill plans are compact (valid rows first, in token order: batch-major, positions ascending) and padded with
 invalid rows to `min(N, N // ratio + B)` compress rows (an upper bound on the number of windows that can close)
@@ -66,7 +66,7 @@ MAX_RAGGED = 65535  # ragged ids are u16 in CompressPlan
 ONLINE_RATIO = 128
 STATE_ROWS = 2**31  # state rows and slots are int32 plan fields
 
-# Ranks of the value problems a planner finds (csrc/dsv4_compress_plan_kernels.cuh uses the same numbers).
+# Ranks of the value problems a planner finds (csrc/dsv4/dsv4_compress_plan_kernels.cuh uses the same numbers).
 ERR_EXTEND_RANGE = 0
 ERR_EXTEND_SUM = 1
 ERR_SEQ_BELOW_EXTEND = 2

@@ -1,8 +1,8 @@
 """DeepSeek-V4 fused RMSNorm / interleaved RoPE / FP8 ops and the FlashMLA V4 paged-cache writes.
 
-Five ops in the `dspark` namespace, each with a schema, a fake impl, a CPU reference (the `*_reference` functions
-below, vectorized torch, usable on any device) and a CUDA kernel (`csrc/flashmla_writes.cu`, loaded on first use,
-see `custom_ops._build`):
+Five ops in the `dspark` namespace, each with a schema, a fake impl, a CPU reference (the `*_reference` functions below,
+vectorized torch, usable on any device) and a CUDA kernel (`csrc/flashmla/flashmla_writes.cu`, loaded on first use, see
+`custom_ops._build`):
 
 | op | mutates | what it does |
 |---|---|---|
@@ -62,8 +62,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 # ---------------------------------------------------------------------------------------------- validation
 #
-# Structural checks (types, dtypes, shapes, strides, devices, alignment, scalars) run in the CPU impls and in the
-# fake impls; csrc/flashmla_writes.cu runs the same checks in the same order. The first tensor argument (`kv` or
+# Structural checks (types, dtypes, shapes, strides, devices, alignment, scalars) run in the CPU impls and in the fake
+# impls; csrc/flashmla/flashmla_writes.cu runs the same checks in the same order. The first tensor argument (`kv` or
 # `q`) fixes the device; every other tensor is named when it is elsewhere.
 
 
@@ -229,7 +229,7 @@ def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
 
 
 # Index values (docs/contract.md): the CPU impls raise for an out-of-range entry before any write; the CUDA kernels
-# skip such rows, and raise the same message in checking mode (csrc/flashmla_writes.cu words it identically).
+# skip such rows, and raise the same message in checking mode (csrc/flashmla/flashmla_writes.cu words it identically).
 
 
 def _position_range(max_pos: int) -> tuple[int, str]:

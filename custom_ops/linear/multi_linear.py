@@ -26,7 +26,7 @@ Which path runs:
 
 (a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
 that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. The rule is
-`kernel_pays` in `csrc/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)`
+`kernel_pays` in `csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)`
 evaluates it. The kernel itself handles up to 64 tokens (`_multi_linear_variant` forces it).
 
 On CUDA, consecutive row ranges that lie back to back in memory (weight `i + 1`'s first used row right after weight
@@ -35,15 +35,16 @@ stacked view, one kernel segment. That is found from data pointers and strides o
 activation's own layout never blocks the kernel: rows that are not 16-byte aligned or a non-unit inner stride get a
 contiguous copy of `x` (T x K, small).
 
-The kernel (see the header of `csrc/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows as the
-M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over the
-CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once
-from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
-ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
-inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
-writing its own output columns. This keeps the op free of host syncs, device-side tables and workspaces: it
-allocates only its output, keeps no state between calls, and is CUDA-graph capturable; the output shape depends
-only on `x.shape[0]` and the row counts, so it works with a symbolic T in compiled graphs (the fake impl gives it).
+The kernel (see the header of `csrc/linear/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows as
+the M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over the
+CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once from HBM
+with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment ends) travel by
+value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB, inside the classic
+4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each writing its own output
+columns.
+This keeps the op free of host syncs, device-side tables and workspaces: it allocates only its output, keeps no state
+between calls, and is CUDA-graph capturable; the output shape depends only on `x.shape[0]` and the row counts, so it
+works with a symbolic T in compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
@@ -140,7 +141,7 @@ def _multi_linear_fake(
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """A compiled tile configuration of the CUDA kernel (`kVariants` in `csrc/multi_linear_kernels.cuh`)."""
+    """A compiled tile configuration of the CUDA kernel (`kVariants` in `csrc/linear/multi_linear_kernels.cuh`)."""
 
     index: int
     m_tiles: int  # 16-row MMA tiles per warp

@@ -10,7 +10,7 @@
 // reported to the host (PlanProblem).
 #pragma once
 
-#include "dsv4_compress_kernels.cuh"
+#include "dsv4/dsv4_compress_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {

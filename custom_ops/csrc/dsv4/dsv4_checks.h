@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "error_format.h"
+#include "common/error_format.h"
 
 namespace dspark {
 namespace dsv4 {

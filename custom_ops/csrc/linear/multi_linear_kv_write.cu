@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "error_format.h"
-#include "multi_linear_host.h"
-#include "multi_linear_kv_write_kernels.cuh"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "linear/multi_linear_host.h"
+#include "linear/multi_linear_kv_write_kernels.cuh"
 
 namespace dspark {
 namespace mlinear {

@@ -9,11 +9,11 @@
 
 #include <cmath>
 
-#include "dsv4_checks.h"
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "dsv4/dsv4_checks.h"
 
-#include "dsv4_compress_store_kernels.cuh"
+#include "dsv4/dsv4_compress_store_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {

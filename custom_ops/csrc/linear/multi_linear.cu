@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "error_format.h"
-#include "multi_linear_host.h"
+#include "common/error_format.h"
+#include "linear/multi_linear_host.h"
 
 namespace dspark {
 namespace mlinear {

@@ -11,10 +11,10 @@
 #include <string>
 #include <utility>
 
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
 
-#include "dsv4_compress_plan_kernels.cuh"
+#include "dsv4/dsv4_compress_plan_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {

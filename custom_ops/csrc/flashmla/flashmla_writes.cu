@@ -15,10 +15,10 @@
 #include <utility>
 #include <vector>
 
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
 
-#include "flashmla_writes_kernels.cuh"
+#include "flashmla/flashmla_writes_kernels.cuh"
 
 namespace dspark {
 namespace {

@@ -23,7 +23,7 @@
 // every lane stores its V elements, rounded once, with one vector store.
 #pragma once
 
-#include "multi_linear_kernels.cuh"
+#include "linear/multi_linear_kernels.cuh"
 
 namespace dspark {
 namespace mlinear {

@@ -8,11 +8,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "dsv4_checks.h"
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "dsv4/dsv4_checks.h"
 
-#include "dsv4_compress_kernels.cuh"
+#include "dsv4/dsv4_compress_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {

@@ -10,8 +10,8 @@
 //   entry, or (kFp4) e2m1 codes with one UE8M0 exponent per 32 dims (8 lanes), as in custom_ops/layouts/fp4.py.
 #pragma once
 
-#include "dsv4_compress_kernels.cuh"
-#include "flashmla_writes_kernels.cuh"
+#include "dsv4/dsv4_compress_kernels.cuh"
+#include "flashmla/flashmla_writes_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {
