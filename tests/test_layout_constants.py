@@ -1,7 +1,6 @@
-"""One source of truth for the FlashMLA V4 layout: the constants of
-`custom_ops/csrc/flashmla/flashmla_writes_kernels.cuh` (used by the FlashMLA and DeepSeek-V4 store kernels and
-bindings) equal those of `custom_ops/layouts/fp8.py` (the CPU references, fake impls and docs). The header is parsed
-as text, so this runs without a GPU or nvcc."""
+"""One source of truth for the FlashMLA V4 layout: the constants of `custom_ops/csrc/common/layouts.cuh` (used by the
+FlashMLA and DeepSeek-V4 store kernels and bindings) equal those of `custom_ops/layouts/fp8.py` (the CPU references,
+fake impls and docs). The header is parsed as text, so this runs without a GPU or nvcc."""
 
 import ast
 import re
@@ -10,7 +9,7 @@ from pathlib import Path
 from custom_ops.layouts import fp8
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
-HEADER = CSRC / "flashmla" / "flashmla_writes_kernels.cuh"
+HEADER = CSRC / "common" / "layouts.cuh"
 
 
 def _header_ints() -> dict[str, int]:
