@@ -514,6 +514,6 @@ def test_compile_fullgraph_writes_caches_in_place(layout):
 
 
 def test_cuda_calls_reach_the_library_entry():
-    """CUDA calls go through the build-on-first-use entry (custom_ops._build) to the C++ binding."""
+    """CUDA calls go through the build-on-first-use entry (custom_ops._library) to the C++ binding."""
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear_kv_write", "CompositeExplicitAutograd")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear_kv_write", "CPU")

@@ -141,3 +141,29 @@ def test_every_project_include_resolves_relative_to_csrc():
             if not (CSRC / name).is_file():
                 missing.append(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, missing
+
+
+def test_every_op_is_registered_through_register_op():
+    """One registration path: no module but `_library` touches `torch.library` directly, and every op has the keys
+    `register_op` gives it (reference under CPU plus the CUDA entry, or a composite reference for the planners)."""
+    direct = re.compile(r"torch\.library\.|\bLIB\.|register_fake|register_cuda_entry")
+    for path in sorted((ROOT / "custom_ops").rglob("*.py")):
+        if path.name != "_library.py":
+            assert not direct.search(path.read_text()), f"{path.relative_to(ROOT)} registers outside register_op"
+
+    import custom_ops  # noqa: F401
+    from custom_ops._library import register_op
+
+    with pytest.raises(ValueError, match="reference_key: expected one of"):
+        register_op("never_defined(Tensor x) -> Tensor", reference=lambda x: x, reference_key="CUDA")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dspark::"))
+    assert ops and "dspark::never_defined" not in ops
+    for op in ops:
+        composite = has(op, "CompositeExplicitAutograd")
+        if op.startswith("dspark::dsv4_plan_"):
+            assert composite and not has(op, "CPU") and has(op, "Meta"), op
+        elif op == "dspark::_multi_linear_variant":
+            assert composite and not has(op, "CPU") and not has(op, "Meta"), op
+        else:
+            assert composite and has(op, "CPU") and has(op, "Meta"), op

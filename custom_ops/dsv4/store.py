@@ -32,8 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops import _build
-from custom_ops._library import LIB
+from custom_ops._library import register_op
 from custom_ops.checks import check_index_range
 from custom_ops.dsv4.common import (
     check_device,
@@ -62,11 +61,6 @@ from custom_ops.layouts.norm import rms_norm_factor, walsh_hadamard
 from custom_ops.layouts.rope import apply_rope_interleaved
 
 INDEXER_SCALE_BYTES = 4  # per token: one fp32 scale (FP8) or 4 UE8M0 exponents (FP4)
-
-LIB.define(
-    "dsv4_compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float eps, Tensor freqs, "
-    "Tensor out_loc, Tensor(a!) kvcache, int page_size, int ratio, bool decode, bool fp4=False) -> ()"
-)
 
 
 def indexer_page_bytes(page_size: int, fp4: bool = False) -> int:
@@ -222,7 +216,6 @@ def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, c
     flat[(scale_at + torch.arange(INDEXER_SCALE_BYTES, device=loc.device)).reshape(-1)] = scales.reshape(-1)
 
 
-@torch.library.impl(LIB, "dsv4_compress_norm_rope_store", "CPU")
 def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
     d = check_store_args(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4)
     check_store_values(plan, out_loc, freqs.shape[0], kvcache.shape[0], page_size, ratio, decode)
@@ -247,9 +240,13 @@ def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, r
     _scatter_indexer(kvcache, page_size, loc, quantize_e4m3(y / scale), scale)
 
 
-@torch.library.register_fake("dspark::dsv4_compress_norm_rope_store")
 def _store_fake(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
     check_store_args(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4)
 
 
-_build.register_cuda_entry(LIB, "dsv4_compress_norm_rope_store")
+register_op(
+    "dsv4_compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float eps, Tensor freqs, "
+    "Tensor out_loc, Tensor(a!) kvcache, int page_size, int ratio, bool decode, bool fp4=False) -> ()",
+    reference=_store_cpu,
+    fake=_store_fake,
+)

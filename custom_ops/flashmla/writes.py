@@ -2,7 +2,7 @@
 
 Five ops in the `dspark` namespace, each with a schema, a fake impl, a CPU reference (the `*_reference` functions below,
 vectorized torch, usable on any device) and a CUDA kernel (`csrc/flashmla/flashmla_writes.cu`, loaded on first use, see
-`custom_ops._build`):
+`custom_ops._library`):
 
 | op | mutates | what it does |
 |---|---|---|
@@ -30,8 +30,7 @@ import math
 
 import torch
 
-from custom_ops import _build
-from custom_ops._library import LIB
+from custom_ops._library import register_op
 from custom_ops.checks import check_index_range
 from custom_ops.layouts.fp8 import (
     FP8_MAX,
@@ -425,38 +424,30 @@ def _indexer_fake(q, weight, weight_scale, freqs, positions) -> tuple[torch.Tens
     return q.new_empty((b, h, INDEXER_DIM), dtype=torch.float8_e4m3fn), q.new_empty((b, h, 1), dtype=torch.float32)
 
 
-_OPS = {
-    "fused_k_norm_rope_flashmla": (
-        "fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
-        "Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
-        _k_cpu,
-        _check_k,
-    ),
-    "fused_q_norm_rope": (
-        "fused_q_norm_rope(Tensor q, Tensor(a!) q_out, float eps, Tensor freqs, Tensor positions) -> ()",
-        _q_cpu,
-        _check_q,
-    ),
-    "fused_norm_rope_inplace": (
-        "fused_norm_rope_inplace(Tensor(a!) kv, Tensor weight, float eps, Tensor freqs, Tensor positions) -> ()",
-        _inplace_cpu,
-        _check_inplace,
-    ),
-    "store_flashmla_cache": (
-        "store_flashmla_cache(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
-        _store_cpu,
-        _check_store,
-    ),
-    "fused_q_indexer_rope_hadamard_quant": (
-        "fused_q_indexer_rope_hadamard_quant(Tensor q, Tensor weight, float weight_scale, Tensor freqs, "
-        "Tensor positions) -> (Tensor, Tensor)",
-        _indexer_cpu,
-        _indexer_fake,
-    ),
-}
-
-for _name, (_schema, _cpu, _fake) in _OPS.items():
-    LIB.define(_schema)
-    LIB.impl(_name, _cpu, "CPU")
-    torch.library.register_fake(f"dspark::{_name}", _fake, lib=LIB)
-    _build.register_cuda_entry(LIB, _name)
+register_op(
+    "fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
+    "Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
+    reference=_k_cpu,
+    fake=_check_k,
+)
+register_op(
+    "fused_q_norm_rope(Tensor q, Tensor(a!) q_out, float eps, Tensor freqs, Tensor positions) -> ()",
+    reference=_q_cpu,
+    fake=_check_q,
+)
+register_op(
+    "fused_norm_rope_inplace(Tensor(a!) kv, Tensor weight, float eps, Tensor freqs, Tensor positions) -> ()",
+    reference=_inplace_cpu,
+    fake=_check_inplace,
+)
+register_op(
+    "store_flashmla_cache(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
+    reference=_store_cpu,
+    fake=_check_store,
+)
+register_op(
+    "fused_q_indexer_rope_hadamard_quant(Tensor q, Tensor weight, float weight_scale, Tensor freqs, "
+    "Tensor positions) -> (Tensor, Tensor)",
+    reference=_indexer_cpu,
+    fake=_indexer_fake,
+)

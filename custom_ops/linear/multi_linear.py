@@ -58,13 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from custom_ops import _build
-from custom_ops._library import LIB
-
-LIB.define("multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor")
-LIB.define(
-    "_multi_linear_variant(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
-    "int variant, int split) -> Tensor"
-)
+from custom_ops._library import register_op
 
 
 def _check_args(
@@ -127,7 +121,6 @@ def multi_linear_reference(
     return out
 
 
-@torch.library.register_fake("dspark::multi_linear")
 def _multi_linear_fake(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -193,6 +186,12 @@ def kernel_variants() -> list[KernelVariant]:
     return variants
 
 
-LIB.impl("multi_linear", multi_linear_reference, "CPU")
-_build.register_cuda_entry(LIB, "multi_linear")
-_build.register_cuda_entry(LIB, "_multi_linear_variant")
+register_op(
+    "multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor",
+    reference=multi_linear_reference,
+    fake=_multi_linear_fake,
+)
+register_op(  # CUDA only: no reference, no fake
+    "_multi_linear_variant(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
+    "int variant, int split) -> Tensor"
+)
