@@ -45,8 +45,8 @@ from custom_ops.dsv4.common import (
     read_compress_plan,
     read_decode_plan,
     read_write_plan,
+    window_of,
 )
-from custom_ops.dsv4.plan import window_of
 
 
 def check_compress_args(state, kv_score, ape, ratio: int) -> int:

@@ -59,7 +59,7 @@ import torch
 
 from custom_ops._library import register_op
 from custom_ops.checks import must_check_values
-from custom_ops.dsv4.common import INT32_MAX, check_index, check_ratio
+from custom_ops.dsv4.common import INT32_MAX, check_index, check_ratio, window_of
 
 INVALID_U32 = -1  # 0xFFFFFFFF stored in an int32 field
 MAX_RAGGED = 65535  # ragged ids are u16 in CompressPlan
@@ -74,11 +74,6 @@ ERR_SEQ_MAX = 3
 ERR_REQUEST = 4
 ERR_REQ_TO_TOKEN = 5
 ERR_FULL_TO_STATE = 6
-
-
-def window_of(ratio: int) -> int:
-    """Number of window slots of one compressed entry: 8 for c4 (overlap), 128 for c128."""
-    return 2 * ratio if ratio == 4 else ratio
 
 
 def compress_rows_bound(num_q_tokens: int | torch.SymInt, batch: int | torch.SymInt, ratio: int):

@@ -11,9 +11,15 @@
 #include <string>
 
 #include "common/error_format.h"
+#include "dsv4/dsv4_ratio.h"
 
 namespace dspark {
 namespace dsv4 {
+
+// custom_ops/dsv4/common.py, check_ratio: the ratio is c4 or c128 (dsv4_ratio.h), with the CPU path's message.
+inline void check_ratio(int64_t ratio) {
+  TORCH_CHECK_VALUE(is_ratio(ratio), "ratio: expected ", num(kRatioC4), " or ", num(kRatioC128), ", got ", num(ratio));
+}
 
 // Raise for the first row where `bad` is set; `what(i)` says what is valid for row i.
 template <typename What>
@@ -70,7 +76,7 @@ inline void check_prefill_plan_values(const at::Tensor& plan_c, const at::Tensor
   const PlanColumns c = plan_columns(plan_c, 16);
   const at::Tensor seq = c.u32(0), ragged = c.low16(1), buffer_len = c.high16(1), rp0 = c.col(2), rp1 = c.col(3);
   const at::Tensor valid = seq.ne(int64_t{0xFFFFFFFF});
-  const int64_t window = ratio == 4 ? 8 : 128;
+  const int64_t window = window_of(ratio);
   const std::string inputs = rows_what(input_rows, "kv_score");
   const auto inputs_what = [&](int64_t) { return inputs; };
   check_plan_field("plan_c", "ragged_id", ragged, valid.logical_and(ragged.ge(input_rows)), inputs_what);

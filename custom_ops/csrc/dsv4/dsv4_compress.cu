@@ -73,8 +73,8 @@ void check_plan_rows(const at::Tensor& plan, const at::Tensor& kv_score) {
 int64_t check_args(const at::Tensor& state, const at::Tensor& kv_score, const at::Tensor& ape, int64_t ratio,
                    bool online) {
   TORCH_CHECK_VALUE(state.is_cuda(), "state: expected a CUDA tensor, got ", state.device());
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
-  const int64_t d = check_ape(ape, ratio == 4 ? 8 : 128);
+  check_ratio(ratio);
+  const int64_t d = check_ape(ape, window_of(ratio));
   const int64_t width = (ratio == 4 ? 4 : 2) * d;
   if (online) {
     TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, "state: expected float32, got ", state.scalar_type());

@@ -13,6 +13,7 @@
 
 #include "common/error_format.h"
 #include "common/range_checks.h"
+#include "dsv4/dsv4_checks.h"
 
 #include "dsv4/dsv4_compress_plan_kernels.cuh"
 
@@ -44,8 +45,8 @@ void check_batch(const at::Tensor& seq_lens, std::initializer_list<std::pair<con
 void check_addressing(const at::Tensor& seq_lens, const std::optional<at::Tensor>& req_to_token,
                       const std::optional<at::Tensor>& full_to_state, int64_t ratio, int64_t ring_size,
                       int64_t swa_page_size) {
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
-  const int64_t window = ratio == 4 ? 8 : 128;
+  check_ratio(ratio);
+  const int64_t window = window_of(ratio);
   TORCH_CHECK_VALUE(ring_size >= window && ring_size <= kInt32Max && ring_size % ratio == 0,
                     "ring_size: expected a multiple of ", num(ratio), " in ", num(window), "..", num(kInt32Max),
                     ", got ", num(ring_size));

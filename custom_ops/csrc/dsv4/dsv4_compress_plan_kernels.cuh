@@ -11,6 +11,7 @@
 #pragma once
 
 #include "dsv4/dsv4_compress_kernels.cuh"
+#include "dsv4/dsv4_ratio.h"
 
 namespace dspark {
 namespace dsv4 {
@@ -205,8 +206,8 @@ __global__ void __launch_bounds__(kPrefillThreads) plan_prefill_kernel(const Pla
     for (int64_t b = t; b < batch; b += kPrefillThreads) prefill_request_ok(a, b);
   }
 
-  const int r = kOnline ? 128 : d.ratio;
-  const int window = r == 4 ? 8 : r;
+  const int r = kOnline ? kRatioC128 : d.ratio;
+  const int window = window_of(r);
   int64_t count_c = 0, count_w = 0;
   for (int64_t base = 0; base < a.num_tokens; base += kPrefillThreads) {
     const int64_t tok = base + t;

@@ -62,7 +62,7 @@ void check_store_values(const at::Tensor& plan, const at::Tensor& out_loc, int64
 int64_t check_store_args(const at::Tensor& kv, const at::Tensor& plan, const at::Tensor& norm_weight, double eps,
                          const at::Tensor& freqs, const at::Tensor& out_loc, const at::Tensor& kvcache,
                          int64_t page_size, int64_t ratio, bool decode, bool fp4) {
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
+  check_ratio(ratio);
   TORCH_CHECK_TYPE(kv.scalar_type() == at::kFloat, "kv: expected float32, got ", kv.scalar_type());
   TORCH_CHECK_VALUE(kv.dim() == 2 && (kv.size(1) == kIndexerDim || kv.size(1) == kHeadDim),
                     "kv: expected shape [rows, 128 or 512], got ", dims(kv.sizes()));
