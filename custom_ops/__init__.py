@@ -1,4 +1,18 @@
-"""`import custom_ops` registers every `torch.ops.dspark.*` op: schemas, fake impls and CPU references."""
+"""`import custom_ops` registers every `torch.ops.dspark.*` op: schemas, fake impls and CPU references.
+
+One package per op family, each with its C++ / CUDA sources in `custom_ops/csrc/<family>/`:
+
+- `custom_ops.flashmla`: the FlashMLA V4 write ops (`writes`);
+- `custom_ops.dsv4`: the DeepSeek-V4 compressor ops (`plan`, `compress`, `online`, `store`, `common`) and the
+  `DSV4Compressor` module (`compressor`, imported on demand);
+- `custom_ops.linear`: `multi_linear` and `multi_linear_kv_write`;
+- `custom_ops.layouts`: what the families share, pure torch (FP8 / FP4 layouts, RoPE, norm and Hadamard math);
+  `csrc/common/` is its C++ counterpart.
+
+Beside them: `_library` (the `dspark` namespace and `register_op`, the one registration helper), `_build` (build,
+cache and load the CUDA library; `build` is its `python -m custom_ops.build` command), `checks` (the opt-in CUDA
+range checks) and `_torch_range` (the tested torch versions).
+"""
 
 from custom_ops import _library, dsv4, flashmla, linear  # noqa: F401  (each family registers its ops)
 from custom_ops._torch_range import warn_if_untested_torch

@@ -1,8 +1,8 @@
-// Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/linear/multi_linear.py (same error class,
-// same message), merging of weights that are adjacent in memory, and the choice between the small-T kernel
+// Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/linear/multi_linear.py (same error
+// class, same message), merging of weights that are adjacent in memory, and the choice between the small-T kernel
 // (multi_linear_kernels.cuh) and per-weight cuBLAS GEMMs into the output's column blocks. Also the debug op
-// dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and
-// the C entry points through which Python reads the variant table and the token threshold.
+// dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and the C
+// entry points through which Python reads the variant table and the token threshold.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
