@@ -28,10 +28,10 @@ import torch
 
 import custom_ops  # noqa: F401
 from custom_ops import _build
-from custom_ops.dsv4_compress import compress_decode, compress_prefill
-from custom_ops.dsv4_compress_online import online_compress_decode, online_compress_prefill
-from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
-from custom_ops.dsv4_compressor import compress_sequence
+from custom_ops.dsv4.compress import compress_decode, compress_prefill
+from custom_ops.dsv4.compressor import compress_sequence
+from custom_ops.dsv4.online import online_compress_decode, online_compress_prefill
+from custom_ops.dsv4.plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
 
 DECODE_BS = (1, 64, 128, 256)
 PREFILL_TOKENS = (512, 4096, 16384)

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops.flashmla_writes import fused_k_norm_rope_flashmla_reference
-from custom_ops.fp8_layout import flashmla_page_bytes
-from custom_ops.rope import precompute_freqs
+from custom_ops.flashmla.writes import fused_k_norm_rope_flashmla_reference
+from custom_ops.layouts.fp8 import flashmla_page_bytes
+from custom_ops.layouts.rope import precompute_freqs
 
 Q_LORA_RANK = 1024
 MAX_POS = 65536

@@ -18,10 +18,11 @@ bound, not an option, since it needs a second copy of the weights).
     python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
 
-`--sweep` times every compiled kernel variant (`custom_ops.multi_linear.kernel_variants()`) with every cluster split
-(0 = the automatic one) on every group and M in {1, 8, 16, 32, 64} through `dspark::_multi_linear_variant`, refuses
-to time a variant whose output differs from cuBLAS (prints the error instead), and prints the best variant per
-shape, then the best variant per token tile summed over the groups (what `default_variant` should pick).
+`--sweep` times every compiled kernel variant (`custom_ops.linear.multi_linear.kernel_variants()`) with every
+cluster split (0 = the automatic one) on every group and M in {1, 8, 16, 32, 64} through
+`dspark::_multi_linear_variant`, refuses to time a variant whose output differs from cuBLAS (prints the error
+instead), and prints the best variant per shape, then the best variant per token tile summed over the groups (what
+`default_variant` should pick).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops.multi_linear import (
+from custom_ops.linear.multi_linear import (
     KernelVariant,
     cublas_batches,
     kernel_variants,

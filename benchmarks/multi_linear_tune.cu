@@ -4,6 +4,8 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
 //        benchmarks/multi_linear_tune.cu -o multi_linear_tune && ./multi_linear_tune
 //
+// (from the repository root; like every source of the project it includes headers relative to custom_ops/csrc).
+//
 // For every group of benchmarks/multi_linear.py, M in {1, 8, 16, 32, 64}, every compiled variant (kVariants) and
 // cluster splits 1..8: checks the output against a plain fp32 reference kernel, then times back-to-back launches
 // (programmatic dependent launch on, as the op launches) over enough weight copies that the L2 never serves them
@@ -19,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "multi_linear_kernels.cuh"
+#include "linear/multi_linear_kernels.cuh"
 
 using namespace dspark::mlinear;
 using T = __nv_bfloat16;

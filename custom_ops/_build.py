@@ -1,24 +1,21 @@
-"""Build, cache and load the CUDA kernels of `custom_ops` (all of `csrc/*.cu`, `csrc/*.cpp` in one library).
+"""Build, cache and load the CUDA kernels of `custom_ops`: every `.cu` / `.cpp` under `custom_ops/csrc/` (all
+subfolders) in one library.
 
-How a CUDA call reaches a kernel, and why:
+Where the sources are: `csrc/common/` (error formatting, the range-check switch, the device primitives shared by the
+FlashMLA and DeepSeek-V4 kernels), `csrc/flashmla/`, `csrc/dsv4/` and `csrc/linear/`, one folder per op family, like
+the Python packages `custom_ops.flashmla`, `custom_ops.dsv4` and `custom_ops.linear`. Every `#include` of this
+project names its header relative to `csrc/` (`#include "common/error_format.h"`); the build passes `-I csrc`.
+Source basenames are unique across the folders (the extension builder names object files by basename).
 
-* Every op module registers, next to its CPU reference and fake impl, a small Python *entry* kernel under the
-  `CompositeExplicitAutograd` key (`register_cuda_entry`). For a CUDA tensor the dispatcher finds no kernel under
-  the `CUDA` key yet and falls back to that entry, which builds (first time only) and loads the library, then
-  re-dispatches the call.
-* The library's `TORCH_LIBRARY_IMPL(dspark, CUDA, m)` registers the C++ launchers under the `CUDA` key. A
-  backend-key kernel takes precedence over `CompositeExplicitAutograd`, so from then on every CUDA call goes
-  straight to C++: no Python on the hot path, no "overriding a kernel" warning (the keys differ), and nothing for
-  the user to call. `import custom_ops` also loads an already built library directly (`load_prebuilt`), so after
-  `python -m custom_ops.build` even the first call is a plain C++ dispatch.
-* `torch.compile(fullgraph=True)` only needs the schema and the fake impl (the op is opaque to Dynamo); Inductor's
-  generated code calls `torch.ops.dspark.*`, i.e. the same path. The launchers use the current CUDA stream, do
-  no host syncs and no allocations besides op outputs, so they are CUDA-graph capturable (warm up once before
-  capturing so the build/load happens outside the capture).
+This module is the implementation; `custom_ops/build.py` is the `python -m custom_ops.build` command on top of it.
+They are two modules because a module run with `-m` executes as a second copy (`__main__`) beside the one the op
+modules imported, with its own lock and loaded-library state; the command stays a thin separate module instead.
 
-Alternatives rejected: a pybind module called from a Python CUDA impl (Python overhead on every eager call and
-on every call from Inductor's wrapper); eager build at import (a minute of nvcc for users who never touch CUDA,
-and `import custom_ops` would fail on machines without a toolkit).
+How a CUDA call gets here: every op but the DeepSeek-V4 planners has a first-use entry under
+`CompositeExplicitAutograd` (`custom_ops._library.register_op`) that calls `load()` and re-dispatches; once loaded, the
+library's kernels under the `CUDA` key take precedence. `import custom_ops` loads an already built library at once
+(`load_prebuilt`). Why this design, and what it gives `torch.compile` and CUDA graphs: the docstring of
+`custom_ops/_library.py`.
 
 Build: `torch.utils.cpp_extension.load` with ninja, `-O3`, SASS for sm_90a plus compute_80 PTX (JIT-compiled by
 the driver on other GPUs), into `$DSPARK_OPS_CACHE_DIR` (default `~/.cache/dspark_fx/ops`) under a directory
@@ -29,7 +26,6 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,7 +40,7 @@ __all__ = [
     "library_path",
     "load",
     "load_prebuilt",
-    "register_cuda_entry",
+    "source_files",
 ]
 
 log = logging.getLogger("custom_ops")
@@ -67,16 +63,29 @@ class BuildError(RuntimeError):
     """The CUDA kernels cannot be built or loaded here (no CUDA torch, no nvcc, no ninja, compile error)."""
 
 
-def _source_files() -> list[Path]:
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
+def _csrc_files() -> list[Path]:
+    """Every file under csrc/, in every subfolder, in a stable order."""
+    return sorted((p for p in CSRC.rglob("*") if p.is_file()), key=lambda p: p.relative_to(CSRC).as_posix())
+
+
+def source_files() -> list[Path]:
+    """The translation units of the library: every `.cu` / `.cpp` under csrc/ (recursive). Their basenames must be
+    unique, since the extension builder names each object file after its source's basename."""
+    sources = [p for p in _csrc_files() if p.suffix in (".cu", ".cpp")]
+    seen: dict[str, Path] = {}
+    for p in sources:
+        other = seen.setdefault(p.stem, p)
+        if other is not p:
+            raise BuildError(f"two CUDA sources share the object name {p.stem!r}: {other} and {p}; rename one")
+    return sources
 
 
 def build_key() -> str:
-    """Hash of every file under csrc/, the flags and the torch / CUDA versions (names the cache directory)."""
+    """Hash of every file under csrc/ (recursive, with its path relative to csrc/), the flags and the torch / CUDA
+    versions (names the cache directory)."""
     h = hashlib.sha256()
-    for p in sorted(CSRC.iterdir()):
-        if p.is_file():
-            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in _csrc_files():
+        h.update(p.relative_to(CSRC).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(repr((CXX_FLAGS, CUDA_FLAGS, LD_FLAGS, torch.__version__, torch.version.cuda)).encode())
     return h.hexdigest()[:16]
 
@@ -128,11 +137,12 @@ def load(verbose: bool = False) -> Path:
         try:
             cpp_extension.load(
                 name=path.stem,
-                sources=[str(p) for p in _source_files()],
+                sources=[str(p) for p in source_files()],
                 # copies: cpp_extension appends torch's own flags to these lists, which would change build_key()
                 extra_cflags=list(CXX_FLAGS),
                 extra_cuda_cflags=list(CUDA_FLAGS),
                 extra_ldflags=list(LD_FLAGS),
+                extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,
@@ -163,26 +173,6 @@ def load_prebuilt() -> bool:
         _loaded = path
         checks.attach_native(path)
         return True
-
-
-def register_cuda_entry(lib: torch.library.Library, name: str) -> None:
-    """Register the first-use entry of `dspark::<name>` for devices without a direct kernel (see module doc)."""
-    qualname = f"dspark::{name}"
-
-    def entry(*args: object, **kwargs: object) -> object:
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        # The first non-CPU tensor picks the backend (a CPU tensor mixed into a CUDA call reaches the binding, whose
-        # device check names it).
-        device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
-        if device.type != "cuda":
-            raise NotImplementedError(f"{qualname} has CPU and CUDA kernels only, got a tensor on {device}")
-        load()
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"):
-            raise BuildError(f"the dspark CUDA library {library_path()} registered no CUDA kernel for {qualname}")
-        op: Callable[..., object] = getattr(torch.ops.dspark, name).default
-        return op(*args, **kwargs)
-
-    lib.impl(name, entry, "CompositeExplicitAutograd")
 
 
 load_prebuilt()

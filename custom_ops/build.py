@@ -1,4 +1,8 @@
-"""`python -m custom_ops.build`: build (or find in the cache) and load the dspark CUDA kernels, print the path."""
+"""`python -m custom_ops.build`: build (or find in the cache) and load the dspark CUDA kernels, print the path.
+
+Only the command line lives here; building, caching and loading are `custom_ops._build` (why two modules: see its
+docstring).
+"""
 
 import argparse
 import sys
@@ -7,7 +11,7 @@ from custom_ops import _build
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m custom_ops.build", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m custom_ops.build", description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="show the ninja / nvcc command lines")
     args = parser.parse_args(argv)
     try:

@@ -84,7 +84,7 @@ def check_index_range(
     `negative_skips`: they mean "skip this row"; with `wrap` the range is `[-hi, hi)`, a negative entry counting from
     the end as in Python indexing). `what` describes the valid range for the message.
 
-    The CUDA bindings raise the same message (`csrc/range_checks.h`). The caller decides whether to check
+    The CUDA bindings raise the same message (`csrc/common/range_checks.h`). The caller decides whether to check
     (`must_check_values`)."""
     values = index.long()
     low = -hi if wrap else None if negative_skips else 0

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops.dsv4_compressor import DSV4Compressor, PagedAddressing, compress_sequence
+from custom_ops.dsv4.compressor import DSV4Compressor, PagedAddressing, compress_sequence
 
 
 def run(ratio: int, online: bool, paged: bool, device: str, hidden: int, head_dim: int, seed: int = 0) -> float:

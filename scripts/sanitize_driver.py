@@ -21,10 +21,10 @@ import torch
 
 import custom_ops
 from custom_ops import _build
-from custom_ops.dsv4_compress_store import cache_page_bytes
-from custom_ops.dsv4_compressor import DSV4Compressor, PagedAddressing
-from custom_ops.fp8_layout import flashmla_page_bytes
-from custom_ops.rope import precompute_freqs
+from custom_ops.dsv4.compressor import DSV4Compressor, PagedAddressing
+from custom_ops.dsv4.store import cache_page_bytes
+from custom_ops.layouts.fp8 import flashmla_page_bytes
+from custom_ops.layouts.rope import precompute_freqs
 
 MAX_POS = 64
 DEV = "cuda"

@@ -16,18 +16,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401
-from custom_ops.dsv4_compress import compress_decode, compress_prefill
-from custom_ops.dsv4_compress_common import read_compress_plan
-from custom_ops.dsv4_compress_online import online_compress_decode, online_compress_prefill
-from custom_ops.dsv4_compress_plan import (
+from custom_ops.dsv4.common import read_compress_plan
+from custom_ops.dsv4.compress import compress_decode, compress_prefill
+from custom_ops.dsv4.online import online_compress_decode, online_compress_prefill
+from custom_ops.dsv4.plan import (
     plan_decode,
     plan_online_decode,
     plan_online_prefill,
     plan_prefill,
 )
-from custom_ops.dsv4_compress_store import cache_page_bytes, row_slots, stored_rows
-from custom_ops.fp8_layout import dequantize_flashmla_cache
-from custom_ops.rope import precompute_freqs
+from custom_ops.dsv4.store import cache_page_bytes, row_slots, stored_rows
+from custom_ops.layouts.fp8 import dequantize_flashmla_cache
+from custom_ops.layouts.rope import precompute_freqs
 
 SWA_PAGE = 256
 
@@ -225,7 +225,8 @@ def _expected(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, hadamard: boo
     return y
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the e2m1 magnitudes, written out independently of fp4_layout
+# the e2m1 magnitudes, written out independently of custom_ops.layouts.fp4
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _decode_indexer(cache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ import math
 import torch
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops import flashmla_writes as fw
-from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
-from custom_ops.rope import precompute_freqs
+from custom_ops.flashmla import writes as fw
+from custom_ops.layouts.fp8 import dequantize_flashmla_cache, flashmla_page_bytes
+from custom_ops.layouts.rope import precompute_freqs
 
 EPS = 1e-6
 

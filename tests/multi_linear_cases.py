@@ -1,6 +1,6 @@
 """Shared by the `multi_linear` and `multi_linear_kv_write` tests: `fp64_formula` (multi_linear in fp64); for
 multi_linear_kv_write, input cases (`Spec` -> `make_case`, the same values on CPU and CUDA), an fp64 formula
-written independently of `custom_ops.multi_linear_kv_write` (`fp64_kv`, `written_tokens`: einsum projections,
+written independently of `custom_ops.linear.multi_linear_kv_write` (`fp64_kv`, `written_tokens`: einsum projections,
 RMSNorm and a loop over the rotated pairs in float64, a plain Python walk over `cache_loc` / `commit_lens`), byte
 views of the caches and the argument-error table (`BAD_CASES`)."""
 

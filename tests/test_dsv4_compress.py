@@ -13,8 +13,8 @@ import pytest
 import torch
 from dsv4_cases import Session, make_inputs
 
-from custom_ops.dsv4_compress_common import read_write_plan
-from custom_ops.dsv4_compress_plan import plan_prefill
+from custom_ops.dsv4.common import read_write_plan
+from custom_ops.dsv4.plan import plan_prefill
 
 D = 512
 MODES = ["ring", "paged"]

@@ -10,10 +10,10 @@ import torch
 from dsv4_cases import gt_compress
 
 import custom_ops  # noqa: F401
-from custom_ops.dsv4_compress_store import cache_page_bytes
-from custom_ops.dsv4_compressor import DSV4Compressor, compress_sequence, kernel_ape
-from custom_ops.fp8_layout import dequantize_flashmla_cache
-from custom_ops.rope import precompute_freqs
+from custom_ops.dsv4.compressor import DSV4Compressor, compress_sequence, kernel_ape
+from custom_ops.dsv4.store import cache_page_bytes
+from custom_ops.layouts.fp8 import dequantize_flashmla_cache
+from custom_ops.layouts.rope import precompute_freqs
 
 
 @pytest.mark.parametrize(("ratio", "d", "length"), [(4, 512, 37), (4, 128, 3), (128, 128, 300), (128, 512, 256)])

@@ -13,11 +13,11 @@ from dsv4_cases import Session, assert_cache_bytes_close, make_inputs
 
 import custom_ops  # noqa: F401
 from custom_ops import _build
-from custom_ops.dsv4_compress import compress_decode
-from custom_ops.dsv4_compress_online import online_compress_decode
-from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
-from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
-from custom_ops.rope import precompute_freqs
+from custom_ops.dsv4.compress import compress_decode
+from custom_ops.dsv4.online import online_compress_decode
+from custom_ops.dsv4.plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops.dsv4.store import cache_page_bytes, compress_norm_rope_store
+from custom_ops.layouts.rope import precompute_freqs
 
 pytestmark = pytest.mark.cuda
 

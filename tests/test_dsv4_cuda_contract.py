@@ -25,9 +25,9 @@ from dsv4_cases import (
 
 import custom_ops
 from custom_ops import _build
-from custom_ops import dsv4_compress_plan as cp
-from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
-from custom_ops.dsv4_compressor import DSV4Compressor
+from custom_ops.dsv4 import plan as cp
+from custom_ops.dsv4.compressor import DSV4Compressor
+from custom_ops.dsv4.store import cache_page_bytes, compress_norm_rope_store
 
 pytestmark = pytest.mark.cuda
 ops = torch.ops.dspark

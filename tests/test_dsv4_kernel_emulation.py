@@ -1,6 +1,6 @@
 """The DeepSeek-V4 compression CUDA kernels, compiled for the host and checked on CPU.
 
-The kernel headers (`custom_ops/csrc/dsv4_compress*_kernels.cuh`) are plain CUDA without torch. Here they are
+The kernel headers (`custom_ops/csrc/dsv4/dsv4_compress*_kernels.cuh`) are plain CUDA without torch. Here they are
 compiled with g++ against a small shim of the CUDA built-ins they use (one OS thread per CUDA thread, barriers
 for `__syncthreads` and warp shuffles, bf16 / e4m3 conversions with round-to-nearest-even) and run on CPU
 tensors. This checks the kernels' indexing, plan handling and write/compress ordering on machines without a GPU:
@@ -35,16 +35,16 @@ from dsv4_cases import (
 from dsv4_emulation_shim import SHIM
 
 import custom_ops  # noqa: F401
-from custom_ops import dsv4_compress_plan as cp
-from custom_ops.dsv4_compress_common import read_compress_plan, read_decode_plan
-from custom_ops.dsv4_compress_store import compress_norm_rope_store
+from custom_ops.dsv4 import plan as cp
+from custom_ops.dsv4.common import read_compress_plan, read_decode_plan
+from custom_ops.dsv4.store import compress_norm_rope_store
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
 
 DRIVER = r"""
-#include "dsv4_compress_plan_kernels.cuh"
-#include "dsv4_compress_store_kernels.cuh"
+#include "dsv4/dsv4_compress_plan_kernels.cuh"
+#include "dsv4/dsv4_compress_store_kernels.cuh"
 #include <thread>
 #include <type_traits>
 #include <vector>

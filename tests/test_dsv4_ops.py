@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import custom_ops  # noqa: F401
-from custom_ops.dsv4_compress import compress_decode, compress_prefill
-from custom_ops.dsv4_compress_plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops.dsv4.compress import compress_decode, compress_prefill
+from custom_ops.dsv4.plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
 
 D = 128
 ops = torch.ops.dspark

@@ -10,9 +10,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401
-from custom_ops import dsv4_compress_plan as cp
-from custom_ops.dsv4_compress_common import read_compress_plan, read_write_plan
-from custom_ops.dsv4_compress_plan import (
+from custom_ops.dsv4 import plan as cp
+from custom_ops.dsv4.common import read_compress_plan, read_write_plan
+from custom_ops.dsv4.plan import (
     plan_decode,
     plan_online_decode,
     plan_online_prefill,

@@ -7,8 +7,8 @@ import torch
 from dsv4_cases import EPS, FREQS, call_op, check_store
 
 import custom_ops  # noqa: F401
-from custom_ops.dsv4_compress_plan import plan_decode, plan_prefill
-from custom_ops.dsv4_compress_store import cache_page_bytes, compress_norm_rope_store
+from custom_ops.dsv4.plan import plan_decode, plan_prefill
+from custom_ops.dsv4.store import cache_page_bytes, compress_norm_rope_store
 
 
 @pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])

@@ -36,8 +36,8 @@ from flashmla_cases import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
-from custom_ops import flashmla_writes as fw
-from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes
+from custom_ops.flashmla import writes as fw
+from custom_ops.layouts.fp8 import dequantize_flashmla_cache, flashmla_page_bytes
 
 ops = torch.ops.dspark
 

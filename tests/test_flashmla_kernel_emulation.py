@@ -1,11 +1,11 @@
-"""The FlashMLA-write / norm-RoPE CUDA kernels (`custom_ops/csrc/flashmla_writes_kernels.cuh`), compiled for the
-host with the CUDA shim of tests/dsv4_emulation_shim.py and run on CPU tensors.
+"""The FlashMLA-write / norm-RoPE CUDA kernels (`custom_ops/csrc/flashmla/flashmla_writes_kernels.cuh`), compiled for
+the host with the CUDA shim of tests/dsv4_emulation_shim.py and run on CPU tensors.
 
 This runs the kernels' own index handling without a GPU: rows whose slot or position is out of range (negative
 positions, positions past the table, slots at or past the capacity, huge slot ids that would wrap in int64) must be
-skipped exactly as the `*_reference` functions skip them, strided `positions` / `out_loc` must be read through
-their strides, and every other byte must stay as it was. The arguments are packed like csrc/flashmla_writes.cu
-packs them. GPU numerics (and the bindings) are checked by the CUDA tests.
+skipped exactly as the `*_reference` functions skip them, strided `positions` / `out_loc` must be read through their
+strides, and every other byte must stay as it was. The arguments are packed like csrc/flashmla/flashmla_writes.cu packs
+them. GPU numerics (and the bindings) are checked by the CUDA tests.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flashmla_cases import (
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
 DRIVER = r"""
-#include "flashmla_writes_kernels.cuh"
+#include "flashmla/flashmla_writes_kernels.cuh"
 #include <thread>
 #include <vector>
 using namespace dspark;

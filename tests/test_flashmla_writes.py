@@ -30,9 +30,10 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops import flashmla_writes as fw
-from custom_ops.fp8_layout import dequantize_flashmla_cache, flashmla_page_bytes, quantize_tiles_ue8m0
-from custom_ops.rope import precompute_freqs
+from custom_ops.flashmla import writes as fw
+from custom_ops.layouts.fp8 import dequantize_flashmla_cache, flashmla_page_bytes, quantize_tiles_ue8m0
+from custom_ops.layouts.norm import walsh_hadamard
+from custom_ops.layouts.rope import precompute_freqs
 
 ops = torch.ops.dspark
 
@@ -233,7 +234,7 @@ def test_indexer_matches_fp64(dtype):
 
 def test_walsh_hadamard_natural_order():
     x = torch.randn(3, 128, dtype=torch.float64)
-    torch.testing.assert_close(fw.walsh_hadamard(x), x @ _sylvester(128).T)
+    torch.testing.assert_close(walsh_hadamard(x), x @ _sylvester(128).T)
 
 
 # ---------------------------------------------------------------------------------------------- registration

@@ -1,11 +1,11 @@
-"""custom_ops.fp4_layout: e2m1 codes with UE8M0 group scales, checked on hand-picked values and a round trip."""
+"""custom_ops.layouts.fp4: e2m1 codes with UE8M0 group scales, checked on hand-picked values and a round trip."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from custom_ops.fp4_layout import dequantize_groups_e2m1, quantize_groups_e2m1
+from custom_ops.layouts.fp4 import dequantize_groups_e2m1, quantize_groups_e2m1
 
 
 def _codes(packed: torch.Tensor) -> list[int]:

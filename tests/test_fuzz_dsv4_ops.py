@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.dsv4_compress_common import read_compress_plan
-from custom_ops.dsv4_compress_store import cache_page_bytes
-from custom_ops.dsv4_compressor import CompressOutput, DSV4Compressor, PagedAddressing, compress_sequence
+from custom_ops.dsv4.common import read_compress_plan
+from custom_ops.dsv4.compressor import CompressOutput, DSV4Compressor, PagedAddressing, compress_sequence
+from custom_ops.dsv4.store import cache_page_bytes
 
 SLOTS = 1024  # cache slots (pages * page_size)
 BAD_PREFILL = ("rid_capacity", "rid_wrap", "ext_sum", "seq_short", "table", "slot", "huge_slot")

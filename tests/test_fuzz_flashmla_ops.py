@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.fp8_layout import flashmla_page_bytes
-from custom_ops.rope import precompute_freqs
+from custom_ops.layouts.fp8 import flashmla_page_bytes
+from custom_ops.layouts.rope import precompute_freqs
 
 ops = torch.ops.dspark
 

@@ -5,7 +5,7 @@ import torch
 from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
-from custom_ops.multi_linear import multi_linear_reference
+from custom_ops.linear.multi_linear import multi_linear_reference
 
 op = torch.ops.dspark.multi_linear
 
@@ -98,7 +98,7 @@ def test_symbolic_tokens_under_compile():
 
 
 def test_cuda_calls_reach_the_library_entry():
-    """CUDA calls go through the build-on-first-use entry to the C++ kernels (custom_ops._build)."""
+    """CUDA calls go through the build-on-first-use entry (custom_ops._library) to the C++ kernels."""
     for name in ("dspark::multi_linear", "dspark::_multi_linear_variant"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear", "CPU")

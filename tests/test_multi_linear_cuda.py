@@ -11,7 +11,7 @@ from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
 from custom_ops import _build
-from custom_ops.multi_linear import (
+from custom_ops.linear.multi_linear import (
     _check_args,
     batched_max_tokens,
     cublas_batches,
@@ -366,7 +366,7 @@ def _python_error(args):
         _check_args(*args)
     except (TypeError, ValueError) as e:
         return type(e), str(e)
-    raise AssertionError("custom_ops.multi_linear._check_args accepted the arguments")
+    raise AssertionError("custom_ops.linear.multi_linear._check_args accepted the arguments")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The multi_linear CUDA kernel, compiled for the host and checked on CPU against an fp64 formula.
 
-`custom_ops/csrc/multi_linear_kernels.cuh` is plain CUDA without torch. Here it is compiled with g++ against the
+`custom_ops/csrc/linear/multi_linear_kernels.cuh` is plain CUDA without torch. Here it is compiled with g++ against the
 host shim of tests/multi_linear_emulation_shim.py (one OS thread per CUDA thread, `mma.sync` rebuilt from the PTX
 fragment tables). This checks the K permutation, the fragment use, the work split over warps and cluster CTAs, the
 ragged last step, the segment lookup, biases and which outputs are written, for every compiled variant, on
@@ -18,7 +18,7 @@ from multi_linear_cases import fp64_formula
 from multi_linear_emulation_shim import build
 
 DRIVER = r"""
-#include "multi_linear_kernels.cuh"
+#include "linear/multi_linear_kernels.cuh"
 #include <memory>
 #include <thread>
 #include <vector>

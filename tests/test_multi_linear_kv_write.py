@@ -1,6 +1,6 @@
 """dspark::multi_linear_kv_write on CPU: the op against an fp64 formula, untouched cache bytes, errors.
 
-The fp64 formula (`fp64_kv`, `written_tokens`) is independent of `custom_ops.multi_linear_kv_write`: einsum
+The fp64 formula (`fp64_kv`, `written_tokens`) is independent of `custom_ops.linear.multi_linear_kv_write`: einsum
 projections, RMSNorm and a loop over the rotated pairs in float64, and a plain Python walk over `cache_loc` /
 `commit_lens`. Covered: neox and GPT-J, partial and full rotary, no RoPE, per-layer tables, biases (mixed per
 layer), per-layer eps, norm with / without weight / off, index dtypes, 1-D and `[B, W]` + `commit_lens` slots,
@@ -40,7 +40,7 @@ from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
-from custom_ops.multi_linear_kv_write import multi_linear_kv_write_reference
+from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
 from dspark_fx.reference_draft import DraftKVWriter
 
 op = torch.ops.dspark.multi_linear_kv_write
@@ -557,6 +557,6 @@ def test_compile_fullgraph_writes_caches_in_place(layout):
 
 
 def test_cuda_calls_reach_the_library_entry():
-    """CUDA calls go through the build-on-first-use entry (custom_ops._build) to the C++ binding."""
+    """CUDA calls go through the build-on-first-use entry (custom_ops._library) to the C++ binding."""
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear_kv_write", "CompositeExplicitAutograd")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dspark::multi_linear_kv_write", "CPU")

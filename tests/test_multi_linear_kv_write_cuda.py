@@ -62,7 +62,7 @@ HEAD_DIM_64 = Spec(
     weight_layout="row-strided",
 )
 TOKENS = (1, 7, 8, 16, 17, 64, 65, 512)
-FUSED_MAX_TOKENS = 16  # kFusedMaxTokens in csrc/multi_linear_kv_write.cu
+FUSED_MAX_TOKENS = 16  # kFusedMaxTokens in csrc/linear/multi_linear_kv_write.cu
 WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 512: 16}  # a [T / W, W] split of each T
 
 

@@ -1,6 +1,6 @@
 """The multi_linear_kv_write CUDA kernels, compiled for the host and checked on CPU against the op's reference.
 
-`custom_ops/csrc/multi_linear_kv_write_kernels.cuh` is plain CUDA without torch; here it is compiled with g++
+`custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh` is plain CUDA without torch; here it is compiled with g++
 against the shim of tests/multi_linear_emulation_shim.py (one OS thread per CUDA thread, warp shuffles and
 barriers emulated). Both kernels run: the fused one (the multi-weight GEMM with the norm/RoPE/cache-write epilogue,
 head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim multiple
@@ -18,10 +18,10 @@ import pytest
 import torch
 from multi_linear_emulation_shim import build
 
-from custom_ops.multi_linear_kv_write import multi_linear_kv_write_reference
+from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
 
 DRIVER = r"""
-#include "multi_linear_kv_write_kernels.cuh"
+#include "linear/multi_linear_kv_write_kernels.cuh"
 #include <memory>
 #include <thread>
 #include <vector>

@@ -54,6 +54,17 @@ def test_lazy_names_of_dspark_fx_resolve():
         dspark_fx.nope  # noqa: B018
 
 
+def test_public_names_of_custom_ops_resolve():
+    import custom_ops
+    from custom_ops.dsv4.compressor import DSV4Compressor
+
+    assert custom_ops.DSV4Compressor is DSV4Compressor
+    for name in custom_ops.__all__:
+        assert getattr(custom_ops, name) is not None
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        custom_ops.nope  # noqa: B018
+
+
 @pytest.mark.parametrize("version", ["2.10.0", "2.9.1+cu128", "2.14.0", "2.14.0a0+git1234", "3.0.0"])
 def test_an_untested_torch_warns_naming_the_tested_range(monkeypatch, version):
     from custom_ops import _torch_range
@@ -93,3 +104,77 @@ def test_package_metadata_declares_the_tested_torch_range_and_only_used_dependen
     assert project["dependencies"] == [f"torch{TESTED_TORCH}"]
     assert project["license"] == "MIT" and "MIT License" in (ROOT / "LICENSE").read_text()
     assert not re.search(r"^\s*(import|from)\s+numpy\b", "\n".join(_corpus().values()), re.MULTILINE)
+
+
+CSRC = ROOT / "custom_ops" / "csrc"
+
+
+def test_package_data_ships_every_file_under_csrc():
+    """A non-editable install copies `custom_ops/csrc/**` through the package-data globs of pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["custom_ops"]
+    shipped = {p for g in globs for p in (ROOT / "custom_ops").glob(g)}
+    files = {p for p in CSRC.rglob("*") if p.is_file()}
+    assert files and files == shipped, sorted(str(p.relative_to(CSRC)) for p in files ^ shipped)
+
+
+def test_the_build_compiles_every_source_of_every_subfolder_and_hashes_every_file(tmp_path, monkeypatch):
+    from custom_ops import _build
+
+    sources = {p.relative_to(CSRC).as_posix() for p in _build.source_files()}
+    assert sources == {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp")}
+    assert {s.split("/")[0] for s in sources} == {"common", "dsv4", "flashmla", "linear"}
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.cuh").write_text("// x\n")
+    (tmp_path / "a" / "y.cu").write_text("// y\n")
+    monkeypatch.setattr(_build, "CSRC", tmp_path)
+    key = _build.build_key()
+    (tmp_path / "a" / "x.cuh").write_text("// x, changed\n")  # a header in a subfolder is part of the key
+    assert _build.build_key() != key
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "y.cpp").write_text("// another y\n")  # the extension builder would name both objects y.o
+    with pytest.raises(_build.BuildError, match="share the object name 'y'"):
+        _build.source_files()
+
+
+def test_every_project_include_resolves_relative_to_csrc():
+    """`#include "<family>/<header>"` everywhere (the build passes -I csrc; the emulation tests and the benchmark
+    program do the same)."""
+    users = [*CSRC.rglob("*.c*"), *CSRC.rglob("*.h"), ROOT / "benchmarks" / "multi_linear_tune.cu"]
+    users += [p for p in (ROOT / "tests").glob("test_*emulation*.py")]
+    missing = []
+    for path in users:
+        for name in re.findall(r'^\s*#include "([^"]+)"', path.read_text(), flags=re.M):
+            if name.startswith(("cuda_", "driver")):  # the emulation shims' own headers
+                continue
+            if not (CSRC / name).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing
+
+
+def test_every_op_is_registered_through_register_op():
+    """One registration path: no module but `_library` touches `torch.library` directly, and every op has the keys
+    `register_op` gives it (reference under CPU plus the CUDA entry, or a composite reference for the planners)."""
+    direct = re.compile(r"torch\.library\.|\bLIB\.|register_fake|register_cuda_entry")
+    for path in sorted((ROOT / "custom_ops").rglob("*.py")):
+        if path.name != "_library.py":
+            assert not direct.search(path.read_text()), f"{path.relative_to(ROOT)} registers outside register_op"
+
+    import custom_ops  # noqa: F401
+    from custom_ops._library import register_op
+
+    with pytest.raises(ValueError, match="reference_key: expected one of"):
+        register_op("never_defined(Tensor x) -> Tensor", reference=lambda x: x, reference_key="CUDA")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dspark::"))
+    assert ops and "dspark::never_defined" not in ops
+    for op in ops:
+        composite = has(op, "CompositeExplicitAutograd")
+        if op.startswith("dspark::dsv4_plan_"):
+            assert composite and not has(op, "CPU") and has(op, "Meta"), op
+        elif op == "dspark::_multi_linear_variant":
+            assert composite and not has(op, "CPU") and not has(op, "Meta"), op
+        else:
+            assert composite and has(op, "CPU") and has(op, "Meta"), op

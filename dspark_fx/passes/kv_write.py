@@ -834,7 +834,7 @@ def has_cuda_kernel() -> bool:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
         return False
     csrc = Path(custom_ops.__file__).parent / "csrc"
-    return any("multi_linear_kv_write" in path.read_text() for path in csrc.glob("*.c*"))
+    return any("multi_linear_kv_write" in path.read_text() for path in csrc.rglob("*.c*"))
 
 
 def kernel_mismatch(x_val: torch.Tensor, head_dim: int, caches: list[torch.Tensor]) -> str:

@@ -1,7 +1,7 @@
 """`DsparkPassManager`: the Inductor post-grad custom pass that runs the dspark_fx passes in order.
 
 It is a `CustomGraphPass`, so Inductor's FX graph cache stays on: `uuid()` hashes every source file of
-`dspark_fx/passes/` and the op schema files it emits (`custom_ops/multi_linear.py`, `multi_linear_kv_write.py`),
+`dspark_fx/passes/` and the op schema files it emits (`custom_ops/linear/multi_linear.py`, `multi_linear_kv_write.py`),
 the config, and the uuids of the user passes it was composed with. User passes that already sat in
 `post_grad_custom_post_pass` (one pass, or a list or tuple of them, as Inductor accepts) run first, in order; a
 plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
@@ -21,8 +21,8 @@ import torch.fx as fx
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-import custom_ops.multi_linear
-import custom_ops.multi_linear_kv_write
+import custom_ops.linear.multi_linear
+import custom_ops.linear.multi_linear_kv_write
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.report import FusionReport, count
@@ -37,7 +37,7 @@ _INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", N
 
 def source_files() -> tuple[str, ...]:
     passes = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
-    return (*passes, custom_ops.multi_linear.__file__, custom_ops.multi_linear_kv_write.__file__)
+    return (*passes, custom_ops.linear.multi_linear.__file__, custom_ops.linear.multi_linear_kv_write.__file__)
 
 
 class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):

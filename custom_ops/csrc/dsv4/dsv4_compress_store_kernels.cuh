@@ -1,17 +1,17 @@
 // compress_norm_rope_store kernels: RMSNorm -> RoPE -> FP8 store of compressed DeepSeek-V4 entries.
-// Plain CUDA, no torch headers. Semantics: custom_ops/dsv4_compress_store.py.
+// Plain CUDA, no torch headers. Semantics: custom_ops/dsv4/store.py.
 //
-// The FP8 / UE8M0 / RoPE / norm primitives and the FlashMLA V4 layout constants come from
-// flashmla_writes_kernels.cuh (the same numerics as the CPU references of custom_ops.flashmla_writes):
+// The FP8 / UE8M0 / RoPE / norm / Hadamard primitives and the FlashMLA V4 layout constants come from
+// common/layouts.cuh (the same numerics as the CPU references of custom_ops/layouts/, which the FlashMLA writes use):
 // - D = 512: one warp per entry, lane l owns dims [16 l, 16 l + 16) (lanes 0..27 the 7 nope tiles, 28..31 RoPE);
 //   the normed nope values are rounded to bf16 and back before the UE8M0 tile quantization.
 // - D = 128 (indexer): one warp per entry, lane l owns dims [4 l, 4 l + 4); RoPE on lanes 16..31, Walsh-Hadamard
 //   (stages 1, 2 in registers, 4..64 across lanes) times 1/sqrt(128), then FP8 with one plain fp32 scale per
-//   entry, or (kFp4) e2m1 codes with one UE8M0 exponent per 32 dims (8 lanes), as in custom_ops/fp4_layout.py.
+//   entry, or (kFp4) e2m1 codes with one UE8M0 exponent per 32 dims (8 lanes), as in custom_ops/layouts/fp4.py.
 #pragma once
 
-#include "dsv4_compress_kernels.cuh"
-#include "flashmla_writes_kernels.cuh"
+#include "common/layouts.cuh"
+#include "dsv4/dsv4_compress_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {

@@ -1,5 +1,5 @@
 // Torch binding of dsv4_compress_norm_rope_store: argument checks (the rules of
-// custom_ops/dsv4_compress_store.py; in checking mode also the index values, with the CPU path's messages), launch on
+// custom_ops/dsv4/store.py; in checking mode also the index values, with the CPU path's messages), launch on
 // the current stream, registration under the CUDA key.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -9,11 +9,11 @@
 
 #include <cmath>
 
-#include "dsv4_checks.h"
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "dsv4/dsv4_checks.h"
 
-#include "dsv4_compress_store_kernels.cuh"
+#include "dsv4/dsv4_compress_store_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {
@@ -28,7 +28,7 @@ int64_t cache_page_bytes(int64_t d, int64_t page_size, bool fp4) {
   return (kTokenBytes * page_size + kValueBytes - 1) / kValueBytes * kValueBytes;
 }
 
-// dsv4_compress_store.check_store_values (checking mode): out_loc entries inside the cache, then the out_loc index of
+// dsv4/store.py, check_store_values (checking mode): out_loc entries inside the cache, then the out_loc index of
 // every row with an entry, then the RoPE position of every row that stores. Syncs.
 void check_store_values(const at::Tensor& plan, const at::Tensor& out_loc, int64_t max_pos, int64_t pages,
                         int64_t page_size, int64_t ratio, bool decode) {
@@ -58,11 +58,11 @@ void check_store_values(const at::Tensor& plan, const at::Tensor& out_loc, int64
   });
 }
 
-// Structural checks, in the order of dsv4_compress_store.check_store_args; returns the head dim.
+// Structural checks, in the order of dsv4/store.py, check_store_args; returns the head dim.
 int64_t check_store_args(const at::Tensor& kv, const at::Tensor& plan, const at::Tensor& norm_weight, double eps,
                          const at::Tensor& freqs, const at::Tensor& out_loc, const at::Tensor& kvcache,
                          int64_t page_size, int64_t ratio, bool decode, bool fp4) {
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
+  check_ratio(ratio);
   TORCH_CHECK_TYPE(kv.scalar_type() == at::kFloat, "kv: expected float32, got ", kv.scalar_type());
   TORCH_CHECK_VALUE(kv.dim() == 2 && (kv.size(1) == kIndexerDim || kv.size(1) == kHeadDim),
                     "kv: expected shape [rows, 128 or 512], got ", dims(kv.sizes()));

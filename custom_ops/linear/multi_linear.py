@@ -32,7 +32,7 @@ tokens, bf16/fp16 row ranges without bias that share their row count and row str
 (one launch for the group instead of one GEMM each: the DSpark KV group of 5 layers at 64 tokens takes 29 instead
 of 53 µs); its per-GEMM pointers are written to a small device tensor by a one-block kernel from a by-value kernel
 parameter, so there is still no host sync and no state between calls. The rule is `kernel_pays` in
-`csrc/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
+`csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
 `cublas_batches(tokens, row_counts)` evaluate it. The kernel itself handles up to 64 tokens
 (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS path, batched or one GEMM
 per range.
@@ -43,16 +43,16 @@ stacked view, one kernel segment. That is found from data pointers and strides o
 activation's own layout never blocks the kernel: rows that are not 16-byte aligned or a non-unit inner stride get a
 contiguous copy of `x` (T x K, small).
 
-The kernel (see the header of `csrc/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows as the M
-dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over the CTAs
-of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once from HBM
-with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment ends) travel
-by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB, inside the
-classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each writing its own
-output columns. This keeps the op free of host syncs, device-side tables and workspaces: it allocates only its
-output (and, on the batched cuBLAS path, its pointer table), keeps no state between calls, and is CUDA-graph
-capturable; the output shape depends only on `x.shape[0]` and the row counts, so it works with a symbolic T in
-compiled graphs (the fake impl gives it).
+The kernel (see the header of `csrc/linear/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows
+as the M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over
+the CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once
+from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
+ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
+inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
+writing its own output columns. This keeps the op free of host syncs, device-side tables and workspaces: it
+allocates only its output (and, on the batched cuBLAS path, its pointer table), keeps no state between calls, and is
+CUDA-graph capturable; the output shape depends only on `x.shape[0]` and the row counts, so it works with a symbolic
+T in compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
@@ -60,24 +60,13 @@ automatic), for any T up to 64, and raises `ValueError` where the kernel cannot 
 """
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from custom_ops import _build
-from custom_ops._library import LIB
-
-LIB.define("multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor")
-LIB.define(
-    "_multi_linear_variant(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
-    "int variant, int split) -> Tensor"
-)
-LIB.define(
-    "_multi_linear_cublas(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
-    "bool batched) -> Tensor"
-)
-
+from custom_ops._library import register_op
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -154,7 +143,6 @@ def multi_linear_reference(
     return out
 
 
-@torch.library.register_fake("dspark::multi_linear")
 def _multi_linear_fake(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -168,7 +156,7 @@ def _multi_linear_fake(
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """A compiled tile configuration of the CUDA kernel (`kVariants` in `csrc/multi_linear_kernels.cuh`)."""
+    """A compiled tile configuration of the CUDA kernel (`kVariants` in `csrc/linear/multi_linear_kernels.cuh`)."""
 
     index: int
     m_tiles: int  # 16-row MMA tiles per warp
@@ -236,21 +224,32 @@ def kernel_variants() -> list[KernelVariant]:
     return variants
 
 
-LIB.impl("multi_linear", multi_linear_reference, "CPU")
-_build.register_cuda_entry(LIB, "multi_linear")
-_build.register_cuda_entry(LIB, "_multi_linear_variant")
-_build.register_cuda_entry(LIB, "_multi_linear_cublas")
+register_op(
+    "multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor",
+    reference=multi_linear_reference,
+    fake=_multi_linear_fake,
+)
 
 
-def _cuda_only(name: str) -> None:
+def _cuda_only(name: str) -> Callable[..., torch.Tensor]:
+    """The CPU kernel of a CUDA-only debug op: says so (the dispatcher's default would name no reason)."""
+
     def cpu(*args: object, **kwargs: object) -> torch.Tensor:
         raise NotImplementedError(
             f"dspark::{name} is a CUDA-only debug op (a forced CUDA path of multi_linear); on CPU use "
             "dspark::multi_linear"
         )
 
-    LIB.impl(name, cpu, "CPU")
+    return cpu
 
 
-_cuda_only("_multi_linear_variant")
-_cuda_only("_multi_linear_cublas")
+register_op(  # CUDA only: the kernel with a forced tile and split; no fake (not traceable)
+    "_multi_linear_variant(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
+    "int variant, int split) -> Tensor",
+    reference=_cuda_only("_multi_linear_variant"),
+)
+register_op(  # CUDA only: the cuBLAS path, batched or one GEMM per range; no fake (not traceable)
+    "_multi_linear_cublas(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases, "
+    "bool batched) -> Tensor",
+    reference=_cuda_only("_multi_linear_cublas"),
+)

@@ -20,7 +20,7 @@ State addressing (`state_loc(rid, pos)`, a row of the flat state buffer; page = 
 
 Plans are built with sync-free, fixed-shape torch ops (CompositeExplicitAutograd), so the same implementation
 serves CPU and CUDA tensors and can be captured in a CUDA graph; once the CUDA library is loaded, every
-planner runs as one kernel launch (`csrc/dsv4_compress_plan.cu`) that writes the same bytes.
+planner runs as one kernel launch (`csrc/dsv4/dsv4_compress_plan.cu`) that writes the same bytes.
 
 Prefill plans are compact (valid rows first, in token order: batch-major, positions ascending) and padded with
 invalid rows to `min(N, N // ratio + B)` compress rows (an upper bound on the number of windows that can close)
@@ -57,16 +57,16 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops._library import LIB
+from custom_ops._library import register_op
 from custom_ops.checks import must_check_values
-from custom_ops.dsv4_compress_common import INT32_MAX, check_index, check_ratio
+from custom_ops.dsv4.common import INT32_MAX, check_index, check_ratio, window_of
 
 INVALID_U32 = -1  # 0xFFFFFFFF stored in an int32 field
 MAX_RAGGED = 65535  # ragged ids are u16 in CompressPlan
 ONLINE_RATIO = 128
 STATE_ROWS = 2**31  # state rows and slots are int32 plan fields
 
-# Ranks of the value problems a planner finds (csrc/dsv4_compress_plan_kernels.cuh uses the same numbers).
+# Ranks of the value problems a planner finds (csrc/dsv4/dsv4_compress_plan_kernels.cuh uses the same numbers).
 ERR_EXTEND_RANGE = 0
 ERR_EXTEND_SUM = 1
 ERR_SEQ_BELOW_EXTEND = 2
@@ -74,25 +74,6 @@ ERR_SEQ_MAX = 3
 ERR_REQUEST = 4
 ERR_REQ_TO_TOKEN = 5
 ERR_FULL_TO_STATE = 6
-
-LIB.define(
-    "dsv4_plan_decode(Tensor seq_lens, Tensor req_pool_indices, Tensor? req_to_token, "
-    "Tensor? full_to_state, int ratio, int ring_size, int swa_page_size=0) -> Tensor"
-)
-LIB.define(
-    "dsv4_plan_prefill(Tensor seq_lens, Tensor extend_lens, Tensor req_pool_indices, Tensor? req_to_token, "
-    "Tensor? full_to_state, int ratio, int ring_size, int swa_page_size, SymInt num_q_tokens) -> (Tensor, Tensor)"
-)
-LIB.define("dsv4_plan_online_decode(Tensor seq_lens, Tensor req_pool_indices) -> Tensor")
-LIB.define(
-    "dsv4_plan_online_prefill(Tensor seq_lens, Tensor extend_lens, Tensor req_pool_indices, "
-    "SymInt num_q_tokens) -> (Tensor, Tensor)"
-)
-
-
-def window_of(ratio: int) -> int:
-    """Number of window slots of one compressed entry: 8 for c4 (overlap), 128 for c128."""
-    return 2 * ratio if ratio == 4 else ratio
 
 
 def compress_rows_bound(num_q_tokens: int | torch.SymInt, batch: int | torch.SymInt, ratio: int):
@@ -589,7 +570,6 @@ def plan_online_prefill(
     return torch.ops.dspark.dsv4_plan_online_prefill(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
 
 
-@torch.library.impl(LIB, "dsv4_plan_decode", "CompositeExplicitAutograd")
 def _plan_decode_impl(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size=0):
     check_plan_decode_args(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
     plan, problems = decode_plan_unchecked(
@@ -599,7 +579,6 @@ def _plan_decode_impl(seq_lens, req_pool_indices, req_to_token, full_to_state, r
     return plan
 
 
-@torch.library.impl(LIB, "dsv4_plan_prefill", "CompositeExplicitAutograd")
 def _plan_prefill_impl(
     seq_lens,
     extend_lens,
@@ -618,7 +597,6 @@ def _plan_prefill_impl(
     return plans
 
 
-@torch.library.impl(LIB, "dsv4_plan_online_decode", "CompositeExplicitAutograd")
 def _plan_online_decode_impl(seq_lens, req_pool_indices):
     check_plan_online_decode_args(seq_lens, req_pool_indices)
     plan, problems = online_decode_plan_unchecked(seq_lens, req_pool_indices)
@@ -626,7 +604,6 @@ def _plan_online_decode_impl(seq_lens, req_pool_indices):
     return plan
 
 
-@torch.library.impl(LIB, "dsv4_plan_online_prefill", "CompositeExplicitAutograd")
 def _plan_online_prefill_impl(seq_lens, extend_lens, req_pool_indices, num_q_tokens):
     check_plan_online_prefill_args(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
     plans, problems = online_prefill_plan_unchecked(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
@@ -634,13 +611,11 @@ def _plan_online_prefill_impl(seq_lens, extend_lens, req_pool_indices, num_q_tok
     return plans
 
 
-@torch.library.register_fake("dspark::dsv4_plan_decode")
 def _plan_decode_fake(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size=0):
     check_plan_decode_args(seq_lens, req_pool_indices, req_to_token, full_to_state, ratio, ring_size, swa_page_size)
     return seq_lens.new_empty((seq_lens.shape[0], 16), dtype=torch.uint8)
 
 
-@torch.library.register_fake("dspark::dsv4_plan_prefill")
 def _plan_prefill_fake(
     seq_lens,
     extend_lens,
@@ -670,13 +645,11 @@ def _plan_prefill_fake(
     )
 
 
-@torch.library.register_fake("dspark::dsv4_plan_online_decode")
 def _plan_online_decode_fake(seq_lens, req_pool_indices):
     check_plan_online_decode_args(seq_lens, req_pool_indices)
     return seq_lens.new_empty((seq_lens.shape[0], 16), dtype=torch.uint8)
 
 
-@torch.library.register_fake("dspark::dsv4_plan_online_prefill")
 def _plan_online_prefill_fake(seq_lens, extend_lens, req_pool_indices, num_q_tokens):
     check_plan_online_prefill_args(seq_lens, extend_lens, req_pool_indices, num_q_tokens)
     batch = seq_lens.shape[0]
@@ -684,3 +657,34 @@ def _plan_online_prefill_fake(seq_lens, extend_lens, req_pool_indices, num_q_tok
         seq_lens.new_empty((compress_rows_bound(num_q_tokens, batch, ONLINE_RATIO), 16), dtype=torch.uint8),
         seq_lens.new_empty((torch.sym_min(num_q_tokens, batch), 16), dtype=torch.uint8),
     )
+
+
+# The planners' references are sync-free fixed-shape torch ops that serve CPU and CUDA tensors alike, so they sit
+# under CompositeExplicitAutograd (no first-use entry); the CUDA library's planner kernels take precedence once loaded.
+register_op(
+    "dsv4_plan_decode(Tensor seq_lens, Tensor req_pool_indices, Tensor? req_to_token, "
+    "Tensor? full_to_state, int ratio, int ring_size, int swa_page_size=0) -> Tensor",
+    reference=_plan_decode_impl,
+    fake=_plan_decode_fake,
+    reference_key="CompositeExplicitAutograd",
+)
+register_op(
+    "dsv4_plan_prefill(Tensor seq_lens, Tensor extend_lens, Tensor req_pool_indices, Tensor? req_to_token, "
+    "Tensor? full_to_state, int ratio, int ring_size, int swa_page_size, SymInt num_q_tokens) -> (Tensor, Tensor)",
+    reference=_plan_prefill_impl,
+    fake=_plan_prefill_fake,
+    reference_key="CompositeExplicitAutograd",
+)
+register_op(
+    "dsv4_plan_online_decode(Tensor seq_lens, Tensor req_pool_indices) -> Tensor",
+    reference=_plan_online_decode_impl,
+    fake=_plan_online_decode_fake,
+    reference_key="CompositeExplicitAutograd",
+)
+register_op(
+    "dsv4_plan_online_prefill(Tensor seq_lens, Tensor extend_lens, Tensor req_pool_indices, "
+    "SymInt num_q_tokens) -> (Tensor, Tensor)",
+    reference=_plan_online_prefill_impl,
+    fake=_plan_online_prefill_fake,
+    reference_key="CompositeExplicitAutograd",
+)

@@ -1,7 +1,7 @@
 """FP8 e4m3 / UE8M0 scale math and the FlashMLA "V4" paged KV-cache byte layout (pure torch, any device).
 
 This module is the single source of truth for the quantization and the byte layout; the CPU references of
-`custom_ops.flashmla_writes` and of the DeepSeek-V4 compressor store build on it. Names and semantics are stable.
+`custom_ops.flashmla.writes` and of the DeepSeek-V4 compressor store build on it. Names and semantics are stable.
 
 Layout of one token (584 payload bytes, two regions of its page), `page_bytes = flashmla_page_bytes(page_size)`:
 

@@ -1,7 +1,8 @@
-// Torch binding of dspark::multi_linear_kv_write on CUDA: the structural checks of custom_ops/multi_linear_kv_write.py
-// (same error class, same argument names), the value checks of checking mode, the CUDA layout rules, and the choice
-// between the fused kernel (projections, norm, RoPE and cache writes in one launch per 32 layers) and the GEMM path
-// (dspark::multi_linear into a [T, 2 N kv] buffer, then the heads kernel). Kernels: multi_linear_kv_write_kernels.cuh.
+// Torch binding of dspark::multi_linear_kv_write on CUDA: the structural checks of
+// custom_ops/linear/multi_linear_kv_write.py (same error class, same argument names), the value checks of checking
+// mode, the CUDA layout rules, and the choice between the fused kernel (projections, norm, RoPE and cache writes in one
+// launch per 32 layers) and the GEMM path (dspark::multi_linear into a [T, 2 N kv] buffer, then the heads kernel).
+// Kernels: multi_linear_kv_write_kernels.cuh.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,10 +14,10 @@
 #include <utility>
 #include <vector>
 
-#include "error_format.h"
-#include "multi_linear_host.h"
-#include "multi_linear_kv_write_kernels.cuh"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "linear/multi_linear_host.h"
+#include "linear/multi_linear_kv_write_kernels.cuh"
 
 namespace dspark {
 namespace mlinear {

@@ -1,5 +1,5 @@
 // Torch binding of the DeepSeek-V4 compression kernels: argument checks (ValueError / TypeError in Python, the
-// rules of custom_ops/dsv4_compress.py and dsv4_compress_online.py; in checking mode also the plan values, with the
+// rules of custom_ops/dsv4/compress.py and online.py; in checking mode also the plan values, with the
 // CPU path's messages: dsv4_checks.h), dtype dispatch, launches on the current stream (prefill: compress launch,
 // then state-write launch) and registration under the CUDA key.
 #include <ATen/ATen.h>
@@ -8,11 +8,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "dsv4_checks.h"
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "dsv4/dsv4_checks.h"
 
-#include "dsv4_compress_kernels.cuh"
+#include "dsv4/dsv4_compress_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {
@@ -73,8 +73,8 @@ void check_plan_rows(const at::Tensor& plan, const at::Tensor& kv_score) {
 int64_t check_args(const at::Tensor& state, const at::Tensor& kv_score, const at::Tensor& ape, int64_t ratio,
                    bool online) {
   TORCH_CHECK_VALUE(state.is_cuda(), "state: expected a CUDA tensor, got ", state.device());
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
-  const int64_t d = check_ape(ape, ratio == 4 ? 8 : 128);
+  check_ratio(ratio);
+  const int64_t d = check_ape(ape, window_of(ratio));
   const int64_t width = (ratio == 4 ? 4 : 2) * d;
   if (online) {
     TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, "state: expected float32, got ", state.scalar_type());

@@ -1,12 +1,16 @@
-"""Shared helpers of the DeepSeek-V4 compressor ops: plan field readers and argument checks.
+"""Shared helpers of the DeepSeek-V4 compressor ops: the compression ratios, plan field readers and argument checks.
 
-The readers turn the uint8 plan bytes (layouts in `dsv4_compress_plan` and docs/dsv4_compress.md) into int64
+The ratios (`WINDOWS`, `RATIOS`, `window_of`, `check_ratio`) are defined here once for Python; the CUDA side has
+them once in `csrc/dsv4/dsv4_ratio.h` (`is_ratio`, `window_of`) and `csrc/dsv4/dsv4_checks.h` (`check_ratio`), and
+tests/test_layout_constants.py checks that the two agree.
+
+The readers turn the uint8 plan bytes (layouts in `custom_ops.dsv4.plan` and docs/dsv4_compress.md) into int64
 columns with a validity mask; they are used by the CPU references, the store op and the tests.
 
 The checks follow docs/contract.md. Structural checks (`check_*` of shapes, dtypes, devices) run in the CPU
 impls and in the fake impls alike, so an op called directly and an op traced by `torch.compile` reject the same
 inputs. Value checks of plan bytes (`check_plan_field`) run where index values are validated (CPU, and CUDA in
-checking mode); the CUDA bindings raise the same messages (`csrc/dsv4_checks.h`).
+checking mode); the CUDA bindings raise the same messages (`csrc/dsv4/dsv4_checks.h`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
 U32_INVALID = 0xFFFFFFFF  # seq_len / ragged_id of an invalid plan row
+WINDOWS = {4: 8, 128: 128}  # compression ratio -> window slots of one entry (c4 windows overlap the previous 4 rows)
+RATIOS = tuple(WINDOWS)  # the valid ratios: c4 and c128
 
 
 class DecodeRows(NamedTuple):
@@ -133,8 +139,14 @@ def check_head_dim(ape: object, rows: int) -> int:
 
 
 def check_ratio(ratio: int) -> None:
-    if ratio not in (4, 128):
-        raise ValueError(f"ratio: expected 4 or 128, got {ratio}")
+    """`ratio` is one of `RATIOS` (`ValueError: ratio: expected 4 or 128, got <ratio>` otherwise)."""
+    if ratio not in RATIOS:
+        raise ValueError(f"ratio: expected {' or '.join(map(str, RATIOS))}, got {ratio!r}")
+
+
+def window_of(ratio: int) -> int:
+    """Number of window slots of one compressed entry of a valid `ratio`: 8 for c4 (overlap), 128 for c128."""
+    return WINDOWS[ratio]
 
 
 def check_plan_field(

@@ -5,7 +5,7 @@ the CUDA kernel reproduces it bit for bit.
 
 Quantization of a row of D values (D a multiple of 32; the indexer's D = 128 after its Hadamard transform):
 - groups of 32 consecutive values; per group `sraw = max(amax, 1e-4) / 6` (fp32) and the UE8M0 exponent byte
-  `e = ue8m0_exponent(sraw)`, rounded up as for the FP8 tiles (`custom_ops.fp8_layout`), so `2^(e-127) >= sraw`;
+  `e = ue8m0_exponent(sraw)`, rounded up as for the FP8 tiles (`custom_ops.layouts.fp8`), so `2^(e-127) >= sraw`;
 - `v = min(|y| * 2^(127-e), 6)` (exact: a power-of-two scale); the code's magnitude is the number of the
   thresholds (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0) strictly below `v`, i.e. the nearest e2m1 value of
   (0, 0.5, 1, 1.5, 2, 3, 4, 6) with ties going to the smaller one; bit 0x8 is the sign, set only for a negative
@@ -24,7 +24,7 @@ Decoding: `e2m1_value(code) * 2^(e-127)`.
 
 import torch
 
-from custom_ops.fp8_layout import AMAX_FLOOR, ue8m0_exponent, ue8m0_inverse_scale, ue8m0_scale
+from custom_ops.layouts.fp8 import AMAX_FLOOR, ue8m0_exponent, ue8m0_inverse_scale, ue8m0_scale
 
 E2M1_MAX = 6.0
 E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)

@@ -72,18 +72,10 @@ from collections.abc import Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from custom_ops import _build
-from custom_ops._library import LIB
+from custom_ops._library import register_op
 from custom_ops.checks import check_index_range, must_check_values
 
 __all__ = ["multi_linear_kv_write_reference"]
-
-LIB.define(
-    "multi_linear_kv_write(Tensor x, Tensor[] k_weights, int[] k_row_starts, Tensor?[] k_biases, "
-    "Tensor[] v_weights, int[] v_row_starts, Tensor?[] v_biases, Tensor?[] k_norm_weights, float[] k_norm_eps, "
-    "Tensor[] cos_sin_caches, Tensor positions, bool is_neox, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-    "Tensor cache_loc, Tensor? commit_lens, int num_kv_heads, int head_dim, bool wrap_negative=False) -> ()"
-)
 
 _OP = "multi_linear_kv_write"
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -472,11 +464,16 @@ def multi_linear_kv_write_reference(
         v_caches[i][slots] = v.to(v_caches[i].dtype)
 
 
-@torch.library.register_fake(f"dspark::{_OP}")
 def _multi_linear_kv_write_fake(*args: object, **kwargs: object) -> None:
     """Checks only: the op returns nothing and its caches keep their shapes."""
     _check_args(*args, **kwargs)
 
 
-LIB.impl(_OP, multi_linear_kv_write_reference, "CPU")
-_build.register_cuda_entry(LIB, _OP)
+register_op(
+    "multi_linear_kv_write(Tensor x, Tensor[] k_weights, int[] k_row_starts, Tensor?[] k_biases, "
+    "Tensor[] v_weights, int[] v_row_starts, Tensor?[] v_biases, Tensor?[] k_norm_weights, float[] k_norm_eps, "
+    "Tensor[] cos_sin_caches, Tensor positions, bool is_neox, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+    "Tensor cache_loc, Tensor? commit_lens, int num_kv_heads, int head_dim, bool wrap_negative=False) -> ()",
+    reference=multi_linear_kv_write_reference,
+    fake=_multi_linear_kv_write_fake,
+)

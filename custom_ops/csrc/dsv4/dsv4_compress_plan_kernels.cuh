@@ -1,5 +1,5 @@
 // Planners of the DeepSeek-V4 compressor. Plain CUDA, no torch headers. Semantics and byte layout:
-// custom_ops/dsv4_compress_plan.py (the CPU / composite reference, which these kernels reproduce byte for byte);
+// custom_ops/dsv4/plan.py (the CPU / composite reference, which these kernels reproduce byte for byte);
 // one launch instead of a chain of small torch ops.
 // - decode: one thread per request;
 // - prefill / extend: one block of 1024 threads; a block scan of extend_lens gives the ragged offsets, then the
@@ -10,14 +10,15 @@
 // reported to the host (PlanProblem).
 #pragma once
 
-#include "dsv4_compress_kernels.cuh"
+#include "dsv4/dsv4_compress_kernels.cuh"
+#include "dsv4/dsv4_ratio.h"
 
 namespace dspark {
 namespace dsv4 {
 
 constexpr int kPlanThreads = 128;
 
-// Value problems a planner finds, by rank (the numbers of ERR_* in custom_ops/dsv4_compress_plan.py). In checking
+// Value problems a planner finds, by rank (the numbers of ERR_* in custom_ops/dsv4/plan.py). In checking
 // mode the kernels atomicMin `rank << kProblemShift | flat index into the argument` into one word, so the host
 // raises the same problem as the CPU path: the lowest rank, then the lowest index.
 enum PlanProblem : int {
@@ -205,8 +206,8 @@ __global__ void __launch_bounds__(kPrefillThreads) plan_prefill_kernel(const Pla
     for (int64_t b = t; b < batch; b += kPrefillThreads) prefill_request_ok(a, b);
   }
 
-  const int r = kOnline ? 128 : d.ratio;
-  const int window = r == 4 ? 8 : r;
+  const int r = kOnline ? kRatioC128 : d.ratio;
+  const int window = window_of(r);
   int64_t count_c = 0, count_w = 0;
   for (int64_t base = 0; base < a.num_tokens; base += kPrefillThreads) {
     const int64_t tok = base + t;

@@ -1,8 +1,8 @@
 """DeepSeek-V4 fused RMSNorm / interleaved RoPE / FP8 ops and the FlashMLA V4 paged-cache writes.
 
-Five ops in the `dspark` namespace, each with a schema, a fake impl, a CPU reference (the `*_reference` functions
-below, vectorized torch, usable on any device) and a CUDA kernel (`csrc/flashmla_writes.cu`, loaded on first use,
-see `custom_ops._build`):
+Five ops in the `dspark` namespace, each with a schema, a fake impl, a CPU reference (the `*_reference` functions below,
+vectorized torch, usable on any device) and a CUDA kernel (`csrc/flashmla/flashmla_writes.cu`, loaded on first use, see
+`custom_ops._library`):
 
 | op | mutates | what it does |
 |---|---|---|
@@ -15,10 +15,8 @@ see `custom_ops._build`):
 The argument tables are in the docstrings of the `*_reference` functions and in docs/ops.md.
 
 Numerics shared by the CPU references and the CUDA kernels (they agree bit for bit except in rare rounding ties):
-the sum of squares is accumulated in fp64 (exact for bf16/fp16 inputs, so independent of the reduction order),
-`ms = fp32(sum / D)`, `nf = fp32(1 / sqrt(fp64(ms + eps)))` (fp32 `ms + eps`), every later product and sum is a
-separately rounded fp32 operation (no FMA contraction). This deviates from sglang's `rsqrtf` on purpose: it makes
-the reference and the kernel agree exactly, and it is more accurate.
+the RMSNorm factor and the Walsh-Hadamard transform of `custom_ops.layouts.norm` (fp64 sum of squares, every later
+step a separately rounded fp32 operation), RoPE of `custom_ops.layouts.rope`, FP8 of `custom_ops.layouts.fp8`.
 
 Input contract (docs/contract.md): structural checks raise on every device (CPU impl, fake impl, CUDA binding)
 before anything is written. Index values: `positions` must lie in `[0, max_pos)` (no sentinel), `out_loc` in
@@ -32,10 +30,9 @@ import math
 
 import torch
 
-from custom_ops import _build
-from custom_ops._library import LIB
+from custom_ops._library import register_op
 from custom_ops.checks import check_index_range
-from custom_ops.fp8_layout import (
+from custom_ops.layouts.fp8 import (
     FP8_MAX,
     HEAD_DIM,
     INDEXER_DIM,
@@ -46,7 +43,8 @@ from custom_ops.fp8_layout import (
     quantize_tiles_ue8m0,
     scatter_flashmla_rows,
 )
-from custom_ops.rope import apply_rope_interleaved, rope_table_rows
+from custom_ops.layouts.norm import rms_norm_factor, walsh_hadamard
+from custom_ops.layouts.rope import apply_rope_interleaved, rope_table_rows
 
 __all__ = [
     "INDEXER_DIM",
@@ -54,9 +52,7 @@ __all__ = [
     "fused_norm_rope_inplace_reference",
     "fused_q_indexer_rope_hadamard_quant_reference",
     "fused_q_norm_rope_reference",
-    "rms_norm_factor",
     "store_flashmla_cache_reference",
-    "walsh_hadamard",
 ]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,8 +61,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 # ---------------------------------------------------------------------------------------------- validation
 #
-# Structural checks (types, dtypes, shapes, strides, devices, alignment, scalars) run in the CPU impls and in the
-# fake impls; csrc/flashmla_writes.cu runs the same checks in the same order. The first tensor argument (`kv` or
+# Structural checks (types, dtypes, shapes, strides, devices, alignment, scalars) run in the CPU impls and in the fake
+# impls; csrc/flashmla/flashmla_writes.cu runs the same checks in the same order. The first tensor argument (`kv` or
 # `q`) fixes the device; every other tensor is named when it is elsewhere.
 
 
@@ -232,7 +228,7 @@ def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
 
 
 # Index values (docs/contract.md): the CPU impls raise for an out-of-range entry before any write; the CUDA kernels
-# skip such rows, and raise the same message in checking mode (csrc/flashmla_writes.cu words it identically).
+# skip such rows, and raise the same message in checking mode (csrc/flashmla/flashmla_writes.cu words it identically).
 
 
 def _position_range(max_pos: int) -> tuple[int, str]:
@@ -258,12 +254,6 @@ def _check_slots(out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int) -
 
 
 # ---------------------------------------------------------------------------------------------- references
-
-
-def rms_norm_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 `1/sqrt(mean(x^2) + eps)` over the last dim (keepdim), with the fp64 steps described above."""
-    ms = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
-    return torch.reciprocal(torch.sqrt((ms + eps).double())).float()
 
 
 def fused_k_norm_rope_flashmla_reference(
@@ -365,22 +355,6 @@ def store_flashmla_cache_reference(
     scatter_flashmla_rows(kvcache, page_size, out_loc, codes, kv[:, NOPE_DIM:].to(torch.bfloat16), exponents)
 
 
-def walsh_hadamard(y: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform over the last dim (power of two), natural (Sylvester) order.
-
-    Butterfly stages h = 1, 2, 4, ...: `(a, b) -> (a + b, a - b)` for element pairs `(i, i + h)`, `i & h == 0`,
-    each a separately rounded fp32 operation in the same stage order as the CUDA kernel.
-    """
-    n = y.shape[-1]
-    h = 1
-    while h < n:
-        v = y.reshape(*y.shape[:-1], n // (2 * h), 2, h)
-        a, b = v[..., 0, :], v[..., 1, :]
-        y = torch.stack([a + b, a - b], dim=-2).reshape(y.shape)
-        h *= 2
-    return y
-
-
 def fused_q_indexer_rope_hadamard_quant_reference(
     q: torch.Tensor, weight: torch.Tensor, weight_scale: float, freqs: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,38 +424,30 @@ def _indexer_fake(q, weight, weight_scale, freqs, positions) -> tuple[torch.Tens
     return q.new_empty((b, h, INDEXER_DIM), dtype=torch.float8_e4m3fn), q.new_empty((b, h, 1), dtype=torch.float32)
 
 
-_OPS = {
-    "fused_k_norm_rope_flashmla": (
-        "fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
-        "Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
-        _k_cpu,
-        _check_k,
-    ),
-    "fused_q_norm_rope": (
-        "fused_q_norm_rope(Tensor q, Tensor(a!) q_out, float eps, Tensor freqs, Tensor positions) -> ()",
-        _q_cpu,
-        _check_q,
-    ),
-    "fused_norm_rope_inplace": (
-        "fused_norm_rope_inplace(Tensor(a!) kv, Tensor weight, float eps, Tensor freqs, Tensor positions) -> ()",
-        _inplace_cpu,
-        _check_inplace,
-    ),
-    "store_flashmla_cache": (
-        "store_flashmla_cache(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
-        _store_cpu,
-        _check_store,
-    ),
-    "fused_q_indexer_rope_hadamard_quant": (
-        "fused_q_indexer_rope_hadamard_quant(Tensor q, Tensor weight, float weight_scale, Tensor freqs, "
-        "Tensor positions) -> (Tensor, Tensor)",
-        _indexer_cpu,
-        _indexer_fake,
-    ),
-}
-
-for _name, (_schema, _cpu, _fake) in _OPS.items():
-    LIB.define(_schema)
-    LIB.impl(_name, _cpu, "CPU")
-    torch.library.register_fake(f"dspark::{_name}", _fake, lib=LIB)
-    _build.register_cuda_entry(LIB, _name)
+register_op(
+    "fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
+    "Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
+    reference=_k_cpu,
+    fake=_check_k,
+)
+register_op(
+    "fused_q_norm_rope(Tensor q, Tensor(a!) q_out, float eps, Tensor freqs, Tensor positions) -> ()",
+    reference=_q_cpu,
+    fake=_check_q,
+)
+register_op(
+    "fused_norm_rope_inplace(Tensor(a!) kv, Tensor weight, float eps, Tensor freqs, Tensor positions) -> ()",
+    reference=_inplace_cpu,
+    fake=_check_inplace,
+)
+register_op(
+    "store_flashmla_cache(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size) -> ()",
+    reference=_store_cpu,
+    fake=_check_store,
+)
+register_op(
+    "fused_q_indexer_rope_hadamard_quant(Tensor q, Tensor weight, float weight_scale, Tensor freqs, "
+    "Tensor positions) -> (Tensor, Tensor)",
+    reference=_indexer_cpu,
+    fake=_indexer_fake,
+)

@@ -1,6 +1,6 @@
 // DeepSeek-V4 KV compression kernels (c4, c128, online c128). Plain CUDA, no torch headers.
 //
-// Semantics and plan layouts: custom_ops/dsv4_compress.py, dsv4_compress_online.py, dsv4_compress_plan.py and
+// Semantics and plan layouts: custom_ops/dsv4/compress.py, online.py, plan.py and
 // docs/dsv4_compress.md. fp32 math; state rows are fp32 or bf16, input rows fp32 or bf16.
 //
 // Plan rows are validated before any address is formed from them: a row that would read or write outside the state

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops import _build
-from custom_ops._library import LIB
-from custom_ops.dsv4_compress_common import (
+from custom_ops._library import register_op
+from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
     STATE_DTYPES,
@@ -46,13 +45,7 @@ from custom_ops.dsv4_compress_common import (
     read_compress_plan,
     read_decode_plan,
     read_write_plan,
-)
-from custom_ops.dsv4_compress_plan import window_of
-
-LIB.define("dsv4_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan, int ratio) -> Tensor")
-LIB.define(
-    "dsv4_compress_prefill(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan_c, Tensor plan_w, "
-    "int ratio) -> Tensor"
+    window_of,
 )
 
 
@@ -237,7 +230,6 @@ def _window(
     return kv, sc
 
 
-@torch.library.impl(LIB, "dsv4_compress_decode", "CPU")
 def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
     d = check_decode_args(state, kv_score, ape, plan, ratio)
     check_decode_plan_values(plan, state.shape[0], ratio)
@@ -263,7 +255,6 @@ def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
     return out
 
 
-@torch.library.impl(LIB, "dsv4_compress_prefill", "CPU")
 def _compress_prefill_cpu(state, kv_score, ape, plan_c, plan_w, ratio):
     d = check_prefill_args(state, kv_score, ape, plan_c, plan_w, ratio)
     check_prefill_plan_values(plan_c, plan_w, state.shape[0], kv_score.shape[0], ratio)
@@ -288,17 +279,24 @@ def _compress_prefill_cpu(state, kv_score, ape, plan_c, plan_w, ratio):
     return out
 
 
-@torch.library.register_fake("dspark::dsv4_compress_decode")
 def _compress_decode_fake(state, kv_score, ape, plan, ratio):
     d = check_decode_args(state, kv_score, ape, plan, ratio)
     return kv_score.new_empty((plan.shape[0], d), dtype=torch.float32)
 
 
-@torch.library.register_fake("dspark::dsv4_compress_prefill")
 def _compress_prefill_fake(state, kv_score, ape, plan_c, plan_w, ratio):
     d = check_prefill_args(state, kv_score, ape, plan_c, plan_w, ratio)
     return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)
 
 
-_build.register_cuda_entry(LIB, "dsv4_compress_decode")
-_build.register_cuda_entry(LIB, "dsv4_compress_prefill")
+register_op(
+    "dsv4_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan, int ratio) -> Tensor",
+    reference=_compress_decode_cpu,
+    fake=_compress_decode_fake,
+)
+register_op(
+    "dsv4_compress_prefill(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan_c, Tensor plan_w, "
+    "int ratio) -> Tensor",
+    reference=_compress_prefill_cpu,
+    fake=_compress_prefill_fake,
+)

@@ -1,5 +1,5 @@
 // Torch binding of the DeepSeek-V4 planners (CUDA key): argument checks, scratch / output allocation (shapes from
-// input shapes only), launches on the current stream. Reference: custom_ops/dsv4_compress_plan.py (the same
+// input shapes only), launches on the current stream. Reference: custom_ops/dsv4/plan.py (the same
 // structural checks, and in checking mode the same value errors, word for word).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,10 +11,11 @@
 #include <string>
 #include <utility>
 
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
+#include "dsv4/dsv4_checks.h"
 
-#include "dsv4_compress_plan_kernels.cuh"
+#include "dsv4/dsv4_compress_plan_kernels.cuh"
 
 namespace dspark {
 namespace dsv4 {
@@ -44,8 +45,8 @@ void check_batch(const at::Tensor& seq_lens, std::initializer_list<std::pair<con
 void check_addressing(const at::Tensor& seq_lens, const std::optional<at::Tensor>& req_to_token,
                       const std::optional<at::Tensor>& full_to_state, int64_t ratio, int64_t ring_size,
                       int64_t swa_page_size) {
-  TORCH_CHECK_VALUE(ratio == 4 || ratio == 128, "ratio: expected 4 or 128, got ", num(ratio));
-  const int64_t window = ratio == 4 ? 8 : 128;
+  check_ratio(ratio);
+  const int64_t window = window_of(ratio);
   TORCH_CHECK_VALUE(ring_size >= window && ring_size <= kInt32Max && ring_size % ratio == 0,
                     "ring_size: expected a multiple of ", num(ratio), " in ", num(window), "..", num(kInt32Max),
                     ", got ", num(ring_size));
@@ -68,7 +69,7 @@ int64_t check_tokens(int64_t n) {
 // `t` must stay alive (and contiguous) while the kernel may run: callers pass contiguous() copies they own.
 IndexView index_view(const at::Tensor& t) { return IndexView{t.data_ptr(), t.scalar_type() == at::kLong}; }
 
-// The value limits of custom_ops/dsv4_compress_plan.py (_seq_limit, _request_limit) and how messages state them.
+// The value limits of custom_ops/dsv4/plan.py (_seq_limit, _request_limit) and how messages state them.
 struct Limits {
   int64_t seq_max;
   std::string seq_what;

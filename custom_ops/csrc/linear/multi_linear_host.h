@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "multi_linear_kernels.cuh"
+#include "linear/multi_linear_kernels.cuh"
 
 namespace dspark {
 namespace mlinear {

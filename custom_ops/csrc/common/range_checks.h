@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "error_format.h"
+#include "common/error_format.h"
 
 namespace dspark {
 

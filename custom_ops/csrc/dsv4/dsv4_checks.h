@@ -2,7 +2,7 @@
 // docs/contract.md). ATen ops on the plan's device and a host sync, so call them only when must_check_values().
 // Each function mirrors a Python check of the CPU path, condition for condition and in the same order, and raises
 // its message word for word: "<plan>[<i>].<field> = <v> is out of range: <what>"
-// (custom_ops/dsv4_compress_common.check_plan_field; the functions named in each comment).
+// (custom_ops/dsv4/common.py, check_plan_field; the functions named in each comment).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,10 +10,16 @@
 #include <cstdint>
 #include <string>
 
-#include "error_format.h"
+#include "common/error_format.h"
+#include "dsv4/dsv4_ratio.h"
 
 namespace dspark {
 namespace dsv4 {
+
+// custom_ops/dsv4/common.py, check_ratio: the ratio is c4 or c128 (dsv4_ratio.h), with the CPU path's message.
+inline void check_ratio(int64_t ratio) {
+  TORCH_CHECK_VALUE(is_ratio(ratio), "ratio: expected ", num(kRatioC4), " or ", num(kRatioC128), ", got ", num(ratio));
+}
 
 // Raise for the first row where `bad` is set; `what(i)` says what is valid for row i.
 template <typename What>
@@ -26,7 +32,7 @@ void check_plan_field(const char* plan, const char* field, const at::Tensor& val
 }
 
 // The int64 columns of a plan of 16-byte (DecodePlan / CompressPlan) or 8-byte (WritePlan) rows, as
-// dsv4_compress_common.read_*_plan reads them.
+// custom_ops/dsv4/common.py (read_*_plan) reads them.
 struct PlanColumns {
   at::Tensor words;  // [rows, width / 4] int64 (sign-extended int32 words)
   at::Tensor col(int64_t k) const { return words.select(1, k); }
@@ -45,7 +51,7 @@ inline std::string rows_what(int64_t rows, const char* of) { return "expected < 
 
 inline std::string page_range(int64_t pages) { return "expected >= 0 and < " + num(pages) + " (pages of state)"; }
 
-// dsv4_compress.check_decode_plan_values
+// dsv4/compress.py, check_decode_plan_values
 inline void check_decode_plan_values(const at::Tensor& plan, int64_t state_rows, int64_t ratio) {
   const PlanColumns p = plan_columns(plan, 16);
   const at::Tensor seq = p.u32(0), loc = p.col(1), rp0 = p.col(2), rp1 = p.col(3);
@@ -64,13 +70,13 @@ inline void check_decode_plan_values(const at::Tensor& plan, int64_t state_rows,
   });
 }
 
-// dsv4_compress.check_prefill_plan_values
+// dsv4/compress.py, check_prefill_plan_values
 inline void check_prefill_plan_values(const at::Tensor& plan_c, const at::Tensor& plan_w, int64_t state_rows,
                                       int64_t input_rows, int64_t ratio) {
   const PlanColumns c = plan_columns(plan_c, 16);
   const at::Tensor seq = c.u32(0), ragged = c.low16(1), buffer_len = c.high16(1), rp0 = c.col(2), rp1 = c.col(3);
   const at::Tensor valid = seq.ne(int64_t{0xFFFFFFFF});
-  const int64_t window = ratio == 4 ? 8 : 128;
+  const int64_t window = window_of(ratio);
   const std::string inputs = rows_what(input_rows, "kv_score");
   const auto inputs_what = [&](int64_t) { return inputs; };
   check_plan_field("plan_c", "ragged_id", ragged, valid.logical_and(ragged.ge(input_rows)), inputs_what);
@@ -94,7 +100,7 @@ inline void check_prefill_plan_values(const at::Tensor& plan_c, const at::Tensor
                    [&](int64_t) { return big; });
 }
 
-// dsv4_compress_online.check_online_decode_plan_values
+// dsv4/online.py, check_online_decode_plan_values
 inline void check_online_decode_plan_values(const at::Tensor& plan, int64_t slots) {
   const PlanColumns p = plan_columns(plan, 16);
   const at::Tensor seq = p.u32(0), loc = p.col(1), rp0 = p.col(2);
@@ -106,7 +112,7 @@ inline void check_online_decode_plan_values(const at::Tensor& plan, int64_t slot
                    [&](int64_t) { return "expected >= 0 and < " + num(slots) + " (rows of state)"; });
 }
 
-// dsv4_compress_online.check_online_segment_values
+// dsv4/online.py, check_online_segment_values
 inline void check_online_segment_values(const char* name, const at::Tensor& plan, int64_t slots, int64_t input_rows) {
   const PlanColumns c = plan_columns(plan, 16);
   const at::Tensor seq = c.u32(0), ragged = c.low16(1), seg = c.high16(1), rp0 = c.col(2), rp1 = c.col(3);

@@ -1,8 +1,8 @@
-// Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/multi_linear.py (same error class,
-// same message), merging of weights that are adjacent in memory, and the choice between the small-T kernel
+// Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/linear/multi_linear.py (same error
+// class, same message), merging of weights that are adjacent in memory, and the choice between the small-T kernel
 // (multi_linear_kernels.cuh) and per-weight cuBLAS GEMMs into the output's column blocks. Also the debug op
-// dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and
-// the C entry points through which Python reads the variant table and the token threshold.
+// dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and the C
+// entry points through which Python reads the variant table and the token threshold.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -14,12 +14,12 @@
 #include <algorithm>
 #include <map>
 #include <optional>
-#include <tuple>
+#include <utility>
 #include <string>
 #include <vector>
 
-#include "error_format.h"
-#include "multi_linear_host.h"
+#include "common/error_format.h"
+#include "linear/multi_linear_host.h"
 
 namespace dspark {
 namespace mlinear {
@@ -80,7 +80,7 @@ void check_length(const char* name, size_t length, size_t n) {
                     ", the length of weights), got ", num(length));
 }
 
-// The structural checks of custom_ops.multi_linear._check_args, in the same order with the same messages.
+// The structural checks of custom_ops.linear.multi_linear._check_args, in the same order with the same messages.
 void check_args(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts, at::IntArrayRef counts,
                 const Biases& biases) {
   TORCH_CHECK_VALUE(x.dim() == 2, "multi_linear: x must be 2-D [T, K], got shape ", shape_of(x.sizes()));
@@ -323,7 +323,7 @@ TORCH_LIBRARY_IMPL(dspark, CUDA, m) {
   m.impl("_multi_linear_cublas", &dspark::mlinear::multi_linear_cublas);
 }
 
-// Read by custom_ops/multi_linear.py through ctypes (kernel_token_threshold, uses_kernel, kernel_variants).
+// Read by custom_ops/linear/multi_linear.py through ctypes (kernel_token_threshold, uses_kernel, kernel_variants).
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_threshold() {
   return static_cast<int>(dspark::mlinear::kTokenThreshold);
 }

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops import _build
-from custom_ops._library import LIB
-from custom_ops.dsv4_compress_common import (
+from custom_ops._library import register_op
+from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
     CompressRows,
@@ -42,13 +41,7 @@ from custom_ops.dsv4_compress_common import (
     read_compress_plan,
     read_decode_plan,
 )
-from custom_ops.dsv4_compress_plan import ONLINE_RATIO
-
-LIB.define("dsv4_online_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan) -> Tensor")
-LIB.define(
-    "dsv4_online_compress_prefill(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan_c, "
-    "Tensor plan_w) -> Tensor"
-)
+from custom_ops.dsv4.plan import ONLINE_RATIO
 
 
 def check_online_args(state, kv_score, ape) -> int:
@@ -171,7 +164,6 @@ def _split(rows: torch.Tensor, d: int):
     return rows[:, :d], rows[:, d : 2 * d], rows[:, 2 * d :]
 
 
-@torch.library.impl(LIB, "dsv4_online_compress_decode", "CPU")
 def _online_decode_cpu(state, kv_score, ape, plan):
     d = check_online_decode_args(state, kv_score, ape, plan)
     check_online_decode_plan_values(plan, state.shape[0])
@@ -221,7 +213,6 @@ def _segments(state, kv_score, ape, plan: torch.Tensor, d: int):
     return k, c.read_page_0[k], *_merge(m1, l1, a1, m, total, a)
 
 
-@torch.library.impl(LIB, "dsv4_online_compress_prefill", "CPU")
 def _online_prefill_cpu(state, kv_score, ape, plan_c, plan_w):
     d = check_online_prefill_args(state, kv_score, ape, plan_c, plan_w)
     for name, plan in (("plan_c", plan_c), ("plan_w", plan_w)):
@@ -234,17 +225,24 @@ def _online_prefill_cpu(state, kv_score, ape, plan_c, plan_w):
     return out
 
 
-@torch.library.register_fake("dspark::dsv4_online_compress_decode")
 def _online_decode_fake(state, kv_score, ape, plan):
     d = check_online_decode_args(state, kv_score, ape, plan)
     return kv_score.new_empty((plan.shape[0], d), dtype=torch.float32)
 
 
-@torch.library.register_fake("dspark::dsv4_online_compress_prefill")
 def _online_prefill_fake(state, kv_score, ape, plan_c, plan_w):
     d = check_online_prefill_args(state, kv_score, ape, plan_c, plan_w)
     return kv_score.new_empty((plan_c.shape[0], d), dtype=torch.float32)
 
 
-_build.register_cuda_entry(LIB, "dsv4_online_compress_decode")
-_build.register_cuda_entry(LIB, "dsv4_online_compress_prefill")
+register_op(
+    "dsv4_online_compress_decode(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan) -> Tensor",
+    reference=_online_decode_cpu,
+    fake=_online_decode_fake,
+)
+register_op(
+    "dsv4_online_compress_prefill(Tensor(a!) state, Tensor kv_score, Tensor ape, Tensor plan_c, "
+    "Tensor plan_w) -> Tensor",
+    reference=_online_prefill_cpu,
+    fake=_online_prefill_fake,
+)

@@ -1,6 +1,6 @@
 // Kernels of dspark::multi_linear_kv_write: N layers' K/V projections, per-head RMSNorm and RoPE of K, and the cache
 // writes. Plain CUDA (no torch headers); the binding is multi_linear_kv_write.cu, the reference math
-// custom_ops/multi_linear_kv_write.py.
+// custom_ops/linear/multi_linear_kv_write.py.
 //
 // Rows. The op's projections are one multi-weight GEMM over 2N segments of kv = heads * head_dim rows each, in the
 // order K_0, V_0, K_1, V_1, ...: concatenated row r is element r % head_dim of head (r % kv) / head_dim of the K
@@ -23,7 +23,7 @@
 // every lane stores its V elements, rounded once, with one vector store.
 #pragma once
 
-#include "multi_linear_kernels.cuh"
+#include "linear/multi_linear_kernels.cuh"
 
 namespace dspark {
 namespace mlinear {

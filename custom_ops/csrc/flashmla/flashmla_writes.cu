@@ -1,5 +1,5 @@
 // Torch binding of the DeepSeek-V4 norm / RoPE / FlashMLA-write kernels: argument checks (ValueError / TypeError
-// in Python, same rules as custom_ops/flashmla_writes.py), the opt-in index-value checks, dtype dispatch, launches
+// in Python, same rules as custom_ops/flashmla/writes.py), the opt-in index-value checks, dtype dispatch, launches
 // on the current stream, and the registration under the CUDA key of the dspark namespace (schemas are defined in
 // Python).
 #include <ATen/ATen.h>
@@ -15,10 +15,10 @@
 #include <utility>
 #include <vector>
 
-#include "error_format.h"
-#include "range_checks.h"
+#include "common/error_format.h"
+#include "common/range_checks.h"
 
-#include "flashmla_writes_kernels.cuh"
+#include "flashmla/flashmla_writes_kernels.cuh"
 
 namespace dspark {
 namespace {
@@ -42,7 +42,7 @@ void dispatch_float(at::ScalarType dtype, F&& f) {
   }
 }
 
-// Structural checks: the same rules, in the same order, as the Python checks of custom_ops/flashmla_writes.py (the
+// Structural checks: the same rules, in the same order, as the Python checks of custom_ops/flashmla/writes.py (the
 // CPU and fake impls). The first tensor argument (`kv` or `q`) fixes the device; every other tensor is named when it
 // is elsewhere.
 
@@ -88,7 +88,7 @@ void check_aligned16(const at::Tensor& t, const char* name) {
 }
 
 // The rows (last dim) of a written tensor must not share memory: in order of increasing stride, every batch dim
-// must step past the block spanned by the dims before it (custom_ops/flashmla_writes.py, _rows_disjoint).
+// must step past the block spanned by the dims before it (custom_ops/flashmla/writes.py, _rows_disjoint).
 void check_rows_disjoint(const at::Tensor& t, const char* name) {
   if (t.numel() == 0) return;
   std::vector<std::pair<int64_t, int64_t>> batch_dims;  // (stride, size)
@@ -160,7 +160,7 @@ void check_cache(const at::Tensor& out_loc, const at::Tensor& kvcache, int64_t p
 }
 
 // Index values (docs/contract.md): the kernels skip rows whose index is out of range; in checking mode the binding
-// raises instead, with the CPU impls' message (custom_ops/flashmla_writes.py, _position_range and _slot_range).
+// raises instead, with the CPU impls' message (custom_ops/flashmla/writes.py, _position_range and _slot_range).
 
 std::string position_range_what(int64_t max_pos) {
   return "positions must be in [0, " + num(max_pos) + "), the rows of freqs";

@@ -27,25 +27,21 @@ from typing import NamedTuple
 import torch
 
 from custom_ops.checks import check_index_range, must_check_values
-from custom_ops.dsv4_compress import compress_decode, compress_prefill
-from custom_ops.dsv4_compress_common import (
+from custom_ops.dsv4.common import (
     FLT_MAX,
     HEAD_DIMS,
     STATE_DTYPES,
     check_index,
+    check_ratio,
     check_tensor,
     read_compress_plan,
     read_decode_plan,
-)
-from custom_ops.dsv4_compress_online import online_compress_decode, online_compress_prefill
-from custom_ops.dsv4_compress_plan import (
-    plan_decode,
-    plan_online_decode,
-    plan_online_prefill,
-    plan_prefill,
     window_of,
 )
-from custom_ops.dsv4_compress_store import compress_norm_rope_store
+from custom_ops.dsv4.compress import compress_decode, compress_prefill
+from custom_ops.dsv4.online import online_compress_decode, online_compress_prefill
+from custom_ops.dsv4.plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops.dsv4.store import compress_norm_rope_store
 
 
 @dataclass(frozen=True)
@@ -112,9 +108,9 @@ class DSV4Compressor(torch.nn.Module):
     | norm_weight | [D] | fp32 |
 
     with coff = 2 for c4 (overlap) and 1 for c128. Every combination of `head_dim` (D) in {128, 512} and `ratio`
-    in {4, 128} is valid; other values raise `ValueError` here, naming the argument. `online=True` (c128, D = 512 or
-    128) keeps one running softmax state per request instead of raw rows. `state_dtype` (offline only) is fp32 or
-    bf16.
+    in {4, 128} (`custom_ops.dsv4.common.RATIOS`) is valid; other values raise `ValueError` here, naming the
+    argument. `online=True` (c128, D = 512 or 128) keeps one running softmax state per request instead of raw rows.
+    `state_dtype` (offline only) is fp32 or bf16.
     """
 
     def __init__(
@@ -137,8 +133,7 @@ class DSV4Compressor(torch.nn.Module):
                 f"head_dim: expected one of {HEAD_DIMS} (512: an attention layer's compressor, 128: the indexer's), "
                 f"got {head_dim!r}"
             )
-        if ratio not in (4, 128):
-            raise ValueError(f"ratio: expected 4 or 128, got {ratio!r}")
+        check_ratio(ratio)
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {state_dtype!r}")
         if online and (ratio != 128 or state_dtype != torch.float32):

@@ -13,15 +13,15 @@ stored prefill row's `ragged_id` must be `< len(out_loc)`, and a stored row's Ro
 written; the CUDA kernel skips the row (its slot is compared with the cache size before it is turned into a
 byte offset, so a huge slot id can never land in another page). A decode `out_loc` has one entry per plan row.
 
-Per entry (fp32): `y = x * nf * w` (RMSNorm, the numerics of `custom_ops.flashmla_writes`), interleaved RoPE of
+Per entry (fp32): `y = x * nf * w` (RMSNorm, the numerics of `custom_ops.layouts.norm`), interleaved RoPE of
 the last 64 dims with row `seq_len - ratio` of `freqs`, then by head dim:
-- D = 512, FlashMLA V4 cache (`custom_ops.fp8_layout`): the nope dims are rounded to bf16 and back, then
+- D = 512, FlashMLA V4 cache (`custom_ops.layouts.fp8`): the nope dims are rounded to bf16 and back, then
   quantized in 7 tiles of 64 with UE8M0 (rounded-up) scales; the RoPE dims are stored as bf16. 584 B/token.
 - D = 128, indexer cache: 128-point Walsh-Hadamard transform times 1/sqrt(128), then
   - FP8 (default): e4m3 with one plain fp32 scale per token, `scale = max(amax, 1e-4) / 448`,
     `q = e4m3(y / scale)`. Page of `132 * page_size` bytes: codes at `off * 128`, scales at
     `128 * page_size + off * 4`;
-  - FP4 (`fp4=True`): e2m1 codes with one UE8M0 exponent per 32 values (`custom_ops.fp4_layout`). Page of
+  - FP4 (`fp4=True`): e2m1 codes with one UE8M0 exponent per 32 values (`custom_ops.layouts.fp4`). Page of
     `68 * page_size` bytes: codes at `off * 64`, exponents at `64 * page_size + off * 4`.
 """
 
@@ -32,10 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops import _build
-from custom_ops._library import LIB
+from custom_ops._library import register_op
 from custom_ops.checks import check_index_range
-from custom_ops.dsv4_compress_common import (
+from custom_ops.dsv4.common import (
     check_device,
     check_index,
     check_plan,
@@ -46,9 +45,8 @@ from custom_ops.dsv4_compress_common import (
     read_compress_plan,
     read_decode_plan,
 )
-from custom_ops.flashmla_writes import rms_norm_factor, walsh_hadamard
-from custom_ops.fp4_layout import quantize_groups_e2m1
-from custom_ops.fp8_layout import (
+from custom_ops.layouts.fp4 import quantize_groups_e2m1
+from custom_ops.layouts.fp8 import (
     AMAX_FLOOR,
     FP8_MAX,
     INDEXER_DIM,
@@ -59,14 +57,10 @@ from custom_ops.fp8_layout import (
     quantize_tiles_ue8m0,
     scatter_flashmla_rows,
 )
-from custom_ops.rope import apply_rope_interleaved
+from custom_ops.layouts.norm import rms_norm_factor, walsh_hadamard
+from custom_ops.layouts.rope import apply_rope_interleaved
 
 INDEXER_SCALE_BYTES = 4  # per token: one fp32 scale (FP8) or 4 UE8M0 exponents (FP4)
-
-LIB.define(
-    "dsv4_compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float eps, Tensor freqs, "
-    "Tensor out_loc, Tensor(a!) kvcache, int page_size, int ratio, bool decode, bool fp4=False) -> ()"
-)
 
 
 def indexer_page_bytes(page_size: int, fp4: bool = False) -> int:
@@ -105,7 +99,7 @@ def compress_norm_rope_store(
     | plan | [R, 16] | uint8 | no | the plan the entries came from (DecodePlan if `decode`, else CompressPlan) |
     | norm_weight | [D] | fp32 | no | RMSNorm weight |
     | eps | float | | | RMSNorm epsilon |
-    | freqs | [max_pos, 64] | fp32 | no | interleaved cos/sin table (`custom_ops.rope.precompute_freqs`) |
+    | freqs | [max_pos, 64] | fp32 | no | interleaved cos/sin table (`custom_ops.layouts.rope.precompute_freqs`) |
     | out_loc | [N] (prefill) or [R] (decode) | int32/int64 | no | cache slot per query token / request; < 0 skips |
     | kvcache | [pages, page_bytes] | uint8 | yes | `cache_page_bytes(D, page_size, fp4)` bytes per row |
     | page_size | int | | | power of two |
@@ -222,7 +216,6 @@ def _scatter_indexer(kvcache: torch.Tensor, page_size: int, loc: torch.Tensor, c
     flat[(scale_at + torch.arange(INDEXER_SCALE_BYTES, device=loc.device)).reshape(-1)] = scales.reshape(-1)
 
 
-@torch.library.impl(LIB, "dsv4_compress_norm_rope_store", "CPU")
 def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
     d = check_store_args(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4)
     check_store_values(plan, out_loc, freqs.shape[0], kvcache.shape[0], page_size, ratio, decode)
@@ -247,9 +240,13 @@ def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, r
     _scatter_indexer(kvcache, page_size, loc, quantize_e4m3(y / scale), scale)
 
 
-@torch.library.register_fake("dspark::dsv4_compress_norm_rope_store")
 def _store_fake(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4=False):
     check_store_args(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, ratio, decode, fp4)
 
 
-_build.register_cuda_entry(LIB, "dsv4_compress_norm_rope_store")
+register_op(
+    "dsv4_compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float eps, Tensor freqs, "
+    "Tensor out_loc, Tensor(a!) kvcache, int page_size, int ratio, bool decode, bool fp4=False) -> ()",
+    reference=_store_cpu,
+    fake=_store_fake,
+)
