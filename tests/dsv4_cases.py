@@ -510,3 +510,40 @@ def storing_rows(plan, out_loc, decode):
     rows = stored_rows(plan, 4, decode)
     stores = rows.valid & (row_slots(rows, out_loc) >= 0)
     return stores.nonzero().squeeze(1), rows.source
+
+
+def compress_setup(ratio: int, seed: int = 0, d: int = 128):
+    """A random offline state of 4 rings and an ape table of head dim `d`; returns (state, ape, ring, generator)."""
+    g = torch.Generator().manual_seed(seed)
+    width = (4 if ratio == 4 else 2) * d
+    ring = 8 if ratio == 4 else 128
+    state = torch.randn(4 * ring, width, generator=g)
+    ape = torch.randn(8 if ratio == 4 else 128, d, generator=g)
+    return state, ape, ring, g
+
+
+def decode_args(ratio: int = 4) -> dict:
+    """Valid arguments of `dsv4_compress_decode` (CPU, schema order): two requests on a state of four rings."""
+    state, ape, ring, g = compress_setup(ratio)
+    kv = torch.randn(2, state.shape[1], generator=g)
+    plan = plan_decode(torch.tensor([4, 9]), torch.tensor([0, 1]), None, None, ratio, ring)
+    return {"state": state, "kv_score": kv, "ape": ape, "plan": plan, "ratio": ratio}
+
+
+# (id, change(args) in place, error class, the argument the message names first): structural errors of
+# `dsv4_compress_decode` on `decode_args()` (tests/test_dsv4_ops.py; tests/bad_argument_cases.py runs them on the
+# Python checks and on the CUDA binding).
+DECODE_BAD_STRUCTURE = [
+    ("ratio 8", lambda a: a.update(ratio=8), ValueError, "ratio"),
+    ("state fp16", lambda a: a.update(state=a["state"].half()), TypeError, "state"),
+    ("state width", lambda a: a.update(state=a["state"][:, :-1]), ValueError, "state"),
+    ("state rows", lambda a: a.update(state=a["state"][:-1]), ValueError, "state"),
+    ("kv_score fp64", lambda a: a.update(kv_score=a["kv_score"].double()), TypeError, "kv_score"),
+    ("kv_score half width", lambda a: a.update(kv_score=a["kv_score"][:, ::2]), ValueError, "kv_score"),
+    ("ape rows", lambda a: a.update(ape=a["ape"][:4]), ValueError, "ape"),
+    ("ape bf16", lambda a: a.update(ape=a["ape"].bfloat16()), TypeError, "ape"),
+    ("ape transposed", lambda a: a.update(ape=a["ape"].t().contiguous().t()), ValueError, "ape"),
+    ("plan int32", lambda a: a.update(plan=a["plan"].view(torch.int32)), TypeError, "plan"),
+    ("plan rows", lambda a: a.update(plan=a["plan"][:1]), ValueError, "plan"),
+    ("plan width", lambda a: a.update(plan=a["plan"][:, :8].contiguous()), ValueError, "plan"),
+]

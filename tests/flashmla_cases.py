@@ -1,7 +1,8 @@
 """Shared by the FlashMLA-write / norm-RoPE op tests: random inputs, fp64 formulas of the five ops (the Numerics
 section of docs/ops.md), byte views of the FlashMLA V4 cache (its layout in docs/ops.md) and the CUDA acceptance
 check (docs/ops.md, after the cache layout); for the input contract (docs/contract.md), the op table, the
-`*_reference` oracles and the out-of-range row breakers."""
+`*_reference` oracles, the out-of-range row breakers and the table of structural errors (`structural_cases`, run by
+tests/test_flashmla_contract.py and, through tests/bad_argument_cases.py, by tests/test_error_agreement.py)."""
 
 from __future__ import annotations
 
@@ -281,3 +282,130 @@ def _reference_result(name, args):
     ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     out = REFERENCES[name](*ref.values())
     return ref[MUTATED[name]] if name in MUTATED else out
+
+
+def offset_copy(t, elements):
+    """A copy of `t` whose storage offset is `elements` (16-byte misaligned for small offsets)."""
+    buf = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)
+    view = buf[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def structural_cases():
+    """(id, op, change(args) -> dict, exception, message regex): rules every impl (CPU, fake, CUDA) enforces."""
+    return [
+        (
+            "cache misaligned",
+            "fused_k_norm_rope_flashmla",
+            lambda a: {"kvcache": offset_copy(a["kvcache"], 8)},
+            ValueError,
+            "kvcache must be 16-byte aligned",
+        ),
+        (
+            "store cache misaligned",
+            "store_flashmla_cache",
+            lambda a: {"kvcache": offset_copy(a["kvcache"], 4)},
+            ValueError,
+            "kvcache must be 16-byte aligned",
+        ),
+        (
+            "freqs misaligned",
+            "fused_q_norm_rope",
+            lambda a: {"freqs": offset_copy(a["freqs"], 2)},
+            ValueError,
+            "freqs must be 16-byte aligned",
+        ),
+        (
+            "page_size too large",
+            "fused_k_norm_rope_flashmla",
+            lambda a: {"page_size": 2**31},
+            ValueError,
+            r"page_size must be a power of two in \[1, 2\*\*30\]",
+        ),
+        (
+            "store page_size 2**62",
+            "store_flashmla_cache",
+            lambda a: {"page_size": 2**62},
+            ValueError,
+            r"page_size must be a power of two in \[1, 2\*\*30\]",
+        ),
+        (
+            "eps inf",
+            "fused_k_norm_rope_flashmla",
+            lambda a: {"eps": float("inf")},
+            ValueError,
+            "eps must be finite and >= 0",
+        ),
+        ("eps nan", "fused_q_norm_rope", lambda a: {"eps": float("nan")}, ValueError, "eps must be finite and >= 0"),
+        (
+            "eps negative",
+            "fused_norm_rope_inplace",
+            lambda a: {"eps": -1e-6},
+            ValueError,
+            "eps must be finite and >= 0",
+        ),
+        (
+            "weight_scale nan",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight_scale": float("nan")},
+            ValueError,
+            "weight_scale must be finite",
+        ),
+        (
+            "weight_scale inf",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight_scale": float("inf")},
+            ValueError,
+            "weight_scale must be finite",
+        ),
+        (
+            "weight_scale -inf",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight_scale": float("-inf")},
+            ValueError,
+            "weight_scale must be finite",
+        ),
+        (
+            "q_out broadcast",
+            "fused_q_norm_rope",
+            lambda a: {"q_out": a["q_out"][:1].expand_as(a["q_out"])},
+            ValueError,
+            "q_out must not overlap itself",
+        ),
+        (
+            "q_out heads overlap",
+            "fused_q_norm_rope",
+            lambda a: {"q_out": a["q_out"].as_strided(a["q_out"].shape, (HEADS * 512, 256, 1))},
+            ValueError,
+            "q_out must not overlap itself",
+        ),
+        (
+            "kv rows overlap",
+            "fused_norm_rope_inplace",
+            lambda a: {"kv": a["kv"].as_strided(a["kv"].shape, (256, 1))},
+            ValueError,
+            "kv must not overlap itself",
+        ),
+        (
+            "positions 2-D",
+            "fused_norm_rope_inplace",
+            lambda a: {"positions": a["positions"][:, None]},
+            ValueError,
+            "positions must have shape",
+        ),
+        (
+            "out_loc float",
+            "store_flashmla_cache",
+            lambda a: {"out_loc": a["out_loc"].float()},
+            TypeError,
+            "out_loc must have dtype",
+        ),
+        (
+            "indexer weight dtype",
+            "fused_q_indexer_rope_hadamard_quant",
+            lambda a: {"weight": a["weight"].float()},
+            TypeError,
+            "weight must have dtype",
+        ),
+    ]

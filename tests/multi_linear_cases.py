@@ -2,12 +2,14 @@
 multi_linear_kv_write, input cases (`Spec` -> `make_case`, the same values on CPU and CUDA), an fp64 formula
 written independently of `custom_ops.linear.multi_linear_kv_write` (`fp64_kv`, `written_tokens`: einsum projections,
 RMSNorm and a loop over the rotated pairs in float64, a plain Python walk over `cache_loc` / `commit_lens`), byte
-views of the caches and the argument-error table (`BAD_CASES`)."""
+views of the caches, the argument-error table (`BAD_CASES`) and the rules only the CUDA binding has
+(`CUDA_ONLY_CASES`); for multi_linear, valid arguments (`multi_linear_case`) and its argument-error table
+(`MULTI_LINEAR_BAD_INPUTS`)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,6 +24,89 @@ def fp64_formula(x, weights, starts, counts, biases):
         y = x.double() @ w[s : s + c].double().T
         blocks.append(y if b is None else y + b[s : s + c].double())
     return torch.cat(blocks, dim=1)
+
+
+def multi_linear_case(tokens=5, dtype=torch.float32, seed=0):
+    """Valid `multi_linear` arguments (CPU, schema order): x [tokens, 24], three weights of 40, 16 and 9 rows used
+    at rows [8, 24), [0, 16) and [2, 9), a bias for the last two."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 24, generator=gen).to(dtype)
+    weights = [torch.randn(rows, 24, generator=gen).to(dtype) for rows in (40, 16, 9)]
+    biases = [None, torch.randn(16, generator=gen).to(dtype), torch.randn(9, generator=gen).to(dtype)]
+    return x, weights, [8, 0, 2], [16, 16, 7], biases
+
+
+def multi_linear_bad_args(mutate) -> list:
+    """`multi_linear_case()` as a list of arguments (lists copied) after `mutate(args)` changed it in place."""
+    args = list(multi_linear_case())
+    args[1:] = [list(a) for a in args[1:]]
+    mutate(args)
+    return args
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    """`t` on another device than the case's CPU tensors (the CUDA tests put it on the CPU, the rest on CUDA)."""
+    return t.to("meta")
+
+
+# (id, mutate(args) in place, error class, message regex, the argument the message names) of `multi_linear` on
+# `multi_linear_bad_args`: tests/test_multi_linear.py and, through tests/bad_argument_cases.py, the Python checks
+# against the CUDA binding.
+MULTI_LINEAR_BAD_INPUTS = [
+    ("x 1-D", lambda a: a.__setitem__(0, a[0][0]), ValueError, "x must be 2-D", "x"),
+    ("x dtype", lambda a: a.__setitem__(0, a[0].int()), TypeError, "x must be bfloat16, float16 or float32", "x"),
+    ("no weights", lambda a: a.__setitem__(1, []), ValueError, "at least one", "weights"),
+    (
+        "row_starts length",
+        lambda a: a.__setitem__(2, [8, 0]),
+        ValueError,
+        r"row_starts must hold one entry per weight \(3",
+        "row_starts",
+    ),
+    (
+        "row_counts length",
+        lambda a: a.__setitem__(3, [16, 16, 7, 1]),
+        ValueError,
+        "row_counts must hold one entry per weight",
+        "row_counts",
+    ),
+    ("biases length", lambda a: a.__setitem__(4, a[4][:2]), ValueError, "biases must hold one entry", "biases"),
+    (
+        "row range past the rows",
+        lambda a: a.__setitem__(3, [16, 17, 7]),
+        ValueError,
+        r"row_starts\[1\] = 0: rows \[0, 17\) of weights\[1\]",
+        "row_starts[1]",
+    ),
+    (
+        "row_starts negative",
+        lambda a: a.__setitem__(2, [8, -1, 2]),
+        ValueError,
+        r"row_starts\[1\] = -1: rows \[-1, 15\) of weights\[1\]",
+        "row_starts[1]",
+    ),
+    ("row_counts negative", lambda a: a.__setitem__(3, [16, -1, 7]), ValueError, "must be >= 0", "row_counts[1]"),
+    ("weights dtype", lambda a: a[1].__setitem__(0, a[1][0].double()), TypeError, r"weights\[0\] dtype", "weights[0]"),
+    ("weights K", lambda a: a[1].__setitem__(2, a[1][2][:, :5]), ValueError, r"weights\[2\] must be", "weights[2]"),
+    ("weights 1-D", lambda a: a[1].__setitem__(1, a[1][1][0]), ValueError, r"weights\[1\] must be", "weights[1]"),
+    (
+        "weights device",
+        lambda a: a[1].__setitem__(1, _on_meta(a[1][1])),
+        ValueError,
+        r"weights\[1\] is on",
+        "weights[1]",
+    ),
+    ("biases shape", lambda a: a[4].__setitem__(1, a[4][1][:3]), ValueError, r"biases\[1\] must be", "biases[1]"),
+    ("biases 2-D", lambda a: a[4].__setitem__(1, a[4][1][:, None]), ValueError, r"biases\[1\] must be", "biases[1]"),
+    ("biases dtype", lambda a: a[4].__setitem__(2, a[4][2].double()), TypeError, r"biases\[2\] dtype", "biases[2]"),
+    (
+        "biases device",
+        lambda a: a[4].__setitem__(1, _on_meta(a[4][1])),
+        ValueError,
+        r"biases\[1\] is on",
+        "biases[1]",
+    ),
+]
 
 
 kv_write_op = torch.ops.dspark.multi_linear_kv_write
@@ -616,3 +701,79 @@ BAD_CASES = _bad_cases()
 def cache_bits(args: dict) -> list[torch.Tensor]:
     """`bits` of every cache argument that holds data (not the meta ones of the device cases)."""
     return [bits(c) for c in (*args["k_caches"], *args["v_caches"]) if c.device.type != "meta"]
+
+
+CUDA_ONLY = Spec(tokens=6, layers=2, hidden=64, heads=2, head_dim=16, rot=8, dtype=torch.bfloat16)
+
+
+def _cache_view(a: dict, shape, strides, offset=0) -> torch.Tensor:
+    buf = torch.zeros(offset + 4096, dtype=a["x"].dtype, device=a["x"].device)
+    return buf.as_strided(shape, strides, offset)
+
+
+def _cuda_only_cases():
+    """(id, spec, change(args) or None, error class, a word the message must contain): inputs the CPU op accepts
+    and the CUDA op rejects (csrc/multi_linear_kv_write.cu, check_cuda_layout and kv_table)."""
+    s = CUDA_ONLY
+    shape = (s.slots, s.heads, s.head_dim)
+    d = s.head_dim
+
+    def entry(name, i, make):
+        def change(a):
+            values = list(a[name])
+            values[i] = make(a)
+            return {name: values}
+
+        return change
+
+    return [
+        ("fp32 x", replace(s, dtype=torch.float32), None, TypeError, "x"),
+        ("K not a multiple of 8", replace(s, hidden=60), None, ValueError, "x"),
+        ("head_dim not a multiple of 8", replace(s, head_dim=12), None, ValueError, "head_dim"),
+        ("head_dim > 256", replace(s, heads=1, head_dim=264, rot=8), None, ValueError, "head_dim"),
+        (
+            "cache inner stride 2",
+            s,
+            entry("k_caches", 1, lambda a: _cache_view(a, shape, (2 * s.heads * d, 2 * d, 2))),
+            ValueError,
+            r"k_caches\[1\]",
+        ),
+        (
+            "cache storage offset not 16-byte aligned",
+            s,
+            entry("v_caches", 0, lambda a: _cache_view(a, shape, (s.heads * d, d, 1), offset=1)),
+            ValueError,
+            r"v_caches\[0\]",
+        ),
+        (
+            "cache head stride not 16-byte aligned",
+            s,
+            entry("k_caches", 0, lambda a: _cache_view(a, shape, (s.heads * (d + 4), d + 4, 1))),
+            ValueError,
+            r"k_caches\[0\]",
+        ),
+        (
+            "cache slot stride not 16-byte aligned",
+            s,
+            entry("v_caches", 1, lambda a: _cache_view(a, shape, (s.heads * d + 4, d, 1))),
+            ValueError,
+            r"v_caches\[1\]",
+        ),
+        (
+            "norm weight not contiguous",
+            s,
+            entry("k_norm_weights", 1, lambda a: (1 + torch.rand(2 * d)).to(a["x"].dtype).to(a["x"].device)[::2]),
+            ValueError,
+            r"k_norm_weights\[1\]",
+        ),
+        (
+            "cos_sin table inner stride 2",
+            s,
+            entry("cos_sin_caches", 0, lambda a: torch.rand(s.table_rows, 2 * s.rot).to(a["x"].device)[:, ::2]),
+            ValueError,
+            r"cos_sin_caches\[0\]",
+        ),
+    ]
+
+
+CUDA_ONLY_CASES = _cuda_only_cases()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv4_cases import call_op
+from dsv4_cases import DECODE_BAD_STRUCTURE, call_op, compress_setup, decode_args
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
@@ -16,18 +16,9 @@ D = 128
 ops = torch.ops.dspark
 
 
-def _setup(ratio: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    width = (4 if ratio == 4 else 2) * D
-    ring = 8 if ratio == 4 else 128
-    state = torch.randn(4 * ring, width, generator=g)
-    ape = torch.randn(8 if ratio == 4 else 128, D, generator=g)
-    return state, ape, ring, g
-
-
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_opcheck_offline(ratio):
-    state, ape, ring, g = _setup(ratio)
+    state, ape, ring, g = compress_setup(ratio)
     seq = torch.tensor([ratio, 2 * ratio + 1, 3 * ratio])
     rid = torch.tensor([1, 0, 3])
     kv = torch.randn(3, state.shape[1], generator=g)
@@ -56,7 +47,7 @@ def test_opcheck_online():
 
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_strided_kv_score_matches_contiguous(ratio):
-    state, ape, ring, g = _setup(ratio)
+    state, ape, ring, g = compress_setup(ratio)
     seq = torch.tensor([2 * ratio + 1])
     ext = torch.tensor([ratio + 5])
     wide = torch.randn(int(ext.sum()), state.shape[1] + 64, generator=g)
@@ -70,7 +61,7 @@ def test_strided_kv_score_matches_contiguous(ratio):
 
 
 def test_writes_stay_inside_addressed_rows():
-    state, ape, ring, g = _setup(4)
+    state, ape, ring, g = compress_setup(4)
     before = state.clone()
     kv = torch.randn(2, state.shape[1], generator=g)
     plan = plan_decode(torch.tensor([5, 7]), torch.tensor([1, -1]), None, None, 4, ring)
@@ -79,35 +70,13 @@ def test_writes_stay_inside_addressed_rows():
     assert changed == [1 * 8 + 4]
 
 
-def _decode_args(ratio=4):
-    state, ape, ring, g = _setup(ratio)
-    kv = torch.randn(2, state.shape[1], generator=g)
-    plan = plan_decode(torch.tensor([4, 9]), torch.tensor([0, 1]), None, None, ratio, ring)
-    return {"state": state, "kv_score": kv, "ape": ape, "plan": plan, "ratio": ratio}
-
-
-DECODE_BAD_STRUCTURE = [
-    (lambda a: a.update(ratio=8), ValueError, "ratio"),
-    (lambda a: a.update(state=a["state"].half()), TypeError, "state"),
-    (lambda a: a.update(state=a["state"][:, :-1]), ValueError, "state"),
-    (lambda a: a.update(state=a["state"][:-1]), ValueError, "state"),
-    (lambda a: a.update(kv_score=a["kv_score"].double()), TypeError, "kv_score"),
-    (lambda a: a.update(kv_score=a["kv_score"][:, ::2]), ValueError, "kv_score"),
-    (lambda a: a.update(ape=a["ape"][:4]), ValueError, "ape"),
-    (lambda a: a.update(ape=a["ape"].bfloat16()), TypeError, "ape"),
-    (lambda a: a.update(ape=a["ape"].t().contiguous().t()), ValueError, "ape"),
-    (lambda a: a.update(plan=a["plan"].view(torch.int32)), TypeError, "plan"),
-    (lambda a: a.update(plan=a["plan"][:1]), ValueError, "plan"),
-    (lambda a: a.update(plan=a["plan"][:, :8].contiguous()), ValueError, "plan"),
-]
-
-
 @pytest.mark.parametrize("fake", [False, True])
-@pytest.mark.parametrize(("change", "err", "match"), DECODE_BAD_STRUCTURE)
-def test_decode_bad_inputs(change, err, match, fake):
+@pytest.mark.parametrize("case", DECODE_BAD_STRUCTURE, ids=lambda c: c[0])
+def test_decode_bad_inputs(case, fake):
     """The CPU impl and the fake impl share one check function: the fake used to accept a plan whose row count
     differs from kv_score's."""
-    args = _decode_args()
+    _, change, err, match = case
+    args = decode_args()
     change(args)
     with pytest.raises(err, match=match):
         call_op(ops.dsv4_compress_decode, args, fake)

@@ -32,6 +32,7 @@ from flashmla_cases import (
     _reference_result,
     _unused_slot,
     _written_mask,
+    structural_cases,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -201,134 +202,7 @@ def test_dequantize_rejects_out_of_range_slots(slot):
 # ---------------------------------------------------------------------------------------------- CPU: structure
 
 
-def _offset_copy(t, elements):
-    """A copy of `t` whose storage offset is `elements` (16-byte misaligned for small offsets)."""
-    buf = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)
-    view = buf[elements:].view(t.shape)
-    view.copy_(t)
-    return view
-
-
-def _structural_cases():
-    """(id, op, change(args) -> dict, exception, message regex): rules every impl (CPU, fake, CUDA) enforces."""
-    return [
-        (
-            "cache misaligned",
-            "fused_k_norm_rope_flashmla",
-            lambda a: {"kvcache": _offset_copy(a["kvcache"], 8)},
-            ValueError,
-            "kvcache must be 16-byte aligned",
-        ),
-        (
-            "store cache misaligned",
-            "store_flashmla_cache",
-            lambda a: {"kvcache": _offset_copy(a["kvcache"], 4)},
-            ValueError,
-            "kvcache must be 16-byte aligned",
-        ),
-        (
-            "freqs misaligned",
-            "fused_q_norm_rope",
-            lambda a: {"freqs": _offset_copy(a["freqs"], 2)},
-            ValueError,
-            "freqs must be 16-byte aligned",
-        ),
-        (
-            "page_size too large",
-            "fused_k_norm_rope_flashmla",
-            lambda a: {"page_size": 2**31},
-            ValueError,
-            r"page_size must be a power of two in \[1, 2\*\*30\]",
-        ),
-        (
-            "store page_size 2**62",
-            "store_flashmla_cache",
-            lambda a: {"page_size": 2**62},
-            ValueError,
-            r"page_size must be a power of two in \[1, 2\*\*30\]",
-        ),
-        (
-            "eps inf",
-            "fused_k_norm_rope_flashmla",
-            lambda a: {"eps": float("inf")},
-            ValueError,
-            "eps must be finite and >= 0",
-        ),
-        ("eps nan", "fused_q_norm_rope", lambda a: {"eps": float("nan")}, ValueError, "eps must be finite and >= 0"),
-        (
-            "eps negative",
-            "fused_norm_rope_inplace",
-            lambda a: {"eps": -1e-6},
-            ValueError,
-            "eps must be finite and >= 0",
-        ),
-        (
-            "weight_scale nan",
-            "fused_q_indexer_rope_hadamard_quant",
-            lambda a: {"weight_scale": float("nan")},
-            ValueError,
-            "weight_scale must be finite",
-        ),
-        (
-            "weight_scale inf",
-            "fused_q_indexer_rope_hadamard_quant",
-            lambda a: {"weight_scale": float("inf")},
-            ValueError,
-            "weight_scale must be finite",
-        ),
-        (
-            "weight_scale -inf",
-            "fused_q_indexer_rope_hadamard_quant",
-            lambda a: {"weight_scale": float("-inf")},
-            ValueError,
-            "weight_scale must be finite",
-        ),
-        (
-            "q_out broadcast",
-            "fused_q_norm_rope",
-            lambda a: {"q_out": a["q_out"][:1].expand_as(a["q_out"])},
-            ValueError,
-            "q_out must not overlap itself",
-        ),
-        (
-            "q_out heads overlap",
-            "fused_q_norm_rope",
-            lambda a: {"q_out": a["q_out"].as_strided(a["q_out"].shape, (HEADS * 512, 256, 1))},
-            ValueError,
-            "q_out must not overlap itself",
-        ),
-        (
-            "kv rows overlap",
-            "fused_norm_rope_inplace",
-            lambda a: {"kv": a["kv"].as_strided(a["kv"].shape, (256, 1))},
-            ValueError,
-            "kv must not overlap itself",
-        ),
-        (
-            "positions 2-D",
-            "fused_norm_rope_inplace",
-            lambda a: {"positions": a["positions"][:, None]},
-            ValueError,
-            "positions must have shape",
-        ),
-        (
-            "out_loc float",
-            "store_flashmla_cache",
-            lambda a: {"out_loc": a["out_loc"].float()},
-            TypeError,
-            "out_loc must have dtype",
-        ),
-        (
-            "indexer weight dtype",
-            "fused_q_indexer_rope_hadamard_quant",
-            lambda a: {"weight": a["weight"].float()},
-            TypeError,
-            "weight must have dtype",
-        ),
-    ]
-
-
-@pytest.mark.parametrize("case", _structural_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", structural_cases(), ids=lambda c: c[0])
 def test_structural_errors_cpu_and_fake(case):
     _, name, change, exc, match = case
     args = _inputs(name)
@@ -542,7 +416,7 @@ def test_cuda_strided_index_tensors(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", _structural_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", structural_cases(), ids=lambda c: c[0])
 def test_cuda_structural_errors_match_cpu(case):
     _, name, change, exc, match = case
     args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _inputs(name).items()}

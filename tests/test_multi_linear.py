@@ -2,20 +2,13 @@
 
 import pytest
 import torch
-from multi_linear_cases import fp64_formula
+from multi_linear_cases import MULTI_LINEAR_BAD_INPUTS, fp64_formula, multi_linear_bad_args
+from multi_linear_cases import multi_linear_case as _case
 
 import custom_ops  # noqa: F401
 from custom_ops.linear.multi_linear import multi_linear_reference
 
 op = torch.ops.dspark.multi_linear
-
-
-def _case(tokens=5, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, 24, generator=gen).to(dtype)
-    weights = [torch.randn(rows, 24, generator=gen).to(dtype) for rows in (40, 16, 9)]
-    biases = [None, torch.randn(16, generator=gen).to(dtype), torch.randn(9, generator=gen).to(dtype)]
-    return x, weights, [8, 0, 2], [16, 16, 7], biases
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 7, 300])
@@ -54,25 +47,10 @@ def test_opcheck():
     torch.library.opcheck(op, _case(tokens=0))
 
 
-@pytest.mark.parametrize(
-    ("mutate", "error", "match"),
-    [
-        (lambda a: a.__setitem__(0, a[0][0]), ValueError, "x must be 2-D"),
-        (lambda a: a.__setitem__(1, []), ValueError, "at least one"),
-        (lambda a: a.__setitem__(2, [8, 0]), ValueError, r"row_starts must hold one entry per weight \(3"),
-        (lambda a: a.__setitem__(3, [16, 17, 7]), ValueError, r"row_starts\[1\] = 0: rows \[0, 17\) of weights\[1\]"),
-        (lambda a: a.__setitem__(3, [16, -1, 7]), ValueError, r"row_counts\[1\] must be >= 0"),
-        (lambda a: a.__setitem__(0, a[0].int()), TypeError, "x must be bfloat16, float16 or float32"),
-        (lambda a: a[4].__setitem__(1, a[4][1].double()), TypeError, r"biases\[1\] dtype"),
-        (lambda a: a[1].__setitem__(0, a[1][0].double()), TypeError, r"weights\[0\] dtype"),
-        (lambda a: a[1].__setitem__(2, a[1][2][:, :5]), ValueError, r"weights\[2\] must be"),
-        (lambda a: a[4].__setitem__(1, a[4][1][:3]), ValueError, r"biases\[1\] must be"),
-    ],
-)
-def test_bad_inputs(mutate, error, match):
-    args = list(_case())
-    args[1], args[4] = list(args[1]), list(args[4])
-    mutate(args)
+@pytest.mark.parametrize("case", MULTI_LINEAR_BAD_INPUTS, ids=lambda c: c[0])
+def test_bad_inputs(case):
+    _, mutate, error, match, _ = case
+    args = multi_linear_bad_args(mutate)
     with pytest.raises(error, match=match):
         op(*args)
 

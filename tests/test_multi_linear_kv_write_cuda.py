@@ -18,6 +18,7 @@ import torch
 from multi_linear_cases import (
     BAD,
     BAD_CASES,
+    CUDA_ONLY_CASES,
     Case,
     Spec,
     bits,
@@ -431,70 +432,11 @@ def test_bad_arguments_raise_before_any_write(case):
     assert all(torch.equal(a, b) for a, b in zip(cache_bits(args), before, strict=True))
 
 
-CUDA_ONLY = Spec(tokens=6, layers=2, hidden=64, heads=2, head_dim=16, rot=8, dtype=torch.bfloat16)
-
-
-def _cache_view(a: dict, shape, strides, offset=0) -> torch.Tensor:
-    buf = torch.zeros(offset + 4096, dtype=a["x"].dtype, device=a["x"].device)
-    return buf.as_strided(shape, strides, offset)
-
-
-def _cuda_only_cases():
-    """(id, spec, change(args) or None, error class, a word the message must contain): inputs the CPU op accepts
-    and the CUDA op rejects."""
-    s = CUDA_ONLY
-    shape = (s.slots, s.heads, s.head_dim)
-    d = s.head_dim
-
-    def entry(name, i, make):
-        def change(a):
-            values = list(a[name])
-            values[i] = make(a)
-            return {name: values}
-
-        return change
-
-    return [
-        ("fp32 x", replace(s, dtype=torch.float32), None, TypeError, "x"),
-        ("K not a multiple of 8", replace(s, hidden=60), None, ValueError, "x"),
-        ("head_dim not a multiple of 8", replace(s, head_dim=12), None, ValueError, "head_dim"),
-        ("head_dim > 256", replace(s, heads=1, head_dim=264, rot=8), None, ValueError, "head_dim"),
-        (
-            "cache inner stride 2",
-            s,
-            entry("k_caches", 1, lambda a: _cache_view(a, shape, (2 * s.heads * d, 2 * d, 2))),
-            ValueError,
-            r"k_caches\[1\]",
-        ),
-        (
-            "cache storage offset not 16-byte aligned",
-            s,
-            entry("v_caches", 0, lambda a: _cache_view(a, shape, (s.heads * d, d, 1), offset=1)),
-            ValueError,
-            r"v_caches\[0\]",
-        ),
-        (
-            "cache head stride not 16-byte aligned",
-            s,
-            entry("k_caches", 0, lambda a: _cache_view(a, shape, (s.heads * (d + 4), d + 4, 1))),
-            ValueError,
-            r"k_caches\[0\]",
-        ),
-        (
-            "cache slot stride not 16-byte aligned",
-            s,
-            entry("v_caches", 1, lambda a: _cache_view(a, shape, (s.heads * d + 4, d, 1))),
-            ValueError,
-            r"v_caches\[1\]",
-        ),
-    ]
-
-
-@pytest.mark.parametrize("case", _cuda_only_cases(), ids=[c[0] for c in _cuda_only_cases()])
+@pytest.mark.parametrize("case", CUDA_ONLY_CASES, ids=[c[0] for c in CUDA_ONLY_CASES])
 def test_cuda_only_rules(case):
     """What only the kernel needs: bf16/fp16 x, K % 8 == 0, head_dim % 8 == 0 and <= 256, caches with unit inner
-    stride and 16-byte aligned head rows. The CPU op accepts these inputs; the CUDA op raises, naming the argument,
-    before anything is written."""
+    stride and 16-byte aligned head rows, contiguous norm weights, tables with unit inner stride. The CPU op accepts
+    these inputs; the CUDA op raises, naming the argument, before anything is written."""
     _, spec, change, error, name = case
     cpu = make_case(spec)
     if change is not None:

@@ -106,10 +106,19 @@ def check_index(name: str, t: object, ndim: int, device: torch.device | None = N
         check_device(name, t, device)
 
 
+def is_aligned(t: torch.Tensor, alignment: int) -> bool:
+    """Whether `t`'s first element is `alignment`-byte aligned, judged from its storage offset (torch's allocators
+    align every storage to at least 16 bytes, and a fake tensor has no address): the CUDA bindings check the
+    address itself, which agrees for every tensor torch allocated."""
+    return t.storage_offset() * t.element_size() % alignment == 0
+
+
 def check_plan(name: str, plan: object, width: int, device: torch.device) -> None:
     check_tensor(name, plan, (torch.uint8,))
     if plan.dim() != 2 or plan.shape[1] != width or not plan.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous [rows, {width}] uint8 tensor, got shape {tuple(plan.shape)}")
+    if not is_aligned(plan, width):
+        raise ValueError(f"{name}: expected a {width}-byte aligned plan")
     check_device(name, plan, device)
 
 
@@ -129,12 +138,12 @@ def check_matrix(name: str, t: object, cols: int, dtypes: tuple[torch.dtype, ...
 
 
 def check_head_dim(ape: object, rows: int) -> int:
-    """Validate `ape` (contiguous [rows, D] fp32, D in HEAD_DIMS) and return D."""
+    """Validate `ape` (contiguous, 16-byte aligned [rows, D] fp32, D in HEAD_DIMS) and return D."""
     check_tensor("ape", ape, (torch.float32,))
     if ape.dim() != 2 or ape.shape[0] != rows or ape.shape[1] not in HEAD_DIMS:
         raise ValueError(f"ape: expected shape [{rows}, D] with D in {HEAD_DIMS}, got {tuple(ape.shape)}")
-    if not ape.is_contiguous():
-        raise ValueError("ape: expected a contiguous tensor")
+    if not ape.is_contiguous() or not is_aligned(ape, 16):
+        raise ValueError("ape: expected a contiguous, 16-byte aligned tensor")
     return ape.shape[1]
 
 

@@ -42,6 +42,7 @@ from custom_ops.dsv4.common import (
     check_ratio,
     check_rows,
     check_tensor,
+    is_aligned,
     read_compress_plan,
     read_decode_plan,
 )
@@ -147,6 +148,11 @@ def check_store_args(
         raise ValueError(f"kvcache: expected a contiguous uint8 [pages, {width}] tensor, got {tuple(kvcache.shape)}")
     for name, t in (("norm_weight", norm_weight), ("freqs", freqs), ("out_loc", out_loc), ("kvcache", kvcache)):
         check_device(name, t, dev)
+    for name, t in (("kv", kv), ("norm_weight", norm_weight), ("freqs", freqs)):
+        if not is_aligned(t, 16):
+            raise ValueError(f"{name}: expected a 16-byte aligned tensor")
+    if not is_aligned(kvcache, 4):
+        raise ValueError("kvcache: expected a 4-byte aligned tensor")
     return d
 
 

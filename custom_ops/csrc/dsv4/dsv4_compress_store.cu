@@ -74,6 +74,7 @@ int64_t check_store_args(const at::Tensor& kv, const at::Tensor& plan, const at:
   TORCH_CHECK_TYPE(plan.scalar_type() == at::kByte, "plan: expected uint8, got ", plan.scalar_type());
   TORCH_CHECK_VALUE(plan.dim() == 2 && plan.size(1) == 16 && plan.is_contiguous(),
                     "plan: expected a contiguous [rows, 16] uint8 tensor, got shape ", dims(plan.sizes()));
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(plan.data_ptr()) % 16 == 0, "plan: expected a 16-byte aligned plan");
   check_on(plan, "plan", kv);
   TORCH_CHECK_VALUE(plan.size(0) == kv.size(0), "plan: expected ", num(kv.size(0)), " rows (one per kv row), got ",
                     num(plan.size(0)));
@@ -102,12 +103,10 @@ int64_t check_store_args(const at::Tensor& kv, const at::Tensor& plan, const at:
   check_on(kvcache, "kvcache", kv);
   for (const auto& [t, name] : {std::pair{&kv, "kv"}, {&norm_weight, "norm_weight"}, {&freqs, "freqs"}}) {
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name,
-                      ": expected a 16-byte aligned tensor (CUDA kernel)");
+                      ": expected a 16-byte aligned tensor");
   }
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(plan.data_ptr()) % 16 == 0,
-                    "plan: expected a 16-byte aligned tensor (CUDA kernel)");
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(kvcache.data_ptr()) % 4 == 0,
-                    "kvcache: expected a 4-byte aligned tensor (CUDA kernel)");
+                    "kvcache: expected a 4-byte aligned tensor");
   return d;
 }
 
