@@ -32,7 +32,9 @@ How a call reaches an implementation, and why:
   (`reference_key="CompositeExplicitAutograd"`): sync-free, fixed-shape torch ops that serve CPU and CUDA tensors
   alike. Such an op gets no entry (the reference holds that key); its reference serves CUDA tensors until the
   library is loaded, and the `CUDA` kernel takes precedence after.
-* An op without a reference (`_multi_linear_variant`, CUDA only) gets just the schema and the entry.
+* The CUDA-only debug ops (`_multi_linear_variant`, `_multi_linear_cublas`) register a CPU "reference" that only
+  raises `NotImplementedError` saying so, and no fake impl; an op without a reference would get just the schema
+  and the entry.
 
 Alternatives rejected: a pybind module called from a Python CUDA impl (Python overhead on every eager call and
 on every call from Inductor's wrapper); eager build at import (a minute of nvcc for users who never touch CUDA,
