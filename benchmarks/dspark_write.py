@@ -4,6 +4,7 @@
     python benchmarks/dspark_write.py --small                   # GPU check: tiny dims, bf16, T in {1, 8}
     python benchmarks/dspark_write.py --device cpu --small      # CPU check: tiny dims, fp32, T in {1, 8}
     (--configs qwen3-8b hd64 and --tokens 8 64 pick a subset)
+    python benchmarks/dspark_write.py --breakdown --configs qwen3-8b --tokens 8 64   # GPU: where the time goes
 
 Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
 slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
@@ -29,6 +30,10 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
   dspark path        the op the dspark passes lowered the layers' K/V to: multi_linear_kv_write (GEMM, k_norm, RoPE
                      and cache writes in one op) or multi_linear (one GEMM; norm, RoPE and writes left to Inductor),
                      read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes
+
+`--breakdown` (CUDA): for dspark_backend only, the CUDA-graph replay time per T (as in the table), the kernels of
+that graph with their durations when it is replayed after an L2 flush (as do_bench runs it; torch profiler), and the
+replay time of a graph of one trivial kernel in the same harness: replay = kernels + that harness cost.
 
 Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, torch.compile and dspark_backend are
 captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables
@@ -462,6 +467,33 @@ def report(runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dt
     return "\n".join(lines)
 
 
+def breakdown(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...]) -> list[str]:
+    """`--breakdown` lines of one config: replay time, its kernels after an L2 flush, and the harness cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = DraftKVWriter(cfg, "cuda").requires_grad_(False)
+    fn = torch.compile(model, backend=dspark_fx.dspark_backend)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
+    counter = torch.zeros(1, device="cuda")
+    trivial = median_us(graphed(counter.add_, (1,)), "cuda")
+    lines = [f"{label}: replay of a graph of one trivial kernel {trivial:.1f} µs"]
+    for tokens in tokens_list:
+        replay = graphed(fn, make_inputs(cfg, tokens, "cuda"))
+        total = median_us(replay, "cuda", **BENCH)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                flush.zero_()
+                replay()
+            torch.cuda.synchronize()
+        kernels = [
+            f"{e.key[:60]} {e.device_time_total / e.count:.1f} µs x{e.count // 5}"
+            for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= 5 and "elementwise" not in e.key
+        ]
+        lines.append(f"  T={tokens}: replay {total:.1f} µs; kernels after an L2 flush: " + "; ".join(kernels))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -469,7 +501,10 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", help="config keys to run (default: all of the chosen set)")
     parser.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 8 64 512 4096; --small: 1 8)")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
+    parser.add_argument("--breakdown", action="store_true", help="CUDA: where dspark_backend's replay time goes")
     args = parser.parse_args()
+    if args.breakdown and args.device != "cuda":
+        parser.error("--breakdown profiles CUDA kernels: it needs --device cuda")
     configs = SMALL_CONFIGS if args.small else CONFIGS
     keys = args.configs or list(configs)
     unknown = set(keys) - set(configs)
@@ -484,6 +519,17 @@ def main() -> None:
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, 64)
     torch.manual_seed(0)
+    if args.breakdown:
+        with torch.no_grad():
+            text = "\n".join(
+                line
+                for key in keys
+                for line in breakdown(configs[key][0], dataclasses.replace(configs[key][1], dtype=dtype), tokens_list)
+            )
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return
     start = time.perf_counter()
     ceilings = measure_ceilings(args.device, dtype)
     runs = []
