@@ -23,6 +23,14 @@ def _run_benchmark(script: str, out: Path, *args: str) -> str:
     return out.read_text()
 
 
+def test_dspark_write_breakdown_needs_cuda():
+    """`--breakdown` profiles CUDA kernels: on CPU it says so instead of failing somewhere inside."""
+    command = [sys.executable, "benchmarks/dspark_write.py", "--breakdown", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--breakdown profiles CUDA kernels" in result.stderr, result.stderr
+
+
 def test_dspark_write_small_cpu(tmp_path):
     report = _run_benchmark("dspark_write.py", tmp_path / "dspark_write.md")
     assert report.count("\n### small, head_dim") == 2
