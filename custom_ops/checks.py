@@ -1,4 +1,5 @@
-"""Value-range checks of the `dspark` ops: always on CPU, opt-in on CUDA (they need a host sync there).
+"""Value-range checks of the `dspark` ops: always on CPU, opt-in on CUDA (they need a host sync there); and
+`is_aligned`, the alignment test the families' structural checks share.
 
 The contract (docs/contract.md): structural checks (types, dtypes, shapes, strides, devices, scalar arguments)
 always raise before anything is modified, on every device. Index *values* (slots, positions, request ids) are
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_index_range", "checks", "checks_enabled", "must_check_values", "set_checks"]
+__all__ = ["check_index_range", "checks", "checks_enabled", "is_aligned", "must_check_values", "set_checks"]
 
 _enabled = os.environ.get("DSPARK_CHECKS", "0").strip().lower() not in ("", "0", "false", "off", "no")
 _native: ctypes.CDLL | None = None
@@ -93,3 +94,10 @@ def check_index_range(
         where = bad.nonzero()[0].tolist()
         label = ", ".join(str(i) for i in where)
         raise ValueError(f"{name}[{label}] = {int(values[tuple(where)])} is out of range: {what}")
+
+
+def is_aligned(t: torch.Tensor, alignment: int) -> bool:
+    """Whether `t`'s first element is `alignment`-byte aligned, judged from its storage offset (torch's allocators
+    align every storage to at least 16 bytes, and a fake tensor has no address): the CUDA bindings check the
+    address itself, which agrees for every tensor torch allocated, so CPU, fake and CUDA raise alike."""
+    return t.storage_offset() * t.element_size() % alignment == 0

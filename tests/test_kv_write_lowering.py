@@ -149,15 +149,7 @@ def test_writes_without_norm_or_rope_lower_too():
             for i, lin in enumerate(self.lins):
                 getattr(self, f"c{i}")[loc] = lin(x).view(-1, 2, 8)
 
-    torch._dynamo.reset()
-    model = Plain()
-    compiled_model = copy.deepcopy(model)
-    capture = CaptureBackend(ALWAYS)
-    with torch.no_grad():
-        x, loc = torch.randn(5, 32), torch.tensor([3, 0, 19, 7, 11])
-        model(x, loc)
-        torch.compile(compiled_model, backend=capture)(x, loc)
-    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    capture = _five_tokens_eager_vs_compiled(Plain())
     args = _op_node(capture.after[-1]).args
     assert args[8] == [] and args[9] == [] and op_counts(capture.after[-1])[OP] == 1
 
@@ -244,6 +236,20 @@ def test_auto_on_cpu_leaves_the_graph_exactly_as_today_and_says_why():
     assert graphs["auto"] == graphs["never"]
 
 
+def _five_tokens_eager_vs_compiled(model: torch.nn.Module) -> CaptureBackend:
+    """`model(x, loc)` for 5 tokens, eagerly and compiled on a copy (always lowering); the caches agree. Returns the
+    capture."""
+    torch._dynamo.reset()
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    with torch.no_grad():
+        x, loc = torch.randn(5, 32), torch.tensor([3, 0, 19, 7, 11])
+        model(x, loc)
+        torch.compile(compiled_model, backend=capture)(x, loc)
+    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    return capture
+
+
 def _kept(capture) -> str:
     assert not capture.report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
     assert all(r.n_groups == 1 for r in capture.reports), "the horizontal fusion still fuses the GEMMs"
@@ -315,15 +321,7 @@ def test_head_layouts_differing_across_layers_keep_todays_path():
                 cache = getattr(self, f"c{i}")
                 cache[loc] = lin(x).view(-1, *cache.shape[1:])
 
-    torch._dynamo.reset()
-    model = TwoLayouts()
-    compiled_model = copy.deepcopy(model)
-    capture = CaptureBackend(ALWAYS)
-    with torch.no_grad():
-        x, loc = torch.randn(5, 32), torch.tensor([3, 0, 19, 7, 11])
-        model(x, loc)
-        torch.compile(compiled_model, backend=capture)(x, loc)
-    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    capture = _five_tokens_eager_vs_compiled(TwoLayouts())
     assert "the caches or heads differ across layers" in _kept(capture)
 
 

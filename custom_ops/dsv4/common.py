@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from custom_ops.checks import is_aligned
+
 FLT_MAX = torch.finfo(torch.float32).max
 HEAD_DIMS = (128, 512)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -104,13 +106,6 @@ def check_index(name: str, t: object, ndim: int, device: torch.device | None = N
         raise ValueError(f"{name}: expected {ndim}-D, got shape {tuple(t.shape)}")
     if device is not None:
         check_device(name, t, device)
-
-
-def is_aligned(t: torch.Tensor, alignment: int) -> bool:
-    """Whether `t`'s first element is `alignment`-byte aligned, judged from its storage offset (torch's allocators
-    align every storage to at least 16 bytes, and a fake tensor has no address): the CUDA bindings check the
-    address itself, which agrees for every tensor torch allocated."""
-    return t.storage_offset() * t.element_size() % alignment == 0
 
 
 def check_plan(name: str, plan: object, width: int, device: torch.device) -> None:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from custom_ops._library import register_op
-from custom_ops.checks import check_index_range
+from custom_ops.checks import check_index_range, is_aligned
 from custom_ops.dsv4.common import (
     check_device,
     check_index,
@@ -42,7 +42,6 @@ from custom_ops.dsv4.common import (
     check_ratio,
     check_rows,
     check_tensor,
-    is_aligned,
     read_compress_plan,
     read_decode_plan,
 )

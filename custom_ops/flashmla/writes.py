@@ -31,7 +31,7 @@ import math
 import torch
 
 from custom_ops._library import register_op
-from custom_ops.checks import check_index_range
+from custom_ops.checks import check_index_range, is_aligned
 from custom_ops.layouts.fp8 import (
     FP8_MAX,
     HEAD_DIM,
@@ -95,9 +95,8 @@ def _inner_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def _aligned16(name: str, t: torch.Tensor) -> None:
-    """The kernels read `freqs` and write `kvcache` with 16-byte accesses. Checked through the storage offset (the
-    allocators align every storage to at least 64 bytes), so CPU, fake and CUDA tensors agree."""
-    if t.storage_offset() * t.element_size() % 16:
+    """The kernels read `freqs` and write `kvcache` with 16-byte accesses (`is_aligned`: CPU, fake and CUDA agree)."""
+    if not is_aligned(t, 16):
         raise ValueError(f"{name} must be 16-byte aligned, got a storage offset of {t.storage_offset()} elements")
 
 
