@@ -45,10 +45,12 @@ static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kM
 constexpr int64_t kBatchedMaxTokens = 512;
 
 // Whether a call with `tokens` rows of x over `runs` row ranges (after merging adjacent ones) of `rows` rows in all
-// takes the kernel; `all_batched`: the cuBLAS path would batch every range (see batches_every_run).
-bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, bool all_batched) {
+// takes the kernel; `all_batched()`: the cuBLAS path would batch every range (see batches_every_run), asked only when
+// the answer matters (8 < tokens <= 32, several ranges), so a decode call does not group its ranges by shape.
+template <typename AllBatched>
+bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, AllBatched&& all_batched) {
   if (tokens <= kTokenThreshold) return true;
-  return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs && !all_batched;
+  return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs && !all_batched();
 }
 
 // ------------------------------------------------------------------------------------------------ checks
@@ -274,7 +276,7 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   if (out.numel() == 0) return out;
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   const int64_t rows = out.size(1);
-  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, batches_every_run(x, runs)) &&
+  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, [&] { return batches_every_run(x, runs); }) &&
       kernel_blocker(x, runs) == nullptr) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
@@ -330,7 +332,7 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
                                                                                       int64_t rows, int all_batched) {
-  return dspark::mlinear::kernel_pays(tokens, runs, rows, all_batched != 0) ? 1 : 0;
+  return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_batched_max_tokens() {
