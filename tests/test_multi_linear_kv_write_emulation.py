@@ -69,7 +69,7 @@ static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, i
 
 template <typename T, int V, int NT>
 static void fused(const KvWriteArgs& args, int64_t rows, int split) {
-  constexpr Variant v = kVariants[V == 4 ? 4 : 0];
+  constexpr Variant v = fused_variant(V);
   auto kernel = &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>;
   const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
   run_grid<KvWriteArgs>(kernel, args, tiles, split, cta_threads(v), v.row_warps, v.k_warps,
@@ -80,18 +80,19 @@ struct HeadsArgs {
   KvWrite kv;
   const void* projections;
   int64_t ld;
-  int tokens, layers;
+  int tokens, layers, heads_per_warp;
 };
 
 template <typename T, int V>
 static void heads_entry(HeadsArgs a) {
-  kv_write_heads_kernel<T, V>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers);
+  kv_write_heads_kernel<T, V>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
+                              a.heads_per_warp);
 }
 
 template <typename T, int V>
 static void heads(const HeadsArgs& a) {
-  const int64_t units = int64_t(a.tokens) * 2 * a.layers;
-  run_grid<HeadsArgs>(&heads_entry<T, V>, a, (units + kHeadWarps - 1) / kHeadWarps, 1, 32 * kHeadWarps, 1, 1, 64);
+  run_grid<HeadsArgs>(&heads_entry<T, V>, a, heads_blocks(a.tokens, a.layers, a.kv.heads, a.heads_per_warp), 1,
+                      32 * kHeadWarps, 1, 1, 64);
 }
 
 template <typename T>
@@ -111,7 +112,8 @@ static void dispatch(int fused_path, int split, const KvWriteArgs& args, const H
   }
 }
 
-// ints: bf16, fused, split, tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
+// ints: bf16, fused, split (fused) or heads per warp (heads kernel), tokens, k, layers, heads, head_dim, has_norm,
+//       rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
 extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* const* ptrs, const int64_t* strides,
                              const float* eps) {
@@ -167,7 +169,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   kv.commit_int64 = ints[15];
   kv.slots = longs[5];
   kv.wrap_negative = static_cast<int>(longs[7]);
-  const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers};
+  const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers, split};
   if (bf16) dispatch<__nv_bfloat16>(fused_path, split, args, h); else dispatch<__half>(fused_path, split, args, h);
 }
 """
@@ -246,8 +248,9 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
-    """Run the fused kernel or (with the projections of the GEMM path, rounded to x's dtype) the heads kernel."""
+def _emulate(emu, a: dict, *, fused: bool, split: int = 1, heads_per_warp: int = 4) -> None:
+    """Run the fused kernel (clusters of `split` CTAs) or, with the projections of the GEMM path rounded to x's
+    dtype, the heads kernel (`heads_per_warp` heads per warp)."""
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
     keep = []  # tensors whose pointers the driver reads
 
@@ -293,7 +296,7 @@ def _emulate(emu, a: dict, *, fused: bool, split: int = 1) -> None:
     ints = [
         int(a["x"].dtype == torch.bfloat16),
         int(fused),
-        split,
+        split if fused else heads_per_warp,
         a["x"].shape[0],
         a["x"].shape[1],
         layers,
@@ -336,14 +339,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _check(emu, spec: Spec, *, fused: bool, split: int = 1, seed: int = 0, edit=None) -> None:
+def _check(emu, spec: Spec, *, fused: bool, split: int = 1, heads_per_warp: int = 4, seed: int = 0, edit=None) -> None:
     """Emulate the kernel on one case and the reference on an identical one; `edit(got, want)` may change both."""
     got = _case(spec, seed)
     want = _case(spec, seed)
     if edit is not None:
         edit(got, want)
     before = [_bits(c.clone()) for c in got["k_caches"] + got["v_caches"]]
-    _emulate(emu, got, fused=fused, split=split)
+    _emulate(emu, got, fused=fused, split=split, heads_per_warp=heads_per_warp)
     want_caches = [c.clone() for c in want["k_caches"] + want["v_caches"]]
     ref_args = {**want, "k_caches": want_caches[: spec.layers], "v_caches": want_caches[spec.layers :]}
     multi_linear_kv_write_reference(**ref_args)
@@ -393,6 +396,16 @@ def test_heads_kernel(emu, head_dim, rot, neox):
     rotary, both RoPE styles, a commit mask, several heads per layer."""
     spec = Spec(tokens=7, heads=3, head_dim=head_dim, rot=rot, neox=neox, commit=True)
     _check(emu, spec, fused=False)
+
+
+@pytest.mark.parametrize("heads_per_warp", [4, 12])
+@pytest.mark.parametrize("heads", [4, 5, 9])
+def test_heads_kernel_heads_per_warp(emu, heads, heads_per_warp):
+    """Heads split over warps of 4 (small T: 5 and 9 heads leave a last warp with one head, whose missing heads are
+    neither read nor written) or one warp for all of a segment's heads in batches of 4 (9 heads: a last batch of
+    one)."""
+    spec = Spec(tokens=5, heads=heads, head_dim=32, rot=32, commit=True)
+    _check(emu, spec, fused=False, heads_per_warp=heads_per_warp, seed=heads)
 
 
 def test_heads_kernel_fp16_without_norm(emu):

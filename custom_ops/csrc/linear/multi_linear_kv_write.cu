@@ -24,16 +24,13 @@ namespace mlinear {
 namespace {
 
 constexpr const char* kOp = "multi_linear_kv_write: ";
-// Up to this many tokens the fused kernel runs (H200, Qwen3-8B draft dims: 29 us at 8 tokens against 48 us for the
-// per-layer GEMMs alone); beyond, the GEMM path (dspark::multi_linear picks its kernel or cuBLAS) and the heads
-// kernel, because the 128-row tiles that hold a head of 128 lose to the GEMM's own tiles from 32 tokens on.
+// Up to this many tokens the fused kernel runs; beyond, the GEMM path (dspark::multi_linear picks its kernel or
+// cuBLAS) and the heads kernel. H200, Qwen3-8B draft dims, CUDA-graph replay of the op alone: fused 36.4 / 37.9 us at
+// 8 / 16 tokens against 41.5 / 39.6 for the GEMM path; at 32 tokens the best fused tiling took 48.5 against 40.1,
+// because one head per tile leaves the GEMM with 80 tiles where the GEMM path's own tiles fill the GPU.
 constexpr int kFusedMaxTokens = 16;
 
-// The tile configurations of the fused kernel (kVariants indices): one head per tile, 64 rows for head_dim 64,
-// 128 rows (4 x 2 warps) for head_dim 128.
-constexpr int kVariant64 = 0, kVariant128 = 4;
-static_assert(cta_rows(kVariants[kVariant64]) == 64 && cta_rows(kVariants[kVariant128]) == 128,
-              "a fused tile is one head");
+static_assert(cta_rows(fused_variant(2)) == 64 && cta_rows(fused_variant(4)) == 128, "a fused tile is one head");
 static_assert(kFusedMaxTokens <= 16, "the fused kernel is compiled for 1 and 2 token tiles");
 
 using TensorList = at::TensorList;
@@ -425,7 +422,7 @@ Projection projection(const Call& c, size_t first, size_t count) {
 
 template <typename T, int V, int NT>
 void launch_fused_instance(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
-  constexpr Variant v = kVariants[V == 4 ? kVariant128 : kVariant64];
+  constexpr Variant v = fused_variant(V);
   const int split = auto_split(v, rows, args.gemm.k, device_attribute(cudaDevAttrMultiProcessorCount, device));
   const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
   launch(&multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>, args,
@@ -477,20 +474,20 @@ void run_fused(const Call& c, const at::Tensor& x) {
 template <typename T, int V>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  const int64_t units = static_cast<int64_t>(tokens) * 2 * layers;  // one warp per (token, layer, K or V)
-  const int64_t blocks = (units + kHeadWarps - 1) / kHeadWarps;
+  const int per_warp =
+      heads_per_warp(tokens, layers, kv.heads, device_attribute(cudaDevAttrMultiProcessorCount, device));
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.gridDim = dim3(static_cast<unsigned>(heads_blocks(tokens, layers, kv.heads, per_warp)));
   config.blockDim = dim3(32 * kHeadWarps);
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
   config.numAttrs = 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, V>, kv,
                                     static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
-                                    layers));
+                                    layers, per_warp));
 }
 
 // The GEMM through dspark::multi_linear (its own kernel or cuBLAS) into a [T, 2 N kv] buffer, then the heads kernel.

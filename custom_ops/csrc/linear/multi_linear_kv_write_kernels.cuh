@@ -13,7 +13,7 @@
 //     memory in fp32, and the epilogue writes each token's head straight into the cache (one warp per token):
 //     nothing but the weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim 64, 128 or 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer
-//     and does the same per-unit work, one warp per (token, head).
+//     and does the same per-unit work, one warp per (token, layer, K or V) or, at small T, per group of 4 of its heads.
 //
 // Per (token, head) unit, in fp32 (each lane holds V = head_dim / 32 consecutive elements): the token's slot
 // (cache_loc, or cache_loc_2d and commit_lens) and, with RoPE, its position; a negative or out-of-range slot, a
@@ -30,6 +30,11 @@ namespace mlinear {
 
 constexpr int kMaxLayers = kMaxSegments / 2;  // layers per launch: two GEMM segments (K, V) each
 constexpr int kHeadWarps = 8;                 // warps per CTA of the heads kernel
+
+// The fused kernel's tile for head_dim 32 V: one head, V row warps of 2 m-tiles (16 * 2 * V = 32 V rows), 4 k-warps,
+// 4 stages. On the H200 (Qwen3-8B draft dims, 80 heads, T 1..16) 4 k-warps were 8-10 % faster than 2 (more loads in
+// flight per SM); a cluster split did not pay while the heads give more than half the SMs a CTA (auto_split).
+__host__ __device__ constexpr Variant fused_variant(int v) { return Variant{2, v, 4, 4}; }
 
 // What the epilogue needs besides the GEMM: where each layer's K (kind 0) and V (kind 1) rows go and how K is normed
 // and rotated. Index tensors are addressed through their strides; a flag says int64 (else int32).
@@ -376,26 +381,72 @@ struct KvWriteEpilogue {
   }
 };
 
-// The heads kernel: each warp writes the heads of one (token, layer, K or V) from `projections` [T, ld] (the GEMM's
-// rows: segment 2 layer + kind of heads * head_dim rows; head_dim <= 32 V). What the heads share (slot, position,
-// cos/sin factors, norm weights) is loaded once per warp; the heads' projections kHeadBatch at a time, ahead of the
-// stores.
+// The heads kernel: each warp writes `heads_per_warp` heads (the last warp of a segment fewer) of one (token, layer,
+// K or V) from `projections` [T, ld] (the GEMM's rows: segment 2 layer + kind of heads * head_dim rows; head_dim <=
+// 32 V), kHeadBatch heads' loads at a time. After the dependency wait a warp issues its first batch of projections
+// with the token's indices and the norm weight; only the cos/sin row waits for the position. Nothing is loaded before
+// the wait: the kernel before this one may be cuBLAS, which promises nothing about when a dependent launch starts.
 constexpr int kHeadBatch = 4;
+// Below this many warps per SM with one warp per (token, layer, K or V), the heads are split over warps of
+// kHeadBatch heads. H200, CUDA-graph replay of the op (GEMM path), split vs not: Qwen3-8B draft (8 heads of 128)
+// 38.1 vs 41.1 us at T = 64, equal at T = 512, 557 vs 562 at T = 4096; 16 heads of 64 (hidden 7168): 55.0 vs 59.6 at
+// T = 64, 126.4 vs 129.0 at T = 512, but 948.6 vs 914.0 at T = 4096, where every warp reloading the token's indices,
+// cos/sin row and norm weight for 4 of the 16 heads costs more than the extra warps bring. T = 512 gives 5120 such
+// warps (39 per SM), T = 4096 40960 (310 per SM).
+constexpr int kSplitHeadsBelowWarpsPerSm = 128;
+
+// Heads per warp of the heads kernel: kHeadBatch while the segments alone give fewer than
+// kSplitHeadsBelowWarpsPerSm warps per SM, else all of a segment's heads (rounded up to a batch).
+inline int heads_per_warp(int tokens, int layers, int heads, int sm_count) {
+  const int64_t segment_warps = static_cast<int64_t>(tokens) * 2 * layers;
+  if (segment_warps < static_cast<int64_t>(kSplitHeadsBelowWarpsPerSm) * sm_count) return kHeadBatch;
+  return (heads + kHeadBatch - 1) / kHeadBatch * kHeadBatch;
+}
+
+// Warps (units) of the heads kernel and its CTAs.
+__host__ __device__ inline int64_t heads_units(int tokens, int layers, int heads, int per_warp) {
+  return static_cast<int64_t>(tokens) * 2 * layers * ((heads + per_warp - 1) / per_warp);
+}
+__host__ __device__ inline int64_t heads_blocks(int tokens, int layers, int heads, int per_warp) {
+  return (heads_units(tokens, layers, heads, per_warp) + kHeadWarps - 1) / kHeadWarps;
+}
+
+// kHeadBatch heads' projections from h0 on (zeros for heads past `heads` and lanes past head_dim).
+template <typename T, int V>
+__device__ __forceinline__ void load_heads(const T* src, int h0, int heads, int head_dim, bool active,
+                                           float (&v)[kHeadBatch][V]) {
+#pragma unroll
+  for (int h = 0; h < kHeadBatch; ++h) {
+    if (active && h0 + h < heads) {
+      load_row<T, V>(src + (h0 + h) * head_dim, v[h]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[h][i] = 0.f;
+    }
+  }
+}
 
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kHeadWarps)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
-                          int layers) {
+                          int layers, int heads_per_warp) {
   __shared__ float scratch[kHeadWarps][32 * V];
   pdl_wait();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int e0 = lane * V;
-  const int segments = 2 * layers;
-  const int u = static_cast<int>(blockIdx.x) * kHeadWarps + warp;  // < tokens * segments < 2^31 (the binding checks)
-  if (u >= tokens * segments) return;
-  const int token = u / segments, segment = u - token * segments;
+  const int groups = (kv.heads + heads_per_warp - 1) / heads_per_warp;
+  const int per_token = 2 * layers * groups;
+  const int u = static_cast<int>(blockIdx.x) * kHeadWarps + warp;  // < heads_units < 2^31 (the binding checks)
+  if (u >= tokens * per_token) return;
+  const int token = u / per_token, rest = u - token * per_token;
+  const int segment = rest / groups, first = (rest - segment * groups) * heads_per_warp;
+  const int last = first + heads_per_warp < kv.heads ? first + heads_per_warp : kv.heads;
   const int layer = segment >> 1, kind = segment & 1;
   const int b = token / kv.width, j = token - b * kv.width;
+  const bool active = e0 < kv.head_dim;
+  const T* src = projections + token * ld + static_cast<int64_t>(segment) * kv.heads * kv.head_dim + e0;
+  float v[kHeadBatch][V];
+  load_heads<T, V>(src, first, last, kv.head_dim, active, v);
   const int64_t commit =
       kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
   const int64_t slot =
@@ -404,34 +455,25 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
       kv.has_rope ? wrapped(load_index(kv.positions, token * kv.positions_stride, kv.positions_int64),
                             kv.position_limit, kv.wrap_negative)
                   : 0;
-  if (j >= commit || slot < 0 || slot >= kv.slots) return;
-  if (kv.has_rope && (pos < 0 || pos >= kv.position_limit)) return;
   float g[V], c[V], sn[V];
   load_weight<T, V>(kind == 0 && kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim,
                     g);
+  if (j >= commit || slot < 0 || slot >= kv.slots) return;
+  if (kv.has_rope && (pos < 0 || pos >= kv.position_limit)) return;
   const bool rope = kind == 0 && kv.has_rope;
   load_rope<V>(kv, rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr, rope ? e0 : 1 << 30, c, sn);
-  const T* src = projections + token * ld + static_cast<int64_t>(segment) * kv.heads * kv.head_dim + e0;
   T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
   const int64_t head_stride = kv.head_stride[kind][layer];
-  const float eps = kv.eps[layer];
-  const bool active = e0 < kv.head_dim;
-  for (int h0 = 0; h0 < kv.heads; h0 += kHeadBatch) {
-    float v[kHeadBatch][V];
+  for (int h0 = first;;) {
 #pragma unroll
     for (int h = 0; h < kHeadBatch; ++h) {
-      if (active && h0 + h < kv.heads) {
-        load_row<T, V>(src + (h0 + h) * kv.head_dim, v[h]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) v[h][i] = 0.f;
-      }
+      if (h0 + h >= last) break;
+      emit_head<T, V>(kv, kind == 0, kv.eps[layer], g, c, sn, v[h], scratch[warp], dst + (h0 + h) * head_stride,
+                      lane);
     }
-#pragma unroll
-    for (int h = 0; h < kHeadBatch; ++h) {
-      if (h0 + h >= kv.heads) break;
-      emit_head<T, V>(kv, kind == 0, eps, g, c, sn, v[h], scratch[warp], dst + (h0 + h) * head_stride, lane);
-    }
+    h0 += kHeadBatch;
+    if (h0 >= last) break;
+    load_heads<T, V>(src, h0, last, kv.head_dim, active, v);
   }
 }
 
