@@ -26,6 +26,8 @@
 
 #include <cstdint>
 
+#include "common/pdl.cuh"
+
 namespace dspark {
 namespace dsv4 {
 
@@ -115,23 +117,6 @@ __device__ __forceinline__ void set(float4& v, int k, float x) {
   else if (k == 1) v.y = x;
   else if (k == 2) v.z = x;
   else v.w = x;
-}
-
-// ------------------------------------------------------------------------------------------------ PDL
-
-// Programmatic dependent launch (sm_90+; both are no-ops when the kernel was launched without the attribute). Every
-// kernel here waits for the previous kernel's memory before its first global access, and lets the next kernel
-// start launching once its own loads are issued (triggering at kernel start measured slower on H200).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_next() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 // ------------------------------------------------------------------------------------------------ arguments

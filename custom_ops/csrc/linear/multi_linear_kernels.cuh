@@ -55,6 +55,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/pdl.cuh"
+
 namespace dspark {
 namespace mlinear {
 
@@ -241,20 +243,6 @@ __device__ __forceinline__ void group_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 #elif defined(DSPARK_KERNEL_EMULATION)
   emu_group_barrier(id, threads);
-#endif
-}
-
-// Programmatic dependent launch (sm_90+, no-ops without the launch attribute): wait for the previous kernel's
-// memory before the first global read; let the next kernel start launching once all weight loads are issued.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_next() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
