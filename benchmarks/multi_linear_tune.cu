@@ -22,18 +22,11 @@
 #include <vector>
 
 #include "linear/multi_linear_kernels.cuh"
+#include "tune_common.cuh"
 
 using namespace dspark::mlinear;
+using tune::launch;
 using T = __nv_bfloat16;
-
-#define CHECK(x)                                                                                     \
-  do {                                                                                               \
-    cudaError_t e = (x);                                                                             \
-    if (e != cudaSuccess) {                                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));         \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 struct Config {
   std::string name;
@@ -58,16 +51,6 @@ std::vector<Config> all_configs(std::integer_sequence<int, V...>) {
   return {make_config<V>()...};
 }
 
-__global__ void fill_kernel(T* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.25f);
-  }
-}
-
 __global__ void reference_kernel(const T* x, const T* w, int tokens, int k, int64_t rows, float* out) {
   const int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (r >= rows) return;
@@ -78,75 +61,11 @@ __global__ void reference_kernel(const T* x, const T* w, int tokens, int k, int6
   }
 }
 
-// Pure read of `bytes` (16-byte loads, 8 in flight per thread); the xor keeps the loads alive.
-__global__ void read_kernel(const uint4* p, int64_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  for (; i + 7 * stride < n; i += 8 * stride) {
-    uint4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = __ldcs(p + i + j * stride);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  for (; i < n; i += stride) {
-    const uint4 v = p[i];
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) *sink = acc;
-}
-
 struct Group {
   std::string name;
   std::vector<int64_t> rows;
   int k;
 };
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median over 7 runs of `reps` x `copies` back-to-back calls; returns microseconds per call.
-template <typename F>
-float time_calls(F&& call, int copies, int reps) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < copies; ++i) call(i);
-  std::vector<float> runs;
-  for (int run = 0; run < 7; ++run) {
-    CHECK(cudaEventRecord(a));
-    for (int r = 0; r < reps; ++r)
-      for (int i = 0; i < copies; ++i) call(i);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    runs.push_back(1e3f * ms / (reps * copies));
-  }
-  CHECK(cudaGetLastError());
-  return median(runs);
-}
-
-void launch(KernelFn fn, const Params& p, int64_t blocks, int threads, int smem, int split) {
-  if (smem > 48 * 1024) CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaLaunchAttribute attrs[2] = {};
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = 1;
-  attrs[1].id = cudaLaunchAttributeClusterDimension;
-  attrs[1].val.clusterDim.x = split;
-  attrs[1].val.clusterDim.y = 1;
-  attrs[1].val.clusterDim.z = 1;
-  cudaLaunchConfig_t c{};
-  c.gridDim = dim3((unsigned)blocks);
-  c.blockDim = dim3(threads);
-  c.dynamicSmemBytes = smem;
-  c.attrs = attrs;
-  c.numAttrs = 2;
-  CHECK(cudaLaunchKernelEx(&c, fn, p));
-}
 
 int main() {
   int sms = 0;
@@ -165,7 +84,7 @@ int main() {
   void *src, *dst;
   CHECK(cudaMalloc(&src, copy_bytes));
   CHECK(cudaMalloc(&dst, copy_bytes));
-  const float copy_us = time_calls([&](int) { CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 1, 3);
+  const float copy_us = tune::warm_us([&](int) { CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 1, 3);
   const double copy_rate = 2.0 * copy_bytes / (copy_us * 1e-6);
   CHECK(cudaFree(src));
   CHECK(cudaFree(dst));
@@ -175,7 +94,7 @@ int main() {
   const int64_t max_tokens = 64;
   T* x;
   CHECK(cudaMalloc(&x, max_tokens * 12288 * sizeof(T)));
-  fill_kernel<<<256, 256>>>(x, max_tokens * 12288, 7);
+  tune::fill_kernel<<<256, 256>>>(x, max_tokens * 12288, 7, 0.25f);
   for (const Group& g : groups) {
     int64_t rows = 0;
     for (auto r : g.rows) rows += r;
@@ -184,10 +103,10 @@ int main() {
     std::vector<T*> w(copies);
     for (int i = 0; i < copies; ++i) {
       CHECK(cudaMalloc(&w[i], group_bytes));
-      fill_kernel<<<1024, 256>>>(w[i], rows * g.k, 100 + i);
+      tune::fill_kernel<<<1024, 256>>>(w[i], rows * g.k, 100 + i, 0.25f);
     }
-    const float read_us = time_calls(
-        [&](int i) { read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], group_bytes / 16, sink); }, copies, 5);
+    const float read_us = tune::warm_us(
+        [&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], group_bytes / 16, sink); }, copies, 5);
     std::printf("\n## %s: %.1f MB, read ceiling %.2f us = %.2f TB/s (%.0f%% of copy)\n", g.name.c_str(),
                 group_bytes / 1e6, read_us, group_bytes / (read_us * 1e-6) / 1e12,
                 100.0 * group_bytes / (read_us * 1e-6) / copy_rate);
@@ -246,7 +165,7 @@ int main() {
             line += " split" + std::to_string(split) + "=WRONG";
             continue;
           }
-          const float us = time_calls(
+          const float us = tune::warm_us(
               [&](int i) { launch(c.fn[nt], params(i), tiles * split, cta_threads(c.v), smem, split); }, copies, 5);
           char buf[64];
           std::snprintf(buf, sizeof(buf), " s%d %.1f", split, us);
