@@ -6,7 +6,8 @@
 #   sanitize  scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and synccheck
 #             (every tensor its own allocation); each tool's summary goes to $OUT/sanitize.txt
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep]   (logs under $OUT, default ./gpu_out)
+#   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
+# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune]   (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 } 2>&1 | tee "$OUT/env.txt"
 status=0
-if [ "$what" != bench ]; then
+if [ "$what" != bench ] && [ "$what" != tune ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
 fi
 case "$what" in
@@ -35,6 +36,13 @@ case "$what" in
     python3 benchmarks/multi_linear.py --sweep --out "$OUT/multi_linear_sweep.md" 2>&1 |
       tee "$OUT/multi_linear_sweep.log" || status=1
     ;;
+  tune)
+    for src in benchmarks/${TUNE:-*}_tune.cu; do
+      name=$(basename "$src" .cu)
+      { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc "$src" -o "/tmp/$name" &&
+        "/tmp/$name"; } 2>&1 | tee "$OUT/$name.log" || status=1
+    done
+    ;;
   tests | bench | all)
     if [ "$what" != bench ]; then
       python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
@@ -47,7 +55,7 @@ case "$what" in
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|tune)" >&2
     exit 2
     ;;
 esac

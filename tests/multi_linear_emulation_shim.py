@@ -1,9 +1,10 @@
 """Host emulation of the multi_linear CUDA kernels (torch-free headers compiled with g++ and
 `DSPARK_KERNEL_EMULATION`): one OS thread per CUDA thread, barriers for `__syncthreads`, `__syncwarp`, named
 barriers and the cluster barrier, distributed shared memory as an array of the cluster's CTA buffers (poisoned with
-NaN bytes), the asynchronous copies done synchronously, warp shuffles through a per-warp exchange row, and
-`mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes' fragments with the PTX
-ISA's fragment tables (written here independently of the kernel). Used by tests/test_multi_linear_emulation.py and
+NaN bytes), the asynchronous copies done synchronously, mbarriers as a locked table of phase counters (bulk
+copies done at once), warp shuffles through a per-warp exchange row, and `mma.sync.m16n8k16` as a warp-collective
+exchange that rebuilds A and B from the 32 lanes' fragments with the PTX ISA's fragment tables (written here
+independently of the kernel). Used by tests/test_multi_linear_emulation.py and
 tests/test_multi_linear_kv_write_emulation.py.
 """
 
@@ -18,12 +19,18 @@ from pathlib import Path
 import pytest
 
 CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
+# Headers of the benchmark programs (experimental/...: kernels no op uses yet), included as "experimental/..."
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 SHIM = {
     "cuda_runtime.h": r"""
 #pragma once
 #include <barrier>
 #include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #define __global__
@@ -78,6 +85,47 @@ inline void emu_cluster_coord(unsigned& id, unsigned& rank, unsigned& size) {
 inline void emu_cluster_sync() { emu.cluster->arrive_and_wait(); }
 inline const float* emu_cluster_peer(const float* local, unsigned rank) {
   return emu.cluster_smem[rank] + (local - emu.smem);
+}
+
+// mbarriers and bulk copies (common/bulk_copy.cuh): a barrier's state lives in a table keyed by its address, under
+// one lock; a phase completes when its arrivals are in and its announced bytes have landed (a copy may land first:
+// the byte count goes negative, the missing arrival keeps the phase open). Copies are done at once.
+struct EmuMbar { int count, pending; int64_t tx; unsigned phase; };
+inline std::mutex emu_mbar_lock;
+inline std::condition_variable emu_mbar_changed;
+inline std::map<const void*, EmuMbar> emu_mbars;
+inline void emu_mbar_settle(EmuMbar& b) {
+  if (b.pending == 0 && b.tx == 0) {
+    b.phase += 1;
+    b.pending = b.count;
+    emu_mbar_changed.notify_all();
+  }
+}
+inline void emu_mbar_init(uint64_t* bar, int count) {
+  std::lock_guard<std::mutex> lock(emu_mbar_lock);
+  emu_mbars[bar] = EmuMbar{count, count, 0, 0};
+}
+inline void emu_mbar_arrive(uint64_t* bar, uint32_t bytes) {
+  std::lock_guard<std::mutex> lock(emu_mbar_lock);
+  EmuMbar& b = emu_mbars.at(bar);
+  if (b.pending <= 0) std::abort();  // more arrivals than the barrier's count in one phase
+  b.tx += bytes;
+  b.pending -= 1;
+  emu_mbar_settle(b);
+}
+inline void emu_mbar_wait(uint64_t* bar, uint32_t parity) {
+  std::unique_lock<std::mutex> lock(emu_mbar_lock);
+  emu_mbar_changed.wait(lock, [&] { return (emu_mbars.at(bar).phase & 1u) != parity; });
+}
+inline void emu_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    std::abort();  // the copy engine's alignment rules
+  }
+  std::memcpy(dst, src, bytes);
+  std::lock_guard<std::mutex> lock(emu_mbar_lock);
+  EmuMbar& b = emu_mbars.at(bar);
+  b.tx -= bytes;
+  emu_mbar_settle(b);
 }
 
 inline float emu_half_to_float(uint16_t h) {
@@ -171,6 +219,7 @@ def build(root: Path, driver: str, name: str) -> ctypes.CDLL:
     (root / "driver.cpp").write_text(driver)
     lib = root / f"lib{name}.so"
     cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-DDSPARK_KERNEL_EMULATION", f"-I{root}", f"-I{CSRC}"]
+    cmd.append(f"-I{BENCHMARKS}")
     res = subprocess.run([*cmd, str(root / "driver.cpp"), "-o", str(lib), "-lpthread"], capture_output=True, text=True)
     if res.returncode != 0 and re.search(r"barrier.*No such file|_Float16", res.stderr):
         pytest.skip("needs a C++20 standard library with <barrier> and _Float16")

@@ -2,11 +2,13 @@
 
 `custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh` is plain CUDA without torch; here it is compiled with g++
 against the shim of tests/multi_linear_emulation_shim.py (one OS thread per CUDA thread, warp shuffles and
-barriers emulated). Both kernels run: the fused one (the multi-weight GEMM with the norm/RoPE/cache-write epilogue,
-head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim multiple
-of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). Every cache byte outside the
-written rows must keep its poison; written rows must match the reference within the dtype's rounding. The GPU's
-own runs are tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
+barriers emulated). Both kernels of the op run: the fused one (the multi-weight GEMM with the norm/RoPE/cache-write
+epilogue, head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim
+multiple of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
+experimental streaming kernel of benchmarks/experimental/kv_write_stream_kernel.cuh (bulk copies completing on
+mbarriers; no op launches it), so that a fix of it can be checked here first. Every cache byte outside the written
+rows must keep its poison; written rows must match the reference within the dtype's rounding. The GPU's own runs are
+tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from multi_linear_emulation_shim import build
 from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
 
 DRIVER = r"""
-#include "linear/multi_linear_kv_write_kernels.cuh"
+#include "experimental/kv_write_stream_kernel.cuh"
 #include <memory>
 #include <thread>
 #include <vector>
@@ -76,6 +78,13 @@ static void fused(const KvWriteArgs& args, int64_t rows, int split) {
                         smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT));
 }
 
+template <typename T, int V>
+static void stream(const KvWriteArgs& args, int64_t rows, int split, int variant) {
+  const int n_tiles = token_tiles(args.gemm.tokens);
+  run_grid<KvWriteArgs>(stream_kernel_for<T, V>(variant, args.gemm.tokens), args, rows / (32 * V), split,
+                        kStreamThreads, kStreamConsumerWarps, 1, stream_smem_bytes<V>(variant, n_tiles));
+}
+
 struct HeadsArgs {
   KvWrite kv;
   const void* projections;
@@ -96,9 +105,12 @@ static void heads(const HeadsArgs& a) {
 }
 
 template <typename T>
-static void dispatch(int fused_path, int split, const KvWriteArgs& args, const HeadsArgs& h) {
+static void dispatch(int path, int split, int variant, const KvWriteArgs& args, const HeadsArgs& h) {
   const int d = args.kv.head_dim;
-  if (fused_path) {
+  if (path == 2) {
+    const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
+    d == 64 ? stream<T, 2>(args, rows, split, variant) : stream<T, 4>(args, rows, split, variant);
+  } else if (path == 1) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     const bool two = token_tiles(args.gemm.tokens) > 1;
     if (d == 64) two ? fused<T, 2, 2>(args, rows, split) : fused<T, 2, 1>(args, rows, split);
@@ -112,16 +124,16 @@ static void dispatch(int fused_path, int split, const KvWriteArgs& args, const H
   }
 }
 
-// ints: bf16, fused, split (fused) or heads per warp (heads kernel), tokens, k, layers, heads, head_dim, has_norm,
-//       rotary_dim, neox, has_rope,
+// ints: bf16, path (0 heads, 1 fused tile, 2 streaming), split (fused, streaming) or heads per warp (heads),
+//       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
 extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* const* ptrs, const int64_t* strides,
                              const float* eps) {
-  const int bf16 = ints[0], fused_path = ints[1], split = ints[2], tokens = ints[3], k = ints[4], layers = ints[5];
+  const int bf16 = ints[0], path = ints[1], split = ints[2], tokens = ints[3], k = ints[4], layers = ints[5];
   KvWriteArgs args{};
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
-  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative
+  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, stream variant
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -170,7 +182,12 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   kv.slots = longs[5];
   kv.wrap_negative = static_cast<int>(longs[7]);
   const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers, split};
-  if (bf16) dispatch<__nv_bfloat16>(fused_path, split, args, h); else dispatch<__half>(fused_path, split, args, h);
+  const int variant = static_cast<int>(longs[8]);
+  if (bf16) {
+    dispatch<__nv_bfloat16>(path, split, variant, args, h);
+  } else {
+    dispatch<__half>(path, split, variant, args, h);
+  }
 }
 """
 
@@ -248,9 +265,14 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-def _emulate(emu, a: dict, *, fused: bool, split: int = 1, heads_per_warp: int = 4) -> None:
-    """Run the fused kernel (clusters of `split` CTAs) or, with the projections of the GEMM path rounded to x's
-    dtype, the heads kernel (`heads_per_warp` heads per warp)."""
+PATHS = {"heads": 0, "fused": 1, "stream": 2}
+
+
+def _emulate(emu, a: dict, *, kernel: str, split: int = 1, heads_per_warp: int = 4, variant: int = 0) -> None:
+    """Run the fused tile kernel or the streaming kernel (variant `variant`; both in clusters of `split` CTAs) or,
+    with the projections of the GEMM path rounded to x's dtype, the heads kernel (`heads_per_warp` heads per
+    warp)."""
+    fused = kernel != "heads"
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
     keep = []  # tensors whose pointers the driver reads
 
@@ -295,7 +317,7 @@ def _emulate(emu, a: dict, *, fused: bool, split: int = 1, heads_per_warp: int =
     two_d = loc.dim() == 2
     ints = [
         int(a["x"].dtype == torch.bfloat16),
-        int(fused),
+        PATHS[kernel],
         split if fused else heads_per_warp,
         a["x"].shape[0],
         a["x"].shape[1],
@@ -323,6 +345,7 @@ def _emulate(emu, a: dict, *, fused: bool, split: int = 1, heads_per_warp: int =
         a["k_caches"][0].shape[0],
         projections.stride(0) if projections is not None else 0,
         int(a.get("wrap_negative", False)),
+        variant,
     ]
     ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), None, None, None, *per_layer]
     eps = a["k_norm_eps"] or [0.0] * layers
@@ -339,14 +362,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _check(emu, spec: Spec, *, fused: bool, split: int = 1, heads_per_warp: int = 4, seed: int = 0, edit=None) -> None:
-    """Emulate the kernel on one case and the reference on an identical one; `edit(got, want)` may change both."""
+def _check(emu, spec: Spec, *, kernel: str, seed: int = 0, edit=None, **launch) -> None:
+    """Emulate `kernel` (`launch`: its split, variant or heads per warp) on one case and the reference on an
+    identical one; `edit(got, want)` may change both."""
     got = _case(spec, seed)
     want = _case(spec, seed)
     if edit is not None:
         edit(got, want)
     before = [_bits(c.clone()) for c in got["k_caches"] + got["v_caches"]]
-    _emulate(emu, got, fused=fused, split=split, heads_per_warp=heads_per_warp)
+    _emulate(emu, got, kernel=kernel, **launch)
     want_caches = [c.clone() for c in want["k_caches"] + want["v_caches"]]
     ref_args = {**want, "k_caches": want_caches[: spec.layers], "v_caches": want_caches[spec.layers :]}
     multi_linear_kv_write_reference(**ref_args)
@@ -359,7 +383,7 @@ def _check(emu, spec: Spec, *, fused: bool, split: int = 1, heads_per_warp: int 
         width = want["cache_loc"].shape[1]
         keep &= (torch.arange(width)[None, :] < want["commit_lens"][:, None]).reshape(-1)
     written[loc[keep]] = True
-    rtol, atol = (2**-7, 1e-3) if fused else (2**-6, 2**-8)
+    rtol, atol = (2**-7, 1e-3) if kernel != "heads" else (2**-6, 2**-8)
     for c, old, ref in zip(got["k_caches"] + got["v_caches"], before, want_caches, strict=True):
         assert torch.equal(_bits(c)[~written], old[~written]), "a cache row outside the written slots changed"
         g, w = c[written].double(), ref[written].double()
@@ -374,19 +398,54 @@ def test_fused_kernel(emu, head_dim, rot, neox):
     """The GEMM with the write epilogue: one head per tile, full and partial rotary (R/2 not a multiple of a lane's
     elements: the shared-memory partner path), both RoPE styles, 1 and 2 token tiles."""
     for tokens in (3, 11):
-        _check(emu, Spec(tokens=tokens, head_dim=head_dim, rot=rot, neox=neox), fused=True, seed=tokens)
+        _check(emu, Spec(tokens=tokens, head_dim=head_dim, rot=rot, neox=neox), kernel="fused", seed=tokens)
 
 
 def test_fused_kernel_cluster_split_commit_fp16(emu):
     """Split K over a cluster of 3 CTAs (partial sums through distributed shared memory), a [B, W] commit mask,
     fp16, two heads per layer."""
     spec = Spec(tokens=6, hidden=256, heads=2, head_dim=64, commit=True, dtype=torch.float16)
-    _check(emu, spec, fused=True, split=3)
+    _check(emu, spec, kernel="fused", split=3)
 
 
 def test_fused_kernel_without_norm_or_rope(emu):
-    _check(emu, Spec(norm=False), fused=True)
-    _check(emu, Spec(rope=False, head_dim=128, rot=128), fused=True)
+    _check(emu, Spec(norm=False), kernel="fused")
+    _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="fused")
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "rot", "neox", "variant"),
+    [
+        (64, 64, True, 1),
+        (64, 24, False, 0),
+        (128, 128, False, 1),
+        (128, 44, True, 0),
+        (128, 44, False, 2),
+        (64, 24, True, 3),
+    ],
+)
+def test_stream_kernel(emu, head_dim, rot, neox, variant):
+    """The streaming kernel: one head per CTA, the weights through the mbarrier ring, every compiled variant (chunk
+    order rotated by head or not). K = 2104 is 2 whole chunks of 1024 columns and a ragged one of 56, so most
+    consumer warps get no live column of the last chunk and most of its ring row is never copied; full and partial
+    rotary, both RoPE styles; 1, 11 and 16 tokens (one and two token tiles)."""
+    for tokens in (1, 11, 16):
+        spec = Spec(tokens=tokens, hidden=2104, head_dim=head_dim, rot=rot, neox=neox)
+        _check(emu, spec, kernel="stream", variant=variant, seed=tokens)
+
+
+@pytest.mark.parametrize(("split", "hidden", "variant"), [(2, 2104, 1), (3, 1040, 0)])
+def test_stream_kernel_cluster_split_commit_fp16(emu, split, hidden, variant):
+    """K chunks split over a cluster, the partial tiles summed through distributed shared memory: 3 chunks of 1024
+    columns over 2 CTAs (rotated), and 2 chunks over 3 CTAs, where CTA 0 gets none and contributes zeros; a [B, W]
+    commit mask, fp16, two heads per layer."""
+    spec = Spec(tokens=6, hidden=hidden, heads=2, head_dim=64, commit=True, dtype=torch.float16)
+    _check(emu, spec, kernel="stream", split=split, variant=variant)
+
+
+def test_stream_kernel_without_norm_or_rope(emu):
+    _check(emu, Spec(norm=False), kernel="stream", variant=1)
+    _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="stream")
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -395,7 +454,7 @@ def test_heads_kernel(emu, head_dim, rot, neox):
     """The GEMM path's per-head kernel: head_dims that fill a lane's elements or leave lanes empty (16, 96), partial
     rotary, both RoPE styles, a commit mask, several heads per layer."""
     spec = Spec(tokens=7, heads=3, head_dim=head_dim, rot=rot, neox=neox, commit=True)
-    _check(emu, spec, fused=False)
+    _check(emu, spec, kernel="heads")
 
 
 @pytest.mark.parametrize("heads_per_warp", [4, 12])
@@ -405,15 +464,15 @@ def test_heads_kernel_heads_per_warp(emu, heads, heads_per_warp):
     neither read nor written) or one warp for all of a segment's heads in batches of 4 (9 heads: a last batch of
     one)."""
     spec = Spec(tokens=5, heads=heads, head_dim=32, rot=32, commit=True)
-    _check(emu, spec, fused=False, heads_per_warp=heads_per_warp, seed=heads)
+    _check(emu, spec, kernel="heads", heads_per_warp=heads_per_warp, seed=heads)
 
 
 def test_heads_kernel_fp16_without_norm(emu):
-    _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), fused=False)
+    _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel="heads")
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_position_past_the_shortest_table_skips_the_token(emu, fused):
+@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
     layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
 
@@ -421,11 +480,11 @@ def test_position_past_the_shortest_table_skips_the_token(emu, fused):
         got["positions"][1] = 40
         want["cache_loc"].view(-1)[1] = -1
 
-    _check(emu, Spec(tokens=6, head_dim=64), fused=fused, edit=edit)
+    _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_wrap_negative_counts_from_the_end(emu, fused):
+@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+def test_wrap_negative_counts_from_the_end(emu, kernel):
     """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
     in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the
     end."""
@@ -439,4 +498,4 @@ def test_wrap_negative_counts_from_the_end(emu, fused):
             loc[0] -= slots
             a["positions"][2] -= 40
 
-    _check(emu, Spec(tokens=6, head_dim=64), fused=fused, edit=edit)
+    _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
