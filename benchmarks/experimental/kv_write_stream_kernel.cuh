@@ -8,8 +8,8 @@
 // Why it is not in the op (H200, benchmarks/kv_write_tune.cu, BENCHMARKS.md "Copy-engine experiment"):
 //   * it is barely faster: Qwen3-8B draft dims, T = 8, 29.6 -> 28.6 us back to back and 35.3 -> 32.5 us for one
 //     launch after an L2 flush; at T = 16 and for hidden 7168 / head_dim 64 it is slower;
-//   * with 160 heads of 64 at T = 16 and 6 stages (two waves of CTAs) 1 to 3 of 9 checks per run wrote wrong K/V
-//     values (max error up to 1.35 where values reach 3.0); the cause is not found (memcheck is clean on two launches,
+//   * with 160 heads of 64 at T = 16 and 6 stages (two waves of CTAs) some launches wrote K/V values off by 0.07 to
+//     0.17 where values reach 3.0 (several bf16 steps); the cause is not found (memcheck is clean on two launches,
 //     racecheck stops with an internal error on this kernel). Until it is found, nothing may launch it.
 //
 // Why a second main loop was tried. The fused tile of multi_linear_kernel (one head per CTA) feeds its ring with
