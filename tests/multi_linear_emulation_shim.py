@@ -1,10 +1,10 @@
 """Host emulation of the multi_linear CUDA kernels (torch-free headers compiled with g++ and
 `DSPARK_KERNEL_EMULATION`): one OS thread per CUDA thread, barriers for `__syncthreads`, `__syncwarp`, named
 barriers and the cluster barrier, distributed shared memory as an array of the cluster's CTA buffers (poisoned with
-NaN bytes), the asynchronous copies done synchronously, mbarriers as a locked table of phase counters (bulk
-copies done at once), warp shuffles through a per-warp exchange row, and `mma.sync.m16n8k16` as a warp-collective
-exchange that rebuilds A and B from the 32 lanes' fragments with the PTX ISA's fragment tables (written here
-independently of the kernel). Used by tests/test_multi_linear_emulation.py and
+NaN bytes), the cp.async copies done synchronously, mbarriers as a locked table of phase counters (bulk copies
+landing late and out of order, each on a thread of its own), warp shuffles through a per-warp exchange row, and
+`mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes' fragments with the PTX
+ISA's fragment tables (written here independently of the kernel). Used by tests/test_multi_linear_emulation.py and
 tests/test_multi_linear_kv_write_emulation.py.
 """
 
@@ -25,12 +25,15 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SHIM = {
     "cuda_runtime.h": r"""
 #pragma once
+#include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #define __global__
@@ -87,9 +90,11 @@ inline const float* emu_cluster_peer(const float* local, unsigned rank) {
   return emu.cluster_smem[rank] + (local - emu.smem);
 }
 
-// mbarriers and bulk copies (common/bulk_copy.cuh): a barrier's state lives in a table keyed by its address, under
-// one lock; a phase completes when its arrivals are in and its announced bytes have landed (a copy may land first:
-// the byte count goes negative, the missing arrival keeps the phase open). Copies are done at once.
+// mbarriers and bulk copies (experimental/bulk_copy.cuh): a barrier's state lives in a table keyed by its address,
+// under one lock; a phase completes when its arrivals are in and its announced bytes have landed (a copy may land
+// first: the byte count goes negative, the missing arrival keeps the phase open). Each copy lands asynchronously,
+// on a thread of its own after a pseudo-random delay of up to 200 us, so copies land out of order and late, as on
+// the GPU, and a kernel that reads a stage before its barrier says so reads poison.
 struct EmuMbar { int count, pending; int64_t tx; unsigned phase; };
 inline std::mutex emu_mbar_lock;
 inline std::condition_variable emu_mbar_changed;
@@ -117,15 +122,22 @@ inline void emu_mbar_wait(uint64_t* bar, uint32_t parity) {
   std::unique_lock<std::mutex> lock(emu_mbar_lock);
   emu_mbar_changed.wait(lock, [&] { return (emu_mbars.at(bar).phase & 1u) != parity; });
 }
+inline std::atomic<uint32_t> emu_copy_count{0};
 inline void emu_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
     std::abort();  // the copy engine's alignment rules
   }
-  std::memcpy(dst, src, bytes);
-  std::lock_guard<std::mutex> lock(emu_mbar_lock);
-  EmuMbar& b = emu_mbars.at(bar);
-  b.tx -= bytes;
-  emu_mbar_settle(b);
+  uint32_t h = emu_copy_count.fetch_add(1) * 2654435761u;
+  h ^= h >> 15;
+  const auto delay = std::chrono::microseconds(h % 200);
+  std::thread([=] {
+    std::this_thread::sleep_for(delay);
+    std::memcpy(dst, src, bytes);
+    std::lock_guard<std::mutex> lock(emu_mbar_lock);
+    EmuMbar& b = emu_mbars.at(bar);
+    b.tx -= bytes;
+    emu_mbar_settle(b);
+  }).detach();
 }
 
 inline float emu_half_to_float(uint16_t h) {

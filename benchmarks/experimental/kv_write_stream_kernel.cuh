@@ -10,7 +10,8 @@
 //     launch after an L2 flush; at T = 16 and for hidden 7168 / head_dim 64 it is slower;
 //   * with 160 heads of 64 at T = 16 and 6 stages (two waves of CTAs) some launches wrote K/V values off by 0.07 to
 //     0.17 where values reach 3.0 (several bf16 steps); the cause is not found (memcheck is clean on two launches,
-//     racecheck stops with an internal error on this kernel). Until it is found, nothing may launch it.
+//     racecheck stops with an internal error on this kernel, the CPU emulation with late, out-of-order copies
+//     passes). Until it is found, nothing may launch it.
 //
 // Why a second main loop was tried. The fused tile of multi_linear_kernel (one head per CTA) feeds its ring with
 // 16-byte cp.async copies, one per lane: a head of 128 rows gives 80 CTAs for the Qwen3-8B draft's 80 heads, and
