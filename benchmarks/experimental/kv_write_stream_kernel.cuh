@@ -28,12 +28,12 @@
 // 16 g .. 16 g + 15 of the head, [16][kCols].
 //
 // Warps: 8 consumers, then 1 producer. Consumer warp c owns columns [c kCols / 8, (c + 1) kCols / 8) of every
-// chunk. At the start of a chunk it loads that slice of every token's activation from global memory (L2: every CTA
-// reads the same T x K values) into registers, then multiplies it with the chunk's head_dim / 16 weight stages, with
+// chunk. It loads that slice of every token's activation from global memory (L2: every CTA reads the same T x K
+// values) into registers one chunk ahead, then multiplies it with the chunk's head_dim / 16 weight stages, with
 // the lane mapping and mma.sync m16n8k16 "swap AB" fragments of multi_linear_kernels.cuh (weight rows as M, tokens
 // as N; lane (group, quad) reads 8 consecutive columns of rows group and group + 8 and of token group), accumulating
 // every m-tile of the head (head_dim / 16 x n-tiles x 4 fp32). The activation needs no shared memory and no
-// barrier; while a consumer waits for it, the producer keeps the weight ring filling. Shared-memory rows have a
+// barrier (a consumer waiting for it would hold its ring slots and stop the producer). Shared-memory rows have a
 // pitch of 2 kCols + 64 bytes, so the two rows a quarter-warp reads sit 16 banks apart: no bank conflict.
 //
 // Ring protocol (an mbarrier per slot and direction): the producer waits for a slot's "empty" phase (8 consumer
