@@ -215,25 +215,23 @@ struct Candidate {
   int threads, smem, split;
 };
 
-// The fused tile with WK k-warps and D stages per k-group (fused_variant(V) is the op's) in clusters of `split`.
-template <int V, int NT, int WK, int D>
-void add_fused(std::vector<Candidate>& out, int64_t heads, int split) {
-  constexpr Variant v{2, V, WK, D};
+// The op's fused tile (fused_variant(V)) in clusters of `split`, as the binding launches it.
+template <int V, int NT>
+Candidate op_candidate(int64_t heads, int split) {
+  constexpr Variant v = fused_variant(V);
   const int smem = smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT);
-  if (smem > kMaxSmemBytes) return;
   char name[96];
-  std::snprintf(name, sizeof(name), "fused tile %d k-warps x %d stages (%d KB) split %d", WK, D, smem / 1024, split);
-  out.push_back({name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>,
-                 heads * split, cta_threads(v), smem, split});
+  std::snprintf(name, sizeof(name), "op: fused tile (%d KB) split %d", smem / 1024, split);
+  return {name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>,
+          heads * split, cta_threads(v), smem, split};
 }
 
 template <int V>
 std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms) {
   std::vector<Candidate> out;
   const int nt = token_tiles(tokens);
-  const int fs = auto_split(fused_variant(V), heads * 32 * V, k, sms);  // as the binding launches it
-  nt == 1 ? add_fused<V, 1, 4, 4>(out, heads, fs) : add_fused<V, 2, 4, 4>(out, heads, fs);
-  out.back().name = "op: " + out.back().name;
+  const int split = auto_split(fused_variant(V), heads * 32 * V, k, sms);
+  out.push_back(nt == 1 ? op_candidate<V, 1>(heads, split) : op_candidate<V, 2>(heads, split));
   for (int s = 0; s < kNumStreamVariants; ++s) {
     const StreamVariant v = kStreamVariants[s];
     for (int split : {1, 2}) {
@@ -246,6 +244,88 @@ std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms) {
     }
   }
   return out;
+}
+
+// What the reads of one config need: the weight copies (each `bytes` of [rows, k] bf16), the heads (CTAs of the
+// streaming kernel), the floor and the L2 flush buffer.
+struct ReadSetup {
+  const std::vector<T*>& w;
+  int64_t bytes;
+  int k, head_dim;
+  int64_t heads;
+  int sms;
+  double floor_us;
+  void* flush;
+  size_t flush_bytes;
+  uint32_t* sink;
+};
+
+// The reads of the same weights with nothing else: 16-byte loads, 1-D bulk copies by size and CTA count, 2-D boxes,
+// and the streaming kernel's own copy sequence.
+void measure_reads(const ReadSetup& r) {
+  const int copies = static_cast<int>(r.w.size()), k = r.k;
+  const float loads = warm_us(
+      [&](int i) { tune::read_kernel<<<r.sms * 8, 512>>>((const uint4*)r.w[i], r.bytes / 16, r.sink); }, copies, 5);
+  std::printf("read (16-byte loads, %d CTAs): warm %.1f us (%.0f%% of copy)\n", r.sms * 8, loads,
+              100.0 * r.floor_us / loads);
+  auto report = [&](const char* what, auto&& call) {
+    const float us = warm_us(call, copies, 5);
+    std::printf("read (%s): warm %.1f us (%.0f%%), cold %.1f us\n", what, us, 100.0 * r.floor_us / us,
+                cold_us(call, copies, r.flush, r.flush_bytes));
+  };
+  char what[96];
+  auto sized = [&](auto kernel, int bytes_per_copy) {
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadStages * kReadStage));
+    for (int ctas : {80, r.sms, 160, 2 * r.sms}) {
+      std::snprintf(what, sizeof(what), "1-D copies of %5d B, %3d CTAs", bytes_per_copy, ctas);
+      report(what, [&](int i) {
+        kernel<<<ctas, 32, kReadStages * kReadStage>>>((const char*)r.w[i], r.bytes, r.sink);
+      });
+    }
+  };
+  sized(bulk_read_sized_kernel<512>, 512);
+  sized(bulk_read_sized_kernel<1024>, 1024);
+  sized(bulk_read_sized_kernel<4096>, 4096);
+  sized(bulk_read_sized_kernel<16384>, 16384);
+  const int64_t total_rows = r.bytes / 2 / k;
+  auto tensor = [&](auto kernel, int box_rows) {
+    const int smem = kReadStages * box_rows * 128;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    std::vector<CUtensorMap> maps;
+    for (int i = 0; i < copies; ++i) maps.push_back(weight_map(r.w[i], total_rows, k, box_rows));
+    for (int rows_per_cta : {r.head_dim, r.head_dim == 64 ? 0 : 64}) {  // a head per CTA, then 64 rows
+      if (rows_per_cta == 0 || rows_per_cta % box_rows) continue;
+      const int ctas = int(total_rows / rows_per_cta);
+      std::snprintf(what, sizeof(what), "2-D box %3d x 64, %3d CTAs of %3d rows", box_rows, ctas, rows_per_cta);
+      report(what, [&](int i) { kernel<<<ctas, 32, smem>>>(maps[i], rows_per_cta, k, r.sink); });
+    }
+  };
+  tensor(tensor_read_kernel<16>, 16);
+  tensor(tensor_read_kernel<64>, 64);
+  tensor(tensor_read_kernel<128>, 128);
+  auto args = [&](int i) {
+    KvWriteArgs a{};
+    a.gemm.k = k;
+    a.gemm.num_segments = 1;
+    a.gemm.segment_end[0] = total_rows;
+    a.gemm.weight[0] = r.w[i];
+    a.gemm.weight_stride[0] = k;
+    return a;
+  };
+  auto stream = [&](auto kernel, const char* name, int cols, int stages) {
+    const int smem = stream_layout(StreamVariant{cols, stages, 0}, r.head_dim, 0).total;
+    std::snprintf(what, sizeof(what), "streaming kernel's copies, %s", name);
+    report(what, [&](int i) { launch(kernel, args(i), r.heads, 64, smem, 1); });
+  };
+  if (r.head_dim == 128) {
+    stream(stream_read_kernel<2048, 3, 8, false>, "2048 cols x 3 stages", 2048, 3);
+    stream(stream_read_kernel<2048, 3, 8, true>, "2048 cols x 3 stages, rotated", 2048, 3);
+    stream(stream_read_kernel<1024, 6, 8, false>, "1024 cols x 6 stages", 1024, 6);
+    stream(stream_read_kernel<1024, 6, 8, true>, "1024 cols x 6 stages, rotated", 1024, 6);
+  } else {
+    stream(stream_read_kernel<1024, 3, 4, false>, "1024 cols x 3 stages", 1024, 3);
+    stream(stream_read_kernel<1024, 3, 4, true>, "1024 cols x 3 stages, rotated", 1024, 3);
+  }
 }
 
 int main(int argc, char** argv) {
@@ -309,75 +389,11 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(loc, host_loc.data(), max_tokens * sizeof(int64_t), cudaMemcpyHostToDevice));
 
     const double floor_us = 1e6 * bytes / copy_rate;
-    if (!profile) {
-    const float read_warm = warm_us([&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); }, copies, 5);
     std::printf("\n## %s: hidden %d, %d kv heads x %d, %d layers: %.1f MB of K/V weights, floor %.1f us; copies %d\n",
                 cfg.name, k, cfg.heads, cfg.head_dim, layers, bytes / 1e6, floor_us, copies);
-    std::printf("read (16-byte loads, %d CTAs): warm %.1f us (%.0f%% of copy)\n", sms * 8, read_warm,
-                100.0 * floor_us / read_warm);
-    {
-      auto sized = [&](auto kernel, int bytes_per_copy) {
-        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadStages * kReadStage));
-        for (int ctas : {80, sms, 160, 2 * sms}) {
-          auto call = [&](int i) { kernel<<<ctas, 32, kReadStages * kReadStage>>>((const char*)w[i], bytes, sink); };
-          const float us = warm_us(call, copies, 5);
-          std::printf("read (1-D copies of %5d B, %3d CTAs): warm %.1f us (%.0f%%), cold %.1f us\n", bytes_per_copy, ctas,
-                      us, 100.0 * floor_us / us, cold_us(call, copies, flush, flush_bytes));
-        }
-      };
-      sized(bulk_read_sized_kernel<512>, 512);
-      sized(bulk_read_sized_kernel<1024>, 1024);
-      sized(bulk_read_sized_kernel<4096>, 4096);
-      sized(bulk_read_sized_kernel<16384>, 16384);
-      auto tensor = [&](auto kernel, int box_rows) {
-        const int smem = kReadStages * box_rows * 128;
-        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        std::vector<CUtensorMap> maps;
-        for (int i = 0; i < copies; ++i) maps.push_back(weight_map(w[i], bytes / 2 / k, k, box_rows));
-        const int64_t total_rows = bytes / 2 / k;
-        for (int rows_per_cta : {32 * (cfg.head_dim / 32), 64}) {
-          const int ctas = int(total_rows / rows_per_cta);
-          if (rows_per_cta % box_rows) continue;
-          auto call = [&](int i) { kernel<<<ctas, 32, smem>>>(maps[i], rows_per_cta, k, sink); };
-          const float us = warm_us(call, copies, 5);
-          std::printf("read (2-D box %3d x 64, %3d CTAs of %3d rows): warm %.1f us (%.0f%%), cold %.1f us\n",
-                      box_rows, ctas, rows_per_cta, us, 100.0 * floor_us / us, cold_us(call, copies, flush, flush_bytes));
-        }
-      };
-      tensor(tensor_read_kernel<16>, 16);
-      tensor(tensor_read_kernel<64>, 64);
-      tensor(tensor_read_kernel<128>, 128);
-    }
-    }
+    if (!profile) measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
     for (int tokens : {1, 8, 16}) {
       if (profile && tokens != profile_tokens) continue;
-      if (tokens == 1 && !profile) {
-        auto args = [&](int i) {
-          KvWriteArgs a{};
-          a.gemm.k = k;
-          a.gemm.num_segments = 1;
-          a.gemm.segment_end[0] = bytes / 2 / k;
-          a.gemm.weight[0] = w[i];
-          a.gemm.weight_stride[0] = k;
-          return a;
-        };
-        auto read = [&](auto kernel, const char* name, int cols, int stages) {
-          const int smem = stream_layout(StreamVariant{cols, stages, 0}, cfg.head_dim, 0).total;
-          auto call = [&](int i) { launch(kernel, args(i), heads, 64, smem, 1); };
-          const float us = warm_us(call, copies, 5);
-          std::printf("read (streaming kernel's copies, %s): warm %.1f us (%.0f%%), cold %.1f us\n", name, us,
-                      100.0 * floor_us / us, cold_us(call, copies, flush, flush_bytes));
-        };
-        if (cfg.head_dim == 128) {
-          read(stream_read_kernel<2048, 3, 8, false>, "2048 cols x 3 stages", 2048, 3);
-          read(stream_read_kernel<2048, 3, 8, true>, "2048 cols x 3 stages, rotated", 2048, 3);
-          read(stream_read_kernel<1024, 6, 8, false>, "1024 cols x 6 stages", 1024, 6);
-          read(stream_read_kernel<1024, 6, 8, true>, "1024 cols x 6 stages, rotated", 1024, 6);
-        } else {
-          read(stream_read_kernel<1024, 3, 4, false>, "1024 cols x 3 stages", 1024, 3);
-          read(stream_read_kernel<1024, 3, 4, true>, "1024 cols x 3 stages, rotated", 1024, 3);
-        }
-      }
       auto args_for = [&](int i) {
         KvWriteArgs a{};
         Params& p = a.gemm;

@@ -130,7 +130,6 @@ __device__ __forceinline__ void stream_produce(const Params& p, const StreamLayo
   }
 }
 
-template <typename T>
 __device__ __forceinline__ uint4 smem_vector(const char* at, bool live) {
   return live ? *reinterpret_cast<const uint4*>(at) : make_uint4(0, 0, 0, 0);
 }
@@ -191,8 +190,8 @@ __device__ __forceinline__ void stream_consume(float (&acc)[kGroups][NT][4], con
       for (int s = 0; s < kWarpSteps; ++s) {
         const int cc = warp * kWarpCols + s * kStepCols + 8 * quad;
         const bool live = cc < cols;
-        const uint4 lo = smem_vector<T>(ws + group * l.pitch + cc * 2, live);
-        const uint4 hi = smem_vector<T>(ws + (group + 8) * l.pitch + cc * 2, live);
+        const uint4 lo = smem_vector(ws + group * l.pitch + cc * 2, live);
+        const uint4 hi = smem_vector(ws + (group + 8) * l.pitch + cc * 2, live);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           mma_16816<T>(acc[g][n], lo.x, hi.x, lo.y, hi.y, xv[s][n].x, xv[s][n].y);
