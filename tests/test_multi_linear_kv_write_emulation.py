@@ -216,7 +216,7 @@ class Spec:
 def _case(spec: Spec, seed: int) -> dict:
     """Inputs of the op: K and V from row ranges of one qkv weight per layer (row stride padded), biases on layer
     0, a fp32 norm weight on layer 0 and an x-typed one on layer 1, a cos/sin table per layer, shuffled slots with a
-    negative one, caches with padded slot rows and NaN poison."""
+    negative one (but for a single token), caches with padded slot rows and NaN poison."""
     gen = torch.Generator().manual_seed(seed)
     t, d, h = spec.tokens, spec.head_dim, spec.heads
     kv = h * d
@@ -233,10 +233,12 @@ def _case(spec: Spec, seed: int) -> dict:
     tables = [torch.randn(40 + i, spec.rot, generator=gen) for i in range(spec.layers)] if spec.rope else []
     positions = torch.randint(0, 40, (t,), generator=gen)
     slots = torch.randperm(spec.slots, generator=gen)[:t]
-    slots[t // 2] = -1
+    if t > 1:
+        slots[t // 2] = -1
     if spec.commit:
         width = 1 if t % 2 else 2
         loc, commit = slots.reshape(t // width, width), torch.randint(0, width + 1, (t // width,), generator=gen)
+        commit[0] = width  # the first row is committed whole, so every case writes a row
     else:
         loc, commit = slots, None
 
@@ -383,6 +385,7 @@ def _check(emu, spec: Spec, *, kernel: str, seed: int = 0, edit=None, **launch) 
         width = want["cache_loc"].shape[1]
         keep &= (torch.arange(width)[None, :] < want["commit_lens"][:, None]).reshape(-1)
     written[loc[keep]] = True
+    assert written.any(), "the case writes no cache row: it would check nothing"
     rtol, atol = (2**-7, 1e-3) if kernel != "heads" else (2**-6, 2**-8)
     for c, old, ref in zip(got["k_caches"] + got["v_caches"], before, want_caches, strict=True):
         assert torch.equal(_bits(c)[~written], old[~written]), "a cache row outside the written slots changed"
