@@ -464,10 +464,18 @@ def test_heads_kernel(emu, head_dim, rot, neox):
 @pytest.mark.parametrize("heads", [4, 5, 9])
 def test_heads_kernel_heads_per_warp(emu, heads, heads_per_warp):
     """Heads split over warps of 4 (small T: 5 and 9 heads leave a last warp with one head, whose missing heads are
-    neither read nor written) or one warp for all of a segment's heads in batches of 4 (9 heads: a last batch of
-    one)."""
+    neither read nor written) or one warp for all of a segment's heads (9 of 12: the warp's missing heads are neither
+    read nor written)."""
     spec = Spec(tokens=5, heads=heads, head_dim=32, rot=32, commit=True)
     _check(emu, spec, kernel="heads", heads_per_warp=heads_per_warp, seed=heads)
+
+
+@pytest.mark.parametrize(("head_dim", "heads"), [(64, 17), (128, 9), (256, 9)])
+def test_heads_kernel_loads_heads_in_batches(emu, head_dim, heads):
+    """A warp loads 32 / V heads at a time (16 of 64, 8 of 128, 4 of 256): one more head than a batch, and for
+    head_dim 256 two full batches and one head, so the reload between batches and a last batch of one are run."""
+    spec = Spec(tokens=3, heads=heads, head_dim=head_dim, rot=head_dim // 2, commit=True)
+    _check(emu, spec, kernel="heads", heads_per_warp=heads, seed=head_dim)
 
 
 def test_heads_kernel_fp16_without_norm(emu):

@@ -110,11 +110,11 @@ __device__ __forceinline__ void store_row(T* dst, const float (&v)[V]) {
   }
 }
 
-// V consecutive elements of T at `src` (aligned to V elements) as floats, with one 4-, 8- or 16-byte load.
-template <typename T, int V>
-__device__ __forceinline__ void load_row(const T* src, float (&v)[V]) {
+// V consecutive elements of T at `src` (aligned to V elements), raw: V / 2 32-bit words of packed pairs, with one
+// 4-, 8- or 16-byte load.
+template <int V, typename T>
+__device__ __forceinline__ void load_words(const T* src, uint32_t (&words)[V / 2]) {
   static_assert(V == 2 || V == 4 || V == 8, "2, 4 or 8 elements per lane");
-  uint32_t words[V / 2];
   if constexpr (V == 2) {
     words[0] = *reinterpret_cast<const uint32_t*>(src);
   } else if constexpr (V == 4) {
@@ -128,6 +128,11 @@ __device__ __forceinline__ void load_row(const T* src, float (&v)[V]) {
     words[2] = w.z;
     words[3] = w.w;
   }
+}
+
+// The V elements of T that load_words packed, as floats.
+template <typename T, int V>
+__device__ __forceinline__ void unpack_words(const uint32_t (&words)[V / 2], float (&v)[V]) {
 #pragma unroll
   for (int i = 0; i < V / 2; ++i) {
     const T* pair = reinterpret_cast<const T*>(&words[i]);
@@ -383,24 +388,34 @@ struct KvWriteEpilogue {
 
 // The heads kernel: each warp writes `heads_per_warp` heads (the last warp of a segment fewer) of one (token, layer,
 // K or V) from `projections` [T, ld] (the GEMM's rows: segment 2 layer + kind of heads * head_dim rows; head_dim <=
-// 32 V), kHeadBatch heads' loads at a time. After the dependency wait a warp issues its first batch of projections
-// with the token's indices and the norm weight; only the cos/sin row waits for the position. Nothing is loaded before
-// the wait: the kernel before this one may be cuBLAS, which promises nothing about when a dependent launch starts.
-constexpr int kHeadBatch = 4;
+// 32 V). A warp loads its heads' projections raw, head_batch<V>() heads at a time: 16 32-bit words per lane, 2 KB
+// per warp for heads of 32 V elements (8 heads of 128, 16 of 64, 4 of 256), so that one round trip to memory brings
+// a whole (token, layer, K or V) of the Qwen3-style drafts. Why: at large T the kernel is a stream (each element read
+// once, written once) whose rate is bounded by the bytes in flight per SM over the memory latency. With batches of 4
+// heads (1 KB per warp at head_dim 128, 512 B at 64, 2 and 4 round trips per warp) and 74 registers (3 CTAs, 24
+// warps per SM) it moved the 168 MB of a T = 4096 Qwen3-8B draft write in 85-97 us on the H200, 1.7-2 TB/s. After
+// the dependency wait a warp issues its first batch with the token's indices and the norm weight; only the cos/sin
+// row waits for the position. Nothing is loaded before the wait: the kernel before this one may be cuBLAS, which
+// promises nothing about when a dependent launch starts.
+template <int V>
+__host__ __device__ constexpr int head_batch() {
+  return 32 / V;
+}
+// Heads per warp when the heads of a segment are split over warps (small T).
+constexpr int kSplitHeads = 4;
 // Below this many warps per SM with one warp per (token, layer, K or V), the heads are split over warps of
-// kHeadBatch heads. H200, CUDA-graph replay of the op (GEMM path), split vs not: Qwen3-8B draft (8 heads of 128)
-// 38.1 vs 41.1 us at T = 64, equal at T = 512, 557 vs 562 at T = 4096; 16 heads of 64 (hidden 7168): 55.0 vs 59.6 at
-// T = 64, 126.4 vs 129.0 at T = 512, but 948.6 vs 914.0 at T = 4096, where every warp reloading the token's indices,
-// cos/sin row and norm weight for 4 of the 16 heads costs more than the extra warps bring. T = 512 gives 5120 such
-// warps (39 per SM), T = 4096 40960 (310 per SM).
+// kSplitHeads heads. H200, CUDA-graph replay of the op (GEMM path, batches of 4 heads), split vs not: Qwen3-8B draft
+// (8 heads of 128) 38.1 vs 41.1 us at T = 64, equal at T = 512, 557 vs 562 at T = 4096; 16 heads of 64 (hidden
+// 7168): 55.0 vs 59.6 at T = 64, 126.4 vs 129.0 at T = 512, but 948.6 vs 914.0 at T = 4096, where every warp
+// reloading the token's indices, cos/sin row and norm weight for 4 of the 16 heads costs more than the extra warps
+// bring. T = 512 gives 5120 such warps (39 per SM), T = 4096 40960 (310 per SM).
 constexpr int kSplitHeadsBelowWarpsPerSm = 128;
 
-// Heads per warp of the heads kernel: kHeadBatch while the segments alone give fewer than
-// kSplitHeadsBelowWarpsPerSm warps per SM, else all of a segment's heads (rounded up to a batch).
+// Heads per warp of the heads kernel: kSplitHeads while the segments alone give fewer than
+// kSplitHeadsBelowWarpsPerSm warps per SM, else all of a segment's heads.
 inline int heads_per_warp(int tokens, int layers, int heads, int sm_count) {
   const int64_t segment_warps = static_cast<int64_t>(tokens) * 2 * layers;
-  if (segment_warps < static_cast<int64_t>(kSplitHeadsBelowWarpsPerSm) * sm_count) return kHeadBatch;
-  return (heads + kHeadBatch - 1) / kHeadBatch * kHeadBatch;
+  return segment_warps < static_cast<int64_t>(kSplitHeadsBelowWarpsPerSm) * sm_count ? kSplitHeads : heads;
 }
 
 // Warps (units) of the heads kernel and its CTAs.
@@ -411,17 +426,18 @@ __host__ __device__ inline int64_t heads_blocks(int tokens, int layers, int head
   return (heads_units(tokens, layers, heads, per_warp) + kHeadWarps - 1) / kHeadWarps;
 }
 
-// kHeadBatch heads' projections from h0 on (zeros for heads past `heads` and lanes past head_dim).
+// The raw projections of heads h0 .. h0 + head_batch<V>() - 1 (zeros for heads from `last` on and lanes past
+// head_dim).
 template <typename T, int V>
-__device__ __forceinline__ void load_heads(const T* src, int h0, int heads, int head_dim, bool active,
-                                           float (&v)[kHeadBatch][V]) {
+__device__ __forceinline__ void load_batch(const T* src, int h0, int last, int head_dim, bool active,
+                                           uint32_t (&raw)[head_batch<V>()][V / 2]) {
 #pragma unroll
-  for (int h = 0; h < kHeadBatch; ++h) {
-    if (active && h0 + h < heads) {
-      load_row<T, V>(src + (h0 + h) * head_dim, v[h]);
+  for (int h = 0; h < head_batch<V>(); ++h) {
+    if (active && h0 + h < last) {
+      load_words<V>(src + (h0 + h) * head_dim, raw[h]);
     } else {
 #pragma unroll
-      for (int i = 0; i < V; ++i) v[h][i] = 0.f;
+      for (int i = 0; i < V / 2; ++i) raw[h][i] = 0u;
     }
   }
 }
@@ -445,8 +461,9 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   const int b = token / kv.width, j = token - b * kv.width;
   const bool active = e0 < kv.head_dim;
   const T* src = projections + token * ld + static_cast<int64_t>(segment) * kv.heads * kv.head_dim + e0;
-  float v[kHeadBatch][V];
-  load_heads<T, V>(src, first, last, kv.head_dim, active, v);
+  constexpr int kBatch = head_batch<V>();
+  uint32_t raw[kBatch][V / 2];
+  load_batch<T, V>(src, first, last, kv.head_dim, active, raw);
   const int64_t commit =
       kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
   const int64_t slot =
@@ -466,14 +483,15 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   const int64_t head_stride = kv.head_stride[kind][layer];
   for (int h0 = first;;) {
 #pragma unroll
-    for (int h = 0; h < kHeadBatch; ++h) {
+    for (int h = 0; h < kBatch; ++h) {
       if (h0 + h >= last) break;
-      emit_head<T, V>(kv, kind == 0, kv.eps[layer], g, c, sn, v[h], scratch[warp], dst + (h0 + h) * head_stride,
-                      lane);
+      float v[V];
+      unpack_words<T, V>(raw[h], v);
+      emit_head<T, V>(kv, kind == 0, kv.eps[layer], g, c, sn, v, scratch[warp], dst + (h0 + h) * head_stride, lane);
     }
-    h0 += kHeadBatch;
+    h0 += kBatch;
     if (h0 >= last) break;
-    load_heads<T, V>(src, h0, last, kv.head_dim, active, v);
+    load_batch<T, V>(src, h0, last, kv.head_dim, active, raw);
   }
 }
 
