@@ -192,8 +192,9 @@ def test_every_variant_and_split(emu, tokens, split):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ring_wraps_around(emu, dtype):
-    """K = 1024 without a split: every warp runs more steps than its ring has stages."""
-    args = _case(4, 1024, [24, 9], dtype=dtype, seed=3)
+    """K = 2048 without a split: 64 steps, so every warp of every variant (at most 4 k-warps, at most 8 stages) runs
+    more steps than its ring has stages and refills every slot."""
+    args = _case(4, 2048, [24, 9], dtype=dtype, seed=3)
     for variant in _variants(emu):
         _run_and_check(emu, args, variant=variant, split=1)
 
