@@ -231,7 +231,7 @@ class Spec:
 def _case(spec: Spec, seed: int) -> dict:
     """Inputs of the op: K and V from row ranges of one qkv weight per layer (row stride padded), biases on layer
     0, a fp32 norm weight on layer 0 and an x-typed one on layer 1, a cos/sin table per layer, shuffled slots with a
-    negative one (but for a single token), caches with padded slot rows and NaN poison."""
+    negative one (from 3 tokens on), caches with padded slot rows and NaN poison."""
     gen = torch.Generator().manual_seed(seed)
     t, d, h = spec.tokens, spec.head_dim, spec.heads
     kv = h * d
@@ -248,7 +248,7 @@ def _case(spec: Spec, seed: int) -> dict:
     tables = [torch.randn(40 + i, spec.rot, generator=gen) for i in range(spec.layers)] if spec.rope else []
     positions = torch.randint(0, 40, (t,), generator=gen)
     slots = torch.randperm(spec.slots, generator=gen)[:t]
-    if t > 1:
+    if t > 2:
         slots[t // 2] = -1
     if spec.commit:
         width = 1 if t % 2 else 2
