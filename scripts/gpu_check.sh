@@ -7,7 +7,10 @@
 #             (every tensor its own allocation); each tool's summary goes to $OUT/sanitize.txt
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune]   (logs under $OUT, default ./gpu_out)
+#   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
+#             (tables and --breakdown) and benchmarks/kv_write_tune.cu
+# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune|write]
+# (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -36,6 +39,14 @@ case "$what" in
     python3 benchmarks/multi_linear.py --sweep --out "$OUT/multi_linear_sweep.md" 2>&1 |
       tee "$OUT/multi_linear_sweep.log" || status=1
     ;;
+  write)
+    python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+    python3 benchmarks/dspark_write.py --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
+    python3 benchmarks/dspark_write.py --breakdown --tokens 8 64 512 4096 2>&1 |
+      tee "$OUT/dspark_write_breakdown.log" || status=1
+    { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc benchmarks/kv_write_tune.cu \
+      -o /tmp/kv_write_tune && /tmp/kv_write_tune; } 2>&1 | tee "$OUT/kv_write_tune.log" || status=1
+    ;;
   tune)
     for src in benchmarks/${TUNE:-*}_tune.cu; do
       name=$(basename "$src" .cu)
@@ -55,7 +66,7 @@ case "$what" in
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|tune)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|tune|write)" >&2
     exit 2
     ;;
 esac
