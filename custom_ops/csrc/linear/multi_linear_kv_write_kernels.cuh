@@ -425,12 +425,10 @@ __host__ __device__ constexpr int head_batch() {
 // Heads per warp when the heads of a segment are split over warps (small T).
 constexpr int kSplitHeads = 4;
 // Below this many warps per SM with one warp per (token, layer, K or V), the heads are split over warps of
-// kSplitHeads heads. H200, CUDA-graph replay of the op (GEMM path, batches of 4 heads), split vs not: Qwen3-8B draft
-// (8 heads of 128) 38.1 vs 41.1 us at T = 64, equal at T = 512, 557 vs 562 at T = 4096; 16 heads of 64 (hidden
-// 7168): 55.0 vs 59.6 at T = 64, 126.4 vs 129.0 at T = 512, but 948.6 vs 914.0 at T = 4096, where every warp
-// reloading the token's indices, cos/sin row and norm weight for 4 of the 16 heads costs more than the extra warps
-// bring. T = 512 gives 5120 such warps (39 per SM), T = 4096 40960 (310 per SM).
-constexpr int kSplitHeadsBelowWarpsPerSm = 128;
+// kSplitHeads heads. H200, heads kernel alone in the op's CUDA-graph replay after an L2 flush (torch profiler), split
+// vs not, Qwen3-8B draft (8 heads of 128) / 16 heads of 64 (hidden 7168): T = 64 (4.8 warps per SM) 5.0 vs 6.0 /
+// 5.3 vs 8.2 us; T = 512 (39 per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us. T = 4096 gives 310 per SM.
+constexpr int kSplitHeadsBelowWarpsPerSm = 16;
 
 // Heads per warp of the heads kernel: kSplitHeads while the segments alone give fewer than
 // kSplitHeadsBelowWarpsPerSm warps per SM, else all of a segment's heads.
