@@ -78,16 +78,6 @@ static void fused(const KvWriteArgs& args, int64_t rows, int split) {
                         smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT));
 }
 
-// The row-split fused kernel: clusters of kRowSplitParts CTAs, each half a head.
-template <typename T, int V, int NT>
-static void fused_rows(const KvWriteArgs& args, int64_t rows) {
-  constexpr Variant v = row_split_variant(V);
-  auto kernel =
-      &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V, kRowSplitParts>>;
-  run_grid<KvWriteArgs>(kernel, args, rows / (32 * V), kRowSplitParts, cta_threads(v), v.row_warps, v.k_warps,
-                        smem_bytes(v, NT) + KvWriteEpilogue<V, kRowSplitParts>::extra_bytes(8 * NT));
-}
-
 template <typename T, int V>
 static void stream(const KvWriteArgs& args, int64_t rows, int split, int variant) {
   const int n_tiles = token_tiles(args.gemm.tokens);
@@ -117,12 +107,7 @@ static void heads(const HeadsArgs& a) {
 template <typename T>
 static void dispatch(int path, int split, int variant, const KvWriteArgs& args, const HeadsArgs& h) {
   const int d = args.kv.head_dim;
-  if (path == 3) {
-    const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
-    const bool two = token_tiles(args.gemm.tokens) > 1;
-    if (d == 64) two ? fused_rows<T, 2, 2>(args, rows) : fused_rows<T, 2, 1>(args, rows);
-    else two ? fused_rows<T, 4, 2>(args, rows) : fused_rows<T, 4, 1>(args, rows);
-  } else if (path == 2) {
+  if (path == 2) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     d == 64 ? stream<T, 2>(args, rows, split, variant) : stream<T, 4>(args, rows, split, variant);
   } else if (path == 1) {
@@ -139,8 +124,8 @@ static void dispatch(int path, int split, int variant, const KvWriteArgs& args, 
   }
 }
 
-// ints: bf16, path (0 heads, 1 fused tile, 2 streaming, 3 row-split fused tile), split (fused, streaming) or
-//       heads per warp (heads), tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
+// ints: bf16, path (0 heads, 1 fused tile, 2 streaming), split (fused, streaming) or heads per warp (heads),
+//       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
 extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* const* ptrs, const int64_t* strides,
                              const float* eps) {
@@ -282,7 +267,7 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-PATHS = {"heads": 0, "fused": 1, "stream": 2, "rows": 3}
+PATHS = {"heads": 0, "fused": 1, "stream": 2}
 
 
 def _emulate(emu, a: dict, *, kernel: str, split: int = 1, heads_per_warp: int = 4, variant: int = 0) -> None:
@@ -431,26 +416,6 @@ def test_fused_kernel_without_norm_or_rope(emu):
     _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="fused")
 
 
-@pytest.mark.parametrize("neox", [True, False])
-@pytest.mark.parametrize(("head_dim", "rot"), [(64, 64), (64, 24), (128, 128), (128, 44)])
-def test_row_split_fused_kernel(emu, head_dim, rot, neox):
-    """Each head in a cluster of 2 CTAs of half a head: a token's head is read from both CTAs' tiles and biases,
-    so the norm sums and the neox partners (element e and e + R/2, in the other CTA for full rotary) cross the
-    CTAs; partial rotary (R/2 not a multiple of a lane's elements: the scratch-row partner path); both RoPE styles;
-    1, 2 and 11 tokens (a cluster's tokens split 1/0, 1/1 and 5/6 over its CTAs); a ragged K (a last step of 8
-    columns)."""
-    for tokens in (1, 2, 11):
-        spec = Spec(tokens=tokens, hidden=104, head_dim=head_dim, rot=rot, neox=neox)
-        _check(emu, spec, kernel="rows", seed=tokens)
-
-
-def test_row_split_fused_kernel_commit_fp16_heads(emu):
-    """A [B, W] commit mask, fp16, three heads per layer (the clusters of a layer's heads), no bias on layer 1."""
-    spec = Spec(tokens=6, hidden=256, heads=3, head_dim=128, rot=128, commit=True, dtype=torch.float16)
-    _check(emu, spec, kernel="rows")
-    _check(emu, Spec(norm=False, rope=False, tokens=16), kernel="rows")
-
-
 @pytest.mark.parametrize(
     ("head_dim", "rot", "neox", "variant"),
     [
@@ -517,7 +482,7 @@ def test_heads_kernel_fp16_without_norm(emu):
     _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel="heads")
 
 
-@pytest.mark.parametrize("kernel", ["fused", "rows", "stream", "heads"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
 def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
     layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
@@ -529,7 +494,7 @@ def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "rows", "stream", "heads"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
 def test_wrap_negative_counts_from_the_end(emu, kernel):
     """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
     in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the

@@ -5,8 +5,7 @@
 // Work decomposition
 //   Output rows (the concatenated weight rows) are cut into CTA tiles of kRows = 16 * MT * WR rows; a tile may span
 //   several weights (each lane resolves its own rows). A cluster of S CTAs (S = the split, 1..8) owns one tile and
-//   splits K S ways (or, for an epilogue whose kRowParts is S > 1, owns S consecutive tiles, one per CTA, each over
-//   all of K, so that the epilogue can see a tile of S * kRows rows through distributed shared memory); inside a CTA, WR x WK warps split the tile's rows WR ways (16 * MT rows per warp, all tokens) and
+//   splits K S ways; inside a CTA, WR x WK warps split the tile's rows WR ways (16 * MT rows per warp, all tokens) and
 //   the CTA's K range WK ways. Every warp therefore streams a distinct [16 * MT, K / (S * WK)] block of weights once.
 //   Partial sums are reduced in shared memory (the WK warps, in turn) and then across the cluster through distributed
 //   shared memory (each CTA sums an equal share of the tile's outputs over the S CTAs, adds the bias, rounds once and
@@ -422,9 +421,6 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float* tile
 // An epilogue type names the kernel's argument type (`Args`), where its GEMM parameters are (`gemm`) and what the
 // CTA does with its finished partial tile (`finish`); multi_linear_kv_write_kernels.cuh has the other one.
 //
-// `kRowParts`: 1 when the CTAs of a cluster split K; P > 1 when a cluster of P CTAs computes P consecutive tiles
-// (the launch's cluster size must then be P).
-//
 // An epilogue may also stage data of its own in shared memory past the ring/tile region (`extra_bytes` for a tile
 // of kTokens tokens): `prefetch` runs once the main loop's first copies are in flight and returns raw loaded values
 // (registers, no arithmetic on them, so nothing waits for them there), `stage` runs halfway through the main loop,
@@ -432,7 +428,6 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float* tile
 // `finish` runs.
 struct StoreEpilogue {
   using Args = Params;
-  static constexpr int kRowParts = 1;
   struct Prefetch {};
   static __host__ __device__ constexpr int extra_bytes(int) { return 0; }
   static __device__ __forceinline__ const Params& gemm(const Args& args) { return args; }
@@ -446,7 +441,7 @@ struct StoreEpilogue {
   // The tile [tokens][kPitch] (this CTA's partial sums) and the fp32 bias [kRows] are in shared memory; `rows` of
   // the tile exist.
   template <typename T, int kRows, int kTokens, int kThreads>
-  static __device__ __forceinline__ void finish(const Args& p, const float* tile, const float* bias, float*,
+  static __device__ __forceinline__ void finish(const Args& p, const float* tile, const float* bias, const float*,
                                                 int64_t row0, int rows, const ClusterCoord& cluster) {
     const int elements = (p.tokens < kTokens ? p.tokens : kTokens) * kRows;
     if (cluster.size == 1) {
@@ -478,12 +473,7 @@ __global__ void __launch_bounds__(32 * WR * WK)
   const int row_warp = warp % WR, k_warp = warp / WR;
   const int group = lane / 4, quad = lane % 4;
   const int64_t total_rows = p.segment_end[p.num_segments - 1];
-  // The cluster splits K k_split ways (this CTA takes part k_rank) or, with kRowParts > 1, the CTAs take
-  // consecutive tiles.
-  constexpr bool kRowSplit = Epilogue::kRowParts > 1;
-  const unsigned k_split = kRowSplit ? 1u : cluster.size, k_rank = kRowSplit ? 0u : cluster.rank;
-  const int64_t tile_index = kRowSplit ? static_cast<int64_t>(cluster.id) * cluster.size + cluster.rank : cluster.id;
-  const int64_t row0 = tile_index * kRows;
+  const int64_t row0 = static_cast<int64_t>(cluster.id) * kRows;
 
   LaneSources<T, MT, NT> src;
 #pragma unroll
@@ -507,10 +497,10 @@ __global__ void __launch_bounds__(32 * WR * WK)
     bias[r] = row0 + r < total_rows ? bias_of_row<T>(p, row0 + r) : 0.f;
   }
 
-  // This warp's K range: the full steps split evenly over the k_split * WK warps of this row group; the last one
+  // This warp's K range: the full steps split evenly over the cluster's S * WK warps of this row group; the last one
   // also takes the ragged step.
   const int full_steps = p.k / kStepCols;
-  const int parts = static_cast<int>(k_split) * WK, part = static_cast<int>(k_rank) * WK + k_warp;
+  const int parts = static_cast<int>(cluster.size) * WK, part = static_cast<int>(cluster.rank) * WK + k_warp;
   const int begin = static_cast<int>(static_cast<int64_t>(full_steps) * part / parts);
   const int end_full = static_cast<int>(static_cast<int64_t>(full_steps) * (part + 1) / parts);
   const int end = end_full + (part == parts - 1 && p.k % kStepCols != 0 ? 1 : 0);

@@ -36,14 +36,6 @@ constexpr int kHeadWarps = 8;                 // warps per CTA of the heads kern
 // flight per SM); a cluster split did not pay while the heads give more than half the SMs a CTA (auto_split).
 __host__ __device__ constexpr Variant fused_variant(int v) { return Variant{2, v, 4, 4}; }
 
-// The row-split variant of the fused kernel (KvWriteEpilogue<V, kRowSplitParts>): each head in a cluster of 2 CTAs of
-// half a head (16 V rows: V m-tiles of one row warp), 4 k-warps, 4 stages. At head_dim 128 this is the 64-row tile
-// that the plain multi-weight kernel runs for the draft's K/V group (benchmarks/multi_linear.py: 27.7 us at T = 1
-// for the Qwen3-8B draft's 83.9 MB, 160 CTAs) against 29-30 us for the one-head tile on 80 CTAs
-// (benchmarks/kv_write_tune.cu). No op launches it yet: benchmarks/kv_write_tune.cu times it against the fused tile.
-constexpr int kRowSplitParts = 2;
-__host__ __device__ constexpr Variant row_split_variant(int v) { return Variant{v, 1, 4, 4}; }
-
 // What the epilogue needs besides the GEMM: where each layer's K (kind 0) and V (kind 1) rows go and how K is normed
 // and rotated. Index tensors are addressed through their strides; a flag says int64 (else int32).
 struct KvWrite {
@@ -270,23 +262,17 @@ __device__ __forceinline__ void copy_async4(float* dst, const float* src) {
 #endif
 }
 
-// The fused epilogue. A cluster's tiles are exactly one head (head_dim = 32 V) of one layer's K or V, so a unit is a
-// token of the head: with kParts = 1 a tile is the head (kRows == head_dim) and a cluster of S CTAs splits K S
-// ways; with kParts = P > 1 the P CTAs of a cluster each compute kRows = head_dim / P rows of the head over all of K
-// (more, smaller CTAs: a head of 128 rows in two CTAs of 64 gives the Qwen3-8B draft's 80 heads 160 CTAs of 128
-// threads instead of 80 of 512). Staged in shared memory while the main loop runs: each token's slot (-1: skipped) and, for K
+// The fused epilogue. A tile is exactly one head (kRows == head_dim = 32 V) of one layer's K or V, so a unit is a
+// token of the tile. Staged in shared memory while the main loop runs: each token's slot (-1: skipped) and, for K
 // with RoPE, its cos/sin row, and the layer's norm weight. The loads behind them are issued right after the main
 // loop's first copies (`prefetch`: raw values into registers of thread t < tokens and i < head_dim), evaluated
 // halfway through it (`stage`: slots and weights to shared memory, the cos/sin rows by asynchronous copies), so the
 // epilogue reads no global memory but the peer tiles. Tokens are shared out over the cluster's CTAs and each CTA's
-// warps. A token's values are the bias plus the S partial tiles (kParts = 1; written back into the owner's own tile
-// row, which no other CTA reads, to serve as the RoPE scratch row) or, element e, the bias and tile of CTA
-// e / kRows at row e % kRows (kParts > 1: every CTA's tile is read by its peers, so the RoPE scratch row is the
-// token's staged cos/sin row, free once the warp has its factors in registers).
-template <int V, int kParts = 1>
+// warps; a token's values are the bias plus the S partial tiles, written back into the owner's own tile row (which
+// no other CTA reads) to serve as the RoPE scratch row.
+template <int V>
 struct KvWriteEpilogue {
   static constexpr int kHeadDim = 32 * V;
-  static constexpr int kRowParts = kParts;
   using Args = KvWriteArgs;
   struct Prefetch {
     int64_t commit, loc, pos;  // thread t < tokens: token t's raw index values
@@ -359,16 +345,15 @@ struct KvWriteEpilogue {
   }
 
   template <typename T, int kRows, int kTokens, int kThreads>
-  static __device__ __forceinline__ void finish(const Args& args, float* tile, const float* bias, float* extra,
+  static __device__ __forceinline__ void finish(const Args& args, float* tile, const float* bias, const float* extra,
                                                 int64_t row0, int, const ClusterCoord& cluster) {
-    static_assert(kRows * kParts == kHeadDim, "a cluster's tiles are one head");
-    static_assert(kThreads >= kHeadDim && kThreads >= kTokens, "prefetch and stage give a thread each element");
+    static_assert(kRows == kHeadDim, "a tile is one head");
     constexpr int kPitch = tile_pitch(kRows);
     const KvWrite& kv = args.kv;
     const HeadOf h = head_of(kv, static_cast<int>(row0 / kHeadDim));
     const int64_t* slots = reinterpret_cast<const int64_t*>(extra);
-    float* weight = reinterpret_cast<float*>(reinterpret_cast<int64_t*>(extra) + kTokens);
-    float* table_rows = weight + kHeadDim;
+    const float* weight = reinterpret_cast<const float*>(slots + kTokens);
+    const float* table_rows = weight + kHeadDim;
     if (cluster.size > 1) cluster_sync();
     const int tokens = args.gemm.tokens < kTokens ? args.gemm.tokens : kTokens;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -382,25 +367,19 @@ struct KvWriteEpilogue {
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const int e = lane * V + i;
-        if constexpr (kParts == 1) {
-          float sum = bias[e];
-          if (cluster.size == 1) {
-            sum += mine[e];
-          } else {
-            for (unsigned q = 0; q < cluster.size; ++q) sum += cluster_peer(mine, q)[e];
-          }
-          v[i] = sum;
+        float sum = bias[e];
+        if (cluster.size == 1) {
+          sum += mine[e];
         } else {
-          const unsigned q = static_cast<unsigned>(e / kRows);
-          v[i] = cluster_peer(bias, q)[e % kRows] + cluster_peer(mine, q)[e % kRows];
+          for (unsigned q = 0; q < cluster.size; ++q) sum += cluster_peer(mine, q)[e];
         }
+        v[i] = sum;
       }
       float g[V], c[V], sn[V];
-      float* cos_sin = table_rows + token * kHeadDim;
       load_weight<float, V>(weight, 1, lane * V, kHeadDim, g);
-      load_rope<V>(kv, cos_sin, lane * V, c, sn);
-      __syncwarp();  // every lane has read its sums and factors before a row becomes the scratch row
-      emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], g, c, sn, v, kParts == 1 ? mine : cos_sin,
+      load_rope<V>(kv, table_rows + token * kHeadDim, lane * V, c, sn);
+      __syncwarp();  // every lane has read its sums before the row becomes the scratch row
+      emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], g, c, sn, v, mine,
                       cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
     }
     if (cluster.size > 1) cluster_sync();
