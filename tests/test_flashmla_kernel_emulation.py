@@ -5,7 +5,8 @@ This runs the kernels' own index handling without a GPU: rows whose slot or posi
 positions, positions past the table, slots at or past the capacity, huge slot ids that would wrap in int64) must be
 skipped exactly as the `*_reference` functions skip them, strided `positions` / `out_loc` must be read through their
 strides, and every other byte must stay as it was. The arguments are packed like csrc/flashmla/flashmla_writes.cu packs
-them. GPU numerics (and the bindings) are checked by the CUDA tests.
+them, and the 16-byte-load or scalar-load variant of a kernel is picked by the same rule (unaligned rows run the
+scalar one). GPU numerics (and the bindings) are checked by the CUDA tests.
 """
 
 from __future__ import annotations
@@ -143,9 +144,23 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def _vec(*views: tuple[torch.Tensor, tuple[int, ...]]) -> bool:
-    """The binding's choice of the 16-byte-load kernel: aligned pointers and strides."""
-    return all(_ptr(t) % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in strides) for t, strides in views)
+def _aligned16(t: torch.Tensor, strides: tuple[int, ...] = ()) -> bool:
+    return _ptr(t) % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in strides)
+
+
+def _vec(name, args) -> bool:
+    """The binding's choice of the vector-load kernel over the scalar-load one: 16-byte-aligned row pointers and
+    strides (and weight); the indexer loads 4 elements at a time, so it needs 4-element alignment."""
+    if name in ("fused_k_norm_rope_flashmla", "store_flashmla_cache"):
+        kv = args["kv"]
+        return _aligned16(kv, (kv.stride(0),)) and ("weight" not in args or _aligned16(args["weight"]))
+    if name == "fused_q_norm_rope":
+        q, q_out = args["q"], args["q_out"]
+        return _aligned16(q, q.stride()[:2]) and _aligned16(q_out, q_out.stride()[:2])
+    if name == "fused_norm_rope_inplace":
+        return _aligned16(args["kv"], (args["kv"].stride(0),)) and _aligned16(args["weight"])
+    q = args["q"]
+    return _ptr(q) % (4 * q.element_size()) == 0 and q.stride(0) % 4 == 0 and q.stride(1) % 4 == 0
 
 
 def _table(args) -> dict:
@@ -174,13 +189,11 @@ def _run_write(emu, name, args):
         log2_page_size=page_size.bit_length() - 1,
         rows=kv.shape[0],
     )
-    vec = _vec((kv, (kv.stride(0),)))
     if norm_rope:
         for key, value in _table(args).items():
             setattr(a, key, value)
         a.weight, a.eps = _ptr(args["weight"]), args["eps"]
-        vec = vec and _ptr(args["weight"]) % 16 == 0
-    emu.emu_flashmla_write(int(norm_rope), int(kv.dtype == torch.bfloat16), int(vec), ctypes.byref(a))
+    emu.emu_flashmla_write(int(norm_rope), int(kv.dtype == torch.bfloat16), int(_vec(name, args)), ctypes.byref(a))
 
 
 def _run_norm_rope(emu, name, args):
@@ -202,9 +215,7 @@ def _run_norm_rope(emu, name, args):
         weight=_ptr(args["weight"]) if weighted else 0,
         **_table(args),
     )
-    vec = _vec((src, (src.stride(0), stride_h(src))), (dst, (dst.stride(0), stride_h(dst))))
-    vec = vec and (not weighted or _ptr(args["weight"]) % 16 == 0)
-    emu.emu_norm_rope(int(weighted), int(src.dtype == torch.bfloat16), int(vec), ctypes.byref(a))
+    emu.emu_norm_rope(int(weighted), int(src.dtype == torch.bfloat16), int(_vec(name, args)), ctypes.byref(a))
 
 
 def _run_indexer(emu, args):
@@ -226,8 +237,7 @@ def _run_indexer(emu, args):
         rows=b * h,
         **_table(args),
     )
-    esize = q.element_size()
-    vec = all(x * esize % (4 * esize) == 0 for x in (_ptr(q), q.stride(0) * esize, q.stride(1) * esize))
+    vec = _vec("fused_q_indexer_rope_hadamard_quant", args)
     emu.emu_indexer(int(q.dtype == torch.bfloat16), int(vec), ctypes.byref(a))
     return q_fp8.view(torch.float8_e4m3fn), weights_out
 
@@ -254,17 +264,33 @@ def _case(name, b, seed, dtype, pos_dtype, loc_dtype):
     return args
 
 
+def _unalign_rows(args):
+    """Replace the row tensors (kv, q, q_out) by copies one element into a buffer with one spare element per row
+    (row stride 513, or 129 for the indexer's q): neither pointer nor stride is aligned, so the binding runs the
+    scalar-load kernel."""
+    for key in ("kv", "q", "q_out"):
+        if key in args:
+            t = args[key]
+            args[key] = torch.empty(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)[..., 1:]
+            args[key].copy_(t)
+
+
+@pytest.mark.parametrize("rows", ["aligned", "unaligned"])
 @pytest.mark.parametrize("name", ALL_OPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_emulated_kernels_skip_out_of_range_rows(emu, name, dtype):
+def test_emulated_kernels_skip_out_of_range_rows(emu, name, dtype, rows):
     """Negative / too large positions, slots at the capacity and a huge slot that would wrap onto an unused slot
-    (int64 slots): the kernels skip exactly the rows the references skip; nothing else changes."""
+    (int64 slots): the kernels skip exactly the rows the references skip; nothing else changes. Aligned rows run
+    the 16-byte-load kernels, unaligned rows the scalar-load ones."""
     args = _case(name, 24, 11, dtype, torch.int64, torch.int64)
+    if rows == "unaligned":
+        _unalign_rows(args)
+    assert _vec(name, args) == (rows == "aligned")
     valid = _break_rows(name, args)
     before = args[MUTATED[name]].clone() if name in MUTATED else None
     want = _reference_result(name, args)
     got = _run_emulated(emu, name, args)
-    _assert_matches_reference(name, got, want, before, valid, args)
+    _assert_matches_reference(name, got, want, before, valid, args, allow_empty=False)
 
 
 @pytest.mark.parametrize("name", ALL_OPS)
@@ -284,7 +310,7 @@ def test_emulated_kernels_read_strided_int32_indices(emu, name):
     before = args[MUTATED[name]].clone() if name in MUTATED else None
     want = _reference_result(name, args)
     got = _run_emulated(emu, name, args)
-    _assert_matches_reference(name, got, want, before, valid, args)
+    _assert_matches_reference(name, got, want, before, valid, args, allow_empty=False)
 
 
 @pytest.mark.parametrize("huge", [HUGE, 2**63 - 1])
@@ -296,4 +322,4 @@ def test_emulated_huge_slot_does_not_wrap(emu, huge):
     before = args["kvcache"].clone()
     want = _reference_result("store_flashmla_cache", args)
     got = _run_emulated(emu, "store_flashmla_cache", args)
-    _assert_matches_reference("store_flashmla_cache", got, want, before, valid, args)
+    _assert_matches_reference("store_flashmla_cache", got, want, before, valid, args, allow_empty=False)

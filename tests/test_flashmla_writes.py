@@ -382,7 +382,8 @@ def _cuda(*ts):
 @pytest.mark.parametrize("page_size", [1, 2, 64, 256])
 @pytest.mark.parametrize("b", [1, 7, 300, 4096])
 def test_cuda_k_write_matches_reference(b, page_size):
-    kv, weight, freqs, pos, loc, cache = _k_inputs(b, page_size=page_size, seed=b)
+    # every 5th row skipped, except the only row of b = 1 (skipping it would leave no row to compare)
+    kv, weight, freqs, pos, loc, cache = _k_inputs(b, page_size=page_size, seed=b, skip_every=5 if b > 1 else 0)
     before = cache.clone()
     want = cache.clone()
     ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, want, page_size)
