@@ -75,11 +75,15 @@ static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
 }
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// SM count the c128 launch shape is chosen for (c128_splits), set from Python to exercise every channel split.
+// SM count the c128 launch shape is chosen for (c128_splits), set from Python to exercise every channel split;
+// the split counts used since the last emu_take_splits (a bit mask of the powers of two) tell Python which ran.
 static int g_num_sms = 132;
+static int g_splits_seen = 0;
 extern "C" void emu_set_num_sms(int n) { g_num_sms = n; }
+extern "C" int emu_take_splits() { const int seen = g_splits_seen; g_splits_seen = 0; return seen; }
 static void launch_c128(int64_t rows, int d, void (*kernel)(CompressArgs, int), const CompressArgs& a) {
   const int splits = c128_splits(rows, d, g_num_sms);
+  if (rows > 0) g_splits_seen |= splits;
   launch(rows * splits, kC128Threads, false, [&] { kernel(a, splits); });
 }
 
@@ -277,7 +281,7 @@ def _random_session(ratio, mode, online, d, seed, state_dtype=torch.float32, lon
         (4, "ring", torch.float32, False, 128, 132),
         (128, "paged", torch.float32, True, 128, 132),
         (128, "ring", torch.bfloat16, False, 128, 132),
-        (128, "ring", torch.float32, True, 512, 6),  # 1, 2 or 4 channel splits depending on the rows per call
+        (128, "ring", torch.float32, True, 512, 6),  # 1 or 2 channel splits: 3 requests, so 3+ plan rows per call
     ],
 )
 def test_emulated_compress_kernels_match_fp64(emu, monkeypatch, ratio, mode, state_dtype, vec, d, num_sms):
@@ -289,6 +293,24 @@ def test_emulated_compress_kernels_match_fp64(emu, monkeypatch, ratio, mode, sta
 def test_emulated_online_kernels_match_fp64(emu, monkeypatch, d, num_sms):
     _install(emu, monkeypatch, num_sms=num_sms)
     _random_session(128, "ring", True, d, seed=3, long=True)
+
+
+@pytest.mark.parametrize(("online", "mode"), [(False, "paged"), (True, "ring")])
+def test_emulated_c128_decode_closes_windows_with_4_channel_splits(emu, monkeypatch, online, mode):
+    """One request extends to the last token but one of a window and decodes the token that closes it, twice: the
+    c128 decode kernels' entries are checked (the random sessions close c128 windows only in extends). Head dim 512
+    on 6 SMs with 1-2 plan rows per call: every c128 launch (offline compress, online prefill) splits the channels
+    4 ways."""
+    _install(emu, monkeypatch, num_sms=6)
+    kvs, ape = make_inputs(128, 512, [256], seed=11)
+    s = Session(kvs, ape, 128, mode, online=online, seed=11)
+    emu.emu_take_splits()
+    for _ in range(2):
+        s.extend([127], pad=1)
+        s.decode()
+    assert s.decode_entries == 2
+    assert emu.emu_take_splits() == 4, "a c128 launch ran with other than 4 channel splits"
+    s.check()
 
 
 def _emu_compress(emu, online, decode, state, kv, ape, plans, ratio):
@@ -314,6 +336,7 @@ def test_emulated_compress_kernels_skip_out_of_range_plan_rows(emu, ratio, onlin
         assert torch.equal(state, before), "the CPU path wrote before raising"
         want_state = state.clone()
         want = run_compress(online, decode, want_state, kv, ape, good, ratio)
+        assert want.any(), f"{field}: no entry left to compare"
         got_state = state.clone()
         got = _emu_compress(emu, online, decode, got_state, kv, ape, bad, ratio)
         exact = 1e-5 if online else 0.0

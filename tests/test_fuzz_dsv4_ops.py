@@ -3,7 +3,8 @@
 Scenarios run through `DSV4Compressor.compress_scores` and `.store`, which call every op of the family (the four
 planners, the four compress ops and the store). A scenario is a batch of 0..3 requests whose ids are spread over a
 state with room for more (ring or paged addressing, or online c128), pushed through random prefill / extend /
-decode steps with padded requests (`req_pool_indices` -1) and padded ragged rows, and stored into a paged FP8 /
+decode steps (some prefills stop one token before a window ends, so that a decode step closes it; two explicit c128
+examples always do) with padded requests (`req_pool_indices` -1) and padded ragged rows, and stored into a paged FP8 /
 FP4 cache at random slots (some -1). Some steps first try one out-of-range value: a request id past the state or
 one whose ring would wrap int32 state rows, extends past the ragged rows, a seq_len below its extend, a page-table
 entry or seq_len past `req_to_token`, a slot past the cache.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from dsv4_cases import FREQS, assert_cache_bytes_close, check_store
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import custom_ops
@@ -41,6 +42,7 @@ ON_CUDA = ("rid_wrap", "seq_short", "table", "slot", "huge_slot")  # CPU equival
 class Step:
     decode: bool
     bad: str | None  # the out-of-range value tried first
+    short: bool = False  # prefill: each request stops one token before its current or next window ends
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ def scenarios(draw, bad: tuple[str, ...] = BAD_PREFILL) -> Scenario:
     for _ in range(draw(st.integers(2, 6))):
         decode = draw(st.booleans())
         kinds = [k for k in (BAD_DECODE if decode else BAD_PREFILL) if k in bad]
-        steps.append(Step(decode, draw(st.none() | st.sampled_from(kinds)) if kinds else None))
+        bad_kind = draw(st.none() | st.sampled_from(kinds)) if kinds else None
+        steps.append(Step(decode, bad_kind, not decode and draw(st.booleans())))
     return Scenario(
         ratio=ratio,
         online=online,
@@ -112,7 +115,7 @@ class Driver:
             comp.norm_weight.copy_(torch.rand(sc.d, generator=g) + 0.5)
         self.comp = comp.to(device)
         rng, r = self.rng, sc.ratio
-        self.batch = rng.choice([0, 1, 2, 2, 3, 3])
+        self.batch = 0 if rng.random() < 0.08 else rng.choice([1, 2, 2, 3, 3])  # empty batches: a few per run
         self.capacity = self.batch + 2
         lengths = [rng.choice([0, 1]) if rng.random() < 0.15 else rng.randint(r, 3 * r + 9) for _ in range(self.batch)]
         width = (4 if r == 4 else 2) * sc.d
@@ -151,6 +154,8 @@ class Driver:
         left = [len(k) - c for k, c in zip(self.kvs, self.cur, strict=True)]
         if step.decode:
             counts = [int(x > 0 and rng.random() < 0.8) for x in left]
+        elif step.short:  # up to the last token but one of this window or the next
+            counts = [min(x, r - 1 - c % r + r * rng.randint(0, 1)) for x, c in zip(left, self.cur, strict=True)]
         else:
             counts = [min(x, rng.choice([0, 1, rng.randint(1, r + 3), rng.randint(1, 2 * r + 9), x])) for x in left]
         rows = [k[c : c + n] for k, c, n in zip(self.kvs, self.cur, counts, strict=True)]
@@ -327,6 +332,24 @@ def _run_cpu(sc: Scenario) -> None:
         assert windows == compress_sequence(kvs[: drv.cur[b]], ape, sc.ratio).shape[0]
 
 
+# c128 scenarios (offline paged, online) whose decode steps close windows, whatever examples hypothesis draws
+C128_DECODE_CLOSES = [
+    Scenario(
+        ratio=128,
+        online=online,
+        paged=not online,
+        d=512,
+        idx_dtype=torch.int32,
+        page_size=16,
+        fp4=False,
+        swa_page=256,
+        steps=(Step(False, None, short=True), Step(True, None)) * 2,
+        seed=11,  # 3 requests of 366, 225 and 390 tokens; the decode steps close 4 windows
+    )
+    for online in (False, True)
+]
+
+
 FUZZ = settings(
     max_examples=80,
     deadline=None,
@@ -337,6 +360,8 @@ FUZZ = settings(
 
 @FUZZ
 @given(scenarios())
+@example(C128_DECODE_CLOSES[0])
+@example(C128_DECODE_CLOSES[1])
 def test_fuzz_ops_against_the_whole_sequence(sc: Scenario) -> None:
     _run_cpu(sc)
 
@@ -349,6 +374,8 @@ def test_fuzz_ops_against_the_whole_sequence(sc: Scenario) -> None:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(scenarios(bad=ON_CUDA))
+@example(C128_DECODE_CLOSES[0])
+@example(C128_DECODE_CLOSES[1])
 def test_fuzz_cuda_equals_cpu_with_out_of_range_values_skipped(sc: Scenario) -> None:
     """CUDA with the bad values left in (no checking mode: skipped on the device) == CPU with them neutralized."""
     with custom_ops.checks(False):
