@@ -76,8 +76,15 @@ inline float emu_shuffle(float v, int src) {
   emu.warp->arrive_and_wait();
   return out;
 }
-inline float __shfl_sync(unsigned, float v, int src) { return emu_shuffle(v, src); }
-inline float __shfl_xor_sync(unsigned, float v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
+// With `width` < 32 the warp is cut into aligned segments of `width` lanes: lane `src` of the caller's segment; xor
+// partners outside the segment read the caller's own value.
+inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
+  return emu_shuffle(v, (threadIdx.x & 31 & ~(width - 1)) + (src & (width - 1)));
+}
+inline float __shfl_xor_sync(unsigned, float v, int mask, int width = 32) {
+  const int lane = threadIdx.x & 31, src = lane ^ mask;
+  return emu_shuffle(v, (src ^ lane) < width ? src : lane);
+}
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline void emu_group_barrier(int id, int) { emu.named[id - 1]->arrive_and_wait(); }

@@ -92,15 +92,15 @@ struct HeadsArgs {
   int tokens, layers, heads_per_warp;
 };
 
-template <typename T, int V>
+template <typename T, int kLanes>
 static void heads_entry(HeadsArgs a) {
-  kv_write_heads_kernel<T, V>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
+  kv_write_heads_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
                               a.heads_per_warp);
 }
 
-template <typename T, int V>
+template <typename T, int kLanes>
 static void heads(const HeadsArgs& a) {
-  run_grid<HeadsArgs>(&heads_entry<T, V>, a, heads_blocks(a.tokens, a.layers, a.kv.heads, a.heads_per_warp), 1,
+  run_grid<HeadsArgs>(&heads_entry<T, kLanes>, a, heads_blocks(a.tokens, a.layers, a.kv.heads, a.heads_per_warp), 1,
                       32 * kHeadWarps, 1, 1, 64);
 }
 
@@ -115,12 +115,12 @@ static void dispatch(int path, int split, int variant, const KvWriteArgs& args, 
     const bool two = token_tiles(args.gemm.tokens) > 1;
     if (d == 64) two ? fused<T, 2, 2>(args, rows, split) : fused<T, 2, 1>(args, rows, split);
     else two ? fused<T, 4, 2>(args, rows, split) : fused<T, 4, 1>(args, rows, split);
-  } else if (d <= 64) {
-    heads<T, 2>(h);
-  } else if (d <= 128) {
-    heads<T, 4>(h);
-  } else {
+  } else if (head_lanes(d) == 8) {
     heads<T, 8>(h);
+  } else if (head_lanes(d) == 16) {
+    heads<T, 16>(h);
+  } else {
+    heads<T, 32>(h);
   }
 }
 
@@ -454,8 +454,9 @@ def test_stream_kernel_without_norm_or_rope(emu):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize(("head_dim", "rot"), [(16, 16), (64, 40), (96, 96), (128, 36), (256, 128)])
 def test_heads_kernel(emu, head_dim, rot, neox):
-    """The GEMM path's per-head kernel: head_dims that fill a lane's elements or leave lanes empty (16, 96), partial
-    rotary, both RoPE styles, a commit mask, several heads per layer."""
+    """The GEMM path's per-head kernel: head_dims that fill a head's lanes or leave some empty (16: 2 of 8 lanes, 96:
+    12 of 16), partial rotary (R/2 a multiple of a lane's 8 elements or not), both RoPE styles, a commit mask,
+    several heads per layer."""
     spec = Spec(tokens=7, heads=3, head_dim=head_dim, rot=rot, neox=neox, commit=True)
     _check(emu, spec, kernel="heads")
 
@@ -472,8 +473,9 @@ def test_heads_kernel_heads_per_warp(emu, heads, heads_per_warp):
 
 @pytest.mark.parametrize(("head_dim", "heads"), [(64, 17), (128, 9), (256, 9)])
 def test_heads_kernel_loads_heads_in_batches(emu, head_dim, heads):
-    """A warp loads 32 / V heads at a time (16 of 64, 8 of 128, 4 of 256): one more head than a batch, and for
-    head_dim 256 two full batches and one head, so the reload between batches and a last batch of one are run."""
+    """A warp loads 2 KB of heads at a time, 4 steps of 32 / lanes heads side by side (16 heads of 64, 8 of 128, 4 of
+    256): one more head than a batch, and for head_dim 256 two full batches and one head, so the reload between
+    batches, a last batch of one and lane groups without a head (they store nothing) are run."""
     spec = Spec(tokens=3, heads=heads, head_dim=head_dim, rot=head_dim // 2, commit=True)
     _check(emu, spec, kernel="heads", heads_per_warp=heads, seed=head_dim)
 

@@ -471,7 +471,7 @@ void run_fused(const Call& c, const at::Tensor& x) {
   }
 }
 
-template <typename T, int V>
+template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
   const int per_warp =
@@ -485,7 +485,7 @@ void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, 
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, V>, kv,
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, kLanes>, kv,
                                     static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
                                     layers, per_warp));
 }
@@ -505,12 +505,13 @@ void run_gemm_then_heads(const Call& c) {
     const at::Tensor projections = multi_linear.call(c.x, proj.weights, proj.starts, proj.counts, proj.biases);
     const KvWrite kv = kv_table(c, first, count);
     const int layers = static_cast<int>(count);
-    if (c.head_dim <= 64) {  // lanes hold head_dim / 32 elements or fewer (then the last lanes hold none)
-      launch_heads<T, 2>(kv, projections, tokens, layers, c.x.device());
-    } else if (c.head_dim <= 128) {
-      launch_heads<T, 4>(kv, projections, tokens, layers, c.x.device());
-    } else {
+    const int lanes = head_lanes(c.head_dim);  // lanes of 8 elements per head (the last ones idle below it)
+    if (lanes == 8) {
       launch_heads<T, 8>(kv, projections, tokens, layers, c.x.device());
+    } else if (lanes == 16) {
+      launch_heads<T, 16>(kv, projections, tokens, layers, c.x.device());
+    } else {
+      launch_heads<T, 32>(kv, projections, tokens, layers, c.x.device());
     }
   }
 }

@@ -12,15 +12,17 @@
 //     Its tiles are one head (64 or 128 rows); after the split-K reduction the CTA's finished tile sits in shared
 //     memory in fp32, and the epilogue writes each token's head straight into the cache (one warp per token):
 //     nothing but the weights, the activation and the written cache rows touch HBM.
-//   * heads (any T; head_dim 64, 128 or 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer
-//     and does the same per-unit work, one warp per (token, layer, K or V) or, at small T, per group of 4 of its heads.
+//   * heads (any T; head_dim up to 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer and
+//     does the same per-unit work, one warp per (token, layer, K or V) or, at small T, per group of 4 of its heads,
+//     with a head in 8, 16 or 32 lanes of 8 elements.
 //
-// Per (token, head) unit, in fp32 (each lane holds V = head_dim / 32 consecutive elements): the token's slot
-// (cache_loc, or cache_loc_2d and commit_lens) and, with RoPE, its position; a negative or out-of-range slot, a
-// masked commit column or a position outside the shortest table skips the token (nothing is read through it,
-// nothing written, in any layer). K: sum of squares across the warp, scale = rsqrt(mean + eps), times the norm weight; RoPE
-// pairs (j, j + R/2) (neox) or (2j, 2j + 1) (GPT-J) for j < R/2 through a warp-private row of shared memory; then
-// every lane stores its V elements, rounded once, with one vector store.
+// Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
+// the fused epilogue, 8 in the heads kernel): the token's slot (cache_loc, or cache_loc_2d and commit_lens) and, with
+// RoPE, its position; a negative or out-of-range slot, a masked commit column or a position outside the shortest
+// table skips the token (nothing is read through it, nothing written, in any layer). K: sum of squares across the
+// head's lanes, scale = rsqrt(mean + eps), times the norm weight; RoPE pairs (j, j + R/2) (neox: by a shuffle, or
+// through a row of shared memory private to the head's lanes when R/2 splits a lane's elements) or (2j, 2j + 1)
+// (GPT-J, inside a lane) for j < R/2; then every lane stores its V elements, rounded once, with one vector store.
 #pragma once
 
 #include "linear/multi_linear_kernels.cuh"
@@ -141,14 +143,16 @@ __device__ __forceinline__ void unpack_words(const uint32_t (&words)[V / 2], flo
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// The sum of v over each aligned group of kLanes lanes (a power of two <= 32), in every lane of the group.
+template <int kLanes>
+__device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset, kLanes);
   return v;
 }
 
-// A lane's share of one head: elements e0 = lane * V .. e0 + V - 1 of head_dim (lanes with e0 >= head_dim hold
-// none: head_dim may be any multiple of 8 up to 32 V).
+// A lane's share of one head: elements e0 = lane * V .. e0 + V - 1 of head_dim, `lane` counted in the head's lanes
+// (lanes with e0 >= head_dim hold none: head_dim may be any multiple of 8 up to V times the head's lanes).
 //
 // The cos/sin factors of this lane's elements (1 and 0 past the rotary dim): pair j of element e is e or e - R/2
 // (neox) or e / 2 (GPT-J); `row` holds the token's R table values (global or shared memory).
@@ -180,20 +184,23 @@ __device__ __forceinline__ void load_weight(const void* w, int fp32, int e0, int
   }
 }
 
-// Norm (K), RoPE (K) and the store of one head whose fp32 projection the warp holds in v, with the lane's norm
-// weights g and cos/sin factors c, s already loaded (so no load follows a store). `scratch` is head_dim floats of
-// shared memory only this warp uses (RoPE partners); `dst` the head's cache row.
-template <typename T, int V>
+// Norm (K), RoPE (K) and the store of one head whose fp32 projection an aligned group of kLanes lanes (the warp, or
+// 32 / kLanes heads side by side) holds in v, `lane` being the lane's index in its group, with the lane's norm
+// weights g and cos/sin factors c, s already loaded (so no load follows a store). Every lane of the warp calls it
+// (the shuffles and the scratch path's __syncwarp are warp-wide); a group with `store` false (a head past the last)
+// writes nothing. `scratch` is head_dim floats of shared memory only this group uses (RoPE partners); `dst` the
+// head's cache row.
+template <typename T, int V, int kLanes = 32>
 __device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float eps, const float (&g)[V],
                                           const float (&c)[V], const float (&s)[V], float (&v)[V], float* scratch,
-                                          T* dst, int lane) {
+                                          T* dst, int lane, bool store = true) {
   const int e0 = lane * V;
   const bool active = e0 < kv.head_dim;
   if (is_k && kv.has_norm) {
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < V; ++i) ss += active ? v[i] * v[i] : 0.f;
-    const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(kv.head_dim) + eps);
+    const float scale = rsqrtf(group_sum<kLanes>(ss) / static_cast<float>(kv.head_dim) + eps);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] *= scale * g[i];
   }
@@ -212,7 +219,7 @@ __device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float ep
       const bool first = e0 < half;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float other = __shfl_sync(0xffffffffu, v[i], partner);
+        const float other = __shfl_sync(0xffffffffu, v[i], partner, kLanes);
         if (e0 < kv.rotary_dim) v[i] = first ? v[i] * c[i] - other * s[i] : v[i] * c[i] + other * s[i];
       }
     } else {  // neox with a rotary half that splits a lane's elements: partners through shared memory
@@ -229,10 +236,10 @@ __device__ __forceinline__ void emit_head(const KvWrite& kv, bool is_k, float ep
         const float other = scratch[first ? e + half : e - half];
         v[i] = first ? v[i] * c[i] - other * s[i] : v[i] * c[i] + other * s[i];
       }
-      __syncwarp();  // the scratch row is free for the warp's next head
+      __syncwarp();  // the scratch row is free for the group's next head
     }
   }
-  if (active) store_row<T, V>(dst + e0, v);
+  if (active && store) store_row<T, V>(dst + e0, v);
 }
 
 // Where head `head` of layer `layer`'s K (kind 0) or V cache row `slot` starts.
@@ -387,26 +394,41 @@ struct KvWriteEpilogue {
 };
 
 // The heads kernel: each warp writes `heads_per_warp` heads (the last warp of a segment fewer) of one (token, layer,
-// K or V) from `projections` [T, ld] (the GEMM's rows: segment 2 layer + kind of heads * head_dim rows; head_dim <=
-// 32 V). A warp loads its heads' projections raw, head_batch<V>() heads at a time: 16 32-bit words per lane, 2 KB
-// per warp for heads of 32 V elements (8 heads of 128, 16 of 64, 4 of 256), so that one round trip to memory brings
-// a whole (token, layer, K or V) of the Qwen3-style drafts. Why: at large T the kernel is a stream (each element read
-// once, written once) whose rate is bounded by the bytes in flight per SM over the memory latency. With batches of 4
-// heads (1 KB per warp at head_dim 128, 512 B at 64, 2 and 4 round trips per warp) and 74 registers (3 CTAs, 24
-// warps per SM) it moved the 168 MB of a T = 4096 Qwen3-8B draft write in 85-97 us on the H200, 1.7-2 TB/s. After
-// the dependency wait a warp issues its first batch with the token's indices and the norm weight; only the cos/sin
-// row waits for the position. Nothing is loaded before the wait: the kernel before this one may be cuBLAS, which
-// promises nothing about when a dependent launch starts.
-template <int V>
+// K or V) from `projections` [T, ld] (the GEMM's rows: segment 2 layer + kind of heads * head_dim rows). A head is
+// kLanes lanes of kHeadLaneElems = 8 consecutive elements each (16-byte loads and stores; kLanes = 8, 16 or 32 for
+// head_dim <= 64, 128, 256, lanes past head_dim idle), so a warp works on 32 / kLanes heads side by side. It loads
+// its heads' projections raw, kHeadSteps steps of 32 / kLanes heads at a time: 16 32-bit words per lane, 2 KB per
+// warp (8 heads of 128, 16 of 64, 4 of 256), so that one round trip to memory brings a whole (token, layer, K or V)
+// of the Qwen3-style drafts. Why: at large T the kernel is a stream (each element read once, written once) whose rate
+// is bounded by the bytes in flight per SM over the memory latency, and by its instructions per byte. H200, the
+// Qwen3-8B draft / head_dim-64 draft write at T = 4096 (168 MB read and written each), the kernel in the op's graph
+// replay after an L2 flush: one head per warp (4-byte accesses at head_dim 64) with batches of 4 heads, 85-97 us /
+// -; with 2 KB batches, 74.6-80.1 / 90.5-105.3 us; these lane groups, 77.6 / 73.8 us (T = 512: 12.6 / 11.6 against
+// 13.1 / 18.1). The lane groups need 102 registers, and 3 CTAs per SM (80 registers, 40-48 bytes of spills) beat 2
+// in the same run: 87.4 / 90.5 us at T = 4096, 15.9 / 14.1 at T = 512. After the dependency wait a warp issues its
+// first batch with the token's indices and the norm weight; only the cos/sin row waits for the position. Nothing is
+// loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about when a dependent
+// launch starts.
+constexpr int kHeadLaneElems = 8;
+constexpr int kHeadSteps = 4;
+// Lanes per head for heads of up to head_dim elements (<= 256): the fewest of 8, 16 or 32 that hold them.
+inline int head_lanes(int64_t head_dim) {
+  int lanes = 8;
+  while (lanes < 32 && lanes * kHeadLaneElems < head_dim) lanes *= 2;
+  return lanes;
+}
+// Heads a warp loads at once.
+template <int kLanes>
 __host__ __device__ constexpr int head_batch() {
-  return 32 / V;
+  return kHeadSteps * (32 / kLanes);
 }
 // Heads per warp when the heads of a segment are split over warps (small T).
 constexpr int kSplitHeads = 4;
 // Below this many warps per SM with one warp per (token, layer, K or V), the heads are split over warps of
 // kSplitHeads heads. H200, heads kernel alone in the op's CUDA-graph replay after an L2 flush (torch profiler), split
 // vs not, Qwen3-8B draft (8 heads of 128) / 16 heads of 64 (hidden 7168): T = 64 (4.8 warps per SM) 5.0 vs 6.0 /
-// 5.3 vs 8.2 us; T = 512 (39 per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us. T = 4096 gives 310 per SM.
+// 5.3 vs 8.2 us; T = 512 (39 per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us (one head per warp, 2 KB batches). T = 4096
+// gives 310 per SM.
 constexpr int kSplitHeadsBelowWarpsPerSm = 16;
 
 // Heads per warp of the heads kernel: kSplitHeads while the segments alone give fewer than
@@ -424,30 +446,33 @@ __host__ __device__ inline int64_t heads_blocks(int tokens, int layers, int head
   return (heads_units(tokens, layers, heads, per_warp) + kHeadWarps - 1) / kHeadWarps;
 }
 
-// The raw projections of heads h0 .. h0 + head_batch<V>() - 1 (zeros for heads from `last` on and lanes past
-// head_dim).
-template <typename T, int V>
-__device__ __forceinline__ void load_batch(const T* src, int h0, int last, int head_dim, bool active,
-                                           uint32_t (&raw)[head_batch<V>()][V / 2]) {
+// This lane's raw projections of the heads h0 + step * 32 / kLanes + group, step < kHeadSteps (zeros for heads from
+// `last` on and lanes past head_dim); `src` is the segment's first head at this lane's elements.
+template <typename T, int kLanes>
+__device__ __forceinline__ void load_batch(const T* src, int h0, int group, int last, int head_dim, bool active,
+                                           uint32_t (&raw)[kHeadSteps][kHeadLaneElems / 2]) {
 #pragma unroll
-  for (int h = 0; h < head_batch<V>(); ++h) {
-    if (active && h0 + h < last) {
-      load_words<V>(src + (h0 + h) * head_dim, raw[h]);
+  for (int step = 0; step < kHeadSteps; ++step) {
+    const int head = h0 + step * (32 / kLanes) + group;
+    if (active && head < last) {
+      load_words<kHeadLaneElems>(src + head * head_dim, raw[step]);
     } else {
 #pragma unroll
-      for (int i = 0; i < V / 2; ++i) raw[h][i] = 0u;
+      for (int i = 0; i < kHeadLaneElems / 2; ++i) raw[step][i] = 0u;
     }
   }
 }
 
-template <typename T, int V>
-__global__ void __launch_bounds__(32 * kHeadWarps)
+template <typename T, int kLanes>
+__global__ void __launch_bounds__(32 * kHeadWarps, 3)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                           int layers, int heads_per_warp) {
+  constexpr int V = kHeadLaneElems, kGroups = 32 / kLanes;
   __shared__ float scratch[kHeadWarps][32 * V];
   pdl_wait();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int e0 = lane * V;
+  const int sub = lane % kLanes, group = lane / kLanes;  // this lane's place in its head, and the head's
+  const int e0 = sub * V;
   const int groups = (kv.heads + heads_per_warp - 1) / heads_per_warp;
   const int per_token = 2 * layers * groups;
   const int u = static_cast<int>(blockIdx.x) * kHeadWarps + warp;  // < heads_units < 2^31 (the binding checks)
@@ -459,9 +484,8 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   const int b = token / kv.width, j = token - b * kv.width;
   const bool active = e0 < kv.head_dim;
   const T* src = projections + token * ld + static_cast<int64_t>(segment) * kv.heads * kv.head_dim + e0;
-  constexpr int kBatch = head_batch<V>();
-  uint32_t raw[kBatch][V / 2];
-  load_batch<T, V>(src, first, last, kv.head_dim, active, raw);
+  uint32_t raw[kHeadSteps][V / 2];
+  load_batch<T, kLanes>(src, first, group, last, kv.head_dim, active, raw);
   const int64_t commit =
       kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
   const int64_t slot =
@@ -479,17 +503,20 @@ __global__ void __launch_bounds__(32 * kHeadWarps)
   load_rope<V>(kv, rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr, rope ? e0 : 1 << 30, c, sn);
   T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
   const int64_t head_stride = kv.head_stride[kind][layer];
+  float* group_scratch = scratch[warp] + group * kLanes * V;
   for (int h0 = first;;) {
 #pragma unroll
-    for (int h = 0; h < kBatch; ++h) {
-      if (h0 + h >= last) break;
+    for (int step = 0; step < kHeadSteps; ++step) {
+      const int head = h0 + step * kGroups + group;
+      if (h0 + step * kGroups >= last) break;  // the same in every lane
       float v[V];
-      unpack_words<T, V>(raw[h], v);
-      emit_head<T, V>(kv, kind == 0, kv.eps[layer], g, c, sn, v, scratch[warp], dst + (h0 + h) * head_stride, lane);
+      unpack_words<T, V>(raw[step], v);
+      emit_head<T, V, kLanes>(kv, kind == 0, kv.eps[layer], g, c, sn, v, group_scratch, dst + head * head_stride, sub,
+                              head < last);
     }
-    h0 += kBatch;
+    h0 += head_batch<kLanes>();
     if (h0 >= last) break;
-    load_batch<T, V>(src, h0, last, kv.head_dim, active, raw);
+    load_batch<T, kLanes>(src, h0, group, last, kv.head_dim, active, raw);
   }
 }
 
