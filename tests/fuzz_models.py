@@ -298,13 +298,17 @@ def _mid(k: torch.Tensor, op: str, p: _BranchParams, ctx: _Context) -> torch.Ten
         "silu": F.silu, "relu": F.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "gelu": F.gelu,
         "softmax": lambda t: F.softmax(t, dim=-1), "log_softmax": lambda t: F.log_softmax(t, dim=-1),
         "cumsum": lambda t: t.cumsum(-1), "flip": lambda t: t.flip(-1), "const": lambda t: t * 0.5 + 1,
-        "clamp": lambda t: t.clamp(-1.5, 1.5), "sub_mean_all": lambda t: t - t.mean(),
-        "mul_sum_all": lambda t: t * t.sum() * 0.01, "div_amax_all": lambda t: t / (t.abs().amax() + 1),
+        "clamp": lambda t: t.clamp(-1.5, 1.5), "sub_mean_all": lambda t: t - t.mean() * 0.5,
+        "mul_sum_all": lambda t: t * (t.sum() * 0.01 + 1), "div_amax_all": lambda t: t / (t.abs().amax() + 1),
         "var_all": lambda t: t / (t.var() + 1), "bf16_roundtrip": lambda t: t.to(torch.bfloat16).float(),
         "transpose_roundtrip": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
         "sum_keepdim": lambda t: t - t.sum(dim=(0, 2), keepdim=True) * 0.1,
-        "prod_last": lambda t: t * torch.tanh(t).prod(-1, keepdim=True),
+        "prod_last": lambda t: t * (1 + torch.tanh(t) / t.shape[-1]).prod(-1, keepdim=True),
     }  # fmt: skip
+    # Kept well-conditioned, or a case would compare only values near 0, below the tolerance: prod_last multiplies d
+    # factors in 1 ± 1/d, a product in [(1 - 1/d)^d, (1 + 1/d)^d] ⊂ [0.3, e) (a product of d tanh values falls
+    # towards 0); mul_sum_all scales by 1 + sum/100, not by sum/100 (near 0 whenever the sum is); sub_mean_all
+    # subtracts half the mean (all of it would make a later full sum exactly 0).
     if op in simple:
         return simple[op](k)
     if op == "scale_vec":

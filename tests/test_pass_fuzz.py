@@ -9,7 +9,9 @@ pass against eager — outputs and cache buffers at T = 1, 5 and 9, and again af
 The pass must never change a result, never fail a compile that would work without it, and never fall back for
 a reason that hides a bug: a rule that crashed ("unexpected") or that emitted a value of the wrong shape (caught
 by the rule check) fails here. The models must also exercise the fusion: most fuse a GEMM group, and the batched
-classes cover the main op kinds.
+classes cover the main op kinds. And the comparisons must check something: a compared tensor whose eager values all
+stay near the tolerance would pass even if the compiled one were zero, so each must reach `SIGNAL` tolerances at one
+step at least (only a tiny one, a relu of one value or a full sum, may stay near 0 by chance).
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ from dataclasses import dataclass
 import pytest
 import torch
 from fuzz_models import describe, make_case, update_weights
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dspark_fx.passes.batching import RULE_CHECK
-from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
+from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype
 
 N_MODELS = int(os.environ.get("DSPARK_FUZZ_MODELS", "50"))
 FIRST_SEED = int(os.environ.get("DSPARK_FUZZ_SEED", "0"))
 INNER = os.environ.get("DSPARK_FUZZ_INNER", "aot_eager")
 SEEDS = range(FIRST_SEED, FIRST_SEED + N_MODELS)
 STEPS = (1, 5, 9, "update", 5, 1)  # token counts; "update": in-place update of every parameter
+SIGNAL = 10  # in tolerances: the largest |eager value| each compared tensor must reach, at one step at least
+TINY = 4  # elements: a tensor this small may stay near 0 by chance; the case as a whole must still reach SIGNAL
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ def run_case(seed: int) -> Outcome:
     torch._dynamo.reset()
     capture = CaptureBackend(inner=INNER)
     compiled = torch.compile(model, backend=capture, fullgraph=True)
+    signal: dict[str, tuple[float, int]] = {}  # compared tensor -> (largest |eager value| in tolerances, size)
     with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=True):  # Inductor: round like eager
         for step, tokens in enumerate(STEPS):
             if tokens == "update":
@@ -56,11 +63,20 @@ def run_case(seed: int) -> Outcome:
                 update_weights(model, seed)
                 continue
             inputs = case.inputs(tokens, seed=step)
+            actual, expected = compiled(*inputs), eager(*inputs)
             try:
-                assert_close_for_dtype(compiled(*inputs), eager(*inputs))
+                assert_close_for_dtype(actual, expected)
                 assert_close_for_dtype(model.caches(), eager.caches())
             except AssertionError as err:
                 raise AssertionError(f"step {step} (T={tokens}): {err}\n{describe(case.spec)}") from None
+            _record_signal(signal, tokens, expected, eager)
+    low = {name: peak for name, (peak, _) in signal.items() if peak < SIGNAL}
+    if len(low) == len(signal) or any(signal[name][1] > TINY for name in low):
+        low = {name: f"{peak:.3g}" for name, peak in low.items()}
+        raise AssertionError(
+            f"the comparisons check almost nothing: largest |eager value| in tolerances {low}, under {SIGNAL} "
+            f"(only tensors of up to {TINY} elements may be, not all of them)\n{describe(case.spec)}"
+        )
     report = capture.report
     return Outcome(
         groups=report.n_groups,
@@ -68,6 +84,17 @@ def run_case(seed: int) -> Outcome:
         reasons=tuple(u.reason for g in report.groups for u in g.unbatched)
         + tuple(why for g in report.groups for c in g.classes for why in c.kept),
     )
+
+
+def _record_signal(signal: dict[str, tuple[float, int]], tokens: int, outputs: object, eager: nn.Module) -> None:
+    """Fold one step's eager outputs and caches into `signal`: outputs by token count and position (which outputs
+    there are depends on T), caches by name."""
+    named = [(f"output {i} at T={tokens}", t) for i, t in enumerate(tree_leaves(outputs))]
+    named += [(name, t) for name, t in eager.named_buffers() if "cache" in name]
+    for name, t in named:
+        peak = t.abs().max().item() / TOLERANCES[t.dtype] if t.numel() else 0.0
+        old_peak, old_size = signal.get(name, (0.0, 0))
+        signal[name] = max(old_peak, peak), max(old_size, t.numel())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
