@@ -112,24 +112,15 @@ __device__ __forceinline__ void store_row(T* dst, const float (&v)[V]) {
   }
 }
 
-// V consecutive elements of T at `src` (aligned to V elements), raw: V / 2 32-bit words of packed pairs, with one
-// 4-, 8- or 16-byte load.
-template <int V, typename T>
-__device__ __forceinline__ void load_words(const T* src, uint32_t (&words)[V / 2]) {
-  static_assert(V == 2 || V == 4 || V == 8, "2, 4 or 8 elements per lane");
-  if constexpr (V == 2) {
-    words[0] = *reinterpret_cast<const uint32_t*>(src);
-  } else if constexpr (V == 4) {
-    const uint2 w = *reinterpret_cast<const uint2*>(src);
-    words[0] = w.x;
-    words[1] = w.y;
-  } else {
-    const uint4 w = *reinterpret_cast<const uint4*>(src);
-    words[0] = w.x;
-    words[1] = w.y;
-    words[2] = w.z;
-    words[3] = w.w;
-  }
+// 8 consecutive 16-bit elements at `src` (16-byte aligned), raw: 4 32-bit words of packed pairs, one 16-byte load.
+template <typename T>
+__device__ __forceinline__ void load_words(const T* src, uint32_t (&words)[4]) {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  const uint4 w = *reinterpret_cast<const uint4*>(src);
+  words[0] = w.x;
+  words[1] = w.y;
+  words[2] = w.z;
+  words[3] = w.w;
 }
 
 // The V elements of T that load_words packed, as floats.
@@ -403,12 +394,12 @@ struct KvWriteEpilogue {
 // is bounded by the bytes in flight per SM over the memory latency, and by its instructions per byte. H200, the
 // Qwen3-8B draft / head_dim-64 draft write at T = 4096 (168 MB read and written each), the kernel in the op's graph
 // replay after an L2 flush: one head per warp (4-byte accesses at head_dim 64) with batches of 4 heads, 85-97 us /
-// -; with 2 KB batches, 74.6-80.1 / 90.5-105.3 us; these lane groups, 77.6 / 73.8 us (T = 512: 12.6 / 11.6 against
-// 13.1 / 18.1). The lane groups need 102 registers, and 3 CTAs per SM (80 registers, 40-48 bytes of spills) beat 2
-// in the same run: 87.4 / 90.5 us at T = 4096, 15.9 / 14.1 at T = 512. After the dependency wait a warp issues its
-// first batch with the token's indices and the norm weight; only the cos/sin row waits for the position. Nothing is
-// loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about when a dependent
-// launch starts.
+// not measured; with 2 KB batches, 74.6-80.1 / 90.5-105.3 us; these lane groups, 77.6 / 73.8 us (T = 512: 12.6 /
+// 11.6 against 13.1 / 18.1). The lane groups need 102 registers, and 3 CTAs per SM (80 registers, 40-48 bytes of
+// spills) beat 2 in the same run: 87.4 / 90.5 us at T = 4096, 15.9 / 14.1 at T = 512. After the dependency wait a
+// warp issues its first batch with the token's indices and the norm weight; only the cos/sin row waits for the
+// position. Nothing is loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about
+// when a dependent launch starts.
 constexpr int kHeadLaneElems = 8;
 constexpr int kHeadSteps = 4;
 // Lanes per head for heads of up to head_dim elements (<= 256): the fewest of 8, 16 or 32 that hold them.
@@ -455,7 +446,7 @@ __device__ __forceinline__ void load_batch(const T* src, int h0, int group, int 
   for (int step = 0; step < kHeadSteps; ++step) {
     const int head = h0 + step * (32 / kLanes) + group;
     if (active && head < last) {
-      load_words<kHeadLaneElems>(src + head * head_dim, raw[step]);
+      load_words(src + head * head_dim, raw[step]);
     } else {
 #pragma unroll
       for (int i = 0; i < kHeadLaneElems / 2; ++i) raw[step][i] = 0u;
