@@ -1,11 +1,11 @@
 """Host emulation of the multi_linear CUDA kernels (torch-free headers compiled with g++ and
 `DSPARK_KERNEL_EMULATION`): one OS thread per CUDA thread, barriers for `__syncthreads`, `__syncwarp`, named
 barriers and the cluster barrier, distributed shared memory as an array of the cluster's CTA buffers (poisoned with
-NaN bytes), the cp.async copies done synchronously, mbarriers as a locked table of phase counters (bulk copies
-landing late and out of order, each on a thread of its own), warp shuffles through a per-warp exchange row, and
-`mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes' fragments with the PTX
-ISA's fragment tables (written here independently of the kernel). Used by tests/test_multi_linear_emulation.py and
-tests/test_multi_linear_kv_write_emulation.py.
+NaN bytes), cp.async copies that land only at the wait covering their group, mbarriers as a locked table of phase
+counters (bulk copies landing late and out of order, each on a thread of its own), warp shuffles through a per-warp
+exchange row, and `mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes'
+fragments with the PTX ISA's fragment tables (written here independently of the kernel). Used by
+tests/test_multi_linear_emulation.py and tests/test_multi_linear_kv_write_emulation.py.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ SHIM = {
 #include <thread>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <vector>
 #define __global__
 #define __device__
 #define __host__
@@ -49,6 +51,7 @@ struct uint2 { uint32_t x, y; };
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 inline thread_local Dim3 threadIdx, blockIdx, blockDim;
+inline Dim3 gridDim;  // set by the driver before it runs a grid
 
 // Where an emulated CUDA thread lives: its CTA's barrier, named barriers (id 1..) and shared memory, its warp's
 // barrier and fragment exchange, its cluster's barrier and CTA buffers.
@@ -84,6 +87,26 @@ inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
 inline float __shfl_xor_sync(unsigned, float v, int mask, int width = 32) {
   const int lane = threadIdx.x & 31, src = lane ^ mask;
   return emu_shuffle(v, (src ^ lane) < width ? src : lane);
+}
+// cp.async: a copy reads its source when issued and lands in shared memory only when a wait of its thread covers its
+// group (a copy never committed never lands), so a read of a stage before its wait reads what the stage held before.
+struct EmuCopy { void* dst; unsigned char bytes[16]; int size; };
+inline thread_local std::vector<EmuCopy> emu_open_copies;
+inline thread_local std::deque<std::vector<EmuCopy>> emu_copy_groups;
+inline void emu_copy_async(void* dst, const void* src, int size, bool live) {
+  EmuCopy c{dst, {}, size};
+  if (live) std::memcpy(c.bytes, src, size);
+  emu_open_copies.push_back(c);
+}
+inline void emu_commit_copies() {
+  emu_copy_groups.push_back(std::move(emu_open_copies));
+  emu_open_copies.clear();
+}
+inline void emu_wait_copies(int pending) {
+  while (int(emu_copy_groups.size()) > pending) {
+    for (const EmuCopy& c : emu_copy_groups.front()) std::memcpy(c.dst, c.bytes, c.size);
+    emu_copy_groups.pop_front();
+  }
 }
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -139,8 +139,8 @@ __device__ __forceinline__ void copy_async16(uint4* dst, const void* src, bool l
   const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(live ? 16 : 0)
                : "memory");
-#else
-  *dst = live ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_copy_async(dst, src, 16, live);
 #endif
 }
 
@@ -148,6 +148,8 @@ __device__ __forceinline__ void copy_async16(uint4* dst, const void* src, bool l
 __device__ __forceinline__ void commit_copies() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;" ::: "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_commit_copies();
 #endif
 }
 
@@ -156,6 +158,8 @@ template <int kPending>
 __device__ __forceinline__ void wait_copies() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_wait_copies(kPending);
 #endif
 }
 
@@ -394,6 +398,7 @@ __device__ __forceinline__ void warp_steps(float (&acc)[MT][NT][4], const RingVi
     commit_copies();
     mma_step<T, MT, NT>(acc, wv, xv);
   }
+  commit_copies();  // a warp without steps ran `halfway` after its last commit: its copies join a group too
   wait_copies<0>();
 }
 
