@@ -62,9 +62,10 @@ HEAD_DIM_64 = Spec(
     bias=(True, False, True),
     weight_layout="row-strided",
 )
-TOKENS = (1, 7, 8, 16, 17, 64, 65, 512)
+# 513: above kBatchedMaxTokens (csrc/linear/multi_linear.cu) dspark::multi_linear runs one GEMM per layer
+TOKENS = (1, 7, 8, 16, 17, 64, 65, 512, 513)
 FUSED_MAX_TOKENS = 16  # kFusedMaxTokens in csrc/linear/multi_linear_kv_write.cu
-WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 512: 16}  # a [T / W, W] split of each T
+WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 512: 16, 513: 19}  # a [T / W, W] split of each T
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -360,7 +361,14 @@ def test_checking_mode_is_skipped_during_capture():
 # ---------------------------------------------------------------------------------------------- CUDA graphs
 
 
-@pytest.mark.parametrize("spec", [_variant(QWEN3_8B, 8, "commit", "neox"), _variant(HEAD_DIM_64, 7, "1-D", "gptj")])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _variant(QWEN3_8B, 8, "commit", "neox"),
+        _variant(HEAD_DIM_64, 7, "1-D", "gptj"),
+        _variant(HEAD_DIM_64, 513, "commit", "neox"),  # the GEMM path with a GEMM per layer
+    ],
+)
 def test_cuda_graph_replays_new_inputs_and_weight_updates(spec):
     """Captured once; before each replay new x, positions, slots and commit lengths are copied into the captured
     tensors and the caches are re-poisoned; on the last replay a weight was updated in place (after the capture).

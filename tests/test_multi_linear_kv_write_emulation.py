@@ -34,6 +34,7 @@ template <typename Args>
 static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, int split, int threads, int row_warps,
                      int k_warps, size_t smem_bytes) {
   const int warps = threads / 32;
+  gridDim.x = unsigned(clusters * split);
   for (int64_t c = 0; c < clusters; ++c) {
     std::barrier<> cluster(threads * split);
     std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars, named;
@@ -89,19 +90,22 @@ struct HeadsArgs {
   KvWrite kv;
   const void* projections;
   int64_t ld;
-  int tokens, layers, heads_per_warp;
+  int tokens, layers, per_unit, blocks;
 };
 
 template <typename T, int kLanes>
 static void heads_entry(HeadsArgs a) {
-  kv_write_heads_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
-                              a.heads_per_warp);
+  kv_write_heads_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers, a.per_unit);
 }
 
+// The heads kernel on a grid of at most `blocks` CTAs (so that the warps loop over several units each), with at
+// most `per_unit` heads per unit (clipped to a batch, as the binding's rule does).
 template <typename T, int kLanes>
-static void heads(const HeadsArgs& a) {
-  run_grid<HeadsArgs>(&heads_entry<T, kLanes>, a, heads_blocks(a.tokens, a.layers, a.kv.heads, a.heads_per_warp), 1,
-                      32 * kHeadWarps, 1, 1, 64);
+static void heads(HeadsArgs a) {
+  a.per_unit = std::min(a.per_unit, head_batch<kLanes>());
+  const int64_t units = heads_units(a.tokens, a.layers, a.kv.heads, a.per_unit);
+  run_grid<HeadsArgs>(&heads_entry<T, kLanes>, a, heads_blocks(units, a.blocks), 1, 32 * kHeadWarps, 1, 1,
+                      heads_smem_bytes());
 }
 
 template <typename T>
@@ -133,7 +137,8 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   KvWriteArgs args{};
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
-  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, stream variant
+  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, stream variant,
+  //        heads-kernel CTAs at most
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -181,7 +186,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   kv.commit_int64 = ints[15];
   kv.slots = longs[5];
   kv.wrap_negative = static_cast<int>(longs[7]);
-  const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers, split};
+  const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers, split, static_cast<int>(longs[9])};
   const int variant = static_cast<int>(longs[8]);
   if (bf16) {
     dispatch<__nv_bfloat16>(path, split, variant, args, h);
@@ -270,10 +275,10 @@ def _case(spec: Spec, seed: int) -> dict:
 PATHS = {"heads": 0, "fused": 1, "stream": 2}
 
 
-def _emulate(emu, a: dict, *, kernel: str, split: int = 1, heads_per_warp: int = 4, variant: int = 0) -> None:
+def _emulate(emu, a: dict, *, kernel: str, split: int = 1, per_unit: int = 4, ctas: int = 1, variant: int = 0) -> None:
     """Run the fused tile kernel or the streaming kernel (variant `variant`; both in clusters of `split` CTAs) or,
-    with the projections of the GEMM path rounded to x's dtype, the heads kernel (`heads_per_warp` heads per
-    warp)."""
+    with the projections of the GEMM path rounded to x's dtype, the heads kernel (up to `per_unit` heads per unit,
+    at most `ctas` CTAs of persistent warps)."""
     fused = kernel != "heads"
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
     keep = []  # tensors whose pointers the driver reads
@@ -320,7 +325,7 @@ def _emulate(emu, a: dict, *, kernel: str, split: int = 1, heads_per_warp: int =
     ints = [
         int(a["x"].dtype == torch.bfloat16),
         PATHS[kernel],
-        split if fused else heads_per_warp,
+        split if fused else per_unit,
         a["x"].shape[0],
         a["x"].shape[1],
         layers,
@@ -348,6 +353,7 @@ def _emulate(emu, a: dict, *, kernel: str, split: int = 1, heads_per_warp: int =
         projections.stride(0) if projections is not None else 0,
         int(a.get("wrap_negative", False)),
         variant,
+        ctas,
     ]
     ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), None, None, None, *per_layer]
     eps = a["k_norm_eps"] or [0.0] * layers
@@ -461,23 +467,32 @@ def test_heads_kernel(emu, head_dim, rot, neox):
     _check(emu, spec, kernel="heads")
 
 
-@pytest.mark.parametrize("heads_per_warp", [4, 12])
+@pytest.mark.parametrize("per_unit", [4, 12])
 @pytest.mark.parametrize("heads", [4, 5, 9])
-def test_heads_kernel_heads_per_warp(emu, heads, heads_per_warp):
-    """Heads split over warps of 4 (small T: 5 and 9 heads leave a last warp with one head, whose missing heads are
-    neither read nor written) or one warp for all of a segment's heads (9 of 12: the warp's missing heads are neither
+def test_heads_kernel_heads_per_unit(emu, heads, per_unit):
+    """Heads split into units of 4 (small T: 5 and 9 heads leave a last unit with one head, whose missing heads are
+    neither read nor written) or one unit for all of a segment's heads (9 of 12: the unit's missing heads are neither
     read nor written)."""
     spec = Spec(tokens=5, heads=heads, head_dim=32, rot=32, commit=True)
-    _check(emu, spec, kernel="heads", heads_per_warp=heads_per_warp, seed=heads)
+    _check(emu, spec, kernel="heads", per_unit=per_unit, seed=heads)
 
 
 @pytest.mark.parametrize(("head_dim", "heads"), [(64, 17), (128, 9), (256, 9)])
-def test_heads_kernel_loads_heads_in_batches(emu, head_dim, heads):
-    """A warp loads 2 KB of heads at a time, 4 steps of 32 / lanes heads side by side (16 heads of 64, 8 of 128, 4 of
-    256): one more head than a batch, and for head_dim 256 two full batches and one head, so the reload between
-    batches, a last batch of one and lane groups without a head (they store nothing) are run."""
+def test_heads_kernel_units_of_a_batch(emu, head_dim, heads):
+    """A unit is at most 2 KB of heads, 4 steps of 32 / lanes heads side by side (16 heads of 64, 8 of 128, 4 of
+    256): a segment of one more head than a unit, and for head_dim 256 two full units and one head, so a unit of
+    one head and lane groups without a head (they copy and store nothing) are run."""
     spec = Spec(tokens=3, heads=heads, head_dim=head_dim, rot=head_dim // 2, commit=True)
-    _check(emu, spec, kernel="heads", heads_per_warp=heads, seed=head_dim)
+    _check(emu, spec, kernel="heads", per_unit=heads, seed=head_dim)
+
+
+@pytest.mark.parametrize(("ctas", "tokens", "per_unit"), [(1, 13, 1), (1, 9, 2), (3, 11, 1)])
+def test_heads_kernel_persistent_warps(emu, ctas, tokens, per_unit):
+    """Fewer CTAs than units: each warp runs through 5 to 20 units, so its ring of 3 stages is refilled while it
+    writes, runs start and end inside a token, and skipped tokens (a negative slot, masked commit columns) lie
+    inside runs; 3 heads of 64 per layer in units of 1 or 2 heads."""
+    spec = Spec(tokens=tokens, heads=3, head_dim=64, rot=64, commit=True)
+    _check(emu, spec, kernel="heads", per_unit=per_unit, ctas=ctas, seed=tokens)
 
 
 def test_heads_kernel_fp16_without_norm(emu):

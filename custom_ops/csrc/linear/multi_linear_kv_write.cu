@@ -474,20 +474,27 @@ void run_fused(const Call& c, const at::Tensor& x) {
 template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  const int per_warp =
-      heads_per_warp(tokens, layers, kv.heads, device_attribute(cudaDevAttrMultiProcessorCount, device));
+  const auto kernel = &kv_write_heads_kernel<T, kLanes>;
+  constexpr int smem = heads_smem_bytes();
+  static_assert(smem > 48 * 1024, "the kernel opts in to more than the default shared memory below");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kHeadWarps, smem));
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const int per_unit = heads_per_unit<kLanes>(tokens, layers, kv.heads, sms);
+  const int64_t units = heads_units(tokens, layers, kv.heads, per_unit);
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(heads_blocks(tokens, layers, kv.heads, per_warp)));
+  config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms)));
   config.blockDim = dim3(32 * kHeadWarps);
+  config.dynamicSmemBytes = smem;
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, kLanes>, kv,
-                                    static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
-                                    layers, per_warp));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, kv, static_cast<const T*>(projections.data_ptr()),
+                                    projections.stride(0), tokens, layers, per_unit));
 }
 
 // The GEMM through dspark::multi_linear (its own kernel or cuBLAS) into a [T, 2 N kv] buffer, then the heads kernel.

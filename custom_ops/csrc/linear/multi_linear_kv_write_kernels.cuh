@@ -112,18 +112,7 @@ __device__ __forceinline__ void store_row(T* dst, const float (&v)[V]) {
   }
 }
 
-// 8 consecutive 16-bit elements at `src` (16-byte aligned), raw: 4 32-bit words of packed pairs, one 16-byte load.
-template <typename T>
-__device__ __forceinline__ void load_words(const T* src, uint32_t (&words)[4]) {
-  static_assert(sizeof(T) == 2, "16-bit elements");
-  const uint4 w = *reinterpret_cast<const uint4*>(src);
-  words[0] = w.x;
-  words[1] = w.y;
-  words[2] = w.z;
-  words[3] = w.w;
-}
-
-// The V elements of T that load_words packed, as floats.
+// The V elements of T packed in pairs into 32-bit words, as floats.
 template <typename T, int V>
 __device__ __forceinline__ void unpack_words(const uint32_t (&words)[V / 2], float (&v)[V]) {
 #pragma unroll
@@ -255,8 +244,8 @@ __device__ __forceinline__ void copy_async4(float* dst, const float* src) {
 #if defined(__CUDA_ARCH__)
   const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src) : "memory");
-#else
-  *dst = *src;
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_copy_async(dst, src, 4, true);
 #endif
 }
 
@@ -384,130 +373,173 @@ struct KvWriteEpilogue {
   }
 };
 
-// The heads kernel: each warp writes `heads_per_warp` heads (the last warp of a segment fewer) of one (token, layer,
-// K or V) from `projections` [T, ld] (the GEMM's rows: segment 2 layer + kind of heads * head_dim rows). A head is
-// kLanes lanes of kHeadLaneElems = 8 consecutive elements each (16-byte loads and stores; kLanes = 8, 16 or 32 for
-// head_dim <= 64, 128, 256, lanes past head_dim idle), so a warp works on 32 / kLanes heads side by side. It loads
-// its heads' projections raw, kHeadSteps steps of 32 / kLanes heads at a time: 16 32-bit words per lane, 2 KB per
-// warp (8 heads of 128, 16 of 64, 4 of 256), so that one round trip to memory brings a whole (token, layer, K or V)
-// of the Qwen3-style drafts. Why: at large T the kernel is a stream (each element read once, written once) whose rate
-// is bounded by the bytes in flight per SM over the memory latency, and by its instructions per byte. H200, the
-// Qwen3-8B draft / head_dim-64 draft write at T = 4096 (168 MB read and written each), the kernel in the op's graph
-// replay after an L2 flush: one head per warp (4-byte accesses at head_dim 64) with batches of 4 heads, 85-97 us /
-// not measured; with 2 KB batches, 74.6-80.1 / 90.5-105.3 us; these lane groups, 77.6 / 73.8 us (T = 512: 12.6 /
-// 11.6 against 13.1 / 18.1). The lane groups need 102 registers, and 3 CTAs per SM (80 registers, 40-48 bytes of
-// spills) beat 2 in the same run: 87.4 / 90.5 us at T = 4096, 15.9 / 14.1 at T = 512. After the dependency wait a
-// warp issues its first batch with the token's indices and the norm weight; only the cos/sin row waits for the
-// position. Nothing is loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about
-// when a dependent launch starts.
+// The heads kernel: persistent warps, each writing a contiguous run of units from `projections` [T, ld] (the GEMM's
+// rows: segment 2 layer + kind of heads * head_dim rows). A unit is up to head_batch heads of one (token, layer, K or
+// V): kHeadSteps steps of 32 / kLanes heads side by side, a head being kLanes lanes of kHeadLaneElems = 8
+// consecutive elements (16-byte copies and stores; kLanes = 8, 16 or 32 for head_dim <= 64, 128, 256, lanes past
+// head_dim idle), 2 KB per unit (8 heads of 128, 16 of 64, 4 of 256): a whole (token, layer, K or V) of the
+// Qwen3-style drafts. Each warp keeps kHeadStages units in flight through a ring of shared memory filled by cp.async
+// (each lane copies, waits for and reads back only its own 16-byte pieces, so the ring needs no barrier); a token's
+// indices are loaded when the warp's run reaches it, the layer's norm weight and the token's cos/sin row per unit,
+// both before the unit's wait. Why: at large T the kernel is a stream (each element read once, written once) whose
+// rate is set by the bytes in flight per SM over the memory latency. H200, the heads kernel in the op's graph replay
+// after an L2 flush, Qwen3-8B draft / head_dim-64 draft at T = 4096 (168 MB read and written each): one warp per
+// unit holding its 2 KB in registers (80 registers with spills, 3 CTAs per SM: 24 warps and at most 48 KB in flight
+// per SM) took 74.5-78.4 / 73.8-74.3 us, 1.1 TB/s of reads; under ncu it issued an instruction every 8 cycles per
+// warp at 17 active warps per SM, DRAM 19 % busy. After the dependency wait a warp issues its first copies; nothing is
+// loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about when a dependent
+// launch starts.
 constexpr int kHeadLaneElems = 8;
 constexpr int kHeadSteps = 4;
+constexpr int kHeadStages = 3;  // units in flight per warp
 // Lanes per head for heads of up to head_dim elements (<= 256): the fewest of 8, 16 or 32 that hold them.
 inline int head_lanes(int64_t head_dim) {
   int lanes = 8;
   while (lanes < 32 && lanes * kHeadLaneElems < head_dim) lanes *= 2;
   return lanes;
 }
-// Heads a warp loads at once.
+// Heads of one unit at most: kHeadSteps steps of 32 / kLanes heads.
 template <int kLanes>
 __host__ __device__ constexpr int head_batch() {
   return kHeadSteps * (32 / kLanes);
 }
-// Heads per warp when the heads of a segment are split over warps (small T).
+// Dynamic shared memory of a heads-kernel CTA: per warp its ring of kHeadStages units (kHeadSteps x 32 lanes x 16
+// bytes each) and a RoPE scratch row of 32 lanes x 8 floats.
+constexpr int kHeadRingWords = kHeadStages * kHeadSteps * 32;  // uint4 per warp
+constexpr int heads_smem_bytes() { return kHeadWarps * (kHeadRingWords * 16 + 32 * kHeadLaneElems * 4); }
+// Heads per unit when the heads of a segment are split over units (small T).
 constexpr int kSplitHeads = 4;
-// Below this many warps per SM with one warp per (token, layer, K or V), the heads are split over warps of
-// kSplitHeads heads. H200, heads kernel alone in the op's CUDA-graph replay after an L2 flush (torch profiler), split
-// vs not, Qwen3-8B draft (8 heads of 128) / 16 heads of 64 (hidden 7168): T = 64 (4.8 warps per SM) 5.0 vs 6.0 /
-// 5.3 vs 8.2 us; T = 512 (39 per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us (one head per warp, 2 KB batches). T = 4096
-// gives 310 per SM.
-constexpr int kSplitHeadsBelowWarpsPerSm = 16;
+// Below this many whole-segment units per SM, the heads are split into units of kSplitHeads heads. H200, heads
+// kernel alone in the op's CUDA-graph replay after an L2 flush (torch profiler), split vs not, Qwen3-8B draft (8
+// heads of 128) / 16 heads of 64 (hidden 7168): T = 64 (4.8 units per SM) 5.0 vs 6.0 / 5.3 vs 8.2 us; T = 512 (39
+// per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us (one unit per warp, 2 KB units). T = 4096 gives 310 per SM.
+constexpr int kSplitHeadsBelowUnitsPerSm = 16;
 
-// Heads per warp of the heads kernel: kSplitHeads while the segments alone give fewer than
-// kSplitHeadsBelowWarpsPerSm warps per SM, else all of a segment's heads.
-inline int heads_per_warp(int tokens, int layers, int heads, int sm_count) {
-  const int64_t segment_warps = static_cast<int64_t>(tokens) * 2 * layers;
-  return segment_warps < static_cast<int64_t>(kSplitHeadsBelowWarpsPerSm) * sm_count ? kSplitHeads : heads;
+// Heads per unit: kSplitHeads while whole segments give fewer than kSplitHeadsBelowUnitsPerSm units per SM, else a
+// segment's heads; at most a batch of kLanes lanes per head.
+template <int kLanes>
+int heads_per_unit(int tokens, int layers, int heads, int sm_count) {
+  const int64_t segments = static_cast<int64_t>(tokens) * 2 * layers;
+  const int per_unit = segments < static_cast<int64_t>(kSplitHeadsBelowUnitsPerSm) * sm_count ? kSplitHeads : heads;
+  return per_unit < head_batch<kLanes>() ? per_unit : head_batch<kLanes>();
 }
 
-// Warps (units) of the heads kernel and its CTAs.
-__host__ __device__ inline int64_t heads_units(int tokens, int layers, int heads, int per_warp) {
-  return static_cast<int64_t>(tokens) * 2 * layers * ((heads + per_warp - 1) / per_warp);
+// Units of the heads kernel, and its CTAs: one warp per unit, at most `resident` CTAs (the rest loop).
+__host__ __device__ inline int64_t heads_units(int tokens, int layers, int heads, int per_unit) {
+  return static_cast<int64_t>(tokens) * 2 * layers * ((heads + per_unit - 1) / per_unit);
 }
-__host__ __device__ inline int64_t heads_blocks(int tokens, int layers, int heads, int per_warp) {
-  return (heads_units(tokens, layers, heads, per_warp) + kHeadWarps - 1) / kHeadWarps;
+__host__ __device__ inline int64_t heads_blocks(int64_t units, int64_t resident) {
+  const int64_t blocks = (units + kHeadWarps - 1) / kHeadWarps;
+  return blocks < resident ? blocks : resident;
 }
 
-// This lane's raw projections of the heads h0 + step * 32 / kLanes + group, step < kHeadSteps (zeros for heads from
-// `last` on and lanes past head_dim); `src` is the segment's first head at this lane's elements.
+// A unit's token, segment (2 layer + kind) and heads [first, last).
+struct HeadsUnit {
+  int token, segment, first, last;
+};
+
+__device__ __forceinline__ HeadsUnit heads_unit(const KvWrite& kv, int u, int per_token, int groups, int per_unit) {
+  HeadsUnit w;
+  w.token = u / per_token;
+  const int rest = u - w.token * per_token;
+  w.segment = rest / groups;
+  w.first = (rest - w.segment * groups) * per_unit;
+  w.last = w.first + per_unit < kv.heads ? w.first + per_unit : kv.heads;
+  return w;
+}
+
+// Starts this lane's copies of unit `w` into `stage` ([kHeadSteps][32] 16-byte pieces): the heads first + step * 32 /
+// kLanes + group, zeros for lanes past head_dim and heads from `last` on; steps without a head copy nothing.
 template <typename T, int kLanes>
-__device__ __forceinline__ void load_batch(const T* src, int h0, int group, int last, int head_dim, bool active,
-                                           uint32_t (&raw)[kHeadSteps][kHeadLaneElems / 2]) {
+__device__ __forceinline__ void copy_unit(uint4* stage, const KvWrite& kv, const T* projections, int64_t ld,
+                                          const HeadsUnit& w, int group, int e0, int lane) {
+  constexpr int kGroups = 32 / kLanes;
+  const T* src = projections + w.token * ld + static_cast<int64_t>(w.segment) * kv.heads * kv.head_dim + e0;
 #pragma unroll
   for (int step = 0; step < kHeadSteps; ++step) {
-    const int head = h0 + step * (32 / kLanes) + group;
-    if (active && head < last) {
-      load_words(src + head * head_dim, raw[step]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kHeadLaneElems / 2; ++i) raw[step][i] = 0u;
-    }
+    if (w.first + step * kGroups >= w.last) break;  // the same in every lane
+    const int head = w.first + step * kGroups + group;
+    const bool live = e0 < kv.head_dim && head < w.last;
+    copy_async16(stage + step * 32 + lane, live ? src + head * kv.head_dim : projections, live);
   }
 }
 
 template <typename T, int kLanes>
 __global__ void __launch_bounds__(32 * kHeadWarps, 3)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
-                          int layers, int heads_per_warp) {
+                          int layers, int per_unit) {
   constexpr int V = kHeadLaneElems, kGroups = 32 / kLanes;
-  __shared__ float scratch[kHeadWarps][32 * V];
   pdl_wait();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int sub = lane % kLanes, group = lane / kLanes;  // this lane's place in its head, and the head's
   const int e0 = sub * V;
-  const int groups = (kv.heads + heads_per_warp - 1) / heads_per_warp;
+  uint4* ring = reinterpret_cast<uint4*>(cta_smem()) + warp * kHeadRingWords;
+  float* scratch = reinterpret_cast<float*>(reinterpret_cast<uint4*>(cta_smem()) + kHeadWarps * kHeadRingWords) +
+                   warp * 32 * V + group * kLanes * V;
+  const int groups = (kv.heads + per_unit - 1) / per_unit;
   const int per_token = 2 * layers * groups;
-  const int u = static_cast<int>(blockIdx.x) * kHeadWarps + warp;  // < heads_units < 2^31 (the binding checks)
-  if (u >= tokens * per_token) return;
-  const int token = u / per_token, rest = u - token * per_token;
-  const int segment = rest / groups, first = (rest - segment * groups) * heads_per_warp;
-  const int last = first + heads_per_warp < kv.heads ? first + heads_per_warp : kv.heads;
-  const int layer = segment >> 1, kind = segment & 1;
-  const int b = token / kv.width, j = token - b * kv.width;
-  const bool active = e0 < kv.head_dim;
-  const T* src = projections + token * ld + static_cast<int64_t>(segment) * kv.heads * kv.head_dim + e0;
-  uint32_t raw[kHeadSteps][V / 2];
-  load_batch<T, kLanes>(src, first, group, last, kv.head_dim, active, raw);
-  const int64_t commit =
-      kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
-  const int64_t slot =
-      wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots, kv.wrap_negative);
-  const int64_t pos =
-      kv.has_rope ? wrapped(load_index(kv.positions, token * kv.positions_stride, kv.positions_int64),
-                            kv.position_limit, kv.wrap_negative)
-                  : 0;
-  float g[V], c[V], sn[V];
-  load_weight<T, V>(kind == 0 && kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim,
-                    g);
-  if (j >= commit || slot < 0 || slot >= kv.slots) return;
-  if (kv.has_rope && (pos < 0 || pos >= kv.position_limit)) return;
-  const bool rope = kind == 0 && kv.has_rope;
-  load_rope<V>(kv, rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr, rope ? e0 : 1 << 30, c, sn);
-  T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
-  const int64_t head_stride = kv.head_stride[kind][layer];
-  float* group_scratch = scratch[warp] + group * kLanes * V;
-  for (int h0 = first;;) {
+  // This warp's run [begin, end) of the units (< 2^31: the binding checks); runs differ by at most one unit.
+  const int64_t units = static_cast<int64_t>(tokens) * per_token, warps = int64_t{gridDim.x} * kHeadWarps;
+  const int64_t me = int64_t{blockIdx.x} * kHeadWarps + warp;
+  const int begin = static_cast<int>(me * units / warps), end = static_cast<int>((me + 1) * units / warps);
 #pragma unroll
-    for (int step = 0; step < kHeadSteps; ++step) {
-      const int head = h0 + step * kGroups + group;
-      if (h0 + step * kGroups >= last) break;  // the same in every lane
-      float v[V];
-      unpack_words<T, V>(raw[step], v);
-      emit_head<T, V, kLanes>(kv, kind == 0, kv.eps[layer], g, c, sn, v, group_scratch, dst + head * head_stride, sub,
-                              head < last);
+  for (int s = 0; s < kHeadStages; ++s) {
+    if (begin + s < end) {
+      copy_unit<T, kLanes>(ring + s * kHeadSteps * 32, kv, projections, ld,
+                           heads_unit(kv, begin + s, per_token, groups, per_unit), group, e0, lane);
     }
-    h0 += head_batch<kLanes>();
-    if (h0 >= last) break;
-    load_batch<T, kLanes>(src, h0, group, last, kv.head_dim, active, raw);
+    commit_copies();  // one group per ring slot, empty or not, so that the wait below counts units
+  }
+  int token = -1;
+  bool live = false;  // the current token is written (committed, its slot and position in range)
+  int64_t slot = 0, pos = 0;
+  int stage = 0;
+  for (int u = begin; u < end; ++u) {
+    const HeadsUnit w = heads_unit(kv, u, per_token, groups, per_unit);
+    if (w.token != token) {
+      token = w.token;
+      const int b = token / kv.width, j = token - b * kv.width;
+      const int64_t commit =
+          kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
+      slot = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
+                     kv.wrap_negative);
+      pos = kv.has_rope ? wrapped(load_index(kv.positions, token * kv.positions_stride, kv.positions_int64),
+                                  kv.position_limit, kv.wrap_negative)
+                        : 0;
+      live = j < commit && slot >= 0 && slot < kv.slots && (!kv.has_rope || (pos >= 0 && pos < kv.position_limit));
+    }
+    const int layer = w.segment >> 1, kind = w.segment & 1;
+    uint4* pieces = ring + stage * kHeadSteps * 32;
+    float g[V], c[V], sn[V];
+    if (live) {
+      const bool rope = kind == 0 && kv.has_rope;
+      load_weight<T, V>(kind == 0 && kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0,
+                        kv.head_dim, g);
+      load_rope<V>(kv, rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr, rope ? e0 : 1 << 30, c,
+                   sn);
+    }
+    wait_copies<kHeadStages - 1>();  // this unit's group is complete
+    if (live) {
+      T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
+      const int64_t head_stride = kv.head_stride[kind][layer];
+#pragma unroll
+      for (int step = 0; step < kHeadSteps; ++step) {
+        if (w.first + step * kGroups >= w.last) break;  // the same in every lane
+        const int head = w.first + step * kGroups + group;
+        const uint4 piece = pieces[step * 32 + lane];
+        const uint32_t words[V / 2] = {piece.x, piece.y, piece.z, piece.w};
+        float v[V];
+        unpack_words<T, V>(words, v);
+        emit_head<T, V, kLanes>(kv, kind == 0, kv.eps[layer], g, c, sn, v, scratch, dst + head * head_stride, sub,
+                                head < w.last);
+      }
+    }
+    if (u + kHeadStages < end) {  // the slot this unit read takes the unit kHeadStages ahead
+      copy_unit<T, kLanes>(pieces, kv, projections, ld, heads_unit(kv, u + kHeadStages, per_token, groups, per_unit),
+                           group, e0, lane);
+    }
+    commit_copies();
+    stage = stage + 1 == kHeadStages ? 0 : stage + 1;
   }
 }
 
