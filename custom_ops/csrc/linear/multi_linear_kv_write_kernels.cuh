@@ -13,8 +13,9 @@
 //     memory in fp32, and the epilogue writes each token's head straight into the cache (one warp per token):
 //     nothing but the weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim up to 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer and
-//     does the same per-unit work, one warp per (token, layer, K or V) or, at small T, per group of 4 of its heads,
-//     with a head in 8, 16 or 32 lanes of 8 elements.
+//     does the same per-unit work: persistent warps, each through a run of units (a unit: the heads of one (token,
+//     layer, K or V), or at small T a group of 4 of them) copied ahead into a shared-memory ring, with a head in 8,
+//     16 or 32 lanes of 8 elements; V is copied as it is.
 //
 // Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
 // the fused epilogue, 8 in the heads kernel): the token's slot (cache_loc, or cache_loc_2d and commit_lens) and, with
@@ -380,18 +381,20 @@ struct KvWriteEpilogue {
 // head_dim idle), 2 KB per unit (8 heads of 128, 16 of 64, 4 of 256): a whole (token, layer, K or V) of the
 // Qwen3-style drafts. Each warp keeps kHeadStages units in flight through a ring of shared memory filled by cp.async
 // (each lane copies, waits for and reads back only its own 16-byte pieces, so the ring needs no barrier); a token's
-// indices are loaded when the warp's run reaches it, the layer's norm weight and the token's cos/sin row per unit,
-// both before the unit's wait. Why: at large T the kernel is a stream (each element read once, written once) whose
-// rate is set by the bytes in flight per SM over the memory latency. H200, the heads kernel in the op's graph replay
-// after an L2 flush, Qwen3-8B draft / head_dim-64 draft at T = 4096 (168 MB read and written each): one warp per
-// unit holding its 2 KB in registers (80 registers with spills, 3 CTAs per SM: 24 warps and at most 48 KB in flight
-// per SM) took 74.5-78.4 / 73.8-74.3 us, 1.1 TB/s of reads; under ncu it issued an instruction every 8 cycles per
-// warp at 17 active warps per SM, DRAM 19 % busy. After the dependency wait a warp issues its first copies; nothing is
-// loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about when a dependent
-// launch starts.
+// indices are loaded when the warp's run reaches it, a K unit's norm weight and cos/sin row before the unit's wait;
+// a V unit's pieces go from the ring to the cache as they are (the GEMM rounded them already). Why: at large T the
+// kernel is a stream (each element read once, written once) whose rate is set by the bytes in flight per SM over the
+// memory latency. H200, the kernel in the op's graph replay after an L2 flush, Qwen3-8B / head_dim-64 drafts at
+// T = 4096 (168 MB read and written each): one warp per unit holding its 2 KB in registers (3 CTAs per SM, 80
+// registers with spills: at most 48 KB in flight per SM) 74.5-78.4 / 73.8-74.3 us; this ring at 3 CTAs per SM (80
+// registers, 124-148 bytes of spills) 92.9-94.0 / 92.6-92.8, with 2 stages 81.1 / 80.7; at 2 CTAs per SM (122
+// registers, no spills) 50.7-53.2 / 53.1 with 4 stages and 53.1 / 52.1 with 3 (3.2 TB/s). T = 512: 12.2 / 11.3 us
+// (registers: 12.6 / 11.6), T = 64 (one unit per warp): 5.5 / 6.0 (4.9 / 4.5). After the dependency wait a warp
+// issues its first copies; nothing is loaded before the wait: the kernel before this one may be cuBLAS, which
+// promises nothing about when a dependent launch starts.
 constexpr int kHeadLaneElems = 8;
 constexpr int kHeadSteps = 4;
-constexpr int kHeadStages = 3;  // units in flight per warp
+constexpr int kHeadStages = 3;  // units in flight per warp (4 measured the same)
 // Lanes per head for heads of up to head_dim elements (<= 256): the fewest of 8, 16 or 32 that hold them.
 inline int head_lanes(int64_t head_dim) {
   int lanes = 8;
@@ -438,15 +441,29 @@ struct HeadsUnit {
   int token, segment, first, last;
 };
 
-__device__ __forceinline__ HeadsUnit heads_unit(const KvWrite& kv, int u, int per_token, int groups, int per_unit) {
-  HeadsUnit w;
-  w.token = u / per_token;
-  const int rest = u - w.token * per_token;
-  w.segment = rest / groups;
-  w.first = (rest - w.segment * groups) * per_unit;
-  w.last = w.first + per_unit < kv.heads ? w.first + per_unit : kv.heads;
-  return w;
-}
+// Walks a warp's run of units in order (token, then segment, then group of heads), dividing only at the start;
+// `segments` = 2 layers, `groups` = heads / per_unit rounded up.
+struct UnitCursor {
+  int token, segment, group;
+
+  __device__ __forceinline__ UnitCursor(int u, int segments, int groups) {
+    token = u / (segments * groups);
+    const int rest = u - token * segments * groups;
+    segment = rest / groups;
+    group = rest - segment * groups;
+  }
+  __device__ __forceinline__ HeadsUnit unit(int per_unit, int heads) const {
+    const int first = group * per_unit;
+    return {token, segment, first, first + per_unit < heads ? first + per_unit : heads};
+  }
+  __device__ __forceinline__ void next(int segments, int groups) {
+    if (++group < groups) return;
+    group = 0;
+    if (++segment < segments) return;
+    segment = 0;
+    ++token;
+  }
+};
 
 // Starts this lane's copies of unit `w` into `stage` ([kHeadSteps][32] 16-byte pieces): the heads first + step * 32 /
 // kLanes + group, zeros for lanes past head_dim and heads from `last` on; steps without a head copy nothing.
@@ -465,7 +482,7 @@ __device__ __forceinline__ void copy_unit(uint4* stage, const KvWrite& kv, const
 }
 
 template <typename T, int kLanes>
-__global__ void __launch_bounds__(32 * kHeadWarps, 3)
+__global__ void __launch_bounds__(32 * kHeadWarps, 2)
     kv_write_heads_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                           int layers, int per_unit) {
   constexpr int V = kHeadLaneElems, kGroups = 32 / kLanes;
@@ -476,26 +493,27 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 3)
   uint4* ring = reinterpret_cast<uint4*>(cta_smem()) + warp * kHeadRingWords;
   float* scratch = reinterpret_cast<float*>(reinterpret_cast<uint4*>(cta_smem()) + kHeadWarps * kHeadRingWords) +
                    warp * 32 * V + group * kLanes * V;
-  const int groups = (kv.heads + per_unit - 1) / per_unit;
-  const int per_token = 2 * layers * groups;
+  const int segments = 2 * layers, groups = (kv.heads + per_unit - 1) / per_unit;
   // This warp's run [begin, end) of the units (< 2^31: the binding checks); runs differ by at most one unit.
-  const int64_t units = static_cast<int64_t>(tokens) * per_token, warps = int64_t{gridDim.x} * kHeadWarps;
+  const int64_t units = static_cast<int64_t>(tokens) * segments * groups, warps = int64_t{gridDim.x} * kHeadWarps;
   const int64_t me = int64_t{blockIdx.x} * kHeadWarps + warp;
   const int begin = static_cast<int>(me * units / warps), end = static_cast<int>((me + 1) * units / warps);
+  UnitCursor ahead(begin, segments, groups);  // the next unit to copy
 #pragma unroll
   for (int s = 0; s < kHeadStages; ++s) {
     if (begin + s < end) {
-      copy_unit<T, kLanes>(ring + s * kHeadSteps * 32, kv, projections, ld,
-                           heads_unit(kv, begin + s, per_token, groups, per_unit), group, e0, lane);
+      copy_unit<T, kLanes>(ring + s * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads), group, e0, lane);
+      ahead.next(segments, groups);
     }
     commit_copies();  // one group per ring slot, empty or not, so that the wait below counts units
   }
+  UnitCursor at(begin, segments, groups);  // the unit to write
   int token = -1;
   bool live = false;  // the current token is written (committed, its slot and position in range)
   int64_t slot = 0, pos = 0;
   int stage = 0;
-  for (int u = begin; u < end; ++u) {
-    const HeadsUnit w = heads_unit(kv, u, per_token, groups, per_unit);
+  for (int u = begin; u < end; ++u, at.next(segments, groups)) {
+    const HeadsUnit w = at.unit(per_unit, kv.heads);
     if (w.token != token) {
       token = w.token;
       const int b = token / kv.width, j = token - b * kv.width;
@@ -509,34 +527,45 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 3)
       live = j < commit && slot >= 0 && slot < kv.slots && (!kv.has_rope || (pos >= 0 && pos < kv.position_limit));
     }
     const int layer = w.segment >> 1, kind = w.segment & 1;
-    uint4* pieces = ring + stage * kHeadSteps * 32;
-    float g[V], c[V], sn[V];
-    if (live) {
-      const bool rope = kind == 0 && kv.has_rope;
-      load_weight<T, V>(kind == 0 && kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0,
-                        kv.head_dim, g);
-      load_rope<V>(kv, rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr, rope ? e0 : 1 << 30, c,
-                   sn);
-    }
-    wait_copies<kHeadStages - 1>();  // this unit's group is complete
-    if (live) {
-      T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
-      const int64_t head_stride = kv.head_stride[kind][layer];
+    const uint4* pieces = ring + stage * kHeadSteps * 32;
+    T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
+    const int64_t head_stride = kv.head_stride[kind][layer];
+    if (kind == 1) {  // V: the projections as they are (already rounded once), straight from the ring
+      wait_copies<kHeadStages - 1>();  // this unit's group is complete
+      if (live) {
 #pragma unroll
-      for (int step = 0; step < kHeadSteps; ++step) {
-        if (w.first + step * kGroups >= w.last) break;  // the same in every lane
-        const int head = w.first + step * kGroups + group;
-        const uint4 piece = pieces[step * 32 + lane];
-        const uint32_t words[V / 2] = {piece.x, piece.y, piece.z, piece.w};
-        float v[V];
-        unpack_words<T, V>(words, v);
-        emit_head<T, V, kLanes>(kv, kind == 0, kv.eps[layer], g, c, sn, v, scratch, dst + head * head_stride, sub,
-                                head < w.last);
+        for (int step = 0; step < kHeadSteps; ++step) {
+          const int head = w.first + step * kGroups + group;
+          if (e0 < kv.head_dim && head < w.last) {
+            *reinterpret_cast<uint4*>(dst + head * head_stride + e0) = pieces[step * 32 + lane];
+          }
+        }
+      }
+    } else {
+      float g[V], c[V], sn[V];
+      if (live) {
+        load_weight<T, V>(kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim, g);
+        load_rope<V>(kv, kv.has_rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr,
+                     kv.has_rope ? e0 : 1 << 30, c, sn);
+      }
+      wait_copies<kHeadStages - 1>();  // this unit's group is complete
+      if (live) {
+#pragma unroll
+        for (int step = 0; step < kHeadSteps; ++step) {
+          if (w.first + step * kGroups >= w.last) break;  // the same in every lane
+          const int head = w.first + step * kGroups + group;
+          const uint4 piece = pieces[step * 32 + lane];
+          const uint32_t words[V / 2] = {piece.x, piece.y, piece.z, piece.w};
+          float v[V];
+          unpack_words<T, V>(words, v);
+          emit_head<T, V, kLanes>(kv, true, kv.eps[layer], g, c, sn, v, scratch, dst + head * head_stride, sub,
+                                  head < w.last);
+        }
       }
     }
     if (u + kHeadStages < end) {  // the slot this unit read takes the unit kHeadStages ahead
-      copy_unit<T, kLanes>(pieces, kv, projections, ld, heads_unit(kv, u + kHeadStages, per_token, groups, per_unit),
-                           group, e0, lane);
+      copy_unit<T, kLanes>(ring + stage * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads), group, e0, lane);
+      ahead.next(segments, groups);
     }
     commit_copies();
     stage = stage + 1 == kHeadStages ? 0 : stage + 1;
