@@ -50,8 +50,7 @@ inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return
 struct uint2 { uint32_t x, y; };
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local Dim3 threadIdx, blockIdx, blockDim;
-inline Dim3 gridDim;  // set by the driver before it runs a grid
+inline thread_local Dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 // Where an emulated CUDA thread lives: its CTA's barrier, named barriers (id 1..) and shared memory, its warp's
 // barrier and fragment exchange, its cluster's barrier and CTA buffers.
@@ -260,7 +259,10 @@ def build(root: Path, driver: str, name: str) -> ctypes.CDLL:
         (root / header).write_text(text)
     (root / "driver.cpp").write_text(driver)
     lib = root / f"lib{name}.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-DDSPARK_KERNEL_EMULATION", f"-I{root}", f"-I{CSRC}"]
+    # -fno-gnu-unique: the emulation libraries of the suite define the same inline names (threadIdx, gridDim, ...)
+    # with other types; as GNU unique symbols they would be bound across libraries, whatever ctypes' RTLD_LOCAL says
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-gnu-unique", "-DDSPARK_KERNEL_EMULATION"]
+    cmd += [f"-I{root}", f"-I{CSRC}"]
     cmd.append(f"-I{BENCHMARKS}")
     res = subprocess.run([*cmd, str(root / "driver.cpp"), "-o", str(lib), "-lpthread"], capture_output=True, text=True)
     if res.returncode != 0 and re.search(r"barrier.*No such file|_Float16", res.stderr):

@@ -179,6 +179,7 @@ def emu(tmp_path_factory):
         "-O1",
         "-shared",
         "-fPIC",
+        "-fno-gnu-unique",  # keep this library's inline names (threadIdx, gridDim, ...) its own
         f"-I{root}",
         f"-I{CSRC}",
         str(root / "driver.cpp"),

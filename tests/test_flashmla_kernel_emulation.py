@@ -132,7 +132,9 @@ def emu(tmp_path_factory):
         (root / name).write_text(text)
     (root / "driver.cpp").write_text(DRIVER)
     lib = root / "libflashmlaemu.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{root}", f"-I{CSRC}", str(root / "driver.cpp")]
+    # -fno-gnu-unique: this library's inline names (threadIdx, ...) stay its own (the other emulations define them too)
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-gnu-unique", f"-I{root}", f"-I{CSRC}"]
+    cmd.append(str(root / "driver.cpp"))
     res = subprocess.run([*cmd, "-o", str(lib), "-lpthread"], capture_output=True, text=True)
     if res.returncode != 0 and "barrier" in res.stderr and "No such file" in res.stderr:
         pytest.skip("needs a C++20 standard library with <barrier>")

@@ -34,7 +34,6 @@ template <typename Args>
 static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, int split, int threads, int row_warps,
                      int k_warps, size_t smem_bytes) {
   const int warps = threads / 32;
-  gridDim.x = unsigned(clusters * split);
   for (int64_t c = 0; c < clusters; ++c) {
     std::barrier<> cluster(threads * split);
     std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars, named;
@@ -58,6 +57,7 @@ static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, i
           threadIdx.x = t;
           blockIdx.x = unsigned(c * split + r);
           blockDim.x = unsigned(threads);
+          gridDim.x = unsigned(clusters * split);
           const int w = r * warps + t / 32;
           emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * k_warps, warp_bars[w].get(), &cluster,
                           reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
