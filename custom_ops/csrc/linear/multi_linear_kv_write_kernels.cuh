@@ -386,10 +386,11 @@ struct KvWriteEpilogue {
 // kernel is a stream (each element read once, written once) whose rate is set by the bytes in flight per SM over the
 // memory latency. H200, the kernel in the op's graph replay after an L2 flush, Qwen3-8B / head_dim-64 drafts at
 // T = 4096 (168 MB read and written each): one warp per unit holding its 2 KB in registers (3 CTAs per SM, 80
-// registers with spills: at most 48 KB in flight per SM) 74.5-78.4 / 73.8-74.3 us; this ring at 3 CTAs per SM (80
-// registers, 124-148 bytes of spills) 92.9-94.0 / 92.6-92.8, with 2 stages 81.1 / 80.7; at 2 CTAs per SM (122
-// registers, no spills) 50.7-53.2 / 53.1 with 4 stages and 53.1 / 52.1 with 3 (3.2 TB/s). T = 512: 12.2 / 11.3 us
-// (registers: 12.6 / 11.6), T = 64 (one unit per warp): 5.5 / 6.0 (4.9 / 4.5). After the dependency wait a warp
+// registers with spills: at most 48 KB in flight per SM) 74.5-78.4 / 73.8-74.3 us; this ring capped at 3 CTAs per
+// SM (80 registers) 68.7 / 69.0 with 40-48 bytes of spills, 92.6-94.0 once the cursor and the V path below raised
+// them to 124-148 bytes (80.7-81.1 with 2 stages); at 2 CTAs per SM (122 registers, no spills) 50.7-53.2 / 53.1
+// with 4 stages and 52.2-53.1 / 52.1-53.7 with 3 (3.2 TB/s). T = 512: 12.2 / 11.3 us (registers: 12.6 / 11.6),
+// T = 64 (one unit per warp): 5.5 / 6.0 (4.9 / 4.5). After the dependency wait a warp
 // issues its first copies; nothing is loaded before the wait: the kernel before this one may be cuBLAS, which
 // promises nothing about when a dependent launch starts.
 constexpr int kHeadLaneElems = 8;
@@ -415,7 +416,8 @@ constexpr int kSplitHeads = 4;
 // Below this many whole-segment units per SM, the heads are split into units of kSplitHeads heads. H200, heads
 // kernel alone in the op's CUDA-graph replay after an L2 flush (torch profiler), split vs not, Qwen3-8B draft (8
 // heads of 128) / 16 heads of 64 (hidden 7168): T = 64 (4.8 units per SM) 5.0 vs 6.0 / 5.3 vs 8.2 us; T = 512 (39
-// per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us (one unit per warp, 2 KB units). T = 4096 gives 310 per SM.
+// per SM) 17.2 vs 13.1 / 23.2 vs 18.1 us (the register kernel before the ring: one unit per warp). T = 4096 gives 310
+// per SM.
 constexpr int kSplitHeadsBelowUnitsPerSm = 16;
 
 // Heads per unit: kSplitHeads while whole segments give fewer than kSplitHeadsBelowUnitsPerSm units per SM, else a
@@ -427,7 +429,7 @@ int heads_per_unit(int tokens, int layers, int heads, int sm_count) {
   return per_unit < head_batch<kLanes>() ? per_unit : head_batch<kLanes>();
 }
 
-// Units of the heads kernel, and its CTAs: one warp per unit, at most `resident` CTAs (the rest loop).
+// Units of the heads kernel, and its CTAs: a warp per unit up to `resident` CTAs, whose warps then take several.
 __host__ __device__ inline int64_t heads_units(int tokens, int layers, int heads, int per_unit) {
   return static_cast<int64_t>(tokens) * 2 * layers * ((heads + per_unit - 1) / per_unit);
 }
@@ -502,7 +504,8 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
 #pragma unroll
   for (int s = 0; s < kHeadStages; ++s) {
     if (begin + s < end) {
-      copy_unit<T, kLanes>(ring + s * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads), group, e0, lane);
+      copy_unit<T, kLanes>(ring + s * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads), group,
+                           e0, lane);
       ahead.next(segments, groups);
     }
     commit_copies();  // one group per ring slot, empty or not, so that the wait below counts units
@@ -564,7 +567,8 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
       }
     }
     if (u + kHeadStages < end) {  // the slot this unit read takes the unit kHeadStages ahead
-      copy_unit<T, kLanes>(ring + stage * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads), group, e0, lane);
+      copy_unit<T, kLanes>(ring + stage * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads),
+                           group, e0, lane);
       ahead.next(segments, groups);
     }
     commit_copies();
