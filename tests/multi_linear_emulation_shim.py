@@ -11,14 +11,10 @@ tests/test_multi_linear_emulation.py and tests/test_multi_linear_kv_write_emulat
 from __future__ import annotations
 
 import ctypes
-import re
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
+from emulation_build import compile_emulation
 
-CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 # Headers of the benchmark programs (experimental/...: kernels no op uses yet), included as "experimental/..."
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -250,22 +246,5 @@ inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a),
 
 
 def build(root: Path, driver: str, name: str) -> ctypes.CDLL:
-    """Compile `driver` (C++ including the kernel headers) against the shim into `root`; skip without a C++20
-    compiler with <barrier> and _Float16."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++20 compiler")
-    for header, text in SHIM.items():
-        (root / header).write_text(text)
-    (root / "driver.cpp").write_text(driver)
-    lib = root / f"lib{name}.so"
-    # -fno-gnu-unique: the emulation libraries of the suite define the same inline names (threadIdx, gridDim, ...)
-    # with other types; as GNU unique symbols they would be bound across libraries, whatever ctypes' RTLD_LOCAL says
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-gnu-unique", "-DDSPARK_KERNEL_EMULATION"]
-    cmd += [f"-I{root}", f"-I{CSRC}"]
-    cmd.append(f"-I{BENCHMARKS}")
-    res = subprocess.run([*cmd, str(root / "driver.cpp"), "-o", str(lib), "-lpthread"], capture_output=True, text=True)
-    if res.returncode != 0 and re.search(r"barrier.*No such file|_Float16", res.stderr):
-        pytest.skip("needs a C++20 standard library with <barrier> and _Float16")
-    assert res.returncode == 0, res.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    """Compile `driver` (C++ including the kernel headers, and the benchmarks' experimental ones) against the shim."""
+    return compile_emulation(root, SHIM, driver, name, ["-DDSPARK_KERNEL_EMULATION", f"-I{BENCHMARKS}"])

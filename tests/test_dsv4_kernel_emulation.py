@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import random
-import shutil
-import subprocess
-from pathlib import Path
 
 import dsv4_cases as ref
 import pytest
@@ -33,14 +30,12 @@ from dsv4_cases import (
     storing_rows,
 )
 from dsv4_emulation_shim import SHIM
+from emulation_build import compile_emulation
 
 import custom_ops  # noqa: F401
 from custom_ops.dsv4 import plan as cp
 from custom_ops.dsv4.common import read_compress_plan, read_decode_plan
 from custom_ops.dsv4.store import compress_norm_rope_store
-
-CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
-
 
 DRIVER = r"""
 #include "dsv4/dsv4_compress_plan_kernels.cuh"
@@ -165,33 +160,7 @@ extern "C" void emu_store(const float* kv, const uint8_t* plan, const float* w, 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++20 compiler")
-    root = tmp_path_factory.mktemp("dsv4_emu")
-    for name, text in SHIM.items():
-        (root / name).write_text(text)
-    (root / "driver.cpp").write_text(DRIVER)
-    lib = root / "libdsv4emu.so"
-    cmd = [
-        cxx,
-        "-std=c++20",
-        "-O1",
-        "-shared",
-        "-fPIC",
-        "-fno-gnu-unique",  # keep this library's inline names (threadIdx, gridDim, ...) its own
-        f"-I{root}",
-        f"-I{CSRC}",
-        str(root / "driver.cpp"),
-        "-o",
-        str(lib),
-        "-lpthread",
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0 and "barrier" in res.stderr and "No such file" in res.stderr:
-        pytest.skip("needs a C++20 standard library with <barrier>")
-    assert res.returncode == 0, res.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    return compile_emulation(tmp_path_factory.mktemp("dsv4_emu"), SHIM, DRIVER, "dsv4emu")
 
 
 i64, i32 = ctypes.c_int64, ctypes.c_int

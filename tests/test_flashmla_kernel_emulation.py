@@ -12,13 +12,11 @@ scalar one). GPU numerics (and the bindings) are checked by the CUDA tests.
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from dsv4_emulation_shim import SHIM
+from emulation_build import compile_emulation
 from flashmla_cases import (
     ALL_OPS,
     HUGE,
@@ -29,8 +27,6 @@ from flashmla_cases import (
     _reference_result,
     _unused_slot,
 )
-
-CSRC = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"
 
 DRIVER = r"""
 #include "flashmla/flashmla_writes_kernels.cuh"
@@ -124,22 +120,7 @@ class _IndexerArgs(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++20 compiler")
-    root = tmp_path_factory.mktemp("flashmla_emu")
-    for name, text in SHIM.items():
-        (root / name).write_text(text)
-    (root / "driver.cpp").write_text(DRIVER)
-    lib = root / "libflashmlaemu.so"
-    # -fno-gnu-unique: this library's inline names (threadIdx, ...) stay its own (the other emulations define them too)
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-gnu-unique", f"-I{root}", f"-I{CSRC}"]
-    cmd.append(str(root / "driver.cpp"))
-    res = subprocess.run([*cmd, "-o", str(lib), "-lpthread"], capture_output=True, text=True)
-    if res.returncode != 0 and "barrier" in res.stderr and "No such file" in res.stderr:
-        pytest.skip("needs a C++20 standard library with <barrier>")
-    assert res.returncode == 0, res.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    return compile_emulation(tmp_path_factory.mktemp("flashmla_emu"), SHIM, DRIVER, "flashmlaemu")
 
 
 def _ptr(t: torch.Tensor) -> int:
