@@ -4,7 +4,8 @@
 #   bench     every benchmark (benchmarks/[!_]*.py --out $OUT/<name>.md)
 #   all       tests, then bench (the default)
 #   sanitize  scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and synccheck
-#             (every tensor its own allocation); each tool's summary goes to $OUT/sanitize.txt
+#             (every tensor its own allocation; SANITIZE_ONLY=GROUP: one group of its calls); each tool's summary
+#             goes to $OUT/sanitize.txt
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
@@ -29,7 +30,7 @@ case "$what" in
     sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
     for tool in memcheck racecheck initcheck synccheck; do
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 \
-        python3 scripts/sanitize_driver.py >"$OUT/sanitize_$tool.log" 2>&1
+        python3 scripts/sanitize_driver.py ${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"} >"$OUT/sanitize_$tool.log" 2>&1
       rc=$?
       [ $rc -eq 0 ] || status=1
       echo "$tool rc=$rc $(grep -h 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" | tee -a "$OUT/sanitize.txt"

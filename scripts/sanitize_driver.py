@@ -4,7 +4,8 @@
 `PYTORCH_NO_CUDA_MEMORY_CACHING=1`, so every tensor is its own allocation and an out-of-bounds access cannot
 hide inside a cached block). The calls cover empty and single-row batches, odd sizes, strided inputs, negative
 and out-of-range slots, positions and request ids (which the kernels must skip), and every DSV4 compressor path
-(c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores).
+(c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores),
+and both paths of the multi-layer K/V write. `--only GROUP` makes one group of calls.
 The script reads no results back: on the H200, initcheck reports PyTorch's own elementwise kernels reading
 outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer.
 `--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
@@ -120,20 +121,79 @@ def multi_linear(gen: torch.Generator) -> None:
             torch.ops.dspark.multi_linear(x, weights, [0, 1, 8], [48, 16, 40], biases)
 
 
+def multi_linear_kv_write(gen: torch.Generator) -> None:
+    """The fused path (T <= 16, head_dim 64 / 128; hidden 64 leaves k-warps without a K step) and the GEMM path
+    with the heads kernel (T > 16, or head_dim 80): neox and GPT-J with partial rotary, a bias, fp32 and bf16 norm
+    weights, 1-D slots and [B, 2] slots with commit lengths, edge slots and positions, both position dtypes, caches
+    with padded rows, x with a row stride."""
+    layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
+    configs = ((64, 64, 64, True, (0, 1, 7, 16, 17, 40)), (128, 256, 64, False, (5, 33)), (80, 256, 40, True, (3, 19)))
+    for head_dim, hidden, rot, neox, token_counts in configs:
+        kv = heads * head_dim
+        weights = [(torch.randn(3 * kv, hidden, generator=gen) * hidden**-0.5).to(bf16).to(DEV) for _ in range(layers)]
+        biases = [torch.randn(3 * kv, generator=gen).to(bf16).to(DEV) if i == 0 else None for i in range(layers)]
+        norms = [
+            (torch.rand(head_dim, generator=gen) + 0.5).to(torch.float32 if i == 0 else bf16).to(DEV)
+            for i in range(layers)
+        ]
+        tables = [torch.randn(MAX_POS, rot, generator=gen).to(DEV) for _ in range(layers)]
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden + 16, generator=gen).to(bf16).to(DEV)[:, 16:]
+            caches = [
+                torch.zeros(slots, heads, head_dim + 8, dtype=bf16, device=DEV)[..., :head_dim]
+                for _ in range(2 * layers)
+            ]
+            pos = positions_with_edges(tokens, gen).to(torch.int32 if tokens % 3 == 0 else torch.int64).to(DEV)
+            loc, commit = slots_with_edges(tokens, slots, gen), None
+            if tokens > 0 and tokens % 2 == 0:
+                loc, commit = loc.reshape(-1, 2), torch.randint(0, 3, (tokens // 2,), generator=gen).to(DEV)
+            torch.ops.dspark.multi_linear_kv_write(
+                x,
+                weights,
+                [kv] * layers,
+                biases,
+                weights,
+                [2 * kv] * layers,
+                biases,
+                norms,
+                [1e-6] * layers,
+                tables,
+                pos,
+                neox,
+                caches[:layers],
+                caches[layers:],
+                loc.to(DEV),
+                commit,
+                heads,
+                head_dim,
+            )
+
+
+GROUPS = ("flashmla", "dsv4", "multi_linear", "multi_linear_kv_write")
+
+
 def main(argv: list[str] | None = None) -> None:
     global DEV, EDGES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    DEV = parser.parse_args(argv).device
+    parser.add_argument("--only", choices=GROUPS, help="make only this group of calls (default: all of them)")
+    args = parser.parse_args(argv)
+    DEV = args.device
     EDGES = DEV == "cuda"
     if DEV == "cuda":
         _build.load()
     gen = torch.Generator().manual_seed(0)
-    flashmla_ops(gen)
-    for ratio, online, paged in ((4, False, False), (4, False, True), (128, False, False), (128, True, False)):
-        for head_dim in (512, 128):
-            dsv4_compressor(gen, ratio, online, paged, head_dim)
-    multi_linear(gen)
+    groups = [args.only] if args.only else GROUPS
+    if "flashmla" in groups:
+        flashmla_ops(gen)
+    if "dsv4" in groups:
+        for ratio, online, paged in ((4, False, False), (4, False, True), (128, False, False), (128, True, False)):
+            for head_dim in (512, 128):
+                dsv4_compressor(gen, ratio, online, paged, head_dim)
+    if "multi_linear" in groups:
+        multi_linear(gen)
+    if "multi_linear_kv_write" in groups:
+        multi_linear_kv_write(gen)
     if DEV == "cpu":
         print("sanitize driver: all calls made on the CPU")
         return
