@@ -90,7 +90,7 @@ struct HeadsArgs {
   KvWrite kv;
   const void* projections;
   int64_t ld;
-  int tokens, layers, per_unit, blocks;
+  int tokens, layers, per_unit, ctas;
 };
 
 template <typename T, int kLanes>
@@ -98,13 +98,13 @@ static void heads_entry(HeadsArgs a) {
   kv_write_heads_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers, a.per_unit);
 }
 
-// The heads kernel on a grid of at most `blocks` CTAs (so that the warps loop over several units each), with at
+// The heads kernel on a grid of at most `ctas` CTAs (so that the warps loop over several units each), with at
 // most `per_unit` heads per unit (clipped to a batch, as the binding's rule does).
 template <typename T, int kLanes>
 static void heads(HeadsArgs a) {
   a.per_unit = std::min(a.per_unit, head_batch<kLanes>());
   const int64_t units = heads_units(a.tokens, a.layers, a.kv.heads, a.per_unit);
-  run_grid<HeadsArgs>(&heads_entry<T, kLanes>, a, heads_blocks(units, a.blocks), 1, 32 * kHeadWarps, 1, 1,
+  run_grid<HeadsArgs>(&heads_entry<T, kLanes>, a, heads_blocks(units, a.ctas), 1, 32 * kHeadWarps, 1, 1,
                       heads_smem_bytes());
 }
 
