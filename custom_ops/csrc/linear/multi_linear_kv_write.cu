@@ -9,6 +9,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -471,15 +473,29 @@ void run_fused(const Call& c, const at::Tensor& x) {
   }
 }
 
+// CTAs of the heads kernel resident per SM of `device`. Queried once per kernel and device, which also opts the
+// kernel in to its shared memory there: the launch shape is fixed, so eager calls need no occupancy query.
+template <typename T, int kLanes>
+int heads_ctas_per_sm(const at::Device& device) {
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cached{};
+  std::atomic<int>& known = cached.at(static_cast<size_t>(device.index()));
+  int per_sm = known.load(std::memory_order_acquire);
+  if (per_sm == 0) {
+    const auto kernel = &kv_write_heads_kernel<T, kLanes>;
+    constexpr int smem = heads_smem_bytes();
+    static_assert(smem > 48 * 1024, "the kernel opts in to more than the default shared memory");
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kHeadWarps, smem));
+    per_sm = std::max(per_sm, 1);
+    known.store(per_sm, std::memory_order_release);
+  }
+  return per_sm;
+}
+
 template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  const auto kernel = &kv_write_heads_kernel<T, kLanes>;
-  constexpr int smem = heads_smem_bytes();
-  static_assert(smem > 48 * 1024, "the kernel opts in to more than the default shared memory below");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kHeadWarps, smem));
+  const int per_sm = heads_ctas_per_sm<T, kLanes>(device);
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int per_unit = heads_per_unit<kLanes>(tokens, layers, kv.heads, sms);
   const int64_t units = heads_units(tokens, layers, kv.heads, per_unit);
@@ -487,14 +503,15 @@ void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, 
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms)));
+  config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(per_sm) * sms)));
   config.blockDim = dim3(32 * kHeadWarps);
-  config.dynamicSmemBytes = smem;
+  config.dynamicSmemBytes = heads_smem_bytes();
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, kv, static_cast<const T*>(projections.data_ptr()),
-                                    projections.stride(0), tokens, layers, per_unit));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, kLanes>, kv,
+                                    static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
+                                    layers, per_unit));
 }
 
 // The GEMM through dspark::multi_linear (its own kernel or cuBLAS) into a [T, 2 N kv] buffer, then the heads kernel.

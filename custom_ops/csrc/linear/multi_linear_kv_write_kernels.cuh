@@ -530,38 +530,29 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
       live = j < commit && slot >= 0 && slot < kv.slots && (!kv.has_rope || (pos >= 0 && pos < kv.position_limit));
     }
     const int layer = w.segment >> 1, kind = w.segment & 1;
-    const uint4* pieces = ring + stage * kHeadSteps * 32;
-    T* dst = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
-    const int64_t head_stride = kv.head_stride[kind][layer];
-    if (kind == 1) {  // V: the projections as they are (already rounded once), straight from the ring
-      wait_copies<kHeadStages - 1>();  // this unit's group is complete
-      if (live) {
+    float g[V], c[V], sn[V];
+    if (live && kind == 0) {  // K: the norm weight and the cos/sin row load while the unit's copies land
+      load_weight<T, V>(kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim, g);
+      load_rope<V>(kv, kv.has_rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr,
+                   kv.has_rope ? e0 : 1 << 30, c, sn);
+    }
+    wait_copies<kHeadStages - 1>();  // this unit's group is complete
+    if (live) {
+      const uint4* pieces = ring + stage * kHeadSteps * 32;
+      T* row = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
+      const int64_t head_stride = kv.head_stride[kind][layer];
 #pragma unroll
-        for (int step = 0; step < kHeadSteps; ++step) {
-          const int head = w.first + step * kGroups + group;
-          if (e0 < kv.head_dim && head < w.last) {
-            *reinterpret_cast<uint4*>(dst + head * head_stride + e0) = pieces[step * 32 + lane];
-          }
-        }
-      }
-    } else {
-      float g[V], c[V], sn[V];
-      if (live) {
-        load_weight<T, V>(kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim, g);
-        load_rope<V>(kv, kv.has_rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr,
-                     kv.has_rope ? e0 : 1 << 30, c, sn);
-      }
-      wait_copies<kHeadStages - 1>();  // this unit's group is complete
-      if (live) {
-#pragma unroll
-        for (int step = 0; step < kHeadSteps; ++step) {
-          if (w.first + step * kGroups >= w.last) break;  // the same in every lane
-          const int head = w.first + step * kGroups + group;
-          const uint4 piece = pieces[step * 32 + lane];
+      for (int step = 0; step < kHeadSteps; ++step) {
+        if (w.first + step * kGroups >= w.last) break;  // the same in every lane
+        const int head = w.first + step * kGroups + group;
+        const uint4 piece = pieces[step * 32 + lane];
+        if (kind == 1) {  // V: the projections as they are (already rounded once)
+          if (e0 < kv.head_dim && head < w.last) *reinterpret_cast<uint4*>(row + head * head_stride + e0) = piece;
+        } else {
           const uint32_t words[V / 2] = {piece.x, piece.y, piece.z, piece.w};
           float v[V];
           unpack_words<T, V>(words, v);
-          emit_head<T, V, kLanes>(kv, true, kv.eps[layer], g, c, sn, v, scratch, dst + head * head_stride, sub,
+          emit_head<T, V, kLanes>(kv, true, kv.eps[layer], g, c, sn, v, scratch, row + head * head_stride, sub,
                                   head < w.last);
         }
       }
