@@ -17,6 +17,9 @@ One table per config, one row per T. A time cell is µs per call and, in bracket
 of the same row (below 1.00x: faster than torch.compile). Columns:
   floor µs           max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), both measured in the same run
                      (which one binds in brackets); reading ctx and writing the caches are not counted
+  one-launch read µs CUDA: the fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes
+                     (one buffer of that size), timed as the other cells (graph replay after an L2 flush): the
+                     least a write that reads the weights in one launch can measure here
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
                      k_norm, one RoPE, per-layer writes
@@ -27,13 +30,15 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      passes `mode` on to a custom backend, and dspark_backend applies Inductor's options of that mode
                      (triton.cudagraphs=True), so Inductor wraps its output in CUDA graph trees as for plain RO
   dspark ÷ floor     the dspark_backend and dspark_backend RO times ÷ the floor
+  dspark ÷ read      the dspark_backend time ÷ the one-launch read
   dspark path        the op the dspark passes lowered the layers' K/V to: multi_linear_kv_write (GEMM, k_norm, RoPE
                      and cache writes in one op) or multi_linear (one GEMM; norm, RoPE and writes left to Inductor),
                      read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes
 
 `--breakdown` (CUDA): for dspark_backend only, the CUDA-graph replay time per T (as in the table), the kernels of
 that graph with their durations when it is replayed after an L2 flush (as do_bench runs it; torch profiler), and the
-replay time of a graph of one trivial kernel in the same harness: replay = kernels + that harness cost.
+replay times of a graph of one trivial kernel and of the one-launch read in the same harness: replay = kernels + that
+harness cost (the table's header gives it too).
 
 Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, torch.compile and dspark_backend are
 captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables
@@ -133,6 +138,7 @@ VARIANTS = (
 )
 BASELINE = "torch.compile"
 FLOOR_RATIOS = ("dspark_backend", "dspark_backend RO")
+READ_RATIO = "dspark_backend"
 
 
 @dataclass
@@ -164,6 +170,7 @@ class ConfigRun:
     cfg: DraftKVConfig
     rows: list[Row]
     entries: list[Entry]
+    read_us: float | None  # the one-launch read of the K/V weight bytes (CUDA only)
 
 
 def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -372,9 +379,14 @@ def run_config(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...], dev
     del base, inputs, by_name
     torch._dynamo.reset()
     gc.collect()
+    read_us = None
     if device == "cuda":
         torch.cuda.empty_cache()
-    return ConfigRun(label, cfg, rows, entries)
+        from _read_floor import one_launch_read_us
+
+        read_us = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
+        print(f"  one-launch read of {kv_weight_bytes(cfg) / 1e6:.3g} MB: {read_us:.1f} µs", flush=True)
+    return ConfigRun(label, cfg, rows, entries, read_us)
 
 
 def cell(times: dict[str, float | str], name: str, entry: Entry | None) -> str:
@@ -395,7 +407,15 @@ def config_table(run: ConfigRun) -> list[str]:
     cfg = run.cfg
     names = [v.name for v in VARIANTS]
     entries = {e.variant.name: e for e in run.entries}
-    columns = ["T", "floor µs", *names, *(f"{name} ÷ floor" for name in FLOOR_RATIOS), "dspark path"]
+    columns = [
+        "T",
+        "floor µs",
+        "one-launch read µs",
+        *names,
+        *(f"{name} ÷ floor" for name in FLOOR_RATIOS),
+        f"{READ_RATIO} ÷ read",
+        "dspark path",
+    ]
     lines = [
         f"### {run.label}: {cfg.num_layers} layers, hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "
         f"{cfg.head_dim}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.num_slots} slots; K/V weights "
@@ -409,8 +429,16 @@ def config_table(run: ConfigRun) -> list[str]:
         ratios = [
             f"{row.times[n] / row.floor_us:.2f}x" if isinstance(row.times[n], float) else "—" for n in FLOOR_RATIOS
         ]
+        dspark = row.times[READ_RATIO]
+        if run.read_us is None:
+            read, by_read = "n/a (cpu)", "—"
+        else:
+            read = f"{run.read_us:.1f}"
+            by_read = f"{dspark / run.read_us:.2f}x" if isinstance(dspark, float) else "—"
         floor = f"{row.floor_us:.1f} ({row.floor_bound})"
-        lines.append(f"| {row.tokens} | {floor} | " + " | ".join(cells + ratios) + f" | {row.path} |")
+        lines.append(
+            f"| {row.tokens} | {floor} | {read} | " + " | ".join([*cells, *ratios, by_read]) + f" | {row.path} |"
+        )
     lines.append("")
     for entry in run.entries:
         compiled = f", {entry.graphs} graph(s) compiled" if entry.variant.name.startswith(("torch", "dspark")) else ""
@@ -422,7 +450,9 @@ def config_table(run: ConfigRun) -> list[str]:
     return [*lines, ""]
 
 
-def report(runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dtype: torch.dtype) -> str:
+def report(
+    runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dtype: torch.dtype, harness_us: float | None
+) -> str:
     bandwidth, gemm_rate = ceilings
     if device == "cuda":
         import triton
@@ -430,7 +460,8 @@ def report(runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dt
         where = f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
         timing = (
             "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), medians of "
-            f"triton.testing.do_bench (warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms)"
+            f"triton.testing.do_bench (warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms); a graph of one trivial "
+            f"kernel replays in {harness_us:.1f} µs here"
         )
     else:
         where = f"CPU {platform.machine()}, torch {torch.__version__}"
@@ -453,7 +484,10 @@ def report(runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dt
         "RoPE, per-layer writes. dspark_backend RO: "
         '`torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead")`.',
         "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
-        "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor.",
+        "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
+        "fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes, timed as the cells "
+        "(graph replay after an L2 flush), the least a write reading the weights in one launch measures here; "
+        "`÷ read`: dspark_backend ÷ that.",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor).",
         "- Every compiled variant is compiled once per config with T marked dynamic (one graph for T > 1, one for "
@@ -469,14 +503,18 @@ def report(runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dt
 
 def breakdown(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...]) -> list[str]:
     """`--breakdown` lines of one config: replay time, its kernels after an L2 flush, and the harness cost."""
+    from _read_floor import one_launch_read_us, trivial_replay_us
     from torch.profiler import ProfilerActivity, profile
 
     model = DraftKVWriter(cfg, "cuda").requires_grad_(False)
     fn = torch.compile(model, backend=dspark_fx.dspark_backend)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
-    counter = torch.zeros(1, device="cuda")
-    trivial = median_us(graphed(counter.add_, (1,)), "cuda")
-    lines = [f"{label}: replay of a graph of one trivial kernel {trivial:.1f} µs"]
+    trivial = trivial_replay_us(BENCH)
+    read = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
+    lines = [
+        f"{label}: replay of a graph of one trivial kernel {trivial:.1f} µs; of one kernel reading the "
+        f"{kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read:.1f} µs"
+    ]
     for tokens in tokens_list:
         replay = graphed(fn, make_inputs(cfg, tokens, "cuda"))
         total = median_us(replay, "cuda", **BENCH)
@@ -532,12 +570,17 @@ def main() -> None:
         return
     start = time.perf_counter()
     ceilings = measure_ceilings(args.device, dtype)
+    harness_us = None
+    if args.device == "cuda":
+        from _read_floor import trivial_replay_us
+
+        harness_us = trivial_replay_us(BENCH)
     runs = []
     for key in keys:
         label, cfg = configs[key]
         runs.append(run_config(label, dataclasses.replace(cfg, dtype=dtype), tokens_list, args.device, ceilings))
         print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
-    text = report(runs, args.device, ceilings, dtype)
+    text = report(runs, args.device, ceilings, dtype, harness_us)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
