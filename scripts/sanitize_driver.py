@@ -10,6 +10,11 @@ The script reads no results back: on the H200, initcheck reports PyTorch's own e
 outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer.
 `--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
 a quick check of the driver itself (tests/test_sanitize_driver.py).
+`--racecheck` (what gpu_check.sh passes to racecheck) gives the fused K/V-write launches K = 128 instead of 64. With
+K = 64 two of the kernel's four k-warps get no K step and skip the main loop's named barriers, and racecheck then
+reports races between accesses that a __syncthreads orders: it does so for the race-free kernel of
+scripts/racecheck_subset_barrier.cu too (gpu_check.sh sanitize runs it), so those reports say nothing about the
+kernel. The K = 64 launches stay in the other tools' runs.
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
 """
@@ -30,6 +35,7 @@ from custom_ops.layouts.rope import precompute_freqs
 MAX_POS = 64
 DEV = "cuda"
 EDGES = True  # out-of-range slots and positions mixed in (CUDA skips them; the CPU path would raise)
+RACECHECK = False  # every k-warp of a fused launch gets a K step (see the module docstring)
 
 
 def slots_with_edges(n: int, capacity: int, gen: torch.Generator) -> torch.Tensor:
@@ -127,7 +133,12 @@ def multi_linear_kv_write(gen: torch.Generator) -> None:
     weights, 1-D slots and [B, 2] slots with commit lengths, edge slots and positions, both position dtypes, caches
     with padded rows, x with a row stride."""
     layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
-    configs = ((64, 64, 64, True, (0, 1, 7, 16, 17, 40)), (128, 256, 64, False, (5, 33)), (80, 256, 40, True, (3, 19)))
+    short_k = 128 if RACECHECK else 64  # K steps of 32 columns for the fused kernel's 4 k-warps: 4, or 2
+    configs = (
+        (64, short_k, 64, True, (0, 1, 7, 16, 17, 40)),
+        (128, 256, 64, False, (5, 33)),
+        (80, 256, 40, True, (3, 19)),
+    )
     for head_dim, hidden, rot, neox, token_counts in configs:
         kv = heads * head_dim
         weights = [(torch.randn(3 * kv, hidden, generator=gen) * hidden**-0.5).to(bf16).to(DEV) for _ in range(layers)]
@@ -173,13 +184,15 @@ GROUPS = ("flashmla", "dsv4", "multi_linear", "multi_linear_kv_write")
 
 
 def main(argv: list[str] | None = None) -> None:
-    global DEV, EDGES
+    global DEV, EDGES, RACECHECK
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--only", choices=GROUPS, help="make only this group of calls (default: all of them)")
+    parser.add_argument("--racecheck", action="store_true", help="no launch leaves a k-warp without a K step")
     args = parser.parse_args(argv)
     DEV = args.device
     EDGES = DEV == "cuda"
+    RACECHECK = args.racecheck
     if DEV == "cuda":
         _build.load()
     gen = torch.Generator().manual_seed(0)
