@@ -30,7 +30,7 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      passes `mode` on to a custom backend, and dspark_backend applies Inductor's options of that mode
                      (triton.cudagraphs=True), so Inductor wraps its output in CUDA graph trees as for plain RO
   dspark ÷ floor     the dspark_backend and dspark_backend RO times ÷ the floor
-  dspark ÷ read      the dspark_backend time ÷ the one-launch read
+  dspark ÷ read      the dspark_backend time ÷ the one-launch read, in rows whose floor is the copy
   dspark path        the op the dspark passes lowered the layers' K/V to: multi_linear_kv_write (GEMM, k_norm, RoPE
                      and cache writes in one op) or multi_linear (one GEMM; norm, RoPE and writes left to Inductor),
                      read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes
@@ -434,7 +434,8 @@ def config_table(run: ConfigRun) -> list[str]:
             read, by_read = "n/a (cpu)", "—"
         else:
             read = f"{run.read_us:.1f}"
-            by_read = f"{dspark / run.read_us:.2f}x" if isinstance(dspark, float) else "—"
+            copy_bound = row.floor_bound == "copy"  # elsewhere the GEMM, not the read, bounds the write
+            by_read = f"{dspark / run.read_us:.2f}x" if isinstance(dspark, float) and copy_bound else "—"
         floor = f"{row.floor_us:.1f} ({row.floor_bound})"
         lines.append(
             f"| {row.tokens} | {floor} | {read} | " + " | ".join([*cells, *ratios, by_read]) + f" | {row.path} |"
@@ -487,7 +488,7 @@ def report(
         "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
         "fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes, timed as the cells "
         "(graph replay after an L2 flush), the least a write reading the weights in one launch measures here; "
-        "`÷ read`: dspark_backend ÷ that.",
+        "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor).",
         "- Every compiled variant is compiled once per config with T marked dynamic (one graph for T > 1, one for "
