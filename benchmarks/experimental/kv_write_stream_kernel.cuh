@@ -261,21 +261,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     group_barrier(1, kStreamConsumers);  // every consumer has read its last stage before the tile overwrites the ring
 #pragma unroll 1
     for (int j = 0; j < kStreamConsumerWarps; ++j) {
-      if (warp == j) {
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int token = n * 8 + 2 * (lane % 4) + (i & 1);
-              const int r = g * 16 + lane / 4 + 8 * (i >> 1);
-              float& slot = tile[token * kPitch + r];
-              slot = j == 0 ? acc[g][n][i] : slot + acc[g][n][i];
-            }
-          }
-        }
-      }
+      if (warp == j) add_to_tile<kGroups, NT, kPitch>(tile, acc, 0, lane, j == 0);
       group_barrier(1, kStreamConsumers);
     }
     commit_copies();  // the epilogue's staged cos/sin rows (cp.async, in no group yet) ...

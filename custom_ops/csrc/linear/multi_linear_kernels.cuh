@@ -463,6 +463,24 @@ struct StoreEpilogue {
   }
 };
 
+// A warp's accumulators into the fp32 tile [tokens][kPitch] (C fragments: m-tile m holds rows (m0 + m) * 16 +
+// group and + 8, n-tile n tokens n * 8 + 2 * quad and + 1): stored if `first`, else added to what is there.
+template <int MT, int NT, int kPitch>
+__device__ __forceinline__ void add_to_tile(float* tile, const float (&acc)[MT][NT][4], int m0, int lane, bool first) {
+  const int group = lane / 4, quad = lane % 4;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float& slot = tile[(n * 8 + 2 * quad + (i & 1)) * kPitch + (m0 + m) * 16 + group + 8 * (i >> 1)];
+        slot = first ? acc[m][n][i] : slot + acc[m][n][i];
+      }
+    }
+  }
+}
+
 template <typename T, int MT, int NT, int WR, int WK, int D, typename Epilogue = StoreEpilogue>
 __global__ void __launch_bounds__(32 * WR * WK)
     multi_linear_kernel(const __grid_constant__ typename Epilogue::Args args) {
@@ -531,21 +549,7 @@ __global__ void __launch_bounds__(32 * WR * WK)
   // The CTA's partial tile: the WK warps of each row group add their accumulators in turn.
 #pragma unroll
   for (int j = 0; j < WK; ++j) {
-    if (k_warp == j) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int token = n * 8 + 2 * quad + (i & 1);
-            const int r = (row_warp * MT + m) * 16 + group + 8 * (i >> 1);
-            float& slot = tile[token * kPitch + r];
-            slot = j == 0 ? acc[m][n][i] : slot + acc[m][n][i];
-          }
-        }
-      }
-    }
+    if (k_warp == j) add_to_tile<MT, NT, kPitch>(tile, acc, row_warp * MT, lane, j == 0);
     __syncthreads();
   }
 
