@@ -40,11 +40,15 @@ case "$what" in
     done
     # racecheck on a race-free kernel in which only some warps use named barriers (see the file): why the driver's
     # racecheck run gives every k-warp a K step; information, not a check of this project's code
+    # (racecheck reports only races it observes, so each mode runs 10 times)
     if nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo scripts/racecheck_subset_barrier.cu -o /tmp/subset_barrier; then
       for mode in subset all; do
-        "$sanitizer" --tool racecheck /tmp/subset_barrier "$mode" >"$OUT/racecheck_subset_barrier_$mode.log" 2>&1
-        echo "racecheck of the race-free subset-barrier kernel, mode $mode: $(grep -h 'mode\|RACECHECK SUMMARY' \
-          "$OUT/racecheck_subset_barrier_$mode.log" | tr '\n' ' ')" | tee -a "$OUT/sanitize.txt"
+        log="$OUT/racecheck_subset_barrier_$mode.log"
+        : >"$log"
+        for _ in $(seq 10); do "$sanitizer" --tool racecheck /tmp/subset_barrier "$mode" >>"$log" 2>&1; done
+        echo "racecheck of the race-free subset-barrier kernel, mode $mode: hazards reported in" \
+          "$(grep -c 'RACECHECK SUMMARY: [1-9]' "$log") of 10 runs, $(grep -c 'every thread read' "$log") of them" \
+          "with the right result" | tee -a "$OUT/sanitize.txt"
       done
     else
       status=1

@@ -8,6 +8,11 @@
 // (as the kernel's tile accumulation), and every thread reads the row back. Each access is ordered by a
 // CTA-wide barrier, so the kernel is race-free in either mode (and its output is checked).
 //
+// Seen on the H200 (CUDA 13.0's compute-sanitizer, 2026-12-01): mode "subset" drew race reports in 4 of 10 runs
+// (a turn's write against the next turn's read and against the final read, the pattern racecheck reported for the
+// K/V write's fused launches with K = 64), mode "all" in none of 10; every run computed the right result.
+// racecheck reports only the hazards it observes in a run, hence the repeated runs.
+//
 // Usage on the GPU machine (scripts/gpu_check.sh sanitize runs it):
 //   nvcc -O3 -arch=sm_90a -lineinfo scripts/racecheck_subset_barrier.cu -o /tmp/subset_barrier
 //   compute-sanitizer --tool racecheck /tmp/subset_barrier subset   # and: ... all

@@ -13,8 +13,8 @@ a quick check of the driver itself (tests/test_sanitize_driver.py).
 `--racecheck` (what gpu_check.sh passes to racecheck) gives the fused K/V-write launches K = 128 instead of 64. With
 K = 64 two of the kernel's four k-warps get no K step and skip the main loop's named barriers, and racecheck then
 reports races between accesses that a __syncthreads orders: it does so for the race-free kernel of
-scripts/racecheck_subset_barrier.cu too (gpu_check.sh sanitize runs it), so those reports say nothing about the
-kernel. The K = 64 launches stay in the other tools' runs.
+scripts/racecheck_subset_barrier.cu too (in 4 of 10 runs on the H200; gpu_check.sh sanitize runs it), so those
+reports say nothing about the kernel. The K = 64 launches stay in the other tools' runs.
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
 """
