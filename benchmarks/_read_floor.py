@@ -1,8 +1,8 @@
-"""The fastest one-launch read of a given number of bytes on this GPU, timed as the benchmarks time a write.
+"""A one-launch read of a given number of bytes (the fastest of a few kernel shapes), timed as the benchmarks time
+a write: a CUDA-graph replay after an L2 flush, the replay's own cost included.
 
 Not a benchmark itself (scripts/gpu_check.sh skips `_*.py`); CUDA only (Triton, imported here and nowhere on CPU).
-A write that must read B bytes of weights in one launch can take no less than one kernel that only reads B bytes,
-under the same harness: a CUDA-graph replay after an L2 flush, which includes the replay's own cost.
+A write that reads B bytes of weights in one launch pays what one launch that only reads them pays, and more.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
   floor µs           max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), both measured in the same run
                      (which one binds in brackets); reading ctx and writing the caches are not counted
   one-launch read µs CUDA: the fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes
-                     (one buffer of that size), timed as the other cells (graph replay after an L2 flush): the
-                     least a write that reads the weights in one launch can measure here
+                     (one buffer of that size), timed as the other cells (graph replay after an L2 flush): what
+                     one launch that reads the weights and does nothing else measures here
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
                      k_norm, one RoPE, per-layer writes
@@ -487,7 +487,7 @@ def report(
         "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
         "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
         "fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes, timed as the cells "
-        "(graph replay after an L2 flush), the least a write reading the weights in one launch measures here; "
+        "(graph replay after an L2 flush): what one launch that reads the weights and nothing else measures here; "
         "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor).",
