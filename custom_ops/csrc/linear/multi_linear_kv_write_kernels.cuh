@@ -390,9 +390,9 @@ struct KvWriteEpilogue {
 // SM (80 registers) 68.7 / 69.0 with 40-48 bytes of spills, 92.6-94.0 once the cursor and the V path below raised
 // them to 124-148 bytes (80.7-81.1 with 2 stages); at 2 CTAs per SM (122 registers, no spills) 50.7-53.2 / 53.1
 // with 4 stages and 52.2-53.1 / 52.1-53.7 with 3 (3.2 TB/s). T = 512: 12.2 / 11.3 us (registers: 12.6 / 11.6),
-// T = 64 (one unit per warp): 5.5 / 6.0 (4.9 / 4.5). After the dependency wait a warp
-// issues its first copies; nothing is loaded before the wait: the kernel before this one may be cuBLAS, which
-// promises nothing about when a dependent launch starts.
+// T = 64 (one unit per warp): 5.5 / 6.0 (4.9 / 4.5). After the dependency wait a warp issues its first copies;
+// nothing is loaded before the wait: the kernel before this one may be cuBLAS, which promises nothing about when a
+// dependent launch starts.
 constexpr int kHeadLaneElems = 8;
 constexpr int kHeadSteps = 4;
 constexpr int kHeadStages = 3;  // units in flight per warp (4 measured the same)
@@ -409,7 +409,8 @@ __host__ __device__ constexpr int head_batch() {
 }
 // Dynamic shared memory of a heads-kernel CTA: per warp its ring of kHeadStages units (kHeadSteps x 32 lanes x 16
 // bytes each) and a RoPE scratch row of 32 lanes x 8 floats.
-constexpr int kHeadRingWords = kHeadStages * kHeadSteps * 32;  // uint4 per warp
+constexpr int kHeadStageWords = kHeadSteps * 32;               // uint4 per unit
+constexpr int kHeadRingWords = kHeadStages * kHeadStageWords;  // uint4 per warp
 constexpr int heads_smem_bytes() { return kHeadWarps * (kHeadRingWords * 16 + 32 * kHeadLaneElems * 4); }
 // Heads per unit when the heads of a segment are split over units (small T).
 constexpr int kSplitHeads = 4;
@@ -504,7 +505,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
 #pragma unroll
   for (int s = 0; s < kHeadStages; ++s) {
     if (begin + s < end) {
-      copy_unit<T, kLanes>(ring + s * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads), group,
+      copy_unit<T, kLanes>(ring + s * kHeadStageWords, kv, projections, ld, ahead.unit(per_unit, kv.heads), group,
                            e0, lane);
       ahead.next(segments, groups);
     }
@@ -538,7 +539,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
     }
     wait_copies<kHeadStages - 1>();  // this unit's group is complete
     if (live) {
-      const uint4* pieces = ring + stage * kHeadSteps * 32;
+      const uint4* pieces = ring + stage * kHeadStageWords;
       T* row = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
       const int64_t head_stride = kv.head_stride[kind][layer];
 #pragma unroll
@@ -558,7 +559,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
       }
     }
     if (u + kHeadStages < end) {  // the slot this unit read takes the unit kHeadStages ahead
-      copy_unit<T, kLanes>(ring + stage * kHeadSteps * 32, kv, projections, ld, ahead.unit(per_unit, kv.heads),
+      copy_unit<T, kLanes>(ring + stage * kHeadStageWords, kv, projections, ld, ahead.unit(per_unit, kv.heads),
                            group, e0, lane);
       ahead.next(segments, groups);
     }
