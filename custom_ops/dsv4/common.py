@@ -15,7 +15,7 @@ checking mode); the CUDA bindings raise the same messages (`csrc/dsv4/dsv4_check
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -162,6 +162,32 @@ def check_plan_field(
         i = int(bad.nonzero()[0, 0])
         text = what(i) if callable(what) else what
         raise ValueError(f"{plan_name}[{i}].{field} = {int(values[i])} is out of range: {text}")
+
+
+class FieldProblem(NamedTuple):
+    """The rows of plan `plan` whose `field` (`values`) is out of range (`bad`), and what is valid (`what`, may
+    depend on the row). The CPU paths raise the first one (`raise_first`); a CUDA kernel skips those rows."""
+
+    plan: str
+    field: str
+    values: torch.Tensor
+    bad: torch.Tensor
+    what: str | Callable[[int], str]
+
+
+def raise_first(problems: Iterable[FieldProblem]) -> None:
+    """Raise `check_plan_field`'s `ValueError` for the first problem (in order) that has a bad row."""
+    for p in problems:
+        check_plan_field(*p)
+
+
+def skipped_rows(problems: Iterable[FieldProblem], plan: str, rows: int, device: torch.device) -> torch.Tensor:
+    """Bool `[rows]`: the rows of `plan` with any problem, i.e. the rows the CUDA kernels skip (no host sync)."""
+    skipped = torch.zeros(rows, dtype=torch.bool, device=device)
+    for p in problems:
+        if p.plan == plan:
+            skipped |= p.bad
+    return skipped
 
 
 def page_range(pages: int) -> str:

@@ -34,14 +34,15 @@ from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
     STATE_DTYPES,
+    FieldProblem,
     check_device,
     check_head_dim,
     check_matrix,
     check_plan,
-    check_plan_field,
     check_ratio,
     check_rows,
     page_range,
+    raise_first,
     read_compress_plan,
     read_decode_plan,
     read_write_plan,
@@ -92,52 +93,77 @@ def _outside(page: torch.Tensor, pages: int) -> torch.Tensor:
     return (page < 0) | (page >= pages)
 
 
-def check_decode_plan_values(plan: torch.Tensor, state_rows: int, ratio: int) -> None:
-    """Raise `ValueError` for the first non-padding DecodePlan row that writes outside the state or, when it
-    closes a window, reads a page outside the state or is not the last row of its page."""
+def decode_plan_problems(plan: torch.Tensor, state_rows: int, ratio: int) -> list[FieldProblem]:
+    """The non-padding DecodePlan rows that write outside the state or, when they close a window, read a page
+    outside the state or are not the last row of their page (in the order the CPU path reports them)."""
     p = read_decode_plan(plan)
     pages = state_rows // ratio
     big = p.valid & (p.write_loc >= state_rows)
-    check_plan_field("plan", "write_loc", p.write_loc, big, f"expected < {state_rows} (rows of state)")
+    problems = [FieldProblem("plan", "write_loc", p.write_loc, big, f"expected < {state_rows} (rows of state)")]
     emit = p.valid & (p.seq_len % ratio == 0)
     for field, page in _read_pages(p.read_page_0, p.read_page_1, ratio):
-        check_plan_field("plan", field, page, emit & _outside(page, pages), page_range(pages))
+        problems.append(FieldProblem("plan", field, page, emit & _outside(page, pages), page_range(pages)))
     last = p.read_page_1 * ratio + ratio - 1
-    check_plan_field(
-        "plan",
-        "write_loc",
-        p.write_loc,
-        emit & (p.write_loc != last),
-        lambda i: f"expected read_page_1 * {ratio} + {ratio - 1} = {int(last[i])} (the window's last row)",
+    problems.append(
+        FieldProblem(
+            "plan",
+            "write_loc",
+            p.write_loc,
+            emit & (p.write_loc != last),
+            lambda i: f"expected read_page_1 * {ratio} + {ratio - 1} = {int(last[i])} (the window's last row)",
+        )
     )
+    return problems
+
+
+def prefill_plan_problems(
+    plan_c: torch.Tensor, plan_w: torch.Tensor, state_rows: int, input_rows: int, ratio: int
+) -> list[FieldProblem]:
+    """The non-padding plan rows that read or write outside `state` / `kv_score` (in the CPU path's order)."""
+    c = read_compress_plan(plan_c)
+    window = window_of(ratio)
+    rows_what = f"expected < {input_rows} (rows of kv_score)"
+    first = window - 1 - c.buffer_len
+    problems = [
+        FieldProblem("plan_c", "ragged_id", c.ragged_id, c.valid & (c.ragged_id >= input_rows), rows_what),
+        FieldProblem(
+            "plan_c",
+            "buffer_len",
+            c.buffer_len,
+            c.valid & (c.buffer_len > window),
+            f"expected <= {window} (window slots)",
+        ),
+        FieldProblem(
+            "plan_c",
+            "ragged_id",
+            c.ragged_id,
+            c.valid & (c.ragged_id < first),
+            lambda i: f"expected >= {int(first[i])} (window - 1 - buffer_len: the window's first input row)",
+        ),
+    ]
+    buffered = c.valid & (c.buffer_len > 0)
+    pages = state_rows // ratio
+    for field, page in _read_pages(c.read_page_0, c.read_page_1, ratio):
+        problems.append(FieldProblem("plan_c", field, page, buffered & _outside(page, pages), page_range(pages)))
+    w = read_write_plan(plan_w)
+    big = w.valid & (w.write_loc >= state_rows)
+    return [
+        *problems,
+        FieldProblem("plan_w", "ragged_id", w.ragged_id, w.valid & (w.ragged_id >= input_rows), rows_what),
+        FieldProblem("plan_w", "write_loc", w.write_loc, big, f"expected < {state_rows} (rows of state)"),
+    ]
+
+
+def check_decode_plan_values(plan: torch.Tensor, state_rows: int, ratio: int) -> None:
+    """Raise `ValueError` for the first of `decode_plan_problems`."""
+    raise_first(decode_plan_problems(plan, state_rows, ratio))
 
 
 def check_prefill_plan_values(
     plan_c: torch.Tensor, plan_w: torch.Tensor, state_rows: int, input_rows: int, ratio: int
 ) -> None:
-    """Raise `ValueError` for the first non-padding plan row that reads or writes outside `state` / `kv_score`."""
-    c = read_compress_plan(plan_c)
-    window = window_of(ratio)
-    rows_what = f"expected < {input_rows} (rows of kv_score)"
-    check_plan_field("plan_c", "ragged_id", c.ragged_id, c.valid & (c.ragged_id >= input_rows), rows_what)
-    long_buffer = c.valid & (c.buffer_len > window)
-    check_plan_field("plan_c", "buffer_len", c.buffer_len, long_buffer, f"expected <= {window} (window slots)")
-    first = window - 1 - c.buffer_len
-    check_plan_field(
-        "plan_c",
-        "ragged_id",
-        c.ragged_id,
-        c.valid & (c.ragged_id < first),
-        lambda i: f"expected >= {int(first[i])} (window - 1 - buffer_len: the window's first input row)",
-    )
-    buffered = c.valid & (c.buffer_len > 0)
-    pages = state_rows // ratio
-    for field, page in _read_pages(c.read_page_0, c.read_page_1, ratio):
-        check_plan_field("plan_c", field, page, buffered & _outside(page, pages), page_range(pages))
-    w = read_write_plan(plan_w)
-    check_plan_field("plan_w", "ragged_id", w.ragged_id, w.valid & (w.ragged_id >= input_rows), rows_what)
-    big = w.valid & (w.write_loc >= state_rows)
-    check_plan_field("plan_w", "write_loc", w.write_loc, big, f"expected < {state_rows} (rows of state)")
+    """Raise `ValueError` for the first of `prefill_plan_problems`."""
+    raise_first(prefill_plan_problems(plan_c, plan_w, state_rows, input_rows, ratio))
 
 
 def compress_decode(

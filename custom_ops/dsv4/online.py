@@ -32,12 +32,13 @@ from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
     CompressRows,
+    FieldProblem,
     check_device,
     check_head_dim,
     check_matrix,
     check_plan,
-    check_plan_field,
     check_rows,
+    raise_first,
     read_compress_plan,
     read_decode_plan,
 )
@@ -76,16 +77,22 @@ def _slots_what(slots: int) -> str:
     return f"expected < {slots} (rows of state)"
 
 
-def check_online_decode_plan_values(plan: torch.Tensor, slots: int) -> None:
-    """Raise `ValueError` for the first non-padding row that writes, or (not starting a chunk) reads, a slot
-    outside the state."""
+def online_decode_plan_problems(plan: torch.Tensor, slots: int) -> list[FieldProblem]:
+    """The non-padding rows that write, or (not starting a chunk) read, a slot outside the state."""
     p = read_decode_plan(plan)
-    check_plan_field("plan", "write_loc", p.write_loc, p.valid & (p.write_loc >= slots), _slots_what(slots))
     loads = p.valid & ((p.seq_len - 1) % ONLINE_RATIO != 0)
     outside = (p.read_page_0 < 0) | (p.read_page_0 >= slots)
-    check_plan_field(
-        "plan", "read_page_0", p.read_page_0, loads & outside, f"expected >= 0 and < {slots} (rows of state)"
-    )
+    return [
+        FieldProblem("plan", "write_loc", p.write_loc, p.valid & (p.write_loc >= slots), _slots_what(slots)),
+        FieldProblem(
+            "plan", "read_page_0", p.read_page_0, loads & outside, f"expected >= 0 and < {slots} (rows of state)"
+        ),
+    ]
+
+
+def check_online_decode_plan_values(plan: torch.Tensor, slots: int) -> None:
+    """Raise `ValueError` for the first of `online_decode_plan_problems`."""
+    raise_first(online_decode_plan_problems(plan, slots))
 
 
 def segment_rows(plan: torch.Tensor) -> tuple[CompressRows, torch.Tensor]:
@@ -94,26 +101,35 @@ def segment_rows(plan: torch.Tensor) -> tuple[CompressRows, torch.Tensor]:
     return c, c.valid & (c.read_page_0 >= 0)
 
 
-def check_online_segment_values(name: str, plan: torch.Tensor, slots: int, input_rows: int) -> None:
-    """Raise `ValueError` for the first non-padding segment row that is not inside one 128-chunk or that
-    addresses rows outside `kv_score` or slots outside the state."""
+def online_segment_problems(name: str, plan: torch.Tensor, slots: int, input_rows: int) -> list[FieldProblem]:
+    """The non-padding segment rows that are not inside one 128-chunk or that address rows outside `kv_score` or
+    slots outside the state."""
     c, valid = segment_rows(plan)
     hi = torch.minimum(c.seq_len, (c.seq_len - 1) % ONLINE_RATIO + 1)
-    check_plan_field(
-        name,
-        "buffer_len",
-        c.buffer_len,
-        valid & ((c.buffer_len < 1) | (c.buffer_len > hi)),
-        lambda i: f"expected 1..{int(hi[i])} (a segment of the 128-chunk that ends at seq_len = {int(c.seq_len[i])})",
-    )
     rows_what = f"expected < {input_rows} (rows of kv_score)"
-    check_plan_field(name, "ragged_id", c.ragged_id, valid & (c.ragged_id >= input_rows), rows_what)
     early = valid & (c.ragged_id + 1 < c.buffer_len)
-    check_plan_field(
-        name, "ragged_id", c.ragged_id, early, lambda i: f"expected >= {int(c.buffer_len[i]) - 1} (buffer_len - 1)"
-    )
-    check_plan_field(name, "read_page_0", c.read_page_0, valid & (c.read_page_0 >= slots), _slots_what(slots))
-    check_plan_field(name, "read_page_1", c.read_page_1, valid & (c.read_page_1 >= slots), _slots_what(slots))
+    return [
+        FieldProblem(
+            name,
+            "buffer_len",
+            c.buffer_len,
+            valid & ((c.buffer_len < 1) | (c.buffer_len > hi)),
+            lambda i: (
+                f"expected 1..{int(hi[i])} (a segment of the 128-chunk that ends at seq_len = {int(c.seq_len[i])})"
+            ),
+        ),
+        FieldProblem(name, "ragged_id", c.ragged_id, valid & (c.ragged_id >= input_rows), rows_what),
+        FieldProblem(
+            name, "ragged_id", c.ragged_id, early, lambda i: f"expected >= {int(c.buffer_len[i]) - 1} (buffer_len - 1)"
+        ),
+        FieldProblem(name, "read_page_0", c.read_page_0, valid & (c.read_page_0 >= slots), _slots_what(slots)),
+        FieldProblem(name, "read_page_1", c.read_page_1, valid & (c.read_page_1 >= slots), _slots_what(slots)),
+    ]
+
+
+def check_online_segment_values(name: str, plan: torch.Tensor, slots: int, input_rows: int) -> None:
+    """Raise `ValueError` for the first of `online_segment_problems`."""
+    raise_first(online_segment_problems(name, plan, slots, input_rows))
 
 
 def online_compress_decode(
