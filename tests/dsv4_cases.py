@@ -10,6 +10,7 @@ window by window in fp64, not from the ops' CPU references.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import custom_ops  # noqa: F401
 from custom_ops.dsv4.common import read_compress_plan
 from custom_ops.dsv4.compress import compress_decode, compress_prefill
+from custom_ops.dsv4.compressor import DSV4Compressor
 from custom_ops.dsv4.online import online_compress_decode, online_compress_prefill
 from custom_ops.dsv4.plan import (
     plan_decode,
@@ -551,3 +553,64 @@ DECODE_BAD_STRUCTURE = [
     ("plan rows", lambda a: a.update(plan=a["plan"][:1]), ValueError, "plan"),
     ("plan width", lambda a: a.update(plan=a["plan"][:, :8].contiguous()), ValueError, "plan"),
 ]
+
+
+def audit_skipped_requests(ratio: int, online: bool, d: int, device: str, kernels=contextlib.nullcontext) -> None:
+    """A `DSV4Compressor` on `device` (its ops, or, inside `kernels()`, the kernels it routes them to) through a prefill
+    and decode steps of a batch of 4 requests on a poisoned state for 2: request ids [0, 2, -1, 1] (2 is past the
+    state, -1 padding), out_loc slots in range for every row (one valid row's slot -1) in a poisoned cache. Compared
+    with the CPU compressor on ids [0, -1, -1, 1]: the rows of batch entries 1 and 2 are invalid (request / window
+    -1) with zero entries, every other row, the state and the cache are the CPU's, and every byte of the slots of
+    skipped rows (the past request's, the padding request's, the -1 slot's) is the poison, byte for byte."""
+    g = torch.Generator().manual_seed(ratio + d + online)
+    comp = DSV4Compressor(32, d, ratio, online=online)
+    comp.reset_parameters(g)
+    comp.norm_weight.data = torch.rand(d, generator=g) + 0.5
+    want_state = comp.new_state(2)
+    want_state.copy_(torch.randn(want_state.shape, generator=g))
+    if online:
+        want_state[:, d : 2 * d] = want_state[:, d : 2 * d].abs() + 1
+    pages = 16 if ratio == 4 else 64
+    want_cache = torch.randint(0, 256, (pages, cache_page_bytes(d, STORE_PAGE)), dtype=torch.uint8, generator=g)
+    dev = DSV4Compressor(32, d, ratio, online=online, device=device)
+    dev.load_state_dict(comp.state_dict())
+    got_state, got_cache = want_state.to(device), want_cache.to(device)
+    bad = torch.tensor([0, 2, -1, 1])
+    neutral = torch.tensor([0, -1, -1, 1])
+    seq = torch.tensor([9, 8, 7, 8]) if ratio == 4 else torch.tensor([130, 129, 128, 131])
+    steps = [seq.clone()] + [None] * (4 if ratio == 4 else 2)
+    for step, ext in enumerate(steps):
+        seq = seq if ext is not None else seq + 1
+        n = int(ext.sum()) if ext is not None else seq.numel()
+        x = torch.randn(n, 32, generator=g)
+        out_loc = torch.randperm(pages * STORE_PAGE, generator=g)[:n]
+        out_loc[n - 1] = -1  # a valid request's last row: stores nothing
+        want = comp(x, want_state, seq, neutral, ext)
+        before = got_cache.cpu()
+        with kernels():
+            got = dev(x.to(device), got_state, seq.to(device), bad.to(device), None if ext is None else ext.to(device))
+            dev.store(got, FREQS.to(device), out_loc.to(device), got_cache, STORE_PAGE)
+        comp.store(want, FREQS, out_loc, want_cache, STORE_PAGE)
+        what = f"step {step}"
+        assert torch.equal(got.valid.cpu(), want.valid), what
+        assert torch.equal(got.request.cpu(), want.request) and torch.equal(got.window.cpu(), want.window), what
+        assert not bool(torch.isin(want.request, torch.tensor([1, 2])).any()), what
+        assert not bool(got.entries[~got.valid].any()), f"{what}: an invalid row's entry is not zero"
+        torch.testing.assert_close(got.entries.cpu(), want.entries, atol=1e-4, rtol=1e-4, msg=what)
+        torch.testing.assert_close(got_state.cpu(), want_state, atol=1e-5, rtol=1e-5, msg=what)
+        assert_cache_bytes_close(got_cache, want_cache, f"{what}: ")
+        loc = out_loc[_source_rows(want).clamp(max=n - 1)]
+        written = set(loc[want.valid & (loc >= 0)].tolist())
+        skipped = [s for s in out_loc.tolist() if s >= 0 and s not in written]
+        assert skipped, f"{what}: no skipped slot to check"
+        mask = _touched(want_cache, STORE_PAGE, skipped, d, False)
+        assert torch.equal(got_cache.cpu().reshape(-1)[mask], before.reshape(-1)[mask]), (
+            f"{what}: a skipped slot changed"
+        )
+
+
+def _source_rows(out) -> torch.Tensor:
+    """The out_loc index of every row of a compressor output."""
+    if out.decode:
+        return torch.arange(out.plan.shape[0])
+    return read_compress_plan(out.plan).ragged_id

@@ -161,3 +161,25 @@ def test_every_valid_combination_constructs_and_runs(head_dim, ratio, online):
     state = comp.new_state(2)
     out = comp(torch.randn(8, 64), state, torch.tensor([4, 4]), torch.tensor([0, 1]), extend_lens=torch.tensor([4, 4]))
     assert out.entries.shape[1] == head_dim
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("extra", [-3, 1])
+def test_compressor_store_checks_the_out_loc_length_before_writing(decode, extra):
+    """One c4 request of 8 tokens (windows at tokens 3 and 7), then one decode step: `out_loc` needs one entry per
+    query token (per request in decode). A short one used to pass on CUDA, dropping window 1 (its ragged id 7 past
+    the 5 entries); now it is a shape check on every device, before the cache is touched."""
+    comp = DSV4Compressor(64, 512, 4)
+    state = comp.new_state(1)
+    x = torch.randn(8, 64)
+    out = comp(x, state, torch.tensor([8]), torch.tensor([0]), extend_lens=torch.tensor([8]))
+    if decode:
+        out = comp(torch.randn(1, 64), state, torch.tensor([9]), torch.tensor([0]))
+    freqs = precompute_freqs(64, 64, 160000.0)
+    cache = torch.randint(0, 256, (4, cache_page_bytes(512, 16)), dtype=torch.uint8)
+    before = cache.clone()
+    tokens = 1 if decode else 8
+    out_loc = torch.arange(max(tokens + extra, 0))
+    with pytest.raises(ValueError, match=rf"^out_loc: expected {tokens} entries \(one per "):
+        comp.store(out, freqs, out_loc, cache, 16)
+    assert torch.equal(cache, before)

@@ -15,6 +15,7 @@ from dsv4_cases import (
     STORE_FREQS,
     STORE_PAGE,
     assert_cache_bytes_close,
+    audit_skipped_requests,
     corruption_case,
     plan_corruptions,
     planner_problem_stages,
@@ -161,6 +162,18 @@ def test_compressor_checks_requests_against_the_state_in_checking_mode(ratio, on
     before = state.clone()
     comp(x, state, seq, rid, extend_lens=seq)
     assert torch.equal(state, before)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "online", "d"), [(4, False, 512), (4, False, 128), (128, False, 512), (128, False, 128), (128, True, 512)]
+)
+def test_compressor_reports_requests_past_the_state_invalid_and_writes_nothing_for_them(ratio, online, d):
+    """Request ids [0, 2, -1, 1] on a state for 2 requests through a prefill and decode steps, then the store: the
+    rows of the request past the state and of the padding request are invalid with zero entries, and state, entries
+    and cache equal the CPU compressor's without them (their slots keep the poison byte for byte). On the base code
+    the CUDA rows of the request past the state were valid (c4: windows 0 and 2 with zero entries, window 1 from the
+    input) and the store wrote them to its slots."""
+    audit_skipped_requests(ratio, online, d, "cuda")
 
 
 class StepParams(NamedTuple):

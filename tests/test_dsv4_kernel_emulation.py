@@ -11,7 +11,9 @@ the real GPU (fast exp, FMA contraction) are checked by the CUDA tests. Skipped 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import random
 
 import dsv4_cases as ref
@@ -21,6 +23,7 @@ from dsv4_cases import (
     STORE_FREQS,
     STORE_PAGE,
     Session,
+    audit_skipped_requests,
     corruption_case,
     make_inputs,
     plan_corruptions,
@@ -33,6 +36,7 @@ from dsv4_emulation_shim import SHIM
 from emulation_build import compile_emulation
 
 import custom_ops  # noqa: F401
+from custom_ops.dsv4 import compressor
 from custom_ops.dsv4 import plan as cp
 from custom_ops.dsv4.common import read_compress_plan, read_decode_plan
 from custom_ops.dsv4.store import compress_norm_rope_store
@@ -425,12 +429,13 @@ def test_emulated_planners_skip_and_report_out_of_range_values(emu):
     assert ranks == list(range(7))
 
 
-def _emu_store(emu, kv, plan, w, freqs, out_loc, cache, decode, fp4) -> None:
+def _emu_store(emu, kv, plan, w, freqs, out_loc, cache, decode, fp4, ratio=4, eps=1e-6) -> None:
+    out_loc = out_loc.long().contiguous()
     emu.emu_store(
         _p(kv),
         _p(plan),
         _p(w),
-        ctypes.c_float(1e-6),
+        ctypes.c_float(eps),
         _p(freqs),
         _p(out_loc),
         i64(out_loc.shape[0]),
@@ -440,7 +445,7 @@ def _emu_store(emu, kv, plan, w, freqs, out_loc, cache, decode, fp4) -> None:
         i64(cache.shape[0] * STORE_PAGE),
         i64(freqs.shape[0]),
         i64(kv.shape[0]),
-        i32(4),
+        i32(ratio),
         i32(decode),
         i32(kv.shape[1]),
         i32(fp4),
@@ -501,3 +506,37 @@ def test_emulated_store_kernels_skip_positions_past_freqs(emu, d, fp4, decode):
     assert not torch.equal(want, cache)
     _emu_store(emu, kv, plan, w, freqs, out_loc, cache, decode, fp4)
     assert torch.equal(cache, want)
+
+
+@contextlib.contextmanager
+def _compressor_on_kernels(emu):
+    """`DSV4Compressor` as on CUDA without checking mode: no value checks, its ops routed to the emulated kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compressor, "must_check_values", lambda t: False)
+        mp.setattr(compressor, "compress_decode", lambda s, kv, a, p, r: _emu_offline(emu, 1, s, kv, a, p, None, r))
+        mp.setattr(
+            compressor, "compress_prefill", lambda s, kv, a, pc, pw, r: _emu_offline(emu, 0, s, kv, a, pc, pw, r)
+        )
+        mp.setattr(compressor, "online_compress_decode", lambda s, kv, a, p: _emu_online(emu, 1, s, kv, a, p, None))
+        mp.setattr(
+            compressor, "online_compress_prefill", lambda s, kv, a, pc, pw: _emu_online(emu, 0, s, kv, a, pc, pw)
+        )
+
+        def store(kv, plan, w, eps, freqs, out_loc, cache, page_size, ratio, decode, fp4=False):
+            assert page_size == STORE_PAGE
+            _emu_store(emu, kv, plan, w, freqs, out_loc, cache, decode, fp4, ratio, eps)
+
+        mp.setattr(compressor, "compress_norm_rope_store", store)
+        yield
+
+
+@pytest.mark.parametrize(
+    ("ratio", "online", "d"), [(4, False, 512), (4, False, 128), (128, False, 128), (128, True, 128)]
+)
+def test_emulated_compressor_skips_requests_past_the_state_and_reports_them_invalid(emu, ratio, online, d):
+    """A request past the state (and a padding request, and a -1 slot) through prefill and decode steps with the
+    compressor's CUDA semantics on the emulated kernels: its rows are invalid with zero entries, nothing of it is read
+    or written (state and cache equal the CPU run without it; its slots keep the poison byte for byte). On the base
+    code its rows were valid, windows 0 and 2 (c4) with zero entries, and the store wrote them."""
+    emu.emu_set_num_sms(i32(132))
+    audit_skipped_requests(ratio, online, d, "cpu", functools.partial(_compressor_on_kernels, emu))

@@ -36,11 +36,24 @@ from custom_ops.dsv4.common import (
     check_tensor,
     read_compress_plan,
     read_decode_plan,
+    skipped_rows,
     window_of,
 )
-from custom_ops.dsv4.compress import compress_decode, compress_prefill
-from custom_ops.dsv4.online import online_compress_decode, online_compress_prefill
-from custom_ops.dsv4.plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops.dsv4.compress import compress_decode, compress_prefill, decode_plan_problems, prefill_plan_problems
+from custom_ops.dsv4.online import (
+    online_compress_decode,
+    online_compress_prefill,
+    online_decode_plan_problems,
+    online_segment_problems,
+)
+from custom_ops.dsv4.plan import (
+    COMPRESS_INVALID,
+    DECODE_INVALID,
+    plan_decode,
+    plan_online_decode,
+    plan_online_prefill,
+    plan_prefill,
+)
 from custom_ops.dsv4.store import compress_norm_rope_store
 
 
@@ -65,6 +78,11 @@ class CompressOutput(NamedTuple):
     | request | [rows] | int64 | batch index of the entry's request (-1 if invalid) |
     | window | [rows] | int64 | window index n of the entry (positions `[n*ratio, (n+1)*ratio)`; -1 if invalid) |
     | decode | | bool | which plan layout `plan` uses |
+    | tokens | | int | rows of the step's input: query tokens (prefill/extend) or requests (decode) |
+
+    A row is valid only if it holds an entry the compress op computed: rows of padding requests, of requests past
+    the state and rows the CUDA kernels skip (plan values out of range, docs/contract.md) are invalid, with a zero
+    entry, and `store` writes nothing for them.
     """
 
     entries: torch.Tensor
@@ -73,6 +91,7 @@ class CompressOutput(NamedTuple):
     request: torch.Tensor
     window: torch.Tensor
     decode: bool
+    tokens: int
 
 
 def kernel_ape(ape: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -228,49 +247,58 @@ class DSV4Compressor(torch.nn.Module):
         if self.online and addressing is not None:
             raise ValueError("addressing: online c128 uses one state slot per request (req_pool_indices)")
         if addressing is None:
-            self._check_capacity(state, req_pool_indices)
+            req_pool_indices = self._own_requests(state, req_pool_indices)
         paged = (addressing.req_to_token, addressing.full_to_state) if addressing else (None, None)
         swa = addressing.swa_page_size if addressing else 0
         ape = self.kernel_ape()
         r = self.ratio
+        n = kv_score.shape[0]
+        state_rows = state.shape[0]
         if extend_lens is None:
             if self.online:
                 plan = plan_online_decode(seq_lens, req_pool_indices)
                 entries = online_compress_decode(state, kv_score, ape, plan)
+                problems = online_decode_plan_problems(plan, state_rows)
             else:
                 plan = plan_decode(seq_lens, req_pool_indices, *paged, r, self.window, swa)
                 entries = compress_decode(state, kv_score, ape, plan, r)
+                problems = decode_plan_problems(plan, state_rows, r)
             rows = read_decode_plan(plan)
             valid = rows.valid & (rows.seq_len % r == 0)
             request = torch.arange(plan.shape[0], device=plan.device)
         else:
-            n = kv_score.shape[0]
             if self.online:
                 plan, plan_w = plan_online_prefill(seq_lens, extend_lens, req_pool_indices, n)
                 entries = online_compress_prefill(state, kv_score, ape, plan, plan_w)
+                problems = online_segment_problems("plan", plan, state_rows, n)
             else:
                 plan, plan_w = plan_prefill(seq_lens, extend_lens, req_pool_indices, *paged, r, self.window, swa, n)
                 entries = compress_prefill(state, kv_score, ape, plan, plan_w, r)
+                problems = prefill_plan_problems(plan, plan_w, state_rows, n, r)
             rows = read_compress_plan(plan)
             valid = rows.valid
             ends = torch.cumsum(extend_lens.long(), 0)
             request = torch.searchsorted(ends, rows.ragged_id, right=True)
+        # rows the CUDA kernels skip (the CPU ops raised for them above): no entry
+        plan_name = "plan_c" if extend_lens is not None and not self.online else "plan"
+        valid = valid & ~skipped_rows(problems, plan_name, plan.shape[0], plan.device)
         request = torch.where(valid, request, -1)
         window = torch.where(valid, rows.seq_len // r - 1, -1)
-        return CompressOutput(entries, plan, valid, request, window, extend_lens is None)
+        return CompressOutput(entries, plan, valid, request, window, extend_lens is None, n)
 
-    def _check_capacity(self, state: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
-        """Ring and online addressing: on CPU (and on CUDA in checking mode) every request id must own a ring (a
-        slot) inside `state`; on CUDA a request outside it is skipped by the kernels. Paged addressing has no
-        per-request rows: its request ids are checked by the planner against `req_to_token`."""
+    def _own_requests(self, state: torch.Tensor, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Ring and online addressing: every request id must own a ring (a slot) inside `state`. On CPU (and on
+        CUDA in checking mode) an id past it raises; on CUDA (no host sync) it becomes a padding id (-1), so the
+        request plans no rows: nothing of it is read, computed, written or stored, and its rows are invalid. Paged
+        addressing has no per-request rows: its request ids are checked by the planner against `req_to_token`."""
         check_tensor("state", state, STATE_DTYPES)
         check_index("req_pool_indices", req_pool_indices, 1)
-        if not must_check_values(req_pool_indices):
-            return
         per_request = 1 if self.online else self.window
         capacity = state.shape[0] // per_request
-        what = f"expected < {capacity} (requests of state: {state.shape[0]} rows, {per_request} per request)"
-        check_index_range("req_pool_indices", req_pool_indices, capacity, what)
+        if must_check_values(req_pool_indices):
+            what = f"expected < {capacity} (requests of state: {state.shape[0]} rows, {per_request} per request)"
+            check_index_range("req_pool_indices", req_pool_indices, capacity, what)
+        return torch.where(req_pool_indices < capacity, req_pool_indices, -1)
 
     def store(
         self,
@@ -283,14 +311,21 @@ class DSV4Compressor(torch.nn.Module):
     ) -> None:
         """RMSNorm -> RoPE -> FP8 (or FP4) store of `out`'s entries into `kvcache` (`dsv4_compress_norm_rope_store`).
 
-        `out_loc`: cache slot per query token (prefill/extend) or per request (decode); negative skips.
-        `kvcache`: FlashMLA V4 layout for head_dim 512, indexer FP8 (or with `fp4`, FP4) layout for 128
-        (`cache_page_bytes`).
+        `out_loc`: cache slot per query token (prefill/extend) or per request (decode), `out.tokens` entries (a
+        `ValueError` otherwise, on every device); negative skips. `kvcache`: FlashMLA V4 layout for head_dim 512,
+        indexer FP8 (or with `fp4`, FP4) layout for 128 (`cache_page_bytes`). Only the rows of `out.valid` are
+        stored: the others go to the op as padding plan rows.
         """
+        check_index("out_loc", out_loc, 1)
+        if out_loc.shape[0] != out.tokens:
+            per = "request" if out.decode else "query token"
+            raise ValueError(f"out_loc: expected {out.tokens} entries (one per {per}), got {out_loc.shape[0]}")
+        padding = torch.tensor(DECODE_INVALID if out.decode else COMPRESS_INVALID, dtype=torch.int32)
+        plan = torch.where(out.valid[:, None], out.plan, padding.view(torch.uint8).to(out.plan.device))
         weight = self.norm_weight.detach().float()
         compress_norm_rope_store(
             out.entries,
-            out.plan,
+            plan,
             weight,
             self.norm_eps,
             freqs,
