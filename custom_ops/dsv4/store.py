@@ -11,7 +11,9 @@ Index values (docs/contract.md): every `out_loc` entry must be `< pages * page_s
 stored prefill row's `ragged_id` must be `< len(out_loc)`, and a stored row's RoPE position must be a row of
 `freqs`. On CPU (and on CUDA in checking mode) the first violation raises `ValueError` before any byte is
 written; the CUDA kernel skips the row (its slot is compared with the cache size before it is turned into a
-byte offset, so a huge slot id can never land in another page). A decode `out_loc` has one entry per plan row.
+byte offset, so a huge slot id can never land in another page). Lengths (structure, every device): a decode
+`out_loc` has one entry per plan row, a prefill `out_loc` one per query token, so at least one per plan row (a
+prefill plan has at most one row per query token); whether it covers every `ragged_id` is a value check.
 
 Per entry (fp32): `y = x * nf * w` (RMSNorm, the numerics of `custom_ops.layouts.norm`), interleaved RoPE of
 the last 64 dims with row `seq_len - ratio` of `freqs`, then by head dim:
@@ -100,7 +102,7 @@ def compress_norm_rope_store(
     | norm_weight | [D] | fp32 | no | RMSNorm weight |
     | eps | float | | | RMSNorm epsilon |
     | freqs | [max_pos, 64] | fp32 | no | interleaved cos/sin table (`custom_ops.layouts.rope.precompute_freqs`) |
-    | out_loc | [N] (prefill) or [R] (decode) | int32/int64 | no | cache slot per query token / request; < 0 skips |
+    | out_loc | [N >= R] (prefill), [R] (decode) | int32/int64 | no | slot per query token / request; < 0 skips |
     | kvcache | [pages, page_bytes] | uint8 | yes | `cache_page_bytes(D, page_size, fp4)` bytes per row |
     | page_size | int | | | power of two |
     | ratio | int | | | 4 or 128 |
@@ -139,6 +141,11 @@ def check_store_args(
     check_index("out_loc", out_loc, 1)
     if decode and out_loc.shape[0] != kv.shape[0]:
         raise ValueError(f"out_loc: expected {kv.shape[0]} entries (one per plan row), got {out_loc.shape[0]}")
+    if not decode and out_loc.shape[0] < kv.shape[0]:
+        raise ValueError(
+            f"out_loc: expected at least {kv.shape[0]} entries (one per query token; a prefill plan has at most one "
+            f"row per query token), got {out_loc.shape[0]}"
+        )
     if isinstance(page_size, bool) or page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size: expected a power of two, got {page_size}")
     width = cache_page_bytes(d, page_size, fp4)

@@ -91,6 +91,9 @@ int64_t check_store_args(const at::Tensor& kv, const at::Tensor& plan, const at:
   TORCH_CHECK_VALUE(out_loc.dim() == 1, "out_loc: expected 1-D, got shape ", dims(out_loc.sizes()));
   TORCH_CHECK_VALUE(!decode || out_loc.size(0) == kv.size(0), "out_loc: expected ", num(kv.size(0)),
                     " entries (one per plan row), got ", num(out_loc.size(0)));
+  TORCH_CHECK_VALUE(decode || out_loc.size(0) >= kv.size(0), "out_loc: expected at least ", num(kv.size(0)),
+                    " entries (one per query token; a prefill plan has at most one row per query token), got ",
+                    num(out_loc.size(0)));
   TORCH_CHECK_VALUE(page_size >= 1 && (page_size & (page_size - 1)) == 0, "page_size: expected a power of two, got ",
                     num(page_size));
   const int64_t width = cache_page_bytes(d, page_size, fp4);
