@@ -23,7 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from dsv4_cases import DECODE_BAD_STRUCTURE, STORE_FREQS, STORE_PAGE, corruption_case, decode_args, store_case
+from dsv4_cases import (
+    DECODE_BAD_STRUCTURE,
+    INVALID_C,
+    INVALID_D,
+    STORE_FREQS,
+    STORE_PAGE,
+    corruption_case,
+    decode_args,
+    store_case,
+    storing_rows,
+)
 from flashmla_cases import HEADS, offset_copy, structural_cases
 from flashmla_cases import _inputs as flashmla_inputs
 from multi_linear_cases import (
@@ -36,6 +46,8 @@ from multi_linear_cases import (
 )
 
 import custom_ops
+from custom_ops.dsv4.plan import plan_decode, plan_online_decode, plan_online_prefill, plan_prefill
+from custom_ops.dsv4.store import cache_page_bytes
 
 ops = torch.ops.dspark
 
@@ -191,6 +203,23 @@ def _store() -> dict:
         decode=True,
         fp4=False,
     )
+
+
+def _store_prefill() -> dict:
+    """One c4 request of 8 tokens (windows at tokens 3 and 7) on a FlashMLA cache (head dim 512): the plan has 3 rows
+    (2 entries and a padding row), `out_loc` one entry per query token."""
+    g = torch.Generator().manual_seed(8)
+    plan, _ = plan_prefill(torch.tensor([8]), torch.tensor([8]), torch.tensor([0]), None, None, 4, 8, 0, 8)
+    args = _store()
+    args.update(
+        kv=torch.randn(plan.shape[0], 512, generator=g),
+        plan=plan,
+        norm_weight=torch.rand(512, generator=g) + 0.5,
+        out_loc=torch.randperm(4 * STORE_PAGE, generator=g)[:8],
+        kvcache=torch.randint(0, 256, (4, cache_page_bytes(512, STORE_PAGE)), dtype=torch.uint8, generator=g),
+        decode=False,
+    )
+    return args
 
 
 _MULTI_LINEAR = ("x", "weights", "row_starts", "row_counts", "biases")
@@ -558,6 +587,257 @@ def _store_cases() -> list[BadCase]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------- row lengths
+#
+# Every per-row argument of every DeepSeek-V4 op, one entry short and one long (where a longer one is an error), on
+# every path: per-request tensors against `seq_lens` (planners: ring, paged, online; decode and prefill), plans
+# against `kv_score` (decode compress ops: c4, c128, online), plans and `out_loc` against `kv` (store: decode and
+# prefill). A prefill `out_loc` has one entry per query token, so a longer one is valid; the prefill compress ops'
+# plans have no length tied to `kv_score` (their ragged ids are values: `SKIPPED_VALUE_CASES`).
+
+
+def _shorter(t: torch.Tensor) -> torch.Tensor:
+    return t[:-1]
+
+
+def _longer(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t[-1:]])
+
+
+def _row_length_cases() -> list[BadCase]:
+    planners = {
+        "dsv4_plan_decode": [("ring", _plan_decode), ("paged", functools.partial(_plan_decode, True))],
+        "dsv4_plan_prefill": [("ring", _plan_prefill), ("paged", functools.partial(_plan_prefill, True))],
+        "dsv4_plan_online_decode": [("online", _plan_online_decode)],
+        "dsv4_plan_online_prefill": [("online", _plan_online_prefill)],
+    }
+    compress = {
+        "dsv4_compress_decode": [("c4", decode_args), ("c128", functools.partial(decode_args, 128))],
+        "dsv4_online_compress_decode": [("online", VALID_ARGS["dsv4_online_compress_decode"])],
+    }
+    store = [("decode", _store), ("prefill", _store_prefill)]
+    rows: list[tuple[str, str, Callable[[], dict], str]] = []  # (op, path, build, argument)
+    for op, paths in planners.items():
+        per_request = [n for n in ("req_pool_indices", "extend_lens") if n in op_parameters(op)]
+        rows += [(op, path, build, name) for path, build in paths for name in per_request]
+    rows += [(op, path, build, name) for op, paths in compress.items() for path, build in paths for name in ("plan",)]
+    rows += [(s, path, build, "plan") for s in ("dsv4_compress_norm_rope_store",) for path, build in store]
+    cases = []
+    for op, path, build, name in rows:
+        for how, change in (("short", _shorter), ("long", _longer)):
+            cases.append(
+                _case(
+                    op,
+                    f"{name} {how} ({path})",
+                    lambda a, n=name, c=change: {n: c(a[n])},
+                    ValueError,
+                    name,
+                    build=build,
+                )
+            )
+    s = "dsv4_compress_norm_rope_store"
+    return [
+        *cases,
+        _case(s, "out_loc short (decode)", lambda a: {"out_loc": _shorter(a["out_loc"])}, ValueError, "out_loc"),
+        _case(s, "out_loc long (decode)", lambda a: {"out_loc": _longer(a["out_loc"])}, ValueError, "out_loc"),
+        _case(
+            s,
+            "out_loc shorter than the prefill plan",
+            lambda a: {"out_loc": a["out_loc"][:2]},
+            ValueError,
+            "out_loc",
+            build=_store_prefill,
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- skipped values
+#
+# Value-level errors: index values that live on the device. CPU (and CUDA in checking mode) raises `ValueError`
+# naming the value; CUDA without checking mode cannot (no host sync) and skips the affected rows, reporting them
+# invalid: a planner writes the invalid pattern for them, a compress op a zero output row (and no state row), the
+# store no cache byte. `make_neutral()` is the same call with those rows as padding (a -1 request id or slot, a
+# padding plan row); the CUDA results on the bad arguments must equal the CPU results on the neutral ones.
+
+
+@dataclass(frozen=True)
+class SkipCase:
+    """CPU raises `ValueError` naming `arg` for `make_args()`; CUDA skips the rows that `make_neutral()` pads."""
+
+    op: str
+    case_id: str
+    make_args: Callable[[], dict]
+    make_neutral: Callable[[], dict]
+    arg: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}: {self.case_id}"
+
+
+def _skip(op, case_id, build, bad, neutral, arg) -> SkipCase:
+    """`build()` updated with `bad(args)` (the erroneous call) or with `neutral(args)` (its rows as padding)."""
+
+    def make(change):
+        def args() -> dict:
+            a = build()
+            a.update(change(a))
+            return a
+
+        return args
+
+    return SkipCase(op, case_id, make(bad), make(neutral), arg)
+
+
+def _set(name: str, i: int, value: int) -> Callable[[dict], dict]:
+    def change(a: dict) -> dict:
+        t = a[name].clone()
+        t[i] = value
+        return {name: t}
+
+    return change
+
+
+def _state_rows_as_padding(a: dict) -> dict:
+    """The plans of a compress call with every row that addresses past the state replaced by padding (decode: rows
+    that write past it; offline prefill: compress rows that read it and write rows; online: rows of a slot past
+    it)."""
+    rows = a["state"].shape[0]
+    online = "ratio" not in a
+    pages = rows if online else rows // a["ratio"]
+    rules = {
+        "plan": (INVALID_D, lambda w: w[:, 1] >= rows),
+        "plan_c": (INVALID_C, lambda w: w[:, 2] >= rows if online else ((w[:, 1] >> 16) > 0) & (w[:, 3] >= pages)),
+        "plan_w": (INVALID_C if online else [-1, -1], lambda w: w[:, 2 if online else 1] >= rows),
+    }
+    out = {}
+    for name, (invalid, past) in rules.items():
+        if name in a:
+            words = a[name].clone().view(torch.int32)
+            words[past(words)] = torch.tensor(invalid, dtype=torch.int32)
+            out[name] = words.view(torch.uint8)
+    return out
+
+
+def _past_the_state(a: dict) -> dict:
+    """The plans of the same call with request 1 (offline prefill: and 2) moved past the state."""
+    rows = a["state"].shape[0]
+    if "ratio" not in a:  # online: one slot per request
+        seq, rid = (torch.tensor([128, 200, 256, 129]), torch.tensor([0, rows, 2, 3]))
+        if "plan" in a:
+            return {"plan": plan_online_decode(seq, rid)}
+        seq, ext, rid = torch.tensor([300, 128, 5]), torch.tensor([200, 128, 1]), torch.tensor([0, rows, 2])
+        plan_c, plan_w = plan_online_prefill(seq, ext, rid, a["kv_score"].shape[0])
+        return {"plan_c": plan_c, "plan_w": plan_w}
+    r = a["ratio"]
+    ring = 8 if r == 4 else 128
+    past = rows // ring
+    if "plan" in a:
+        return {"plan": plan_decode(torch.tensor([4, 9]), torch.tensor([0, past]), None, None, r, ring)}
+    seq, ext = torch.tensor([2 * r + 3, 3 * r, r + 1]), torch.tensor([r + 5, 2 * r, 2])
+    rid = torch.tensor([0, past, past + 1])  # c128: request 1's windows need no state row, request 2's does
+    plan_c, plan_w = plan_prefill(seq, ext, rid, None, None, r, ring, 0, a["kv_score"].shape[0])
+    return {"plan_c": plan_c, "plan_w": plan_w}
+
+
+def _neutral_past_the_state(a: dict) -> dict:
+    moved = dict(a)
+    moved.update(_past_the_state(a))
+    return _state_rows_as_padding(moved)
+
+
+def _store_freqs_short(a: dict) -> dict:
+    return {"freqs": a["freqs"][:100].contiguous()}
+
+
+def _store_rows_past_freqs(a: dict) -> dict:
+    """`_store_freqs_short` with the slots of the rows whose RoPE position is past the table set to -1."""
+    rows, source = storing_rows(a["plan"], a["out_loc"], a["decode"])
+    plan_seq = a["plan"].view(torch.int32)[:, 0].long() & 0xFFFFFFFF
+    late = rows[plan_seq[rows] - 4 >= 100]
+    out_loc = a["out_loc"].clone()
+    out_loc[source[late]] = -1
+    return {**_store_freqs_short(a), "out_loc": out_loc}
+
+
+def _first_late_row(build: Callable[[], dict]) -> int:
+    a = build()
+    rows, _ = storing_rows(a["plan"], a["out_loc"], a["decode"])
+    plan_seq = a["plan"].view(torch.int32)[:, 0].long() & 0xFFFFFFFF
+    return int(rows[plan_seq[rows] - 4 >= 100][0])
+
+
+def _skipped_value_cases() -> list[SkipCase]:
+    cases = []
+    ring_past, online_past = 2**31 // 8, 2**31
+    planners = [
+        ("dsv4_plan_decode", "ring", _plan_decode, ring_past),
+        ("dsv4_plan_decode", "paged", functools.partial(_plan_decode, True), 3),
+        ("dsv4_plan_prefill", "ring", _plan_prefill, ring_past),
+        ("dsv4_plan_prefill", "paged", functools.partial(_plan_prefill, True), 3),
+        ("dsv4_plan_online_decode", "online", _plan_online_decode, online_past),
+        ("dsv4_plan_online_prefill", "online", _plan_online_prefill, online_past),
+    ]
+    for op, path, build, past in planners:
+        rid = "req_pool_indices[1]"
+        cases.append(
+            _skip(op, f"{rid} past the requests ({path})", build, _set(rid[:-3], 1, past), _set(rid[:-3], 1, -1), rid)
+        )
+    compress = [
+        ("dsv4_compress_decode", "c4", decode_args, "plan[1]"),
+        ("dsv4_compress_decode", "c128", functools.partial(decode_args, 128), "plan[1]"),
+        ("dsv4_compress_prefill", "c4", VALID_ARGS["dsv4_compress_prefill"], "plan_c[2]"),
+        ("dsv4_compress_prefill", "c128", functools.partial(_compress, 128, False, False), "plan_c[4]"),
+        ("dsv4_online_compress_decode", "online", VALID_ARGS["dsv4_online_compress_decode"], "plan[1]"),
+        ("dsv4_online_compress_prefill", "online", VALID_ARGS["dsv4_online_compress_prefill"], "plan_c[2]"),
+    ]
+    for op, path, build, arg in compress:
+        cases.append(
+            _skip(op, f"a request past the state ({path})", build, _past_the_state, _neutral_past_the_state, arg)
+        )
+    s = "dsv4_compress_norm_rope_store"
+    slots = 32 * STORE_PAGE
+    cases += [
+        _skip(
+            s,
+            "out_loc[3] past the cache (decode)",
+            _store,
+            _set("out_loc", 3, slots),
+            _set("out_loc", 3, -1),
+            "out_loc[3]",
+        ),
+        _skip(
+            s,
+            "out_loc[7] = 2^62 + 5 (prefill)",
+            _store_prefill,
+            _set("out_loc", 7, 2**62 + 5),
+            _set("out_loc", 7, -1),
+            "out_loc[7]",
+        ),
+        _skip(
+            s,
+            "a ragged id past out_loc (prefill: 5 entries, the plan's tokens 3 and 7)",
+            _store_prefill,
+            lambda a: {"out_loc": a["out_loc"][:5]},
+            lambda a: {"out_loc": torch.cat([a["out_loc"][:5], torch.full((3,), -1)])},
+            "plan[1]",
+        ),
+        _skip(
+            s,
+            "RoPE positions past freqs (decode)",
+            _store,
+            _store_freqs_short,
+            _store_rows_past_freqs,
+            f"plan[{_first_late_row(_store)}]",
+        ),
+    ]
+    return cases
+
+
+SKIPPED_VALUE_CASES: list[SkipCase] = _skipped_value_cases()
+"""Value-level errors of the DeepSeek-V4 ops: CPU raises / CUDA skips and reports the rows invalid."""
+
+
 # ---------------------------------------------------------------------------------------------- FlashMLA writes
 
 
@@ -668,6 +948,7 @@ def _spec_args(spec) -> dict:
 
 BAD_ARGUMENT_CASES: list[BadCase] = [
     *_planner_cases(),
+    *_row_length_cases(),
     *_compress_cases(),
     *_store_cases(),
     *_flashmla_cases(),

@@ -19,10 +19,20 @@ from collections import Counter
 
 import pytest
 import torch
-from bad_argument_cases import BAD_ARGUMENT_CASES, VALID_ARGS, BadCase, argument_named, dspark_ops, op_parameters
+from bad_argument_cases import (
+    BAD_ARGUMENT_CASES,
+    SKIPPED_VALUE_CASES,
+    VALID_ARGS,
+    BadCase,
+    SkipCase,
+    argument_named,
+    dspark_ops,
+    op_parameters,
+)
+from dsv4_cases import assert_cache_bytes_close
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
+import custom_ops
 from custom_ops import _build  # the CUDA library loader, as in the other CUDA tests
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -178,6 +188,92 @@ def test_cpp_check_agrees_with_python(case: BadCase, cuda_library):
     torch.cuda.synchronize()
     assert got is not None and got[:2] == want, f"CUDA: {got}"
     _assert_unchanged(before)
+
+
+# ---------------------------------------------------------------------------------------------- value-level errors
+#
+# `SKIPPED_VALUE_CASES`: CPU raises / CUDA skips and reports invalid. The CPU impl raises the ValueError before
+# anything is modified; the fake impl cannot see values and accepts the call; CUDA (no host sync) gives, on the bad
+# arguments, what the CPU impl gives on the neutral ones (the affected rows as padding: invalid planner rows, zero
+# compress rows, no store bytes) and leaves every byte the neutral call leaves alone byte-identical; CUDA in checking
+# mode raises the CPU message word for word.
+
+
+def _value_params() -> list:
+    return [pytest.param(case, id=case.id) for case in SKIPPED_VALUE_CASES]
+
+
+@pytest.mark.parametrize("case", _value_params())
+def test_value_errors_raise_on_cpu_before_any_write(case: SkipCase):
+    args = case.make_args()
+    before = _snapshot(args)
+    with pytest.raises(ValueError) as info:
+        _call(case.op, args)
+    message = str(info.value).splitlines()[0]
+    assert argument_named(message) == case.arg, message
+    assert "is out of range" in message, message
+    _assert_unchanged(before)
+    _call(case.op, case.make_neutral())  # the neutral call is valid
+
+
+@pytest.mark.parametrize("case", _value_params())
+def test_value_errors_pass_the_fake_impl(case: SkipCase):
+    args = case.make_args()
+    with FakeTensorMode() as mode:
+        _call(case.op, _map(args, mode.from_tensor))
+
+
+def _results(out) -> list[torch.Tensor]:
+    if out is None:
+        return []
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _assert_same_result(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if got.dtype == torch.uint8 and what == "kvcache":
+        assert_cache_bytes_close(got, want, f"{what}: ")
+    elif got.dtype == torch.uint8 or not got.is_floating_point():
+        assert torch.equal(got.cpu(), want), what
+    else:
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4, msg=what)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", _value_params())
+def test_cuda_skips_value_errors_and_reports_the_rows_invalid(case: SkipCase, cuda_library):
+    args = case.make_args()
+    want_args = case.make_neutral()
+    untouched = {k: v.clone() for k, v in want_args.items() if isinstance(v, torch.Tensor)}
+    want = _results(_call(case.op, want_args))
+    with custom_ops.checks(False):
+        cuda_args = _moved(args, "cuda")
+        got = _results(_call(case.op, cuda_args))
+    torch.cuda.synchronize()
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        _assert_same_result(g, w, f"output {i}")
+    for name, before in untouched.items():
+        after = want_args[name]
+        if torch.equal(after, before):
+            assert torch.equal(cuda_args[name].cpu(), args[name]), f"{name}: changed, the neutral call leaves it"
+            continue
+        _assert_same_result(cuda_args[name], after, name)
+        same = (after == before) if after.is_floating_point() else after.view(torch.uint8) == before.view(torch.uint8)
+        kept = cuda_args[name].cpu()[same]
+        assert torch.equal(kept, args[name][same]), f"{name}: a skipped row's bytes changed"
+    cpu_error = _raised(case.op, case.make_args())
+    checked = _moved(case.make_args(), "cuda")
+    before = _snapshot(checked)
+    with custom_ops.checks():
+        assert _raised(case.op, checked) == cpu_error
+    _assert_unchanged(before)
+
+
+def test_value_table_covers_every_dsv4_op():
+    ops = {case.op for case in SKIPPED_VALUE_CASES}
+    assert {op for op in dspark_ops() if op.startswith("dsv4_")} == ops
+    ids = Counter(case.id for case in SKIPPED_VALUE_CASES)
+    assert [i for i, n in ids.items() if n > 1] == []
 
 
 # ---------------------------------------------------------------------------------------------- the harness
