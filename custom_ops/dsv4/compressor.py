@@ -320,8 +320,10 @@ class DSV4Compressor(torch.nn.Module):
         if out_loc.shape[0] != out.tokens:
             per = "request" if out.decode else "query token"
             raise ValueError(f"out_loc: expected {out.tokens} entries (one per {per}), got {out_loc.shape[0]}")
-        padding = torch.tensor(DECODE_INVALID if out.decode else COMPRESS_INVALID, dtype=torch.int32)
-        plan = torch.where(out.valid[:, None], out.plan, padding.view(torch.uint8).to(out.plan.device))
+        invalid = DECODE_INVALID if out.decode else COMPRESS_INVALID
+        fields = out.plan.view(torch.int32)  # [rows, 4]; built from scalars on the device: no host copy
+        plan = torch.stack([torch.where(out.valid, fields[:, i], v) for i, v in enumerate(invalid)], 1)
+        plan = plan.view(torch.uint8)
         weight = self.norm_weight.detach().float()
         compress_norm_rope_store(
             out.entries,
