@@ -31,7 +31,11 @@ that keeps rows 16-byte aligned qualifies). (b) written straight into its column
 tokens, bf16/fp16 row ranges without bias that share their row count and row stride are one `cublasGemmBatchedEx`
 (one launch for the group instead of one GEMM each: the DSpark KV group of 5 layers at 64 tokens takes 29 instead
 of 53 µs); its per-GEMM pointers are written to a small device tensor by a one-block kernel from a by-value kernel
-parameter, so there is still no host sync and no state between calls. The rule is `kernel_pays` in
+parameter, so there is still no host sync and no state between calls. cuBLAS cannot check pointers it reads from
+device memory and assumes them aligned, so a range is batched only if its weight rows and its output column block
+start 16-byte aligned with row strides of a multiple of 8 elements (a row count before it or an output width that
+is not a multiple of 8 keeps it out), and the batched GEMMs read `x` only if it is aligned so too, else a contiguous
+copy (none when K % 8 != 0: then nothing is batched). The rule is `kernel_pays` in
 `csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
 `cublas_batches(tokens, row_counts)` evaluate it. The kernel itself handles up to 64 tokens
 (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS path, batched or one GEMM
@@ -60,6 +64,7 @@ automatic), for any T up to 64, and raises `ValueError` where the kernel cannot 
 """
 
 import ctypes
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -189,8 +194,9 @@ def kernel_token_threshold() -> int:
 
 def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
-    of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout and one row stride per row count
-    (the rule of `kernel_pays` in the binding)."""
+    of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout (x and weight rows 16-byte aligned,
+    row strides multiples of 8 elements) and one row stride per row count (the rule of `kernel_pays` in the
+    binding)."""
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -202,14 +208,24 @@ def batched_max_tokens() -> int:
     return int(_native().dspark_multi_linear_batched_max_tokens())
 
 
+def _batchable(tokens: int, runs: Sequence[int]) -> list[int]:
+    """The row counts of the non-empty ranges `runs` that the cuBLAS path may batch: none above the batching limit
+    or when the output's width is not a multiple of 8, else those whose output column block starts at a multiple of 8
+    (16-byte aligned for bf16/fp16)."""
+    if tokens > batched_max_tokens() or sum(runs) % 8:
+        return []
+    return [c for c, col in zip(runs, itertools.accumulate(runs, initial=0), strict=False) if col % 8 == 0]
+
+
 def _all_batched(tokens: int, runs: Sequence[int]) -> bool:
-    return tokens <= batched_max_tokens() and all(runs.count(c) >= 2 for c in runs)
+    batchable = _batchable(tokens, runs)
+    return len(batchable) == len(runs) and all(batchable.count(c) >= 2 for c in batchable)
 
 
 def cublas_batches(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op's cuBLAS path batches some of these row ranges (same assumptions as `uses_kernel`)."""
-    runs = [c for c in row_counts if c > 0]
-    return tokens <= batched_max_tokens() and any(runs.count(c) >= 2 for c in runs)
+    batchable = _batchable(tokens, [c for c in row_counts if c > 0])
+    return any(batchable.count(c) >= 2 for c in batchable)
 
 
 def kernel_variants() -> list[KernelVariant]:
