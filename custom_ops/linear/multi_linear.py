@@ -49,7 +49,9 @@ contiguous copy of `x` (T x K, small).
 
 The kernel (see the header of `csrc/linear/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows
 as the M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over
-the CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once
+the CTAs of a thread-block cluster (split-K reduced through distributed shared memory; clusters and programmatic
+dependent launch only on sm_90, the GPU that runs the library's sm_90a code: others run its portable PTX, which has
+neither, so they get one CTA per tile and stream-ordered launches), each weight byte read once
 from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
 ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
 inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
@@ -60,7 +62,7 @@ T in compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
-automatic), for any T up to 64, and raises `ValueError` where the kernel cannot run.
+automatic; above 1 only on sm_90), for any T up to 64, and raises `ValueError` where the kernel cannot run.
 """
 
 import ctypes

@@ -235,13 +235,15 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
 }
 
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
-// variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split).
+// variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split where the GPU runs clusters,
+// else 1).
 template <typename T>
 void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& out, int variant, int split) {
   const int tokens = static_cast<int>(x.size(0));
   const int k = static_cast<int>(x.size(1));
   const int64_t esize = static_cast<int64_t>(x.element_size());
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
+  const bool syncs = syncs_on(x.device());
   for (size_t first = 0; first < runs.size(); first += kMaxSegments) {
     const size_t count = std::min<size_t>(kMaxSegments, runs.size() - first);
     Params p{};
@@ -264,7 +266,7 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
     }
     const int vi = variant >= 0 ? variant : default_variant(rows, k, sm_count);
     const Variant& v = kVariants[vi];
-    const int s = split > 0 ? split : auto_split(v, rows, k, sm_count);
+    const int s = split > 0 ? split : syncs ? auto_split(v, rows, k, sm_count) : 1;
     const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
     launch(kernel_for<T>(vi, tokens), p, tiles * s, cta_threads(v), smem_bytes(v, token_tiles(tokens)), s, x.device());
   }
@@ -324,6 +326,9 @@ at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at:
                     num(kNumVariants), "), got ", num(variant));
   TORCH_CHECK_VALUE(split >= 0 && split <= kMaxSplit, "_multi_linear_variant: split must be in [0, ", num(kMaxSplit),
                     "], got ", num(split));
+  TORCH_CHECK_VALUE(split <= 1 || syncs_on(x.device()), "_multi_linear_variant: split ", num(split),
+                    " needs thread-block clusters, which the kernel has only on sm_90 (its sm_90a code); this GPU "
+                    "runs its portable PTX: use split 0 or 1");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
   if (out.numel() == 0) return out;
