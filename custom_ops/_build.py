@@ -23,6 +23,7 @@ the driver on other GPUs), into `$DSPARK_OPS_CACHE_DIR` (default `~/.cache/dspar
 named by a hash of the sources, the flags and the torch/CUDA versions. CPU references never need any of this.
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "CUDA_FLAGS",
     "BuildError",
     "build_key",
+    "cuda_library_problem",
     "is_loaded",
     "library_path",
     "load",
@@ -109,18 +111,42 @@ def is_loaded() -> bool:
     return _loaded is not None
 
 
-def _require_toolchain() -> None:
+def _toolchain_problem() -> str:
+    """What `load` lacks to build the library here ("" if nothing)."""
     from torch.utils import cpp_extension
 
     if torch.version.cuda is None:
-        raise BuildError(
-            f"torch {torch.__version__} has no CUDA support: the dspark CUDA kernels cannot be built "
-            "(the CPU references of torch.ops.dspark.* work without them)"
-        )
+        return f"torch {torch.__version__} has no CUDA support"
     if cpp_extension.CUDA_HOME is None:
-        raise BuildError("nvcc not found: set CUDA_HOME or put the CUDA toolkit's bin/ on PATH to build the kernels")
+        return "nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin/ on PATH)"
     if not cpp_extension.is_ninja_available():
-        raise BuildError("ninja not found: install it (`pip install ninja` or the system package) to build the kernels")
+        return "ninja not found (`pip install ninja` or the system package)"
+    return ""
+
+
+def _require_toolchain() -> None:
+    problem = _toolchain_problem()
+    if problem:
+        raise BuildError(
+            f"{problem}: the dspark CUDA kernels cannot be built (the CPU references of torch.ops.dspark.* work "
+            "without them)"
+        )
+
+
+@functools.cache
+def cuda_library_problem() -> str:
+    """Why the dspark CUDA kernels cannot run in this process, "" if they can: the library is loaded (an already
+    built one loads at import), or a CUDA device is present and `load` can build it (CUDA torch, nvcc, ninja).
+
+    The dspark_fx passes ask before they emit a dspark op for CUDA tensors, so that a graph they rewrite never
+    stops at its first call with `BuildError`. Probed once per process (the ninja probe starts a subprocess); a
+    build that then fails in the compiler still raises `BuildError` at the first call."""
+    if _loaded is not None:
+        return ""
+    problem = _toolchain_problem()
+    if not problem and not torch.cuda.is_available():
+        problem = "torch finds no CUDA device"
+    return f"the dspark CUDA library is not built and cannot be built here: {problem}" if problem else ""
 
 
 def load(verbose: bool = False) -> Path:

@@ -136,7 +136,8 @@ class Spec:
     proj: str = "fused"  # "fused": K and V rows of one qkv weight; "separate": [kv, K] weights; "offset": extra rows
     q_heads: int = 0  # query heads in the fused weight (0: 2 * heads)
     weight_layout: str = "contiguous"  # "contiguous", "row-strided" (column slice of a wider tensor), "transposed"
-    x_layout: str = "contiguous"  # "contiguous", "strided" (inner stride 2), "transposed", "offset", "row-strided"
+    x_layout: str = "contiguous"  # "contiguous", "strided" (inner stride 2), "transposed", "offset", "row-strided",
+    # "misaligned" (contiguous, 2 bytes past a 16-byte boundary for bf16/fp16)
     cache_layout: str = "separate"  # see CACHE_LAYOUTS
     pos_dtype: torch.dtype = torch.int64
     loc_dtype: torch.dtype = torch.int64
@@ -185,6 +186,10 @@ def _embed(t: torch.Tensor, layout: str, device) -> torch.Tensor:
         base = torch.full((rows + 2, cols + 8), NAN, dtype=t.dtype)
         base[1 : rows + 1, 8:] = t
         return base.to(device)[1 : rows + 1, 8:]
+    if layout == "misaligned":  # contiguous, one element into its buffer: not 16-byte aligned
+        base = torch.full((rows * cols + 1,), NAN, dtype=t.dtype)
+        base[1:] = t.flatten()
+        return base.to(device)[1:].view(rows, cols)
     raise AssertionError(layout)
 
 

@@ -173,7 +173,7 @@ def _same_shape_case(tokens, *, dtype=torch.bfloat16, seed=0, x_stride_pad=0):
         (96, k, True),
         (96, k, False),
         (40, k + 8, False),
-        (17, k, False),
+        (24, k, False),
         (96, k + 8, False),
         (96, k + 8, False),
     ]:
@@ -197,6 +197,62 @@ def test_batched_cublas_matches_fp64(tokens, dtype):
         torch.full((tokens * 1000 + 1024,), float("nan"), device="cuda", dtype=dtype)  # freed, reused below
         _check(torch.ops.dspark._multi_linear_cublas(*args, batched), ref)
     _check(op(*args), ref)
+
+
+def _one_element_in(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values, contiguous, one element into a fresh buffer: 2 bytes past a 16-byte boundary for bf16/fp16."""
+    buffer = torch.full((t.numel() + 1,), float("nan"), device=t.device, dtype=t.dtype)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 == 2
+    return view
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "column slice"])
+@pytest.mark.parametrize("tokens", [16, 64, 200])
+def test_batched_cublas_with_a_misaligned_activation(tokens, layout):
+    """x 2 bytes past a 16-byte boundary (contiguous, or a column slice from column 1) with row ranges of one shape
+    that cuBLAS batches (the op's rule batches them at these T). cuBLAS reads the batched GEMM's pointers from device
+    memory, cannot check them and assumes them 16-byte aligned: before, it got x's pointer as it was (a standalone
+    batched GEMM of this kind, bf16, T = 16, K = 4096, returned success and a max error of 4.48 on the H200); now
+    such an x is copied first. The op and the forced batched path match the formula."""
+    k, counts = 4096, [256] * 4
+    x, weights, starts, counts, biases = _case(tokens, k, counts, seed=tokens, pad_rows=1, bias=(False,))
+    if layout == "contiguous":
+        moved = _one_element_in(x)
+    else:
+        wide = torch.full((tokens, k + 8), float("nan"), device="cuda", dtype=x.dtype)
+        wide[:, 1 : 1 + k] = x
+        moved = wide[:, 1 : 1 + k]
+        assert moved.data_ptr() % 16 == 2
+    assert not uses_kernel(tokens, counts) and cublas_batches(tokens, counts)
+    ref = fp64_formula(x, weights, starts, counts, biases)
+    _check(op(moved, weights, starts, counts, biases), ref)
+    _check(torch.ops.dspark._multi_linear_cublas(moved, weights, starts, counts, biases, True), ref)
+
+
+@pytest.mark.parametrize("tokens", [16, 40])
+def test_batched_cublas_with_misaligned_weights_and_output_columns(tokens):
+    """Ranges of one shape whose weight rows start 2 bytes past a 16-byte boundary (two of four), and ranges whose
+    output column block does (three of 64 rows after a range of 3, the output 200 columns wide): before, they went
+    into batched GEMMs with those pointers (cuBLAS cannot check pointers it reads from device memory); now each
+    takes a GEMM of its own, which cuBLAS checks, and the two aligned weights stay batched (a pointer table is
+    written for them, none for the other case). The forced batched path and the op (cuBLAS above 32 tokens) match the
+    formula."""
+    k = 512
+    x, weights, starts, counts, biases = _case(tokens, k, [64] * 4, seed=tokens, pad_rows=0, pad_k=0, bias=(False,))
+    weights = [_one_element_in(w) if i % 2 else w for i, w in enumerate(weights)]
+    split = _case(tokens, k, [3, 64, 64, 64, 5], seed=tokens + 1, pad_rows=2, bias=(False,))
+    for args in ((x, weights, starts, counts, biases), split):
+        ref = fp64_formula(*args)
+        _check(torch.ops.dspark._multi_linear_cublas(*args, True), ref)
+        _check(op(*args), ref)
+    tables = _kernel_names(lambda: torch.ops.dspark._multi_linear_cublas(x, weights, starts, counts, biases, True))
+    assert any("fill_pointer_table" in n for n in tables)
+    assert not any(
+        "fill_pointer_table" in n for n in _kernel_names(lambda: torch.ops.dspark._multi_linear_cublas(*split, True))
+    )
+    assert not cublas_batches(tokens, [3, 64, 64, 64, 5])
 
 
 def test_batched_cublas_fewer_kernels_and_more_ranges_than_one_batch():

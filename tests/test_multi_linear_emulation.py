@@ -17,6 +17,8 @@ import torch
 from multi_linear_cases import fp64_formula
 from multi_linear_emulation_shim import build
 
+from custom_ops import _build
+
 DRIVER = r"""
 #include "linear/multi_linear_kernels.cuh"
 #include <memory>
@@ -239,3 +241,24 @@ def test_default_choices(emu):
     assert emu.emu_default_variant(6144, 4096, 132) == 2  # q/k/v: 32-row tiles
     assert emu.emu_default_variant(4096, 12288, 132) == 0  # long rows: 64-row tiles, split K
     assert emu.emu_default_variant(1024, 4096, 132) == 1
+
+
+GATE_DRIVER = r"""
+#include "common/pdl.cuh"
+extern "C" int emu_sync_launch(int major, int minor) { return dspark::sync_launch(major, minor) ? 1 : 0; }
+"""
+
+
+def test_pdl_and_clusters_only_where_the_sm90a_code_runs(tmp_path):
+    """The host gate of programmatic dependent launch and clusters (`sync_launch`, common/pdl.cuh) is true for
+    compute capability 9.0 alone; its premise is the build: SASS for sm_90a only, PTX only for an architecture
+    below 9.0 (whose code has no dependency wait and no clusters). A build that adds SASS or PTX for another
+    architecture must revisit the gate. Before, the launchers asked for both on every GPU of major >= 9."""
+    gate = build(tmp_path, GATE_DRIVER, "gate")
+    capabilities = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)]
+    assert [c for c in capabilities if gate.emu_sync_launch(*c)] == [(9, 0)]
+    targets = [flag.removeprefix("-gencode=").split(",") for flag in _build.CUDA_FLAGS if flag.startswith("-gencode=")]
+    codes = [code.removeprefix("code=") for _, code in targets]
+    assert [c for c in codes if c.startswith("sm_")] == ["sm_90a"], codes
+    ptx = [int(c.removeprefix("compute_").rstrip("af")) for c in codes if c.startswith("compute_")]
+    assert ptx and all(arch < 90 for arch in ptx), codes

@@ -160,6 +160,17 @@ def test_qwen3_8b_against_fp64(tokens):
             torch.testing.assert_close(got, want[tokens], rtol=rtol, atol=atol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("tokens", [17, 64, 512])
+def test_gemm_path_reads_a_misaligned_activation(tokens):
+    """x contiguous but 2 bytes past a 16-byte boundary on the GEMM path (T > 16), where dspark::multi_linear puts
+    the 5 layers' K/V row ranges in one batched cuBLAS GEMM. cuBLAS reads that GEMM's pointers from device memory,
+    cannot check them and assumes them aligned: before, it got x's pointer as it was (a standalone batched GEMM of
+    this kind, bf16, T = 16, K = 4096, returned success and a max error of 4.48 on the H200); now x is copied."""
+    spec = replace(_variant(QWEN3_8B, tokens, "1-D", "neox"), x_layout="misaligned")
+    _, cuda = run_pair(spec)
+    assert cuda.args["x"].data_ptr() % 16 == 2
+
+
 LAYOUTS = {
     "padded caches": dict(cache_layout="padded"),
     "heads-major caches": dict(cache_layout="heads-major"),
@@ -168,6 +179,7 @@ LAYOUTS = {
     "separate weights with biases": dict(proj="separate", bias=(True, False)),
     "row offsets": dict(proj="offset", bias=(True,)),
     "row-strided x": dict(x_layout="row-strided"),
+    "misaligned x": dict(x_layout="misaligned"),
     "fp16": dict(dtype=torch.float16),
     "fp16, fp32 norm weights, int32 indices": dict(
         dtype=torch.float16, norm="fp32-weight", pos_dtype=torch.int32, loc_dtype=torch.int32

@@ -70,12 +70,13 @@ static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, i
   }
 }
 
+// `grid` times as many clusters as the rows have tiles (> 1: tiles past the last head).
 template <typename T, int V, int NT>
-static void fused(const KvWriteArgs& args, int64_t rows, int split) {
+static void fused(const KvWriteArgs& args, int64_t rows, int split, int grid) {
   constexpr Variant v = fused_variant(V);
   auto kernel = &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>;
   const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
-  run_grid<KvWriteArgs>(kernel, args, tiles, split, cta_threads(v), v.row_warps, v.k_warps,
+  run_grid<KvWriteArgs>(kernel, args, tiles * grid, split, cta_threads(v), v.row_warps, v.k_warps,
                         smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT));
 }
 
@@ -109,7 +110,7 @@ static void heads(HeadsArgs a) {
 }
 
 template <typename T>
-static void dispatch(int path, int split, int variant, const KvWriteArgs& args, const HeadsArgs& h) {
+static void dispatch(int path, int split, int variant, int grid, const KvWriteArgs& args, const HeadsArgs& h) {
   const int d = args.kv.head_dim;
   if (path == 2) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
@@ -117,8 +118,8 @@ static void dispatch(int path, int split, int variant, const KvWriteArgs& args, 
   } else if (path == 1) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     const bool two = token_tiles(args.gemm.tokens) > 1;
-    if (d == 64) two ? fused<T, 2, 2>(args, rows, split) : fused<T, 2, 1>(args, rows, split);
-    else two ? fused<T, 4, 2>(args, rows, split) : fused<T, 4, 1>(args, rows, split);
+    if (d == 64) two ? fused<T, 2, 2>(args, rows, split, grid) : fused<T, 2, 1>(args, rows, split, grid);
+    else two ? fused<T, 4, 2>(args, rows, split, grid) : fused<T, 4, 1>(args, rows, split, grid);
   } else if (head_lanes(d) == 8) {
     heads<T, 8>(h);
   } else if (head_lanes(d) == 16) {
@@ -138,7 +139,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
   // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, stream variant,
-  //        heads-kernel CTAs at most
+  //        heads-kernel CTAs at most, fused grid multiple
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -169,6 +170,18 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
     kv.position_limit = i == 0 ? s[6] : std::min<int64_t>(kv.position_limit, s[6]);
     kv.table_stride[i] = s[7];
   }
+  // ptrs[5], ptrs[6] (if set): a cache and a cos/sin table laid out like layer 0's, for every layer entry past the
+  // last (eps 1e-6, no norm weight), so that a tile resolved to a layer past the last writes there
+  for (int i = layers; ptrs[5] != nullptr && i < kMaxLayers; ++i) {
+    for (int kind = 0; kind < 2; ++kind) {
+      kv.cache[kind][i] = const_cast<void*>(ptrs[5]);
+      kv.slot_stride[kind][i] = kv.slot_stride[0][0];
+      kv.head_stride[kind][i] = kv.head_stride[0][0];
+    }
+    kv.eps[i] = 1e-6f;
+    kv.cos_sin[i] = static_cast<const float*>(ptrs[6]);
+    kv.table_stride[i] = kv.table_stride[0];
+  }
   kv.has_norm = ints[8];
   kv.rotary_dim = ints[9];
   kv.neox = ints[10];
@@ -189,9 +202,9 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers, split, static_cast<int>(longs[9])};
   const int variant = static_cast<int>(longs[8]);
   if (bf16) {
-    dispatch<__nv_bfloat16>(path, split, variant, args, h);
+    dispatch<__nv_bfloat16>(path, split, variant, static_cast<int>(longs[10]), args, h);
   } else {
-    dispatch<__half>(path, split, variant, args, h);
+    dispatch<__half>(path, split, variant, static_cast<int>(longs[10]), args, h);
   }
 }
 """
@@ -275,10 +288,22 @@ def _case(spec: Spec, seed: int) -> dict:
 PATHS = {"heads": 0, "fused": 1, "stream": 2}
 
 
-def _emulate(emu, a: dict, *, kernel: str, split: int = 1, per_unit: int = 4, ctas: int = 1, variant: int = 0) -> None:
+def _emulate(
+    emu,
+    a: dict,
+    *,
+    kernel: str,
+    split: int = 1,
+    per_unit: int = 4,
+    ctas: int = 1,
+    variant: int = 0,
+    grid: int = 1,
+    past_last: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Run the fused tile kernel or the streaming kernel (variant `variant`; both in clusters of `split` CTAs) or,
     with the projections of the GEMM path rounded to x's dtype, the heads kernel (up to `per_unit` heads per unit,
-    at most `ctas` CTAs of persistent warps)."""
+    at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has tiles;
+    `past_last` (a cache laid out like layer 0's, a cos/sin table) fills the table entries past the last layer."""
     fused = kernel != "heads"
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
     keep = []  # tensors whose pointers the driver reads
@@ -354,8 +379,10 @@ def _emulate(emu, a: dict, *, kernel: str, split: int = 1, per_unit: int = 4, ct
         int(a.get("wrap_negative", False)),
         variant,
         ctas,
+        grid,
     ]
-    ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), None, None, None, *per_layer]
+    extra = [ptr(t) for t in past_last] if past_last is not None else [None, None]
+    ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), *extra, None, *per_layer]
     eps = a["k_norm_eps"] or [0.0] * layers
     emu.emu_kv_write(
         (ctypes.c_int * len(ints))(*ints),
@@ -527,3 +554,17 @@ def test_wrap_negative_counts_from_the_end(emu, kernel):
             a["positions"][2] -= 40
 
     _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
+
+
+def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
+    """The code GPUs other than sm_90 run (the portable PTX) has no clusters: each CTA is a cluster of one, numbered
+    by its block index, so a launch with a split would give tiles past the last head. Here twice as many clusters of
+    one CTA as there are heads; the tables' entries past the last layer point to a cache poisoned with 12.5 and a real
+    cos/sin table. A tile past the last head must return before resolving them: that cache keeps every poison bit
+    and the real caches match the reference (before, such tiles wrote zeros into the cache of 'layer' 2 and 3)."""
+    spec = Spec(tokens=6, heads=2, head_dim=64)
+    cache = torch.full((spec.slots, spec.heads, spec.head_dim + 8), 12.5, dtype=spec.dtype)[:, :, : spec.head_dim]
+    before = _bits(cache.clone())
+    table = torch.randn(40, spec.rot, generator=torch.Generator().manual_seed(7))
+    _check(emu, spec, kernel="fused", grid=2, past_last=(cache, table))
+    assert torch.equal(_bits(cache), before), "a tile past the last head wrote"

@@ -31,7 +31,11 @@ that keeps rows 16-byte aligned qualifies). (b) written straight into its column
 tokens, bf16/fp16 row ranges without bias that share their row count and row stride are one `cublasGemmBatchedEx`
 (one launch for the group instead of one GEMM each: the DSpark KV group of 5 layers at 64 tokens takes 29 instead
 of 53 µs); its per-GEMM pointers are written to a small device tensor by a one-block kernel from a by-value kernel
-parameter, so there is still no host sync and no state between calls. The rule is `kernel_pays` in
+parameter, so there is still no host sync and no state between calls. cuBLAS cannot check pointers it reads from
+device memory and assumes them aligned, so a range is batched only if its weight rows and its output column block
+start 16-byte aligned with row strides of a multiple of 8 elements (a row count before it or an output width that
+is not a multiple of 8 keeps it out), and the batched GEMMs read `x` only if it is aligned so too, else a contiguous
+copy (none when K % 8 != 0: then nothing is batched). The rule is `kernel_pays` in
 `csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
 `cublas_batches(tokens, row_counts)` evaluate it. The kernel itself handles up to 64 tokens
 (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS path, batched or one GEMM
@@ -45,7 +49,9 @@ contiguous copy of `x` (T x K, small).
 
 The kernel (see the header of `csrc/linear/multi_linear_kernels.cuh`): tensor-core `mma.sync` with the weight rows
 as the M dimension, tiles of 16-128 concatenated output rows, the K dimension split over the warps of a CTA and over
-the CTAs of a thread-block cluster (split-K reduced through distributed shared memory), each weight byte read once
+the CTAs of a thread-block cluster (split-K reduced through distributed shared memory; clusters and programmatic
+dependent launch only on sm_90, the GPU that runs the library's sm_90a code: others run its portable PTX, which has
+neither, so they get one CTA per tile and stream-ordered launches), each weight byte read once
 from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
 ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
 inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
@@ -56,10 +62,11 @@ T in compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
-automatic), for any T up to 64, and raises `ValueError` where the kernel cannot run.
+automatic; above 1 only on sm_90), for any T up to 64, and raises `ValueError` where the kernel cannot run.
 """
 
 import ctypes
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -189,8 +196,9 @@ def kernel_token_threshold() -> int:
 
 def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
-    of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout and one row stride per row count
-    (the rule of `kernel_pays` in the binding)."""
+    of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout (x and weight rows 16-byte aligned,
+    row strides multiples of 8 elements) and one row stride per row count (the rule of `kernel_pays` in the
+    binding)."""
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -202,14 +210,24 @@ def batched_max_tokens() -> int:
     return int(_native().dspark_multi_linear_batched_max_tokens())
 
 
+def _batchable(tokens: int, runs: Sequence[int]) -> list[int]:
+    """The row counts of the non-empty ranges `runs` that the cuBLAS path may batch: none above the batching limit
+    or when the output's width is not a multiple of 8, else those whose output column block starts at a multiple of 8
+    (16-byte aligned for bf16/fp16)."""
+    if tokens > batched_max_tokens() or sum(runs) % 8:
+        return []
+    return [c for c, col in zip(runs, itertools.accumulate(runs, initial=0), strict=False) if col % 8 == 0]
+
+
 def _all_batched(tokens: int, runs: Sequence[int]) -> bool:
-    return tokens <= batched_max_tokens() and all(runs.count(c) >= 2 for c in runs)
+    batchable = _batchable(tokens, runs)
+    return len(batchable) == len(runs) and all(batchable.count(c) >= 2 for c in batchable)
 
 
 def cublas_batches(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op's cuBLAS path batches some of these row ranges (same assumptions as `uses_kernel`)."""
-    runs = [c for c in row_counts if c > 0]
-    return tokens <= batched_max_tokens() and any(runs.count(c) >= 2 for c in runs)
+    batchable = _batchable(tokens, [c for c in row_counts if c > 0])
+    return any(batchable.count(c) >= 2 for c in batchable)
 
 
 def kernel_variants() -> list[KernelVariant]:

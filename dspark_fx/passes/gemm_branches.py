@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-import custom_ops  # noqa: F401  (registers dspark::multi_linear)
+import custom_ops  # registers dspark::multi_linear
 from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import Rejection
@@ -135,6 +135,8 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     x_val, out_val = tensor_val(x), tensor_val(node)
     if x_val is None or out_val is None or not isinstance(w_t, fx.Node):
         return "operands carry no tensor metadata"
+    if x_val.device.type == "cuda" and (problem := custom_ops._build.cuda_library_problem()):
+        return problem  # the op on CUDA tensors would raise BuildError at its first call
     if reads_storage_layout(node):
         return "output is read through as_strided or a dtype view (depends on its storage layout)"
     if (w_t.target is aten.permute.default and list(w_t.args[1]) == [1, 0]) or w_t.target is aten.t.default:

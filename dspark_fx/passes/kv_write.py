@@ -827,11 +827,14 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
 
 @functools.cache
 def has_cuda_kernel() -> bool:
-    """A CUDA kernel of the op is registered, or its first-use entry is and the CUDA sources define the op."""
+    """A CUDA kernel of the op is registered, or its first-use entry is, the CUDA sources define the op and the
+    library can be built here (`cuda_library_problem`)."""
     name = "dspark::multi_linear_kv_write"
     if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"):
         return True
     if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
+        return False
+    if custom_ops._build.cuda_library_problem():
         return False
     csrc = Path(custom_ops.__file__).parent / "csrc"
     return any("multi_linear_kv_write" in path.read_text() for path in csrc.rglob("*.c*"))
@@ -842,7 +845,12 @@ def kernel_mismatch(x_val: torch.Tensor, head_dim: int, caches: list[torch.Tenso
     if x_val.device.type != "cuda":
         return f"the tensors are on {x_val.device.type}"
     if not has_cuda_kernel():
-        return "this build of custom_ops has no CUDA kernel of the op"
+        problem = custom_ops._build.cuda_library_problem()
+        return (
+            f"no CUDA kernel of the op can run: {problem}"
+            if problem
+            else "this build of custom_ops has no CUDA kernel of the op"
+        )
     if x_val.dtype not in (torch.bfloat16, torch.float16):
         return f"the activation is {x_val.dtype}, not bf16/fp16"
     if not isinstance(x_val.shape[1], int) or x_val.shape[1] % 8:

@@ -126,8 +126,9 @@ int device_attribute(cudaDeviceAttr attr, const at::Tensor& on) {
   return value;
 }
 
-// Launches with programmatic dependent launch allowed (sm_90+): every kernel in dsv4_compress_kernels.cuh waits
-// for the previous kernel's memory (pdl_wait) before its first global access, so only the launch latency overlaps.
+// Launches with programmatic dependent launch allowed where the GPU runs the sm_90a code (sync_launch): every kernel
+// in dsv4_compress_kernels.cuh waits for the previous kernel's memory (pdl_wait) before its first global access, so
+// only the launch latency overlaps.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, const at::Tensor& state, Args... args) {
   if (blocks == 0) return;
@@ -140,7 +141,8 @@ void launch(void (*kernel)(Params...), int64_t blocks, int threads, const at::Te
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = c10::cuda::getCurrentCUDAStream(state.device().index());
   config.attrs = &pdl;
-  config.numAttrs = device_attribute(cudaDevAttrComputeCapabilityMajor, state) >= 9 ? 1 : 0;
+  config.numAttrs = sync_launch(device_attribute(cudaDevAttrComputeCapabilityMajor, state),
+                                device_attribute(cudaDevAttrComputeCapabilityMinor, state)) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 

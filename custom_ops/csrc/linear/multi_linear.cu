@@ -123,20 +123,39 @@ __global__ void fill_pointer_table(const __grid_constant__ PointerTable t, const
   }
 }
 
-// The runs cuBLAS can batch: 16-bit dtype, no bias, unit inner stride, a row stride cuBLAS accepts (>= K).
-bool batchable(const at::Tensor& x, const Run& r) {
-  return x.scalar_type() != at::kFloat && r.bias == nullptr && r.unit_inner && r.weight_stride >= x.size(1);
+// cuBLAS reads the batched GEMM's matrix pointers from device memory, so it cannot check them, and picks kernels that
+// assume every matrix starts 16-byte aligned with rows a multiple of 16 bytes apart: on the H200 (bf16, T = 16,
+// K = 4096) an activation 2 bytes off returned success and a max error of 4.48 against 0.031 aligned. Every matrix
+// handed to it must be `batch_aligned` (the leading dimension in elements of `esize` bytes).
+bool batch_aligned(const void* p, int64_t ld, int64_t esize) { return aligned16(p) && (ld * esize) % 16 == 0; }
+
+// The activation the batched GEMMs read (B of every GEMM): x itself when cuBLAS accepts it (unit inner stride, a row
+// stride >= K, batch-aligned), else a contiguous copy (T x K, small; batch-aligned when K % 8 == 0).
+bool x_batch_ready(const at::Tensor& x) {
+  return x.stride(1) == 1 && x.stride(0) >= x.size(1) &&
+         batch_aligned(x.data_ptr(), x.stride(0), static_cast<int64_t>(x.element_size()));
+}
+
+// The runs cuBLAS can batch: 16-bit dtype, no bias, unit inner stride, a row stride cuBLAS accepts (>= K), and the
+// run's weight rows (A) and output column block (C: column `col` of the op's fresh, aligned output of `out_ld`
+// columns) batch-aligned.
+bool batchable(const at::Tensor& x, const Run& r, int64_t out_ld) {
+  const int64_t esize = static_cast<int64_t>(x.element_size());
+  return x.scalar_type() != at::kFloat && r.bias == nullptr && r.unit_inner && r.weight_stride >= x.size(1) &&
+         batch_aligned(r.weight, r.weight_stride, esize) && (r.col * esize) % 16 == 0 && (out_ld * esize) % 16 == 0;
 }
 
 using Shape = std::pair<int64_t, int64_t>;  // (rows, row stride): runs of one shape share a batched GEMM
 
-// The batchable runs by shape (none above kBatchedMaxTokens tokens); `single` gets the others.
+// The batchable runs by shape (none above kBatchedMaxTokens tokens, nor when x and its contiguous copy would both be
+// misaligned); `single` gets the others.
 std::map<Shape, std::vector<const Run*>> batches(const at::Tensor& x, const std::vector<Run>& runs,
                                                  std::vector<Run>* single) {
   std::map<Shape, std::vector<const Run*>> shapes;
-  const bool batching = x.size(0) <= kBatchedMaxTokens;
+  const bool batching = x.size(0) <= kBatchedMaxTokens && (x_batch_ready(x) || x.size(1) % 8 == 0);
+  const int64_t out_ld = runs.empty() ? 0 : runs.back().col + runs.back().rows;  // the output's columns
   for (const Run& r : runs) {
-    if (batching && batchable(x, r)) {
+    if (batching && batchable(x, r, out_ld)) {
       shapes[{r.rows, r.weight_stride}].push_back(&r);
     } else if (single != nullptr) {
       single->push_back(r);
@@ -193,7 +212,7 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
     return;
   }
   const std::map<Shape, std::vector<const Run*>> shapes = batches(x, runs, &single);
-  // x for the batched GEMMs: unit inner stride and a row stride >= K (cuBLAS's ldb), else a contiguous copy.
+  // x for the batched GEMMs (x_batch_ready), else a copy: clone, since contiguous() keeps a misaligned contiguous x.
   at::Tensor xb;
   for (const auto& [shape, group] : shapes) {
     if (group.size() < 2) {
@@ -201,7 +220,7 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
       continue;
     }
     if (!xb.defined()) {
-      xb = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+      xb = x_batch_ready(x) ? x : x.clone(at::MemoryFormat::Contiguous);
     }
     for (size_t first = 0; first < group.size(); first += kMaxSegments) {
       const size_t n = std::min<size_t>(kMaxSegments, group.size() - first);
@@ -216,13 +235,15 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
 }
 
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
-// variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split).
+// variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split where the GPU runs clusters,
+// else 1).
 template <typename T>
 void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& out, int variant, int split) {
   const int tokens = static_cast<int>(x.size(0));
   const int k = static_cast<int>(x.size(1));
   const int64_t esize = static_cast<int64_t>(x.element_size());
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
+  const bool syncs = syncs_on(x.device());
   for (size_t first = 0; first < runs.size(); first += kMaxSegments) {
     const size_t count = std::min<size_t>(kMaxSegments, runs.size() - first);
     Params p{};
@@ -245,7 +266,7 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
     }
     const int vi = variant >= 0 ? variant : default_variant(rows, k, sm_count);
     const Variant& v = kVariants[vi];
-    const int s = split > 0 ? split : auto_split(v, rows, k, sm_count);
+    const int s = split > 0 ? split : syncs ? auto_split(v, rows, k, sm_count) : 1;
     const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
     launch(kernel_for<T>(vi, tokens), p, tiles * s, cta_threads(v), smem_bytes(v, token_tiles(tokens)), s, x.device());
   }
@@ -305,6 +326,9 @@ at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at:
                     num(kNumVariants), "), got ", num(variant));
   TORCH_CHECK_VALUE(split >= 0 && split <= kMaxSplit, "_multi_linear_variant: split must be in [0, ", num(kMaxSplit),
                     "], got ", num(split));
+  TORCH_CHECK_VALUE(split <= 1 || syncs_on(x.device()), "_multi_linear_variant: split ", num(split),
+                    " needs thread-block clusters, which the kernel has only on sm_90 (its sm_90a code); this GPU "
+                    "runs its portable PTX: use split 0 or 1");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
   if (out.numel() == 0) return out;

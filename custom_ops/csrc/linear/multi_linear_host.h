@@ -157,11 +157,20 @@ inline at::Tensor kernel_activation(const at::Tensor& x) {
   return ok ? x : x.clone(at::MemoryFormat::Contiguous);
 }
 
-// Programmatic dependent launch (the host only runs the kernel on sm_90+) and a cluster of `split` CTAs per tile,
-// also for split 1, so the kernel's cluster registers always describe a real cluster launch.
+// Whether launches on `device` may ask for programmatic dependent launch and clusters (sync_launch, common/pdl.cuh).
+inline bool syncs_on(const at::Device& device) {
+  return sync_launch(device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                     device_attribute(cudaDevAttrComputeCapabilityMinor, device));
+}
+
+// Where the GPU runs the sm_90a code (syncs_on): programmatic dependent launch and a cluster of `split` CTAs per tile,
+// also for split 1, so the kernel's cluster registers always describe a real cluster launch. Elsewhere a plain launch
+// of one CTA per tile (split must be 1): the kernel's PTX there has no cluster and no dependency wait.
 template <typename Args>
 inline void launch(void (*kernel)(Args), const Args& p, int64_t blocks, int threads, int smem, int split,
                    const at::Device& device) {
+  const bool syncs = syncs_on(device);
+  TORCH_INTERNAL_ASSERT(split == 1 || syncs, "a cluster split needs the sm_90a code");
   cudaLaunchAttribute attrs[2] = {};
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = 1;
@@ -178,7 +187,7 @@ inline void launch(void (*kernel)(Args), const Args& p, int64_t blocks, int thre
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = attrs;
-  config.numAttrs = 2;
+  config.numAttrs = syncs ? 2 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 

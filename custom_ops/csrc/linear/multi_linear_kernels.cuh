@@ -497,6 +497,10 @@ __global__ void __launch_bounds__(32 * WR * WK)
   const int group = lane / 4, quad = lane % 4;
   const int64_t total_rows = p.segment_end[p.num_segments - 1];
   const int64_t row0 = static_cast<int64_t>(cluster.id) * kRows;
+  // A tile past the last row has no work: it returns before forming any pointer from its rows (an epilogue would
+  // resolve them to a layer past the last). The host launches none, but in the code a GPU runs without clusters (the
+  // portable PTX: every CTA is a cluster of one, numbered by blockIdx.x) a split launch's CTAs are tiles of their own.
+  if (row0 >= total_rows) return;
 
   LaneSources<T, MT, NT> src;
 #pragma unroll

@@ -425,7 +425,9 @@ Projection projection(const Call& c, size_t first, size_t count) {
 template <typename T, int V, int NT>
 void launch_fused_instance(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
   constexpr Variant v = fused_variant(V);
-  const int split = auto_split(v, rows, args.gemm.k, device_attribute(cudaDevAttrMultiProcessorCount, device));
+  const int split = syncs_on(device) ? auto_split(v, rows, args.gemm.k,
+                                                 device_attribute(cudaDevAttrMultiProcessorCount, device))
+                                      : 1;
   const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
   launch(&multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>, args,
          tiles * split, cta_threads(v), smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT), split, device);
@@ -508,7 +510,7 @@ void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, 
   config.dynamicSmemBytes = heads_smem_bytes();
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
-  config.numAttrs = 1;
+  config.numAttrs = syncs_on(device) ? 1 : 0;  // the kernel's dependency wait exists only in its sm_90a code
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, kLanes>, kv,
                                     static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
                                     layers, per_unit));
