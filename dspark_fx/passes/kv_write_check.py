@@ -193,6 +193,8 @@ class _Evaluation:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt):
             return self._size(val)
+        if isinstance(val, (bool, int, float)):
+            return val
         if not isinstance(val, torch.Tensor):
             raise _Unevaluable(f"{node.name} ({node.op}) holds no tensor or size")
         shape = self._shape(node)
