@@ -408,6 +408,113 @@ def describe(spec: ModelSpec) -> str:
     return "\n".join(lines)
 
 
+# ---- KV writes through casts: fake quantization and dtype round trips ---------------------------------------------
+
+CAST_KINDS = ("fp8", "fp16", "bf16", "widen")  # seed % 4 picks one, so every kind shows in a few seeds
+CAST_AT = ("heads", "normed", "k", "v")
+
+
+@dataclass(frozen=True)
+class CastSpec:
+    """A `CastKVModel`: `layers` layers writing K (projection, RMSNorm, neox RoPE) and V into caches, with the
+    round trip `kind` at `at`: K after the heads view ("heads"), after the norm ("normed"), the K written ("k") or
+    the V written ("v"). "fp8": through float8_e4m3fn (bf16 model); "fp16": through fp16 (bf16 model; every other
+    such seed scales the activation by 1e6: values beyond fp16's range, inf and NaN in eager); "bf16": fp32 -> bf16
+    -> fp32 (fp32 model); "widen": through fp32 and fp64 (a round trip that rounds nothing)."""
+
+    seed: int
+    kind: str
+    at: str
+    dtype: torch.dtype
+    layers: int
+    heads: int
+    head_dim: int
+    scale: float
+
+
+def draw_cast_spec(seed: int) -> CastSpec:
+    rng = random.Random(seed)
+    kind = CAST_KINDS[seed % len(CAST_KINDS)]
+    dtype = torch.float32 if kind == "bf16" or (kind == "widen" and rng.random() < 0.5) else torch.bfloat16
+    at, scale = rng.choice(CAST_AT), 1.0
+    if kind == "fp16" and seed % 8 == 1:  # before the norm or on V, values beyond fp16's range: inf, NaN in eager
+        at, scale = rng.choice(("heads", "v")), 1e6
+    return CastSpec(
+        seed,
+        kind,
+        at,
+        dtype,
+        layers=rng.choice((1, 2, 3)),
+        heads=rng.choice((1, 2)),
+        head_dim=rng.choice((8, 16)),
+        scale=scale,
+    )
+
+
+class CastKVModel(nn.Module):
+    """The model of a `CastSpec`; `forward(x, positions, loc)` writes every layer's K and V at `loc`."""
+
+    def __init__(self, spec: CastSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        kv = spec.heads * spec.head_dim
+        self.projs = nn.ModuleList(nn.Linear(HIDDEN, 2 * kv, bias=i % 2 == 1) for i in range(spec.layers))
+        self.norms = nn.ParameterList(nn.Parameter(torch.rand(spec.head_dim) + 0.5) for _ in range(spec.layers))
+        self.register_buffer("cos_sin", rope_cos_sin_table(MAX_POSITION, spec.head_dim, 1e4))
+        for i in range(spec.layers):
+            for kind in "kv":
+                self.register_buffer(f"{kind}_cache_{i}", torch.randn(SLOTS, spec.heads, spec.head_dim))
+        self.to(spec.dtype)
+        self.cos_sin = self.cos_sin.float()
+
+    def _cast(self, at: str, t: torch.Tensor) -> torch.Tensor:
+        if at != self.spec.at:
+            return t
+        through = {
+            "fp8": (torch.float8_e4m3fn,),
+            "fp16": (torch.float16,),
+            "bf16": (torch.bfloat16,),
+            "widen": (torch.float32, torch.float64),
+        }[self.spec.kind]
+        out = t
+        for dtype in through:
+            out = out.to(dtype)
+        return out.to(t.dtype)
+
+    def forward(self, x, positions, loc):
+        s = self.spec
+        x = x * s.scale
+        kv = s.heads * s.head_dim
+        for i, (proj, norm_w) in enumerate(zip(self.projs, self.norms, strict=True)):
+            k, v = proj(x).split([kv, kv], dim=-1)
+            k = self._cast("heads", k.view(-1, s.heads, s.head_dim))
+            h = k.float()
+            k = norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(k.dtype)
+            k = apply_rope(self._cast("normed", k), self.cos_sin[positions], "neox")
+            getattr(self, f"k_cache_{i}")[loc] = self._cast("k", k)
+            getattr(self, f"v_cache_{i}")[loc] = self._cast("v", v.view(-1, s.heads, s.head_dim))
+
+    def caches(self) -> list[torch.Tensor]:
+        return [b for name, b in self.named_buffers() if "cache" in name]
+
+
+def cast_inputs(spec: CastSpec, tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """`(x, positions, loc)` for `tokens` rows (distinct slots)."""
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + seed * 10 + tokens)
+    return (
+        torch.randn(tokens, HIDDEN, generator=gen).to(spec.dtype),
+        torch.randint(0, MAX_POSITION, (tokens,), generator=gen),
+        torch.randperm(SLOTS, generator=gen)[:tokens],
+    )
+
+
+def make_cast_case(seed: int) -> CastKVModel:
+    spec = draw_cast_spec(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return CastKVModel(spec)
+
+
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
         print(describe(draw_spec(int(arg))))

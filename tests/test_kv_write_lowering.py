@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import draft_inputs, eager_and_compiled, small_config
-from hf_models import HF_WRITES, HFStyleKVWriter
+from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
 
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
-from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
+from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
 
 ALWAYS = DsparkConfig(kv_write_op="always")
 OP = "dspark.multi_linear_kv_write"
@@ -494,3 +494,199 @@ def test_auto_lowers_only_where_the_cuda_kernel_runs(monkeypatch, x, head_dim, c
     monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: False)
     if device == "cuda":
         assert "no CUDA kernel" in kv_write.kernel_mismatch(x_val, head_dim, [c])
+
+
+# ---- casts, the op's checks and the numeric self-check -------------------------------------------------------------
+
+
+class _CastWriter(HFStyleKVWriter):
+    """`HFStyleKVWriter` ("index_put") with `cast` applied at `where`: to K after the heads view ("heads", before the
+    norm), to the K value written ("k") or to V ("v"); the activation is `x * scale`."""
+
+    def __init__(self, cast, where, scale=1.0):
+        super().__init__("index_put")
+        self.cast, self.where, self.scale = cast, where, scale
+
+    def _at(self, where, t):
+        return self.cast(t) if where == self.where else t
+
+    def forward(self, x, positions, loc):
+        x = x * self.scale
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            shape = (x.shape[0], layer.kv_heads, layer.head_dim)
+            k = layer.k_norm(self._at("heads", layer.k_proj(x).view(shape)))
+            k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
+            getattr(self, f"k_cache_{i}")[loc] = self._at("k", k)
+            getattr(self, f"v_cache_{i}")[loc] = self._at("v", layer.v_proj(x).view(shape))
+
+
+def _round_trip(*dtypes):
+    def cast(t):
+        out = t
+        for dtype in dtypes:
+            out = out.to(dtype)
+        return out.to(t.dtype)
+
+    return cast
+
+
+def _cast_run(model, dtype):
+    """Eager vs compiled (always lowering) caches of a `_CastWriter`, non-finite values included; returns the
+    capture and the eager caches."""
+    torch._dynamo.reset()
+    model = model.to(dtype)
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(compiled_model, backend=capture)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tokens in (6, 11):
+            x = torch.randn(tokens, 64, generator=gen).to(dtype)
+            positions = torch.randint(0, 4096, (tokens,), generator=gen)
+            loc = torch.randperm(64, generator=gen)[:tokens]
+            model(x, positions, loc)
+            compiled(x, positions, loc)
+            tol = TOLERANCES[dtype]
+            for got, want in zip(compiled_model.caches(), model.caches(), strict=True):
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
+    return capture, model.caches()
+
+
+@pytest.mark.parametrize("where", ["k", "heads", "v"])
+def test_fp8_fake_quantized_branch_keeps_todays_path(where):
+    """`k.to(float8_e4m3fn).to(bfloat16)` rounds K to fp8 in eager; the op would not: not lowered, the cast named."""
+    capture, _ = _cast_run(_CastWriter(_round_trip(torch.float8_e4m3fn), where), torch.bfloat16)
+    why = _kept(capture)
+    assert "casts torch.bfloat16 to torch.float8_e4m3fn, a rounding the op does not make" in why, why
+
+
+@pytest.mark.parametrize("where", ["heads", "v"])
+def test_fp16_round_trip_that_overflows_keeps_eagers_non_finite_values(where):
+    """bf16 -> fp16 -> bf16 of values beyond fp16's range gives inf (and NaN after the norm) in eager; the op
+    computes in fp32 and would write finite values: not lowered, and the caches hold what eager holds."""
+    capture, caches = _cast_run(_CastWriter(_round_trip(torch.float16), where, scale=1e6), torch.bfloat16)
+    assert any(not c.isfinite().all() for c in caches), "the case must overflow fp16 in eager"
+    assert "casts torch.bfloat16 to torch.float16" in _kept(capture)
+
+
+def test_narrowing_round_trip_in_an_fp32_model_keeps_todays_path():
+    """fp32 -> bf16 -> fp32 in an fp32 model rounds to bf16 (not the model dtype): not lowered."""
+    capture, _ = _cast_run(_CastWriter(_round_trip(torch.bfloat16), "heads"), torch.float32)
+    assert "casts torch.float32 to torch.bfloat16" in _kept(capture)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cast"),
+    [
+        (torch.bfloat16, _round_trip(torch.float32)),  # bf16 -> fp32 -> bf16: rounds nothing
+        (torch.bfloat16, _round_trip(torch.float32, torch.float64)),
+        (torch.float16, _round_trip(torch.float32)),
+        (torch.float32, _round_trip(torch.float64)),
+    ],
+    ids=["bf16-fp32", "bf16-fp32-fp64", "fp16-fp32", "fp32-fp64"],
+)
+@pytest.mark.parametrize("where", ["k", "heads", "v"])
+def test_widening_casts_still_lower(dtype, cast, where):
+    capture, _ = _cast_run(_CastWriter(cast, where), dtype)
+    _assert_lowered(capture, 4)
+
+
+def test_numeric_self_check_refuses_a_wrong_eps(monkeypatch):
+    """A proof that reads a wrong eps (only the fp64 self-check can tell): not lowered, eager results."""
+    from dspark_fx.passes import kv_write
+
+    norm_core = kv_write._norm_core
+
+    def wrong_eps(*args):
+        core = norm_core(*args)
+        return None if core is None else (core[0], core[1] * 10)
+
+    monkeypatch.setattr(kv_write, "_norm_core", wrong_eps)
+    torch._dynamo.reset()
+    capture = CaptureBackend(ALWAYS)
+    for eager, compiled in eager_and_compiled(small_config(norm="rms_norm"), capture):
+        assert_close_for_dtype(compiled, eager)
+    why = _kept(capture)
+    assert "the numeric self-check refuses it: on random fp64 inputs layer 0's K" in why, why
+    assert "differs from the op's formula" in why
+
+
+def test_numeric_self_check_refuses_a_wrong_rope_style(monkeypatch):
+    from dspark_fx.passes import kv_write
+
+    rope_of = kv_write._rope_of
+
+    def flipped(lin, d):
+        rope = rope_of(lin, d)
+        return None if rope is None else dataclasses.replace(rope, neox=not rope.neox)
+
+    monkeypatch.setattr(kv_write, "_rope_of", flipped)
+    capture = _hf_run(HFStyleKVWriter("index_put"), torch.float32)
+    assert "the numeric self-check refuses it" in _kept(capture)
+
+
+def test_emitted_op_gets_its_value_from_the_fake_impl(monkeypatch):
+    """The op node's `meta["val"]` comes from running the op's fake impl (its checks) on the operands' fake values
+    (`None`: the op returns nothing)."""
+    from custom_ops.linear import multi_linear_kv_write as op_module
+
+    checked = []
+    check_args = op_module._check_args
+
+    def spy(*args, **kwargs):
+        checked.append(args[0])
+        return check_args(*args, **kwargs)
+
+    monkeypatch.setattr(op_module, "_check_args", spy)
+    capture = _hf_run(HFStyleKVWriter("index_copy"), torch.float32, tokens_list=(6,))
+    node = _op_node(capture.after[-1])
+    assert "val" in node.meta and node.meta["val"] is None
+    assert any(x is node.args[0].meta["val"] for x in checked), "the fake impl did not run on the node's operands"
+
+
+def test_operands_the_op_refuses_keep_todays_path():
+    """A negative k_norm eps is fine for eager `rsqrt(mean + eps)` but not for the op (its checks raise): the fake
+    impl refuses it at compile time, so the graph keeps today's path instead of raising at run time."""
+    capture = _hf_run(HFStyleKVWriter("index_put", eps=-1e-7), torch.float32)
+    why = _kept(capture)
+    assert "the op's fake impl refuses the operands: multi_linear_kv_write: k_norm_eps[0] must be finite" in why, why
+
+
+@pytest.mark.parametrize("norm_stride", [1, 2], ids=["contiguous", "strided"])
+def test_cuda_binding_rules_are_checked_at_compile_time(monkeypatch, norm_stride):
+    """The graph of a CPU compile, its values made fake CUDA tensors (no GPU needed): a k_norm weight with stride 2,
+    which the CUDA binding refuses, keeps today's path with the binding's reason; a contiguous one lowers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    from dspark_fx.passes import kv_write
+    from dspark_fx.passes.horizontal import fuse_kv_branches
+
+    monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: True)
+    torch._dynamo.reset()
+    capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
+    eager_and_compiled(small_config(dtype=torch.bfloat16, norm="rms_norm"), capture)
+    graph = capture.before[-1]
+    head_dim = small_config().head_dim
+
+    def on_cuda(node, v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        stride = v.stride()
+        if node.op == "placeholder" and tuple(v.shape) == (head_dim,):  # a k_norm weight
+            stride = (norm_stride,)
+        return torch.empty_strided(v.shape, stride, dtype=v.dtype, device="cuda")
+
+    with FakeTensorMode():
+        for node in graph.nodes:
+            node.meta["val"] = tree_map(lambda v, node=node: on_cuda(node, v), node.meta.get("val"))
+    report = fuse_kv_branches(graph, ALWAYS, None)
+    if norm_stride == 1:
+        assert len(report.kv_writes) == 1, str(report)
+    else:
+        assert not report.kv_writes
+        (why,) = report.kv_kept
+        assert "the op's fake impl refuses the operands" in why and "must be contiguous on CUDA" in why, why

@@ -24,6 +24,8 @@ from helpers import draft_inputs, small_config
 from multi_linear_cases import (
     BAD,
     BAD_CASES,
+    CUDA_ONLY,
+    CUDA_ONLY_CASES,
     Case,
     Spec,
     bits,
@@ -38,6 +40,8 @@ from multi_linear_cases import (
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_map
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
 from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
@@ -474,6 +478,45 @@ def test_fake_impl_reads_no_index_values():
     case.args["positions"][1] = -1
     with FakeTensorMode() as mode:
         op(*_fake_args(case.args, mode).values())
+
+
+def _on_fake_cuda(args: dict) -> dict:
+    """`args` as fake CUDA tensors (under an active FakeTensorMode; no GPU needed): same shapes, strides, storage
+    offsets and storage sharing (the caches of one buffer stay views of one fake buffer)."""
+    buffers = {}
+
+    def convert(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        key = (StorageWeakRef(t.untyped_storage()), t.dtype)
+        if key not in buffers:
+            buffers[key] = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device="cuda")
+        return buffers[key].as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return tree_map(convert, args)
+
+
+@pytest.mark.parametrize("case", CUDA_ONLY_CASES, ids=[c[0] for c in CUDA_ONLY_CASES])
+def test_fake_impl_on_cuda_raises_the_bindings_layout_errors(case):
+    """On CUDA tensors the fake impl runs the CUDA binding's layout rules too (`_check_cuda_layout`), so a compiled
+    graph (and `dspark_fx`, which emits the op through its fake impl) refuses at compile time what the binding would
+    refuse at run time."""
+    _, spec, change, error, name = case
+    cpu = make_case(spec)
+    if change is not None:
+        cpu.args.update(change(cpu.args))
+    with FakeTensorMode():
+        args = _on_fake_cuda(cpu.args)
+        with pytest.raises(error) as info:
+            op(*args.values())
+    message = str(info.value).splitlines()[0]
+    assert message.startswith("multi_linear_kv_write: ") and re.search(rf"(?<![\w\[]){name}(?![\w])", message), message
+    assert "on CUDA" in message
+
+
+def test_fake_impl_on_cuda_accepts_what_the_binding_runs():
+    with FakeTensorMode():
+        op(*_on_fake_cuda(make_case(CUDA_ONLY).args).values())
 
 
 # ---------------------------------------------------------------------------------------------- opcheck, compile

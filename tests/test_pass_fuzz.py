@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from fuzz_models import describe, make_case, update_weights
+from fuzz_models import cast_inputs, describe, make_case, make_cast_case, update_weights
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from dspark_fx import DsparkConfig
 from dspark_fx.passes.batching import RULE_CHECK
 from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype
 
@@ -119,3 +120,33 @@ def test_fuzz_exercises_the_fusion():
     )  # fmt: skip
     missing = [op for op in kinds if not ops[op]]
     assert not missing, f"no model batched {missing}; batched: {dict(ops)}"
+
+
+# ---- KV writes through casts -----------------------------------------------------------------------------------------
+
+CAST_SEEDS = range(FIRST_SEED, FIRST_SEED + max(8, N_MODELS // 4))
+ROUNDING = ("fp8", "fp16", "bf16")  # casts that round where the op would not: never lowered
+
+
+@pytest.mark.parametrize("seed", CAST_SEEDS)
+def test_kv_writes_through_casts_match_eager(seed):
+    """A fake quantization or a dtype round trip in the K/V branch, with the lowering forced on CPU
+    (`kv_write_op="always"`): the caches match eager (NaN and inf where eager has them), lowered or not, and a
+    rounding cast is never lowered."""
+    eager = make_cast_case(seed)
+    spec, model = eager.spec, copy.deepcopy(eager)
+    torch._dynamo.reset()
+    capture = CaptureBackend(DsparkConfig(kv_write_op="always"), inner=INNER)
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    tol = TOLERANCES[spec.dtype]
+    with torch.no_grad():
+        for step, tokens in enumerate((1, 5, 9)):
+            inputs = cast_inputs(spec, tokens, step)
+            eager(*inputs)
+            compiled(*inputs)
+            for got, want in zip(model.caches(), eager.caches(), strict=True):
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"{spec}: {m}")
+    report = capture.report
+    assert not any("unexpected" in why for why in report.kv_kept), report.kv_kept
+    if spec.kind in ROUNDING:
+        assert not report.kv_writes, f"{spec}: a rounding cast was lowered\n{report}"

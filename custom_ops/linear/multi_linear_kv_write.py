@@ -49,8 +49,11 @@ cache or any input (views of one buffer are fine when their elements are disjoin
 1-D without `commit_lens` or 2-D with it. Checked on storages, offsets and strides, never data pointers, so the fake
 impl raises the same errors under `torch.compile`. The CUDA binding adds what its kernel needs: bf16/fp16 `x`,
 `K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, caches with unit inner stride and 16-byte aligned `head_dim` rows
-(storage offset and slot / head strides multiples of 16 bytes); anything else raises `TypeError` (dtype) or
-`ValueError` there, naming the argument.
+(address and slot / head strides multiples of 16 bytes), contiguous `k_norm_weights`, `cos_sin_caches` with unit
+inner stride, fewer than 2^31 (token, layer, K or V, head) units per launch; anything else raises `TypeError`
+(dtype) or `ValueError` there, naming the argument. `_check_cuda_layout` states these rules in Python and the fake
+impl runs it on CUDA tensors, so a compiled graph that would raise in the binding raises at compile time instead
+(the address is judged from the storage offset, `custom_ops.checks.is_aligned`).
 
 Index values (the contract of every dspark op, docs/contract.md): a negative `cache_loc` entry skips the token (its
 K and V are not written); an entry `>= S`, or a position outside `[0, min_i P_i)` (a row of every table), raises
@@ -73,13 +76,14 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from custom_ops._library import register_op
-from custom_ops.checks import check_index_range, must_check_values
+from custom_ops.checks import check_index_range, is_aligned, must_check_values
 
-__all__ = ["multi_linear_kv_write_reference"]
+__all__ = ["layer_kv", "multi_linear_kv_write_reference"]
 
 _OP = "multi_linear_kv_write"
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
+_MAX_LAYERS_PER_LAUNCH = 32  # kMaxLayers of the CUDA kernels: layers per launch
 
 
 def _fail(message: str) -> ValueError:
@@ -378,19 +382,19 @@ def _written_tokens(cache_loc: torch.Tensor, commit_lens: torch.Tensor | None) -
 
 
 def _project(xs: torch.Tensor, w: torch.Tensor, start: int, b: torch.Tensor | None, kv: int) -> torch.Tensor:
-    """fp32 `xs [t, K] @ w[start : start + kv]ᵀ (+ b[start : start + kv])`."""
-    out = xs @ w[start : start + kv].float().t()
-    return out if b is None else out + b[start : start + kv].float()
+    """`xs [t, K] @ w[start : start + kv]ᵀ (+ b[start : start + kv])` in `xs`'s dtype."""
+    out = xs @ w[start : start + kv].to(xs.dtype).t()
+    return out if b is None else out + b[start : start + kv].to(xs.dtype)
 
 
 def rms_norm_heads(k: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm of every head of fp32 `k [t, heads, D]` over its D elements, times `weight [D]` if given (fp32)."""
+    """RMSNorm of every head of `k [t, heads, D]` over its D elements, times `weight [D]` if given, in `k`'s dtype."""
     k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + eps)
-    return k if weight is None else k * weight.float()
+    return k if weight is None else k * weight.to(k.dtype)
 
 
 def rope_rotate(k: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    """Rotate the first `R = cos_sin.shape[-1]` elements of every head of fp32 `k [T, heads, D]` by `cos_sin [T, R]`."""
+    """Rotate the first `R = cos_sin.shape[-1]` elements of every head of `k [T, heads, D]` by `cos_sin [T, R]`."""
     rot = cos_sin.shape[-1]
     cos, sin = cos_sin[:, None, : rot // 2], cos_sin[:, None, rot // 2 :]
     if is_neox:
@@ -452,21 +456,122 @@ def multi_linear_kv_write_reference(
     tokens, slots = _written_tokens(cache_loc, commit_lens)
     xs = x[tokens].float()
     pos = positions[tokens].long()
-    kv = num_kv_heads * head_dim
     for i in range(len(k_weights)):
-        k = _project(xs, k_weights[i], k_row_starts[i], k_biases[i], kv).view(-1, num_kv_heads, head_dim)
-        v = _project(xs, v_weights[i], v_row_starts[i], v_biases[i], kv).view(-1, num_kv_heads, head_dim)
-        if k_norm_eps:
-            k = rms_norm_heads(k, k_norm_weights[i], k_norm_eps[i])
-        if cos_sin_caches:
-            k = rope_rotate(k, cos_sin_caches[i][pos], is_neox)
+        k, v = layer_kv(
+            xs,
+            (k_weights[i], k_row_starts[i], k_biases[i]),
+            (v_weights[i], v_row_starts[i], v_biases[i]),
+            (k_norm_weights[i], k_norm_eps[i]) if k_norm_eps else None,
+            cos_sin_caches[i][pos] if cos_sin_caches else None,
+            is_neox,
+            num_kv_heads,
+            head_dim,
+        )
         k_caches[i][slots] = k.to(k_caches[i].dtype)
         v_caches[i][slots] = v.to(v_caches[i].dtype)
 
 
-def _multi_linear_kv_write_fake(*args: object, **kwargs: object) -> None:
-    """Checks only: the op returns nothing and its caches keep their shapes."""
-    _check_args(*args, **kwargs)
+def layer_kv(
+    xs: torch.Tensor,
+    k_rows: tuple[torch.Tensor, int, torch.Tensor | None],
+    v_rows: tuple[torch.Tensor, int, torch.Tensor | None],
+    norm: tuple[torch.Tensor | None, float] | None,
+    cos_sin: torch.Tensor | None,
+    is_neox: bool,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's `[t, heads, head_dim]` K and V of the rows `xs [t, K]`, unrounded, computed in `xs`'s dtype (fp32
+    in the op; `dspark_fx` checks a lowering in fp64): `*_rows` = (weight, first row, bias or None), `norm` =
+    (weight or None, eps) or None, `cos_sin` = the `[t, R]` table rows of the tokens or None."""
+    kv = num_kv_heads * head_dim
+    k = _project(xs, *k_rows, kv).view(-1, num_kv_heads, head_dim)
+    v = _project(xs, *v_rows, kv).view(-1, num_kv_heads, head_dim)
+    if norm is not None:
+        k = rms_norm_heads(k, *norm)
+    if cos_sin is not None:
+        k = rope_rotate(k, cos_sin.to(xs.dtype), is_neox)
+    return k, v
+
+
+def _check_cuda_layout(
+    x: torch.Tensor,
+    k_weights: Sequence[torch.Tensor],
+    k_norm_weights: Sequence[torch.Tensor | None],
+    cos_sin_caches: Sequence[torch.Tensor],
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """What the CUDA binding needs beyond `_check_args` (`check_cuda_layout` and the unit-count check of
+    csrc/linear/multi_linear_kv_write.cu, the same messages); a cache's address is judged from its storage offset."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise _wrong_type(f"x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    if x.shape[1] % 8 != 0 or x.shape[1] <= 0:
+        raise _fail(f"x must have K > 0 and a multiple of 8 on CUDA, got K = {x.shape[1]}")
+    if head_dim % 8 != 0 or head_dim > 256:
+        raise _fail(f"head_dim must be a multiple of 8 and at most 256 on CUDA, got {head_dim}")
+    for name, c in _named_caches(k_caches, v_caches):
+        esize = c.element_size()
+        if c.stride(2) != 1 or not is_aligned(c, 16) or (c.stride(0) * esize) % 16 or (c.stride(1) * esize) % 16:
+            strides = tuple(c.stride())
+            raise _fail(f"{name} must have a unit inner stride and 16-byte aligned rows on CUDA, got strides {strides}")
+    for i, w in enumerate(k_norm_weights):
+        if w is not None and w.stride(0) != 1 and w.shape[0] > 1:
+            raise _fail(f"k_norm_weights[{i}] must be contiguous on CUDA")
+    for i, t in enumerate(cos_sin_caches):
+        if t.stride(1) != 1 and t.shape[1] > 1:
+            raise _fail(f"cos_sin_caches[{i}] must have a unit inner stride on CUDA")
+    if x.shape[0] * 2 * min(len(k_weights), _MAX_LAYERS_PER_LAUNCH) * num_kv_heads >= 2**31:
+        raise _fail(f"x has too many tokens for one call ({x.shape[0]}): split it")
+
+
+def _multi_linear_kv_write_fake(
+    x: torch.Tensor,
+    k_weights: Sequence[torch.Tensor],
+    k_row_starts: Sequence[int],
+    k_biases: Sequence[torch.Tensor | None],
+    v_weights: Sequence[torch.Tensor],
+    v_row_starts: Sequence[int],
+    v_biases: Sequence[torch.Tensor | None],
+    k_norm_weights: Sequence[torch.Tensor | None],
+    k_norm_eps: Sequence[float],
+    cos_sin_caches: Sequence[torch.Tensor],
+    positions: torch.Tensor,
+    is_neox: bool,
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    cache_loc: torch.Tensor,
+    commit_lens: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+    wrap_negative: bool = False,
+) -> None:
+    """Checks only (`_check_args`, and `_check_cuda_layout` on CUDA): the op returns nothing and its caches keep
+    their shapes."""
+    _check_args(
+        x,
+        k_weights,
+        k_row_starts,
+        k_biases,
+        v_weights,
+        v_row_starts,
+        v_biases,
+        k_norm_weights,
+        k_norm_eps,
+        cos_sin_caches,
+        positions,
+        is_neox,
+        k_caches,
+        v_caches,
+        cache_loc,
+        commit_lens,
+        num_kv_heads,
+        head_dim,
+    )
+    if x.device.type == "cuda":
+        _check_cuda_layout(x, k_weights, k_norm_weights, cos_sin_caches, k_caches, v_caches, num_kv_heads, head_dim)
 
 
 register_op(

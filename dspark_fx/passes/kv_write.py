@@ -30,7 +30,11 @@ activation. K values are checked by a small symbolic evaluation: every element o
 sum of terms `±1 * normed[t, head, j] * factor` (factor: a column of a per-token `[T, W]` cos/sin tensor), built
 through slices, cats, negations, products, sums, unsqueezes and views; the sums must be the neox or GPT-J rotation
 of the first `R` elements and the rest must pass through. `normed` is `x * rsqrt(mean(x², -1) + eps) (* w)` of the
-`[T, h, d]` view of the block (converts and copies in between do not change which values are combined). The cos/sin
+`[T, h, d]` view of the block (copies in between do not change which values are combined, nor do the casts the op
+makes no error by leaving out: one to a dtype that represents every value of the source, or one that rounds a value
+at least as precise as the model dtype to the model dtype, which is the rounding the op's tolerance covers; any other
+cast, e.g. an fp8 fake-quantization or a bf16 -> fp16 round trip, rounds where the op would not, and the write keeps
+today's path, the cast named in the report). The cos/sin
 columns a rotation reads must be the op's table layout: `table[positions]` rows of a `[P, R]` fp32 parameter
 (`[cos | sin]` halves: passed as is), or per-token `cos`/`sin` tensors (HF `emb = cat(freqs, freqs)`; a column and
 its duplicate are proven equal from the graph), from which `[T, R]` fp32 rows `cat(cos[:, :R/2], sin[:, :R/2])` are
@@ -43,6 +47,14 @@ rounding. Whether to lower is `DsparkConfig.kv_write_op`: "auto" where the op's 
 CUDA kernel of the op in this build), "always"
 wherever the semantics match (CPU: the fp32 reference), "never". A group of writes on one activation is lowered as a
 whole or not at all; anything that does not match keeps today's path, with the reason in the report.
+
+Before the writes are replaced, the op node is given its `meta["val"]` by running the op's fake impl on the operands'
+fake values: the op's checks, and on CUDA the binding's layout rules (`_check_cuda_layout`), so operands the binding
+would refuse at run time keep today's path instead. A cache's address beyond its storage offset is not known at
+compile time: torch's allocators align storages to 16 bytes, and Inductor-compiled code copies an input whose address
+turns out unaligned into an aligned clone (writing a mutated one back). Then `kv_write_check.self_check` evaluates
+the graph's written values and the op's formula on random fp64 inputs; a difference beyond round-off keeps today's
+path.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ from dspark_fx.passes import gemm_branches
 from dspark_fx.passes.batching import same_shape
 from dspark_fx.passes.branch_regions import descendants
 from dspark_fx.passes.graph_utils import aten, call, is_pure, op_name, tensor_val
+from dspark_fx.passes.kv_write_check import keeps_values, self_check
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import KVWriteReport
 
@@ -85,16 +98,31 @@ class _NoMatch(Exception):
 # ---- small graph helpers ---------------------------------------------------------------------------------------------
 
 
-def _is_float_convert(node: fx.Node) -> bool:
+def _float_cast(node: fx.Node) -> tuple[torch.dtype, torch.dtype] | None:
+    """`(source, target)` dtypes if `node` casts a float tensor to another float dtype."""
     if op_name(node) != "prims.convert_element_type":
-        return False
+        return None
     src = tensor_val(node.args[0])
-    return src is not None and src.dtype.is_floating_point and node.args[1].is_floating_point
+    if src is None or not src.dtype.is_floating_point or not node.args[1].is_floating_point:
+        return None
+    return src.dtype, node.args[1]
 
 
-def _strip(node: Any, converts: bool = True) -> Any:
-    """Skip aliases, copies and (with `converts`) float dtype casts: they do not change which values combine."""
-    while isinstance(node, fx.Node) and (node.target in _COPIES or (converts and _is_float_convert(node))):
+def _lossless_cast(node: fx.Node, model: torch.dtype | None) -> bool:
+    """A float cast the proof may leave out: it keeps every value, or it rounds a value at least as precise as the
+    model dtype to the model dtype (eager rounds every step to it; the op rounds once, when it stores: the
+    tolerance the op documents). Any other cast (to fp8, bf16 <-> fp16, fp32 -> bf16 in an fp32 model) is a
+    rounding the op does not reproduce. `model` None: no cast may be left out."""
+    cast = _float_cast(node)
+    if cast is None or model is None:
+        return False
+    src, dst = cast
+    return keeps_values(src, dst) or (dst == model and keeps_values(model, src))
+
+
+def _strip(node: Any, model: torch.dtype | None) -> Any:
+    """Skip aliases, copies and the float casts `_lossless_cast` allows: they do not change which values combine."""
+    while isinstance(node, fx.Node) and (node.target in _COPIES or _lossless_cast(node, model)):
         node = node.args[0]
     return node
 
@@ -245,9 +273,11 @@ class _Fac:
 
 
 class _Evaluator:
-    def __init__(self, tokens: Any) -> None:
+    def __init__(self, tokens: Any, model: torch.dtype) -> None:
         self.tokens = tokens
+        self.model = model
         self.memo: dict[fx.Node, Any] = {}
+        self.rounding: list[fx.Node] = []  # casts it stopped at: they round, the op would not
 
     def __call__(self, node: Any) -> Any:
         if not isinstance(node, fx.Node):
@@ -276,8 +306,11 @@ class _Evaluator:
         if val is None:
             return None
         args = node.args
-        if t in _COPIES or _is_float_convert(node):
+        if t in _COPIES or _lossless_cast(node, self.model):
             return self(args[0])
+        if _float_cast(node) is not None:
+            self.rounding.append(node)
+            return None
         if node.kwargs and t not in (aten.add.Tensor, aten.sub.Tensor):
             return None  # only positional arguments are read below
         src = tensor_val(args[0]) if args and isinstance(args[0], fx.Node) else None
@@ -442,29 +475,29 @@ def _columns(factors: tuple, what: str) -> tuple[fx.Node, int]:
     return factors[0][0], cols[0]
 
 
-def _weight_leaf(node: Any, d: int) -> fx.Node | None:
-    leaf = _strip(node)
+def _weight_leaf(node: Any, d: int, model: torch.dtype) -> fx.Node | None:
+    leaf = _strip(node, model)
     val = tensor_val(leaf)
     if isinstance(leaf, fx.Node) and leaf.op == "placeholder" and val is not None and tuple(val.shape) == (d,):
         return leaf
     return None
 
 
-def _norm_core(node: Any) -> tuple[fx.Node, float] | None:
+def _norm_core(node: Any, model: torch.dtype) -> tuple[fx.Node, float] | None:
     """`(x, eps)` if `node` is `x * rsqrt(mean(x², -1, keepdim) + eps)` (either operand order)."""
     if not isinstance(node, fx.Node) or node.target is not aten.mul.Tensor or len(node.args) != 2:
         return None
     for x, r in (node.args, node.args[::-1]):
-        r = _strip(r)
+        r = _strip(r, model)
         if not isinstance(r, fx.Node) or r.target is not aten.rsqrt.default:
             continue
-        add = _strip(r.args[0])
+        add = _strip(r.args[0], model)
         if not isinstance(add, fx.Node) or add.target not in _ADDS or add.kwargs.get("alpha", 1) != 1:
             continue
         mean, eps = add.args if isinstance(add.args[1], (int, float)) else add.args[::-1]
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not isinstance(mean, fx.Node):
             continue
-        mean = _strip(mean)
+        mean = _strip(mean, model)
         if mean.target is not aten.mean.dim or not isinstance(x, fx.Node):
             continue
         rank = tensor_val(mean.args[0]).dim()
@@ -472,14 +505,14 @@ def _norm_core(node: Any) -> tuple[fx.Node, float] | None:
         keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
         if dims != [rank - 1] or not keepdim or mean.kwargs.get("dtype") is not None:
             continue
-        sq = _strip(mean.args[0], converts=False)
+        sq = _strip(mean.args[0], None)
         squares = (sq.target is aten.pow.Tensor_Scalar and sq.args[1] == 2) or (
             sq.target is aten.mul.Tensor and sq.args[0] is sq.args[1]
         )
         if not squares:
             continue
         y = sq.args[0]
-        if _strip(y) is _strip(x):
+        if _strip(y, model) is _strip(x, model):
             return x, float(eps)
     return None
 
@@ -492,14 +525,14 @@ class _Projection:
     head_dim: int
 
 
-def _projection(node: fx.Node) -> _Projection:
+def _projection(node: fx.Node, model: torch.dtype) -> _Projection:
     """The `[T, h, d]` view of a GEMM column block (GEMM output, a column slice or a split piece)."""
-    view = _strip(node)
+    view = _strip(node, model)
     val = tensor_val(view)
     if view.target not in _VIEWS or val is None or val.dim() != 3:
         raise _NoMatch(f"{op_name(view)} ({view.name}) is neither RMSNorm, RoPE nor a [T, heads, head_dim] view")
     heads, head_dim = val.shape[1:]
-    block = _strip(view.args[0], converts=False)
+    block = _strip(view.args[0], None)
     width = tensor_val(block).shape[-1]
     if block.target in _GEMMS:
         gemm, col = block, 0
@@ -669,30 +702,54 @@ class _Write:
         return self.eps is not None or self.rope is not None
 
 
-def _analyse(site: _Site, activation_rows: Any) -> _Write:
+def _analyse(site: _Site, activation: fx.Node) -> _Write:
     cache_val = tensor_val(site.cache)
     value_val = tensor_val(site.value)
     if cache_val.dim() != 3 or value_val is None or value_val.dim() != 3:
         raise _NoMatch("not a [slots, heads, head_dim] cache written with a [T, heads, head_dim] value")
     if tuple(value_val.shape[1:]) != tuple(cache_val.shape[1:]) or value_val.dtype != cache_val.dtype:
         raise _NoMatch(f"the value written is {value_val.dtype}{list(value_val.shape)}")
-    lin = _Evaluator(activation_rows)(site.value)
+    model = cache_val.dtype
+    evaluator = _Evaluator(tensor_val(activation).shape[0], model)
+    try:
+        return _written(site, evaluator, int(cache_val.shape[2]), model)
+    except _NoMatch as err:
+        cast = _rounding_cast(site.value, activation, evaluator.rounding, model)
+        if cast is None:
+            raise
+        src, dst = _float_cast(cast)
+        raise _NoMatch(
+            f"{cast.name} casts {src} to {dst}, a rounding the op does not make (only casts that keep every value and "
+            f"roundings to the model dtype {model} may be left out): {err}"
+        ) from None
+
+
+def _rounding_cast(value: fx.Node, activation: fx.Node, seen: list[fx.Node], model: torch.dtype) -> fx.Node | None:
+    """The first cast on the way from `activation` to `value` (or met by the evaluator: a cos/sin factor's) that
+    rounds where the op would not."""
+    graph = value.graph
+    on_path = _ancestors(value) & descendants(graph, [activation])
+    casts = [n for n in graph.nodes if n in on_path or n in seen]
+    return next((n for n in casts if _float_cast(n) is not None and not _lossless_cast(n, model)), None)
+
+
+def _written(site: _Site, evaluator: _Evaluator, d: int, model: torch.dtype) -> _Write:
+    lin = evaluator(site.value)
     if not isinstance(lin, _Lin):
         raise _NoMatch("the value written is not a [T, heads, head_dim] tensor")
-    d = int(cache_val.shape[2])
     rope = _rope_of(lin, d)
-    base, weight = _strip(lin.base), None
-    core = _norm_core(base)
+    base, weight = _strip(lin.base, model), None
+    core = _norm_core(base, model)
     if core is None and base.target is aten.mul.Tensor and len(base.args) == 2:
         for a, w in (base.args, base.args[::-1]):
-            leaf = _weight_leaf(w, d)
-            if leaf is not None and (core := _norm_core(_strip(a))) is not None:
+            leaf = _weight_leaf(w, d, model)
+            if leaf is not None and (core := _norm_core(_strip(a, model), model)) is not None:
                 weight = leaf
                 break
     if core is None:
-        return _Write(site, _projection(base), rope=rope)
+        return _Write(site, _projection(base, model), rope=rope)
     x, eps = core
-    return _Write(site, _projection(x), eps, weight, rope)
+    return _Write(site, _projection(x, model), eps, weight, rope)
 
 
 # ---- the group of writes on one activation ---------------------------------------------------------------------------
@@ -721,7 +778,7 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
         activation = gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
         group = groups.setdefault(activation, _Group(activation))
         try:
-            write = _analyse(site, tensor_val(activation).shape[0])
+            write = _analyse(site, activation)
             if write.proj.gemm.activation is not activation:
                 raise _NoMatch("its projection reads another activation")
             group.writes.append(write)
@@ -731,11 +788,9 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
     for group in groups.values():
         where = names.of(group.activation)
         try:
-            plan = _plan(graph, group, config, names)
+            lowered.append(_emit(graph, group, _plan(graph, group, config, names), names))
         except _NoMatch as err:
             kept.append(f"{where}: {err}")
-            continue
-        lowered.append(_emit(graph, group, plan, names))
     return KVLowering(lowered, kept)
 
 
@@ -939,6 +994,28 @@ def _arange_tokens(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 
 def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteReport:
+    """Insert the op and remove the writes it replaces; if the op's fake impl refuses the operands or the numeric
+    self-check finds the op computing something else, remove what was inserted and raise `_NoMatch`."""
+    existing = set(graph.nodes)
+    try:
+        op, report = _insert_op(graph, group, plan, names)
+        why = self_check(op, [(k.site.value, v.site.value) for k, v in zip(plan.ks, plan.vs, strict=True)], op.args[0])
+        if why:
+            raise _NoMatch(why)
+    except _NoMatch:
+        for node in reversed([n for n in graph.nodes if n not in existing]):
+            graph.erase_node(node)
+        raise
+    dead = []
+    for w in plan.ks + plan.vs:
+        graph.erase_node(w.site.copy)
+        dead += [*w.site.nodes, w.site.value]
+    _erase_dead(graph, dead)
+    return report
+
+
+def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tuple[fx.Node, KVWriteReport]:
+    """The op node (before the first cache write), its `meta["val"]` from the op's fake impl, and its report."""
     ks, vs = plan.ks, plan.vs
     x = group.activation
     first_copy = min((w.site.copy for w in ks + vs), key=_position(graph))
@@ -988,13 +1065,10 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteR
             plan.head_dim,
             True,
         )
-        op = graph.call_function(KV_WRITE, args)
-        op.meta["val"] = None
-    dead = []
-    for w in ks + vs:
-        graph.erase_node(w.site.copy)
-        dead += [*w.site.nodes, w.site.value]
-    _erase_dead(graph, dead)
+        try:
+            op = call(graph, KV_WRITE, args)
+        except (TypeError, ValueError) as err:  # the op's checks: on CUDA, the binding's rules too
+            raise _NoMatch(f"the op's fake impl refuses the operands: {err}") from None
     kv = plan.heads * plan.head_dim
 
     def rows(w: _Write) -> str:
@@ -1012,7 +1086,7 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteR
         norm = f"k_norm RMSNorm eps {eps[0] if len(eps) == 1 else [f'{w.eps:g}' for w in ks]} ({weights})"
     else:
         norm = "no k_norm"
-    return KVWriteReport(names.of(x), layers, write, norm, rope)
+    return op, KVWriteReport(names.of(x), layers, write, norm, rope)
 
 
 def _sym(value: Any, names: Namer) -> str:
