@@ -15,6 +15,7 @@ import torch
 from helpers import draft_inputs, eager_and_compiled, small_config
 from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
 
+import custom_ops
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
@@ -666,6 +667,7 @@ def test_cuda_binding_rules_are_checked_at_compile_time(monkeypatch, norm_stride
     from dspark_fx.passes.horizontal import fuse_kv_branches
 
     monkeypatch.setattr(kv_write, "has_cuda_kernel", lambda: True)
+    monkeypatch.setattr(custom_ops._build, "cuda_library_problem", lambda: "")  # as on a machine that builds it
     torch._dynamo.reset()
     capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
     eager_and_compiled(small_config(dtype=torch.bfloat16, norm="rms_norm"), capture)
@@ -690,3 +692,29 @@ def test_cuda_binding_rules_are_checked_at_compile_time(monkeypatch, norm_stride
         assert not report.kv_writes
         (why,) = report.kv_kept
         assert "the op's fake impl refuses the operands" in why and "must be contiguous on CUDA" in why, why
+
+
+@pytest.mark.parametrize("tokens", [24, 32, 64], ids=["T24", "T32-kv-width", "T64-hidden"])
+@pytest.mark.parametrize("options", REFERENCE_VARIANTS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_static_token_counts_lower_and_are_checked_at_a_few_tokens(monkeypatch, options, tokens):
+    """A static T (a first compile, `dynamic=False`) lowers like a symbolic one, and its numeric self-check evaluates
+    3 tokens, not T (T = 4096 would take seconds and gigabytes in fp64), also where T equals another size of the
+    graph (the K/V width 32, the hidden size 64)."""
+    from dspark_fx.passes import kv_write_check
+
+    checked_rows = []
+    run = kv_write_check._Evaluation.run
+
+    def spy(self, values):
+        env = run(self, values)
+        checked_rows.append(env[self.activation].shape[0])
+        return env
+
+    monkeypatch.setattr(kv_write_check._Evaluation, "run", spy)
+    torch._dynamo.reset()
+    cfg = small_config(**options)
+    capture = CaptureBackend(ALWAYS)
+    for eager, compiled in eager_and_compiled(cfg, capture, tokens_list=(tokens,), compile_kwargs={"dynamic": False}):
+        assert_close_for_dtype(compiled, eager, cfg.dtype)
+    _assert_lowered(capture, cfg.num_layers)
+    assert checked_rows == [kv_write_check.CHECK_TOKENS], checked_rows

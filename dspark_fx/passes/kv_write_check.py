@@ -12,11 +12,14 @@ rounds once, when it stores, which is the tolerance it documents against eager's
 other float dtype (fp8, fp16 in a bf16 model, bf16 in an fp32 model) is rounded through that dtype, as eager rounds
 it; the op does not, so a cast the proof wrongly left out shows as a difference of that dtype's precision.
 
-Sizes: a symbolic token count is evaluated at 3 tokens (other symbols at their current values), a static one as it
-is; the activation's and weights' inner dim `K` shrinks to at most 16 (only the GEMM reads it), and a table read
-only by `table[positions]` to at most 64 rows (random positions stay below every such table's rows). A check that
-would evaluate more than `MAX_ELEMENTS` elements is not run and the lowering is not made: the check stays a few
-milliseconds.
+Sizes: the token count T is evaluated at 3 tokens. A symbolic T is bound to 3 (other symbols take their current
+values). A static T above `STATIC_AS_IS` (a prefill graph of 4096 tokens would take seconds and gigabytes in fp64)
+is read as 3 wherever it is a size: every dim of a leaf that equals T, and the first size equal to T in each shape
+argument of a view or factory; each evaluated value must then have its graph shape with T read as 3, else the check
+evaluates at T itself. The activation's and weights' inner
+dim `K` shrinks to at most 16 (only the GEMM reads it), and a table read only by `table[positions]` to at most 64
+rows (random positions stay below every such table's rows). A check that would evaluate more than `MAX_ELEMENTS`
+elements is not run and the lowering is not made: the check stays a few milliseconds.
 """
 
 from __future__ import annotations
@@ -35,7 +38,25 @@ from custom_ops.linear.multi_linear_kv_write import layer_kv
 from dspark_fx.passes.graph_utils import aten, is_pure, tensor_val
 
 MAX_ELEMENTS = 1 << 22  # fp64 elements of the random inputs plus the written values, summed
-CHECK_TOKENS = 3  # tokens of the check when the graph's token count is symbolic
+CHECK_TOKENS = 3  # tokens of the check
+STATIC_AS_IS = 16  # a static token count up to this is evaluated as it is
+# ops whose int arguments are sizes: a static T among them is read as CHECK_TOKENS
+_SHAPE_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.arange.default,
+    aten.arange.start,
+    aten.full.default,
+    aten.empty.memory_format,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+}
 MAX_K = 16  # the GEMMs' inner dim, at most
 MAX_TABLE_ROWS = 64
 RTOL = 1e-9  # fp64 round-off of these small sums is ~1e-15; the smallest difference to catch (eps 1e-5 vs 1e-6
@@ -44,6 +65,10 @@ RTOL = 1e-9  # fp64 round-off of these small sums is ~1e-15; the smallest differ
 
 class _Unevaluable(Exception):
     """The check cannot evaluate the graph (the message says why)."""
+
+
+class _SizeClash(Exception):
+    """A static token count read as `CHECK_TOKENS` gave a value another shape: another size equals T."""
 
 
 def self_check(op: fx.Node, layers: list[tuple[fx.Node, fx.Node]], activation: fx.Node) -> str:
@@ -62,8 +87,12 @@ def self_check(op: fx.Node, layers: list[tuple[fx.Node, fx.Node]], activation: f
 
 def _check(op: fx.Node, layers: list[tuple[fx.Node, fx.Node]], activation: fx.Node) -> str:
     model = tensor_val(activation).dtype
+    values = [n for kv in layers for n in kv]
     try:
-        env = _Evaluation(op, activation, model).run([n for kv in layers for n in kv])
+        try:
+            env = _Evaluation(op, activation, model, shrink=True).run(values)
+        except _SizeClash:
+            env = _Evaluation(op, activation, model, shrink=False).run(values)
     except _Unevaluable as err:
         return f"the numeric self-check cannot run: {err}"
     (_, kw, ks, kb, vw, vs, vb, norm_w, eps, tables, positions, neox, *_, heads, head_dim, _) = op.args
@@ -109,16 +138,21 @@ def _differ(got: torch.Tensor, want: torch.Tensor) -> str:
 class _Evaluation:
     """Real fp64 values of the nodes the check needs, from random leaves."""
 
-    def __init__(self, op: fx.Node, activation: fx.Node, model: torch.dtype) -> None:
+    def __init__(self, op: fx.Node, activation: fx.Node, model: torch.dtype, shrink: bool) -> None:
         self.op, self.activation = op, activation
         self.exact = {model, *(d for d in (torch.float32, torch.float64) if keeps_values(model, d))}
         self.gen = torch.Generator().manual_seed(0)
         tokens = tensor_val(activation).shape[0]
         self.binding: dict = {}
+        self.static_tokens: int | None = None  # a static T read as CHECK_TOKENS
         if isinstance(tokens, torch.SymInt) and isinstance(tokens.node.expr, sympy.Symbol):
             self.binding[tokens.node.expr] = sympy.Integer(CHECK_TOKENS)
-        self.k = min(self._size(tensor_val(activation).shape[1]), MAX_K)
+        elif shrink and isinstance(tokens, int) and tokens > STATIC_AS_IS:
+            self.static_tokens = tokens
+        self.full_k = tensor_val(activation).shape[1]
+        self.k = min(self._size(self.full_k), MAX_K)
         self.weights = {*op.args[1], *op.args[4]}
+        self.operands = {n for i in (1, 3, 4, 6, 7, 9) for n in op.args[i] if isinstance(n, fx.Node)}
         self.elements = 0
 
     def run(self, values: list[fx.Node]) -> dict[fx.Node, Any]:
@@ -168,9 +202,38 @@ class _Evaluation:
             raise _Unevaluable(f"the size {size} has no value to evaluate it at")
         return int(expr)
 
+    def _shaped_as(self, out: torch.Tensor, node: fx.Node) -> bool:
+        """`out` has `node`'s graph shape as the check reads it: a dim of T's size may be the token dim (read as
+        CHECK_TOKENS) or another of that size; a dim of K's size may have shrunk with K."""
+        graph_shape = [self._size(size) for size in tensor_val(node).shape]
+        return out.dim() == len(graph_shape) and all(
+            got == size
+            or (size == self.static_tokens and got == CHECK_TOKENS)
+            or (size == self.full_k and got == self.k)
+            for got, size in zip(out.shape, graph_shape, strict=True)
+        )
+
+    def _token_size(self, arg: Any) -> Any:
+        """A shape argument with its first size equal to the static T read as CHECK_TOKENS: the token dim comes
+        before any other dim of that size in the layouts the lowering proves ([T, heads, head_dim], [T, W],
+        [B, T, heads, head_dim]). A wrong reading fails to evaluate (then the check runs at T itself) or gives
+        values that differ from the op's (then the lowering is refused): it never passes a wrong proof."""
+        if self.static_tokens is None:
+            return arg
+        if type(arg) is int:
+            return CHECK_TOKENS if arg == self.static_tokens else arg
+        if isinstance(arg, (list, tuple)) and self.static_tokens in arg:
+            sizes = list(arg)
+            sizes[sizes.index(self.static_tokens)] = CHECK_TOKENS
+            return type(arg)(sizes)
+        return arg
+
     def _shape(self, node: fx.Node) -> list[int]:
+        """`node`'s shape in the check: concrete sizes, and a static T read as CHECK_TOKENS in a value that has
+        token rows (anything but the op's weights, biases, norm weights and tables)."""
         val = tensor_val(node)
-        return [] if val is None else [self._size(s) for s in val.shape]
+        shape = [] if val is None else [self._size(s) for s in val.shape]
+        return shape if node in self.operands else self._token_size(shape)
 
     def _index_bound(self, order: list[fx.Node]) -> int:
         """Random index values stay below the rows of every tensor the needed nodes index (`tensor[index]`)."""
@@ -225,10 +288,16 @@ class _Evaluation:
             return a
 
         args, kwargs = tree_map(real, node.args), tree_map(real, node.kwargs)
+        if self.static_tokens is not None and node.target in _SHAPE_OPS:
+            args = tuple(self._token_size(a) for a in args)
         try:
             out = node.target(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            if self.static_tokens is not None:
+                raise _SizeClash from None
             raise _Unevaluable(f"{node.name} ({node.target}) fails on the check's inputs: {err}") from None
+        if self.static_tokens is not None and isinstance(out, torch.Tensor) and not self._shaped_as(out, node):
+            raise _SizeClash
         return self._rounded(out, node.meta.get("val"))
 
     def _rounded(self, out: Any, val: Any) -> Any:
