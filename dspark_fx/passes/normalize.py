@@ -15,7 +15,8 @@ Only ATen/prims ops (and `getitem`, symbolic-size arithmetic) whose schema write
 never: random ops; allocations (`empty`, `empty_like`, ...: each is a buffer of its own that a later op may fill);
 a value whose storage (itself, its base or a view of either) some op of the graph writes (an `.out` buffer, an
 in-place op's input, a cache copied into), nor a value read from such storage (it differs before and after the
-write); nor two values the graph both returns (the caller would get one tensor twice). A custom op of another
+write). Two returned values that become one (or views of one) are returned as one and a copy: the caller gets two
+tensors, as from eager (a training graph returns its saved values, too). A custom op of another
 namespace may have effects its schema does not declare (a dummy-output cache write) and is never merged.
 Arguments match by type as well as value: `True`, `1` and `1.0` are three keys (`x + True` on a bool tensor stays
 bool, `x + 1` is int64), as are `0.0` and `-0.0`.
@@ -27,8 +28,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from dspark_fx.passes.graph_utils import aten, is_pure, storage_family, written_args
+from dspark_fx.passes.graph_utils import aten, call, is_pure, storage_family, written_args
 
 _ALLOCATIONS = frozenset(
     (aten.empty, aten.empty_like, aten.empty_strided, aten.empty_permuted, aten.new_empty, aten.new_empty_strided)
@@ -64,8 +66,7 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> int:
     never merged); returns how many were removed."""
     writers = [n for n in graph.nodes if written_args(n)]
     written = storage_family([*writers, *(a for n in writers for a in written_args(n))])
-    outputs = [a for n in graph.find_nodes(op="output") for a in n.all_input_nodes]
-    returned = storage_family(outputs)
+    apart = _output_groups(graph)
     seen: dict[Any, fx.Node] = {}
     removed = 0
     for node in list(graph.nodes):
@@ -78,11 +79,34 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> int:
         kept = seen.setdefault(key, node)
         if kept is node:
             continue
-        if node in returned:
-            if kept in returned:
-                continue
-            returned |= storage_family([kept])
         node.replace_all_uses_with(kept)
         graph.erase_node(node)
         removed += 1
+    _keep_outputs_apart(graph, apart)
     return removed
+
+
+def _output_groups(graph: fx.Graph) -> list[int | None]:
+    """For each returned value (flattened), the first returned value it shares storage with (itself if none)."""
+    (output,) = graph.find_nodes(op="output")
+    flat = tree_leaves(output.args)
+    families = [storage_family([v]) if isinstance(v, fx.Node) else set() for v in flat]
+    return [
+        next(i for i in range(j + 1) if families[i] & families[j]) if families[j] else None for j in range(len(flat))
+    ]
+
+
+def _keep_outputs_apart(graph: fx.Graph, groups: list[int | None]) -> None:
+    """A returned value that now shares storage with another one it did not share it with in eager (the two were
+    merged, or views of merged values) is returned as a copy: the caller gets two tensors, as from eager."""
+    (output,) = graph.find_nodes(op="output")
+    flat, spec = tree_flatten(output.args)
+    families: list[set[fx.Node]] = []
+    for j, value in enumerate(flat):
+        family = storage_family([value]) if isinstance(value, fx.Node) else set()
+        if any(groups[i] != groups[j] and family & families[i] for i in range(j)):
+            with graph.inserting_before(output):
+                flat[j] = call(graph, aten.clone.default, (value,))
+            family = {flat[j]}
+        families.append(family)
+    output.args = tree_unflatten(flat, spec)
