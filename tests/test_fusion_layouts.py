@@ -5,22 +5,10 @@ reading its input's memory as dense rows, the graph's outputs) must still get th
 import pytest
 import torch
 import torch.nn.functional as F
+from fuzz_models import dense_rows
 from torch import nn
 
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
-
-
-@torch.library.custom_op("dspark_test::dense_rows", mutates_args=())
-def dense_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x * scale` computed on `x`'s memory read as dense row-major rows from its storage offset, as a kernel
-    that takes `x.data_ptr()` does: right only for a contiguous `x`."""
-    strides = torch._prims_common.make_contiguous_strides_for(x.shape)
-    return torch.as_strided(x, x.shape, strides, x.storage_offset()) * scale
-
-
-@dense_rows.register_fake
-def _(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 class _Branches(nn.Module):
@@ -32,7 +20,6 @@ class _Branches(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         self.lins = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(3))
         self.norms = nn.ParameterList(nn.Parameter(torch.rand(head_dim) + 0.5) for _ in range(3))
-        self.scale = nn.Parameter(torch.rand(head_dim) + 0.5)
 
     def forward(self, x):
         outs = []
@@ -40,11 +27,7 @@ class _Branches(nn.Module):
             y = lin(x)
             k = y.view(-1, self.heads, self.head_dim)
             n = F.rms_norm(k, (self.head_dim,), w, 1e-6)
-            outs += [
-                dense_rows(y, self.scale.repeat(self.heads)),
-                dense_rows(n, self.scale),
-                dense_rows(n.relu(), self.scale),
-            ]
+            outs += [dense_rows(y), dense_rows(n), dense_rows(n.relu())]
         return outs
 
 
