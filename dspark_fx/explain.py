@@ -124,7 +124,8 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
             _refill(m._buffers, buffers)
         with torch.no_grad():
             for tensor, copy, requires_grad, leaf in saved:
-                if leaf and tensor.grad_fn is not None:  # written with values that require grad: a leaf again
+                # a leaf written with values that require grad got a grad_fn: it is made a leaf again
+                if leaf and tensor.grad_fn is not None and not tensor._is_view():
                     tensor.detach_()
                     tensor.requires_grad_(requires_grad)
                 tensor.copy_(copy)

@@ -56,32 +56,26 @@ class EagerLayouts:
             n: [_val(a) for a in tree_flatten((n.args, n.kwargs))[0]] for n in graph.nodes if reads_memory(n)
         }
 
-    def restore(self, graph: fx.Graph) -> int:
-        """Copy each argument of a memory-reading consumer whose strides changed into its eager layout; returns
-        how many were copied."""
+    def restore(self, graph: fx.Graph) -> None:
+        """Copy each argument of a memory-reading consumer whose strides changed into its eager layout."""
         nodes = list(graph.nodes)
         changed = self._changed(nodes)
         runtime: dict[fx.Node, Any] | None = None
-        copied = 0
         for consumer in nodes:
             eager = self.consumers.get(consumer)
             flat, spec = tree_flatten((consumer.args, consumer.kwargs))
-            if eager is None or len(eager) != len(flat):
+            if eager is None or len(eager) != len(flat) or not changed.intersection(consumer.all_input_nodes):
                 continue
             written = set(written_args(consumer))
             for pos, arg in enumerate(flat):
                 if not isinstance(arg, fx.Node) or arg not in changed or arg in written:
                     continue
-                if runtime is None:
-                    runtime = _runtime_values(graph, nodes, changed, self.vals)
+                runtime = runtime if runtime is not None else _runtime_values(graph, nodes, changed, self.vals)
                 order = _dense_order(eager[pos])
-                if order is None or _same_strides(eager[pos], runtime.get(arg)):
-                    continue
-                with graph.inserting_before(consumer):
-                    flat[pos] = _copy_to_order(graph, arg, order)
-                copied += 1
+                if order is not None and not _same_strides(eager[pos], runtime.get(arg)):
+                    with graph.inserting_before(consumer):
+                        flat[pos] = _copy_to_order(graph, arg, order)
             consumer.args, consumer.kwargs = tree_unflatten(flat, spec)
-        return copied
 
     def _changed(self, nodes: list[fx.Node]) -> set[fx.Node]:
         """The nodes whose runtime strides may differ from their eager ones: new nodes, and nodes with a new
