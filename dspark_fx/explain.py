@@ -31,9 +31,11 @@ def explain(
     """Trace `model(*example_args, **example_kwargs)` once and return the merged fusion report of its graphs.
 
     `model` is an `nn.Module` (or what `torch.compile` made of one) or a function (a keyword input cannot be called
-    `config`). Afterwards the module's
-    parameters and buffers, the tensors passed in and `counters["dspark_fx"]` are as they were (tensors a
-    function reaches otherwise, e.g. globals, are not restored)."""
+    `config`). It runs under the caller's grad mode, as a compile there would: with grad enabled and parameters
+    that require grad, AOTAutograd makes a training graph, which writes no cache in the graph (the report says
+    why nothing is lowered). Afterwards the module's parameters and buffers (persistent or not: a KV cache), its
+    attributes, the tensors passed in and `counters["dspark_fx"]` are as they were (tensors a function reaches
+    otherwise, e.g. globals, are not restored)."""
     config = as_config(config, "explain")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile(module): explain the module
         model = model._orig_mod
@@ -45,7 +47,6 @@ def explain(
     with (
         _restored(model, (example_args, example_kwargs)),
         _fresh_code(model) as entry,
-        torch.no_grad(),
         torch._dynamo.config.patch(automatic_dynamic_shapes=False),
     ):
         torch.compile(entry, backend=backend, fullgraph=False)(*example_args, **example_kwargs)
@@ -91,22 +92,49 @@ def _fresh_code(model: Any) -> Iterator[Any]:
         yield model
 
 
+def _module_of(model: Any) -> torch.nn.Module | None:
+    if isinstance(model, torch.nn.Module):
+        return model
+    owner = getattr(model, "__self__", None)  # a bound method of a module (`explain(model.forward, ...)`)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
 @contextmanager
 def _restored(model: Any, inputs: Any) -> Iterator[None]:
-    """Put back the module state, the input tensors and the dspark_fx counters that tracing `model` changes."""
+    """Put back what tracing `model` changes: the contents of its module's parameters and buffers and of the input
+    tensors (by identity, in place; a tensor written with values that require grad is made the leaf it was), the
+    module attributes it rebinds, and the dspark_fx counters."""
     from torch._dynamo.utils import counters
 
     counts = dict(counters["dspark_fx"])
-    state = {k: v.clone() for k, v in model.state_dict().items()} if isinstance(model, torch.nn.Module) else None
-    tensors = {id(t): t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-    saved = [(t, t.detach().clone()) for t in tensors.values()]
+    module = _module_of(model)
+    tensors = torch.utils._pytree.tree_leaves(inputs)
+    attributes = []
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+        attributes = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    saved = [(t, t.detach().clone(), t.requires_grad, t.grad_fn is None) for t in unique.values()]
     try:
         yield
     finally:
-        if state is not None:
-            model.load_state_dict(state)
+        for m, attrs, params, buffers in attributes:
+            vars(m).update(attrs)
+            _refill(m._parameters, params)
+            _refill(m._buffers, buffers)
         with torch.no_grad():
-            for tensor, copy in saved:
+            for tensor, copy, requires_grad, leaf in saved:
+                # a leaf written with values that require grad got a grad_fn: it is made a leaf again
+                if leaf and tensor.grad_fn is not None and not tensor._is_view():
+                    tensor.detach_()
+                    tensor.requires_grad_(requires_grad)
                 tensor.copy_(copy)
         counters["dspark_fx"].clear()
         counters["dspark_fx"].update(counts)
+
+
+def _refill(current: dict, saved: dict) -> None:
+    """Make `current` hold `saved`'s entries again, keeping the dict object (guards may hold it)."""
+    if current.keys() != saved.keys() or any(current[k] is not v for k, v in saved.items()):
+        current.clear()
+        current.update(saved)

@@ -65,7 +65,8 @@ def main() -> None:
     cache_loc = torch.randperm(cfg.num_slots, device=args.device)[: args.tokens]
     inputs = (ctx, positions, cache_loc)
 
-    print(dspark_fx.explain(eager, *inputs))
+    with torch.no_grad():  # as the draft runs below
+        print(dspark_fx.explain(eager, *inputs))
     torch._dynamo.utils.counters["dspark_fx"].clear()
     compiled = torch.compile(model, backend=dspark_fx.dspark_backend)
     with torch.no_grad():

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_fx.passes.graph_utils import propagate_val, shape_key
 from dspark_fx.reference_draft import apply_rope, rope_cos_sin_table
 
 PROJ = ("linear", "linear_bias", "row_slice", "row_slice_bias", "fused_split", "kv_slice_split")
@@ -513,6 +514,137 @@ def make_cast_case(seed: int) -> CastKVModel:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return CastKVModel(spec)
+
+
+# Case kinds beyond the plain model (`make_kind_case`): the same drawn model with something around it that the pass
+# must keep working: "out_ops", a composed user post-grad pass that makes pointwise ops write into fresh buffers
+# through their `.out` ops; "dense_reader", a custom op that reads branch values as dense memory.
+CASE_KINDS = ("out_ops", "dense_reader")
+
+
+@torch.library.custom_op("dspark_fuzz::dense_rows", mutates_args=())
+def dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """`1.5 * x + 0.25` computed on `x`'s memory read as dense row-major rows from its storage offset, as a kernel
+    taking `x.data_ptr()` does: right for a contiguous `x` only."""
+    strides = torch._prims_common.make_contiguous_strides_for(x.shape)
+    return torch.as_strided(x, x.shape, strides, x.storage_offset()) * 1.5 + 0.25
+
+
+@dense_rows.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+class DenseReaderModel(FuzzModel):
+    """The spec's model with `dense_rows` reading, in the drawn `readers` branches, the projection (a column block of
+    the fused GEMM), the normed heads (a slice of the batched norm) and the branch results (K, and V where there is
+    one), each where eager has it contiguous. The projection and norm are computed again for the reads: the
+    common-subexpression elimination makes them the branch's own nodes."""
+
+    def __init__(self, spec: ModelSpec, readers: tuple[bool, ...]) -> None:
+        object.__setattr__(self, "readers", readers)  # FuzzModel.__init__ runs `_finals` already
+        super().__init__(spec)
+
+    def forward(self, x, x2, positions, loc, tok_idx, head_idx, dim_idx, mask):
+        outs = super().forward(x, x2, positions, loc, tok_idx, head_idx, dim_idx, mask)
+        ctx = _Context(x, x2, positions, tok_idx, head_idx, dim_idx, mask, self.shared_vec)
+        for b, params, on in zip(self.spec.branches, self.branch_params, self.readers, strict=True):
+            k, _ = params.project(ctx)
+            outs += [_read(k, on), _read(_norm(_heads(k, b, self.spec.head_dim), b, params), on)]
+        return outs
+
+    def _finals(self, *inputs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        finals = super()._finals(*inputs)
+        return [
+            (_read(k, on), None if v is None else _read(v, on)) for (k, v), on in zip(finals, self.readers, strict=True)
+        ]
+
+
+def _read(value: torch.Tensor, on: bool) -> torch.Tensor:
+    return dense_rows(value) if on and value.is_contiguous() else value
+
+
+class OutOpsPass:
+    """A user post-grad pass, as a memory planner might write it: a drawn half of the pointwise ATen ops write their
+    result into a fresh buffer through their `.out` op. The buffer is `empty`/`empty_strided` of a static result
+    shape, or `empty_like` of the first value of the graph with the result's shape and dtype: the buffers of
+    values of one shape have the same arguments, and many of those values are alive at once. `rewritten` counts
+    the ops rewritten so far."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rewritten = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rng = random.Random(self.seed)
+        firsts: dict[str, torch.fx.Node] = {}  # the first value of each shape and dtype
+        for node in list(graph.nodes):
+            first = firsts.setdefault(shape_key(node), node) if isinstance(node.meta.get("val"), torch.Tensor) else None
+            out_op = _out_overload(node)
+            if out_op is None or rng.random() < 0.5:
+                continue
+            with graph.inserting_before(node):
+                buffer = _buffer(graph, node, None if first is node else first, rng)
+                if buffer is None:
+                    continue
+                propagate_val(graph, buffer)
+                written = graph.call_function(out_op, node.args, {**node.kwargs, "out": buffer})
+                propagate_val(graph, written)
+            node.replace_all_uses_with(written)
+            graph.erase_node(node)
+            if first is node:
+                firsts[shape_key(written)] = written
+            self.rewritten += 1
+
+
+def _out_overload(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    """The `.out` overload of a pointwise functional ATen op: its arguments and an `out` it writes."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" or torch.Tag.pointwise not in op.tags:
+        return None
+    if op._schema.is_mutable or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for name in op.overloadpacket.overloads():
+        candidate = getattr(op.overloadpacket, name)
+        args = candidate._schema.arguments
+        written = [a.name for a in args if a.alias_info is not None and a.alias_info.is_write]
+        if written == ["out"] and [(a.name, str(a.type)) for a in args if a.name != "out"] == want:
+            return candidate
+    return None
+
+
+def _buffer(
+    graph: torch.fx.Graph, node: torch.fx.Node, first: torch.fx.Node | None, rng: random.Random
+) -> torch.fx.Node | None:
+    """A buffer for `node`'s result: `empty_like(first)` (an earlier value of its shape and dtype), or `empty` or
+    `empty_strided` of its static shape; None when there is neither."""
+    aten = torch.ops.aten
+    val = node.meta["val"]
+    kwargs = {"dtype": val.dtype, "device": val.device}
+    static = all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+    if first is not None and (not static or rng.random() < 0.4):
+        return graph.call_function(aten.empty_like.default, (first,), {"memory_format": torch.contiguous_format})
+    if not static:
+        return None
+    if rng.random() < 0.5:
+        return graph.call_function(aten.empty.memory_format, ([*val.shape],), kwargs)
+    return graph.call_function(aten.empty_strided.default, ([*val.shape], [*val.stride()]), kwargs)
+
+
+def make_kind_case(seed: int, kind: str) -> tuple[FuzzCase, OutOpsPass | None]:
+    """The case of `seed` as kind `kind` (`CASE_KINDS`), and the user post-grad pass to compose with the pass."""
+    spec = draw_spec(seed)
+    if kind == "out_ops":
+        return make_case(seed), OutOpsPass(seed)
+    if kind != "dense_reader":
+        raise ValueError(f"make_kind_case: kind must be one of {CASE_KINDS}, got {kind!r}")
+    rng = random.Random(seed)
+    readers = tuple(rng.random() < 0.7 for _ in spec.branches)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = DenseReaderModel(spec, readers)
+    return FuzzCase(spec, model), None
 
 
 if __name__ == "__main__":

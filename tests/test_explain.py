@@ -1,6 +1,8 @@
 """`dspark_fx.explain()`: compiles the inspected model in isolation (no Dynamo reset, no recompile of anything
-compiled before), accepts functions and keyword inputs, names weights in every line, and restores state."""
+compiled before), accepts functions and keyword inputs, names weights in every line, runs under the caller's grad
+mode (as the compile would) and restores state."""
 
+import copy
 import re
 
 import pytest
@@ -13,7 +15,7 @@ from torch._dynamo.testing import CompileCounter
 
 from dspark_fx import explain
 from dspark_fx.reference_draft import DraftKVWriter
-from dspark_fx.testing import compile_counts
+from dspark_fx.testing import CaptureBackend, compile_counts
 
 counters = torch._dynamo.utils.counters
 ATEN_NODE = re.compile(r"(add)?mm(_\d+)?|primals_\d+|arg\d+_\d+")
@@ -110,3 +112,52 @@ def test_every_report_line_names_weights_not_aten_nodes():
     assert not any(ATEN_NODE.fullmatch(part) for node in nodes for part in node.split(", ")), report
     assert "addmm" not in str(report) and "mm_" not in str(report)
     assert not counters["dspark_fx"], "explain() must leave the counters as they were"
+
+
+def test_explain_runs_under_the_callers_grad_mode_and_says_why_nothing_is_lowered():
+    """With grad enabled the compile makes a training graph, which returns the new cache values instead of writing
+    them: nothing to lower. explain() must say what the compile does, and both must give the reason."""
+    cfg = small_config()
+    model = DraftKVWriter(cfg)
+    args = draft_inputs(cfg, 6)
+    config = {"kv_write_op": "always"}
+    with torch.no_grad():
+        assert len(explain(model, *args, config=config).kv_writes) == 1
+    report = explain(model, *args, config=config)
+    assert not report.kv_writes and report.n_branches == [cfg.num_layers], report
+    (why,) = report.kv_kept
+    assert "training graph" in why and "k_cache_0" in why and "torch.no_grad()" in why, why
+    torch._dynamo.reset()
+    capture = CaptureBackend(config)
+    torch.compile(copy.deepcopy(model), backend=capture)(*args)
+    assert capture.report.kv_kept == report.kv_kept and not capture.report.kv_writes
+
+
+class _StatefulDraft(nn.Module):
+    """A draft step that writes a non-persistent KV cache buffer, counts its calls in a Python attribute and
+    rebinds a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+        self.register_buffer("kv_cache", torch.randn(8, 16), persistent=False)
+        self.register_buffer("last", torch.randn(16))
+        self.steps = 0
+
+    def forward(self, x, loc):
+        self.steps += 1
+        outs = [lin(x) for lin in self.lins]
+        self.kv_cache[loc] = outs[0]
+        self.last = outs[1][-1]
+        return outs
+
+
+def test_explain_restores_non_persistent_buffers_and_attributes():
+    model = _StatefulDraft()
+    cache, last = model.kv_cache.clone(), model.last
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            assert explain(model, torch.randn(4, 16), torch.tensor([1, 5, 2, 7])).n_branches == [3]
+        assert torch.equal(model.kv_cache, cache), "explain() left the non-persistent cache written"
+        assert model.last is last and model.steps == 0 and "last" in model._buffers
+        assert model.kv_cache.grad_fn is None and not model.kv_cache.requires_grad

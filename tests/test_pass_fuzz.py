@@ -4,6 +4,7 @@ pass against eager — outputs and cache buffers at T = 1, 5 and 9, and again af
     DSPARK_FUZZ_MODELS=1000 pytest tests/test_pass_fuzz.py    # more models (default 50, seeds 0..49)
     DSPARK_FUZZ_SEED=5000                                       # another seed range
     DSPARK_FUZZ_INNER=inductor                                  # Inductor codegen instead of eager ATen (slow)
+    DSPARK_FUZZ_KIND_MODELS=100                                 # more models of each case kind (default 16)
     python tests/fuzz_models.py 17                              # the spec of a failing seed
 
 The pass must never change a result, never fail a compile that would work without it, and never fall back for
@@ -12,6 +13,11 @@ by the rule check) fails here. The models must also exercise the fusion: most fu
 classes cover the main op kinds. And the comparisons must check something: a compared tensor whose eager values all
 stay near the tolerance would pass even if the compiled one were zero, so each must reach `SIGNAL` tolerances at one
 step at least (only a tiny one, a relu of one value or a full sum, may stay near 0 by chance).
+
+Case kinds (`fuzz_models.CASE_KINDS`) run the same models with something around them: a composed user post-grad
+pass that makes pointwise ops write through `.out` ops into fresh buffers (buffers of one shape have the same
+arguments and must never be merged), and a custom op that reads fused and batched values as dense memory (it must
+get them in the eager strides).
 """
 
 from __future__ import annotations
@@ -24,13 +30,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from fuzz_models import cast_inputs, describe, make_case, make_cast_case, update_weights
+from fuzz_models import CASE_KINDS, cast_inputs, describe, make_case, make_cast_case, make_kind_case, update_weights
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dspark_fx import DsparkConfig
 from dspark_fx.passes.batching import RULE_CHECK
-from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype
+from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype, op_counts
 
 N_MODELS = int(os.environ.get("DSPARK_FUZZ_MODELS", "50"))
 FIRST_SEED = int(os.environ.get("DSPARK_FUZZ_SEED", "0"))
@@ -46,18 +52,21 @@ class Outcome:
     groups: int
     batched_ops: tuple[str, ...]  # one entry per batched op, over all classes and graphs
     reasons: tuple[str, ...]  # why branches (or some of the ops of a class) kept their own ops
+    kind_ops: int = 0  # ops of the case kind in the compiled graphs (ops written through `.out`, dense reads)
 
 
 @functools.cache
-def run_case(seed: int) -> Outcome:
-    """Compile the model of `seed` with the pass and compare it with eager at every step; raise on a mismatch."""
-    case = make_case(seed)
+def run_case(seed: int, kind: str = "plain") -> Outcome:
+    """Compile the model of `seed` (as case kind `kind`, `fuzz_models.CASE_KINDS`) with the pass and compare it
+    with eager at every step; raise on a mismatch."""
+    case, user_pass = (make_case(seed), None) if kind == "plain" else make_kind_case(seed, kind)
     eager, model = case.model, copy.deepcopy(case.model)
     torch._dynamo.reset()
     capture = CaptureBackend(inner=INNER)
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     signal: dict[str, tuple[float, int]] = {}  # compared tensor -> (largest |eager value| in tolerances, size)
-    with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=True):  # Inductor: round like eager
+    patch = torch._inductor.config.patch(emulate_precision_casts=True, post_grad_custom_post_pass=user_pass)
+    with torch.no_grad(), patch:  # emulate_precision_casts: Inductor rounds like eager
         for step, tokens in enumerate(STEPS):
             if tokens == "update":
                 update_weights(eager, seed)
@@ -84,6 +93,9 @@ def run_case(seed: int) -> Outcome:
         batched_ops=tuple(op for g in report.groups for c in g.classes for op in c.ops),
         reasons=tuple(u.reason for g in report.groups for u in g.unbatched)
         + tuple(why for g in report.groups for c in g.classes for why in c.kept),
+        kind_ops=user_pass.rewritten
+        if user_pass
+        else sum(op_counts(g)["dspark_fuzz.dense_rows"] for g in capture.before),
     )
 
 
@@ -150,3 +162,25 @@ def test_kv_writes_through_casts_match_eager(seed):
     assert not any("unexpected" in why for why in report.kv_kept), report.kv_kept
     if spec.kind in ROUNDING:
         assert not report.kv_writes, f"{spec}: a rounding cast was lowered\n{report}"
+
+
+# Case kinds (`fuzz_models.CASE_KINDS`): the models of the first KIND_MODELS seeds with a composed user pass that
+# writes through `.out` ops into fresh buffers, or with a custom op reading branch values as dense memory.
+KIND_MODELS = int(os.environ.get("DSPARK_FUZZ_KIND_MODELS", "16"))
+KIND_SEEDS = range(FIRST_SEED, FIRST_SEED + KIND_MODELS)
+
+
+@pytest.mark.parametrize("seed", KIND_SEEDS)
+@pytest.mark.parametrize("kind", CASE_KINDS)
+def test_case_kind_matches_eager(kind, seed):
+    outcome = run_case(seed, kind)
+    bugs = [why for why in outcome.reasons if "unexpected" in why or RULE_CHECK in why]
+    assert not bugs, f"seed {seed} ({kind}): a batching rule failed: {bugs}\n{describe(make_case(seed).spec)}"
+
+
+@pytest.mark.parametrize("kind", CASE_KINDS)
+def test_case_kind_exercises_the_fusion(kind):
+    """Most cases of a kind fuse a GEMM group and have the kind's ops in their graphs."""
+    outcomes = [run_case(seed, kind) for seed in KIND_SEEDS]
+    both = sum(o.groups > 0 and o.kind_ops > 0 for o in outcomes)
+    assert both >= 0.5 * len(outcomes), f"{kind}: only {both}/{len(outcomes)} cases fused with the kind's ops"

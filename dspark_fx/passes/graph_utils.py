@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -91,6 +91,38 @@ def views_to_reshapes(nodes: list[fx.Node]) -> None:
     for node in nodes:
         if node.target in _VIEWS:
             node.target = aten.reshape.default
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The nodes `node` passes as arguments its schema marks as written (`Tensor(a!)`: in-place and `.out` ops,
+    `copy_` into an input, custom ops with `mutates_args`)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return []
+    written = []
+    for i, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) and not argument.kwarg_only else node.kwargs.get(argument.name)
+        written += [v for v in tree_leaves(value) if isinstance(v, fx.Node)]
+    return written
+
+
+def storage_family(nodes: Any) -> set[fx.Node]:
+    """The nodes that share storage with any of `nodes`: each one's base (through the view ops above it) and
+    every view of those bases (and views of views)."""
+    family: set[fx.Node] = set()
+    stack = []
+    for node in nodes:
+        while node.target in _ALIASING and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        stack.append(node)
+    while stack:
+        node = stack.pop()
+        if node not in family:
+            family.add(node)
+            stack += [u for u in node.users if u.target in _ALIASING and u.args[0] is node]
+    return family
 
 
 def reads_storage_layout(node: fx.Node) -> bool:

@@ -23,7 +23,8 @@ This module only drives the steps: normalize (CSE, `normalize`) → lower cache 
 grouped by activation (`gemm_branches`) → for each group: rewrite its GEMMs into one multi-linear (`gemm_branches`),
 then batch the per-branch regions (`batch_group`: regions of `branch_regions`, classes of identical branches of
 `branch_classes`, batched ops of each class by `batch_class` with the rules of `batching`/`batch_rules`) → the views
-below a fused GEMM become reshapes (its column blocks and branch slices have other strides) → the report. Anything
+below a fused GEMM become reshapes (its column blocks and branch slices have other strides) → consumers that
+read memory (custom ops, the outputs) get the eager strides back (`layouts`) → the report. Anything
 that does not fit is left as it was and reported; an unexpected error while batching a class leaves that class
 unbatched (reported, and logged as a warning), never a failed compile.
 """
@@ -36,7 +37,8 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches, kv_write
 from dspark_fx.passes.batch_group import batch_group
-from dspark_fx.passes.graph_utils import tensor_val, views_to_reshapes
+from dspark_fx.passes.graph_utils import aten, tensor_val, views_to_reshapes
+from dspark_fx.passes.layouts import EagerLayouts
 from dspark_fx.passes.names import Namer
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
 from dspark_fx.report import FusionReport, GroupReport, Rejection
@@ -45,10 +47,11 @@ from dspark_fx.report import FusionReport, GroupReport, Rejection
 def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
     report = FusionReport()
     names = Namer(graph, input_names)
+    eager_layouts = EagerLayouts(graph)
     eliminate_common_subexpressions(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
-        report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept
+        report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names)
     scan = gemm_branches.find_groups(graph, names)
     report.rejected += scan.rejected
     for group in scan.groups:
@@ -66,9 +69,39 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
         fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
         views_to_reshapes(list(branch_regions.descendants(graph, fused)))
         eliminate_common_subexpressions(graph)
+        eager_layouts.restore(graph)
         stable_topological_sort(graph)
         graph.lint()
     return report
+
+
+_INPUT_UPDATES = (
+    aten.index_put.default,
+    aten.index_copy.default,
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
+)
+
+
+def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[str]:
+    """Why cache writes that the graph returns instead of doing cannot be lowered: AOTAutograd writes the new
+    values of mutated inputs after a training graph (grad enabled, parameters requiring grad); an inference
+    graph writes them itself (`copy_`), and only those writes are lowered."""
+    copied = {n.args[0] for n in graph.nodes if n.target is aten.copy_.default}
+    caches = []
+    for value in (a for out in graph.find_nodes(op="output") for a in out.all_input_nodes):
+        base = value
+        while base.target in (*_INPUT_UPDATES, aten.clone.default, aten.alias.default):
+            base = base.args[0]
+        if value.target in _INPUT_UPDATES and base.op == "placeholder" and base not in copied:
+            caches.append(names.of(base))
+    if not caches:
+        return []
+    return [
+        f"writes to {', '.join(caches)}: the graph returns their new values, it does not write them (a training "
+        "graph: grad is enabled and parameters require grad; AOTAutograd writes them after the graph), so there is "
+        "no write to lower; compile under torch.no_grad() or torch.inference_mode()"
+    ]
 
 
 def _fuse_group(graph: fx.Graph, group: gemm_branches.GemmGroup, config: DsparkConfig, names: Namer) -> GroupReport:

@@ -67,7 +67,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
             report = fuse_kv_branches(graph, self.config, self.input_names)
         self.reports.append(report)
         count(report)
-        if report.groups or report.kv_writes:
+        if report.groups or report.kv_writes or report.kv_kept:
             log.info("%s", report)
         elif report.rejected:
             log.info("dspark_fx: nothing fused; %d GEMM(s) rejected: %s", len(report.rejected), report.rejected)

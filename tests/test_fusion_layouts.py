@@ -1,0 +1,62 @@
+"""Values the fusion replaces (a column block of the fused GEMM output, a branch's `select` of a batched value, and
+what ATen ops compute from them) have other strides than in eager. A consumer that is not an ATen op (a custom op
+reading its input's memory as dense rows, the graph's outputs) must still get the eager layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fuzz_models import dense_rows
+from torch import nn
+
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
+
+
+class _Branches(nn.Module):
+    """Three projections of one input: the custom op reads a GEMM output (a column block after the fusion), a
+    normed per-head value (a slice of the batched norm) and a value computed from the normed one by ATen ops."""
+
+    def __init__(self, hidden: int = 32, heads: int = 2, head_dim: int = 8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.lins = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(3))
+        self.norms = nn.ParameterList(nn.Parameter(torch.rand(head_dim) + 0.5) for _ in range(3))
+
+    def forward(self, x):
+        outs = []
+        for lin, w in zip(self.lins, self.norms, strict=True):
+            y = lin(x)
+            k = y.view(-1, self.heads, self.head_dim)
+            n = F.rms_norm(k, (self.head_dim,), w, 1e-6)
+            outs += [dense_rows(y), dense_rows(n), dense_rows(n.relu())]
+        return outs
+
+
+@pytest.mark.parametrize("tokens", [5, 1])
+def test_custom_op_reading_dense_memory_gets_eager_strides(tokens):
+    torch._dynamo.reset()
+    model = _Branches()
+    capture = CaptureBackend()
+    x = torch.randn(tokens, 32)
+    with torch.no_grad():
+        out = torch.compile(model, backend=capture, fullgraph=True)(x)
+        capture.assert_fused(n_groups=1, n_branches=[3])
+        assert capture.report.groups[0].classes, capture.report
+        assert_close_for_dtype(out, model(x))
+
+
+def test_returned_values_have_eager_strides():
+    """A returned normed value is a `select` of the batched one: the caller (a `.view(-1)`) expects eager strides."""
+    torch._dynamo.reset()
+    lins = nn.ModuleList(nn.Linear(32, 16, bias=False) for _ in range(3))
+
+    def fn(x):
+        return [F.rms_norm(lin(x).view(-1, 2, 8), (8,), None, 1e-6) * 2 for lin in lins]
+
+    x = torch.randn(5, 32)
+    capture = CaptureBackend()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=capture, fullgraph=True)(x)
+        expected = fn(x)
+    capture.assert_fused(n_groups=1, n_branches=[3])
+    assert [o.stride() for o in out] == [e.stride() for e in expected]
+    assert_close_for_dtype([o.view(-1) for o in out], [e.view(-1) for e in expected])
