@@ -15,6 +15,7 @@ SHIM = {
 #include <cstring>
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
