@@ -470,10 +470,10 @@ def test_one_token_broadcast_to_several_slots_keeps_eager_semantics():
     [
         ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), None), ""),
         ((4, 64, "cpu", torch.bfloat16), 16, ((32, 2, 16), None), "the tensors are on cpu"),
-        ((4, 64, "cuda", torch.float32), 16, ((32, 2, 16), None), "not bf16/fp16"),
+        ((4, 64, "cuda", torch.float32), 16, ((32, 2, 16), None), "must be bfloat16 or float16 on CUDA"),
         ((4, 60, "cuda", torch.float16), 16, ((32, 2, 16), None), "K = 60"),
-        ((4, 64, "cuda", torch.float16), 12, ((32, 2, 12), None), "head_dim = 12"),
-        ((4, 64, "cuda", torch.float16), 512, ((32, 1, 512), None), "head_dim = 512"),
+        ((4, 64, "cuda", torch.float16), 12, ((32, 2, 12), None), "on CUDA, got 12"),
+        ((4, 64, "cuda", torch.float16), 512, ((32, 1, 512), None), "on CUDA, got 512"),
         ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), (32, 1, 64)), "unit inner stride"),
         ((4, 64, "cuda", torch.bfloat16), 16, ((32, 2, 16), (40, 20, 1)), "16-byte aligned"),
     ],

@@ -494,6 +494,23 @@ def layer_kv(
     return k, v
 
 
+def check_cuda_operands(x: torch.Tensor, head_dim: int, caches: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """The CUDA binding's rules on the activation, `head_dim` and the named caches (the same messages): bf16/fp16,
+    K a positive multiple of 8, head_dim a multiple of 8 up to 256, caches with unit inner stride and 16-byte aligned
+    rows (a cache's address judged from its storage offset). The pass's "auto" rule asks this too."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise _wrong_type(f"x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    if x.shape[1] % 8 != 0 or x.shape[1] <= 0:
+        raise _fail(f"x must have K > 0 and a multiple of 8 on CUDA, got K = {x.shape[1]}")
+    if head_dim % 8 != 0 or head_dim > 256:
+        raise _fail(f"head_dim must be a multiple of 8 and at most 256 on CUDA, got {head_dim}")
+    for name, c in caches:
+        esize = c.element_size()
+        if c.stride(-1) != 1 or not is_aligned(c, 16) or any((s * esize) % 16 for s in c.stride()[:-1]):
+            strides = tuple(c.stride())
+            raise _fail(f"{name} must have a unit inner stride and 16-byte aligned rows on CUDA, got strides {strides}")
+
+
 def _check_cuda_layout(
     x: torch.Tensor,
     k_weights: Sequence[torch.Tensor],
@@ -505,18 +522,8 @@ def _check_cuda_layout(
     head_dim: int,
 ) -> None:
     """What the CUDA binding needs beyond `_check_args` (`check_cuda_layout` and the unit-count check of
-    csrc/linear/multi_linear_kv_write.cu, the same messages); a cache's address is judged from its storage offset."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise _wrong_type(f"x must be bfloat16 or float16 on CUDA, got {x.dtype}")
-    if x.shape[1] % 8 != 0 or x.shape[1] <= 0:
-        raise _fail(f"x must have K > 0 and a multiple of 8 on CUDA, got K = {x.shape[1]}")
-    if head_dim % 8 != 0 or head_dim > 256:
-        raise _fail(f"head_dim must be a multiple of 8 and at most 256 on CUDA, got {head_dim}")
-    for name, c in _named_caches(k_caches, v_caches):
-        esize = c.element_size()
-        if c.stride(2) != 1 or not is_aligned(c, 16) or (c.stride(0) * esize) % 16 or (c.stride(1) * esize) % 16:
-            strides = tuple(c.stride())
-            raise _fail(f"{name} must have a unit inner stride and 16-byte aligned rows on CUDA, got strides {strides}")
+    csrc/linear/multi_linear_kv_write.cu, the same messages)."""
+    check_cuda_operands(x, head_dim, _named_caches(k_caches, v_caches))
     for i, w in enumerate(k_norm_weights):
         if w is not None and w.stride(0) != 1 and w.shape[0] > 1:
             raise _fail(f"k_norm_weights[{i}] must be contiguous on CUDA")

@@ -70,6 +70,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import custom_ops  # registers dspark::multi_linear_kv_write
+from custom_ops.linear.multi_linear_kv_write import check_cuda_operands
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import gemm_branches
 from dspark_fx.passes.batching import same_shape
@@ -906,17 +907,10 @@ def kernel_mismatch(x_val: torch.Tensor, head_dim: int, caches: list[torch.Tenso
             if problem
             else "this build of custom_ops has no CUDA kernel of the op"
         )
-    if x_val.dtype not in (torch.bfloat16, torch.float16):
-        return f"the activation is {x_val.dtype}, not bf16/fp16"
-    if not isinstance(x_val.shape[1], int) or x_val.shape[1] % 8:
-        return f"K = {x_val.shape[1]} is not a multiple of 8"
-    if head_dim % 8 or head_dim > 256:
-        return f"head_dim = {head_dim} is not a multiple of 8 up to 256"
-    item = x_val.dtype.itemsize
-    for c in caches:
-        strides = c.stride()
-        if strides[-1] != 1 or any((s * item) % 16 for s in (*strides[:-1], c.storage_offset())):
-            return "a cache has no unit inner stride or 16-byte aligned rows"
+    try:
+        check_cuda_operands(x_val, head_dim, [(f"cache {i}", c) for i, c in enumerate(caches)])
+    except (TypeError, ValueError) as err:
+        return str(err)
     return ""
 
 
