@@ -231,7 +231,7 @@ def _rewire_users(graph: fx.Graph, branch: GemmBranch, block: fx.Node) -> None:
                 new = call(graph, aten.slice.Tensor, (block, 1, start - branch.col_lo, stop - branch.col_lo))
             old.replace_all_uses_with(new)
             graph.erase_node(old)
-        if not user.users:
+        if user.target is not aten.slice.Tensor and not user.users:  # a split whose getitems all went (a slice did)
             graph.erase_node(user)
 
 
