@@ -1,0 +1,117 @@
+"""The draft K/V writers of `benchmarks/_spellings.py` (the same math spelled as sglang, HF, DeepSeek/Llama and GPT-J
+code is written) against the fp64 formula of `dspark::multi_linear_kv_write`, and what the dspark passes make of each
+today (`kv_write_op="always"`, no Inductor codegen): lowered to the op, or kept with the reason in the report.
+
+`LOWERED_TODAY` / `KEPT_TODAY` record today's outcome per spelling: work that lowers a spelling moves it from
+`KEPT_TODAY` to `LOWERED_TODAY`, and this test says which one changed.
+"""
+
+import copy
+import dataclasses
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_fx import DsparkConfig
+from dspark_fx.reference_draft import DraftKVConfig
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+spellings = importlib.import_module("_spellings")
+
+OP = "dspark.multi_linear_kv_write"
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+CFG = DraftKVConfig(
+    num_layers=3, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, num_slots=32, max_position=64, eps=1e-5
+)
+LOWERED_TODAY = {"reference", "gptj_stack"}
+KEPT_TODAY = {  # spelling: the op the report says each layer's written K reads instead of a GEMM column block
+    "sglang": r"aten\.view|prims\.convert_element_type",  # the rotated key's view back to heads (bf16: its cast)
+    "hf": r"aten\.permute",  # the [1, heads, T, D] -> [T, heads, D] transpose
+    "complex": r"aten\.view_as_real",  # the complex rotation
+}
+
+
+def test_the_expectation_table_covers_every_spelling_once():
+    assert sorted([*LOWERED_TODAY, *KEPT_TODAY]) == sorted(spellings.SPELLINGS)
+
+
+def _inputs(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ctx, positions over the whole table (last row included), distinct slots."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(tokens, CFG.hidden, generator=gen).to(dtype)
+    positions = torch.randint(0, CFG.max_position, (tokens,), generator=gen)
+    positions[0] = CFG.max_position - 1
+    return ctx, positions, torch.randperm(CFG.num_slots, generator=gen)[:tokens]
+
+
+def _build(name: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
+    """The spelling's writer, its caches poisoned with random values (slots not written must keep them)."""
+    model = spellings.build_spelling(name, dataclasses.replace(CFG, dtype=dtype, **overrides))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for k_cache, v_cache in model.caches():
+            k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+            v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    return model.requires_grad_(False)
+
+
+def _caches(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [t.clone() for kv in model.caches() for t in kv]
+
+
+@DTYPES
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_eager_writes_the_ops_formula(name, qkv_bias, dtype):
+    """Each spelling's eager caches equal the op's formula in fp64 with the spelling's rope style (to the dtype's
+    tolerance), and not the formula with the other rope style: the fixtures compute what they claim."""
+    model = _build(name, dtype, qkv_bias=qkv_bias)
+    ctx, positions, cache_loc = _inputs(9, dtype, seed=1)
+    expected = [t for kv in spellings.expected_caches(model, ctx, positions, cache_loc) for t in kv]
+    with torch.no_grad():
+        model(ctx, positions, cache_loc)
+    assert_close_for_dtype([t.double() for t in _caches(model)], expected, dtype)
+    swapped = "gptj" if spellings.is_neox(model) else "neox"
+    model.cfg = dataclasses.replace(model.cfg, rope_style=swapped)
+    wrong = [t for kv in spellings.expected_caches(model, ctx, positions, cache_loc) for t in kv]
+    k_error = max((a.double() - e).abs().max().item() for a, e in zip(_caches(model)[::2], wrong[::2], strict=True))
+    assert k_error > 0.1, f"{name}: the caches match the other rope style too ({k_error:.1e})"
+
+
+@DTYPES
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_compiled_matches_eager_and_lowers_or_says_why(name, dtype):
+    """`kv_write_op="always"`: the compiled writer leaves eager's caches; a spelling of `LOWERED_TODAY` becomes one
+    `multi_linear_kv_write` of all layers per graph, any other keeps today's path and the report names the reason."""
+    torch._dynamo.reset()
+    eager = _build(name, dtype)
+    compiled_model = copy.deepcopy(eager)
+    capture = CaptureBackend(DsparkConfig(kv_write_op="always"))
+    compiled = torch.compile(compiled_model, backend=capture)
+    with torch.no_grad():
+        for seed, tokens in enumerate((7, 12)):
+            inputs = _inputs(tokens, dtype, seed)
+            eager(*inputs)
+            compiled(*inputs)
+            assert_close_for_dtype(_caches(compiled_model), _caches(eager), dtype)
+    assert capture.reports, "nothing compiled"
+    lowered = [op_counts(graph)[OP] for graph in capture.after]
+    if name in LOWERED_TODAY:
+        assert lowered == [1] * len(capture.after), f"{name} no longer lowers:\n{capture.report}"
+        for report in capture.reports:
+            (group,) = report.kv_writes
+            assert len(group.layers) == CFG.num_layers and not report.kv_kept, str(report)
+        return
+    assert not any(lowered), f"{name} lowers now: move it from KEPT_TODAY to LOWERED_TODAY\n{capture.report}"
+    for report in capture.reports:
+        assert report.kv_kept, f"{name}: kept without a reason\n{report}"
+        for i in range(CFG.num_layers):
+            reason = (
+                rf"write to k_cache_{i}: the \[T, heads, head_dim\] view reads ({KEPT_TODAY[name]}) \(\w+\), not a GEMM"
+            )
+            assert any(re.search(reason, why) for why in report.kv_kept), str(report)
