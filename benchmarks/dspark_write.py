@@ -1,9 +1,10 @@
-"""Draft context-KV write: eager, stacked eager, torch.compile and dspark_backend (+ reduce-overhead) vs the floor.
+"""Draft context-KV write: eager, stacked, torch.compile (plain, hand-stacked), dspark_backend (+ RO) vs the floor.
 
     python benchmarks/dspark_write.py --out BENCH.md            # GPU: the three configs below, bf16, T 1..4096
     python benchmarks/dspark_write.py --small                   # GPU check: tiny dims, bf16, T in {1, 8}
     python benchmarks/dspark_write.py --device cpu --small      # CPU check: tiny dims, fp32, T in {1, 8}
     (--configs qwen3-8b hd64 and --tokens 8 64 pick a subset)
+    python benchmarks/dspark_write.py --spellings reference sglang hf complex gptj_stack   # the same, per spelling
     python benchmarks/dspark_write.py --breakdown --configs qwen3-8b --tokens 8 64   # GPU: where the time goes
 
 Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
@@ -12,6 +13,10 @@ slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
   qwen3-4b   Qwen3-4B draft: hidden 2560, 32/8 heads x head_dim 128
   hd64       head_dim 64:    hidden 7168, 64/16 heads x head_dim 64
 T in {1, 8, 64, 512, 4096}.
+
+Spellings (`--spellings`, default `reference` only): the same draft written the ways models are written, from
+`benchmarks/_spellings.py` (reference = `DraftKVWriter` as above; sglang, hf, complex, gptj_stack: see that module);
+one table per config and spelling, all columns measured on that spelling's module.
 
 One table per config, one row per T. A time cell is µs per call and, in brackets, time ÷ the torch.compile cell
 of the same row (below 1.00x: faster than torch.compile). Columns:
@@ -24,27 +29,31 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
                      k_norm, one RoPE, per-layer writes
   torch.compile      torch.compile(model)
+  hand-stacked torch.compile
+                     the stacked eager module under plain torch.compile: what a user writes by hand for this path
   torch.compile RO   torch.compile(model, mode="reduce-overhead")
   dspark_backend     torch.compile(model, backend=dspark_fx.dspark_backend)
   dspark_backend RO  torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead"): torch.compile
                      passes `mode` on to a custom backend, and dspark_backend applies Inductor's options of that mode
                      (triton.cudagraphs=True), so Inductor wraps its output in CUDA graph trees as for plain RO
   dspark ÷ floor     the dspark_backend and dspark_backend RO times ÷ the floor
+  dspark ÷ hand      the dspark_backend time ÷ the hand-stacked torch.compile time
   dspark ÷ read      the dspark_backend time ÷ the one-launch read, in rows whose floor is the copy
   dspark path        the op the dspark passes lowered the layers' K/V to: multi_linear_kv_write (GEMM, k_norm, RoPE
                      and cache writes in one op) or multi_linear (one GEMM; norm, RoPE and writes left to Inductor),
-                     read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes
+                     read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes;
+                     below the table, the reason the passes gave for K/V writes they kept off multi_linear_kv_write
 
 `--breakdown` (CUDA): for dspark_backend only, the CUDA-graph replay time per T (as in the table), the kernels of
 that graph with their durations when it is replayed after an L2 flush (as do_bench runs it; torch profiler), and the
 replay times of a graph of one trivial kernel and of the one-launch read in the same harness: replay = kernels + that
 harness cost (the table's header gives it too).
 
-Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, torch.compile and dspark_backend are
-captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables
-replay their own CUDA graph trees, which cannot be captured inside another graph: they are timed as called after
-warm-up calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc into the graphs'
-static inputs; one more call per T checks that it replays a CUDA graph (cells marked † where not).
+Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, both torch.compile columns and
+dspark_backend are captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this
+path). The RO callables replay their own CUDA graph trees, which cannot be captured inside another graph: they are
+timed as called after warm-up calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc
+into the graphs' static inputs; one more call per T checks that it replays a CUDA graph (cells marked † where not).
 Each compiled variant is compiled once per config with T marked dynamic (one graph for all T > 1, one for T = 1).
 Before timing, every variant's cache writes at T = 8, run as timed (graph replay, RO call), are checked against
 eager per-layer (max |error| / max |eager| <= 2e-2 in bf16, 1e-5 in fp32); a variant that disagrees is printed and
@@ -70,10 +79,12 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from _spellings import SPELLINGS, SpellingModel, build_spelling
 from _timing import graphed, median_us
 
 import dspark_fx
-from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter, apply_rope
+from dspark_fx.reference_draft import DraftKVConfig, apply_rope
+from dspark_fx.report import FusionReport
 from dspark_fx.testing import TOLERANCES, compile_counts, op_counts
 
 _DIMS = dict(num_layers=5, num_slots=8192)
@@ -95,22 +106,38 @@ BENCH = dict(warmup=10, rep=50)  # do_bench budgets in ms, per cell
 
 
 class HandStacked(torch.nn.Module):
-    """sglang-style stacked path: weights concatenated once (a copy), one GEMM, one norm, one RoPE, L writes."""
+    """What a user writes by hand (sglang's stacked path): the layers' K/V weight rows concatenated once (a copy made
+    here), one GEMM, one k_norm over `[T, layers * heads, head_dim]` with the layers' norm weights stacked, one RoPE,
+    per-layer cache writes. Needs one eps and one RoPE table for all layers, and a bias on all layers or none."""
 
-    def __init__(self, model: DraftKVWriter) -> None:
+    def __init__(self, model: SpellingModel) -> None:
         super().__init__()
-        cfg = model.cfg
-        rows = slice(cfg.q_size, cfg.q_size + 2 * cfg.kv_size)
+        cfg, params, tables = model.cfg, model.kv_params(), model.rope_tables()
+        if len({p.eps for p in params}) != 1 or any(
+            t is not tables[0] and not torch.equal(t, tables[0]) for t in tables
+        ):
+            raise ValueError("HandStacked: the layers must share eps and RoPE table")
+        kv = cfg.kv_size
+        rows = [
+            (w[start : start + kv], None if b is None else b[start : start + kv])
+            for p in params
+            for w, start, b in p[:2]
+        ]
+        if len({b is None for _, b in rows}) != 1:
+            raise ValueError("HandStacked: a bias on every layer or on none")
         self.model = model
-        self.w_all = torch.cat([layer.qkv_proj.weight[rows] for layer in model.layers]).detach().clone()
-        self.norm_w = torch.stack([layer.k_norm_weight.float() for layer in model.layers]).detach()
+        self.w_all = torch.cat([w for w, _ in rows]).detach().clone()
+        self.b_all = None if rows[0][1] is None else torch.cat([b for _, b in rows]).detach().clone()
+        self.norm_w = torch.stack([p.norm_weight.float() for p in params]).detach()
+        self.eps, self.table, self.style = params[0].eps, tables[0], model.cfg.rope_style
 
     def forward(self, ctx, positions, cache_loc):
-        cfg, n = self.model.cfg, len(self.model.layers)
-        kv = (ctx @ self.w_all.T).view(-1, n, 2, cfg.num_kv_heads, cfg.head_dim)
+        cfg = self.model.cfg
+        n = cfg.num_layers
+        kv = torch.nn.functional.linear(ctx, self.w_all, self.b_all).view(-1, n, 2, cfg.num_kv_heads, cfg.head_dim)
         k = kv[:, :, 0].float()
-        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.model.layers[0].eps) * self.norm_w[None, :, None]
-        k = apply_rope(k.to(ctx.dtype).flatten(1, 2), self.model.cos_sin_0[positions], cfg.rope_style)
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w[None, :, None]
+        k = apply_rope(k.to(ctx.dtype).flatten(1, 2), self.table[positions], self.style)
         k = k.view(-1, n, cfg.num_kv_heads, cfg.head_dim)
         for i, (k_cache, v_cache) in enumerate(self.model.caches()):
             k_cache[cache_loc] = k[:, i]
@@ -120,7 +147,7 @@ class HandStacked(torch.nn.Module):
 @dataclass(frozen=True)
 class Variant:
     name: str
-    build: Callable[[DraftKVWriter], Callable]  # the callable under test, from the model copy it writes with
+    build: Callable[[SpellingModel], Callable]  # the callable under test, from the model copy it writes with
     reduce_overhead: bool = False  # runs its own CUDA graph trees: timed as called, CUDA only
 
 
@@ -128,6 +155,7 @@ VARIANTS = (
     Variant("eager per-layer", lambda model: model),
     Variant("stacked eager", HandStacked),
     Variant("torch.compile", torch.compile),
+    Variant("hand-stacked torch.compile", lambda model: torch.compile(HandStacked(model))),
     Variant("torch.compile RO", functools.partial(torch.compile, mode="reduce-overhead"), reduce_overhead=True),
     Variant("dspark_backend", functools.partial(torch.compile, backend=dspark_fx.dspark_backend)),
     Variant(
@@ -139,6 +167,7 @@ VARIANTS = (
 BASELINE = "torch.compile"
 FLOOR_RATIOS = ("dspark_backend", "dspark_backend RO")
 READ_RATIO = "dspark_backend"
+HAND_RATIO = ("dspark_backend", "hand-stacked torch.compile")
 
 
 @dataclass
@@ -146,7 +175,7 @@ class Entry:
     """One variant in one config: its model copy (whose caches it writes), its callable and what went wrong."""
 
     variant: Variant
-    model: DraftKVWriter
+    model: SpellingModel
     fn: Callable
     graphs: int = 0  # Dynamo graphs compiled
     parity: str = "not checked"
@@ -171,6 +200,7 @@ class ConfigRun:
     rows: list[Row]
     entries: list[Entry]
     read_us: float | None  # the one-launch read of the K/V weight bytes (CUDA only)
+    kept: list[str]  # why the dspark passes kept K/V writes off multi_linear_kv_write
 
 
 def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -219,31 +249,37 @@ def lowering(graph: torch.fx.Graph) -> str:
 
 class PathProbe:
     """A torch.compile backend: the dspark passes without Inductor codegen (`make_backend(inner="aot_eager")`); each
-    compiled graph, when it runs, adds the op its K/V projection was lowered to to `seen`."""
+    compiled graph, when it runs, adds the op its K/V projection was lowered to to `seen`, and the first reason the
+    report gives for K/V writes it kept off `multi_linear_kv_write` (if any) to `kept`."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
+        self.kept: set[str] = set()
         self._path = "unfused"
+        self._kept: list[str] = []
         self._backend = dspark_fx.make_backend(inner="aot_eager", observer=self._observe)
 
-    def _observe(self, _before: torch.fx.Graph, after: torch.fx.Graph, _report: object) -> None:
+    def _observe(self, _before: torch.fx.Graph, after: torch.fx.Graph, report: FusionReport) -> None:
         self._path = lowering(after)
+        self._kept = [why.split("; ")[0] for why in report.kv_kept[:1]]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> Callable:
         self._path = "unfused"
         compiled = self._backend(gm, example_inputs, **kwargs)
-        path = self._path
+        path, kept = self._path, self._kept
 
         @functools.wraps(compiled)  # keeps `_boxed_call` and the like
         def run(*args):
             self.seen.add(path)
+            self.kept.update(kept)
             return compiled(*args)
 
         return run
 
 
-def dspark_paths(base: DraftKVWriter, inputs: dict[int, tuple]) -> dict[int, str]:
-    """Per T, the op the dspark passes lowered the K/V group to, compiled as the timed models are (T = 8 first)."""
+def dspark_paths(base: SpellingModel, inputs: dict[int, tuple]) -> tuple[dict[int, str], list[str]]:
+    """Per T, the op the dspark passes lowered the K/V group to, compiled as the timed models are (T = 8 first); and
+    the reasons given for K/V writes kept off `multi_linear_kv_write` (the first write's, per graph)."""
     probe = PathProbe()
     model = torch.compile(copy.deepcopy(base), backend=probe)
     paths = {}
@@ -252,7 +288,7 @@ def dspark_paths(base: DraftKVWriter, inputs: dict[int, tuple]) -> dict[int, str
             probe.seen.clear()
             model(*inputs[tokens])
             paths[tokens] = "/".join(sorted(probe.seen)) or "?"
-    return paths
+    return paths, sorted(probe.kept)
 
 
 def launched_cuda_graph(call: Callable[[], object]) -> bool:
@@ -285,13 +321,13 @@ def prepare(entry: Entry, inputs: tuple, device: str) -> Callable[[], object]:
     return call
 
 
-def zero_caches(model: DraftKVWriter) -> None:
+def zero_caches(model: SpellingModel) -> None:
     for k_cache, v_cache in model.caches():
         k_cache.zero_()
         v_cache.zero_()
 
 
-def cache_error(model: DraftKVWriter, reference: DraftKVWriter) -> float:
+def cache_error(model: SpellingModel, reference: SpellingModel) -> float:
     """max |cache - reference cache| / max |reference cache| over all K/V caches."""
     pairs = [
         (ours.float(), ref.float())
@@ -301,7 +337,7 @@ def cache_error(model: DraftKVWriter, reference: DraftKVWriter) -> float:
     return max((a - e).abs().max().item() for a, e in pairs) / max(e.abs().max().item() for _, e in pairs)
 
 
-def check_parity(entries: list[Entry], reference: DraftKVWriter, inputs: tuple, device: str) -> None:
+def check_parity(entries: list[Entry], reference: SpellingModel, inputs: tuple, device: str) -> None:
     """Every entry, run as timed, writes the caches that eager per-layer writes (within the dtype's tolerance)."""
     zero_caches(reference)
     reference(*inputs)
@@ -351,13 +387,17 @@ def time_entry(entry: Entry, inputs: tuple, device: str) -> float | str:
         return "error"
 
 
-def run_config(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...], device: str, ceilings) -> ConfigRun:
+def run_config(
+    label: str, cfg: DraftKVConfig, spelling: str, tokens_list: tuple[int, ...], device: str, ceilings
+) -> ConfigRun:
+    if spelling != "reference":
+        label = f"{label}, {spelling} spelling"
     print(f"{label}: {cfg}", flush=True)
     torch._dynamo.reset()
-    base = DraftKVWriter(cfg, device).requires_grad_(False)
+    base = build_spelling(spelling, cfg, device).requires_grad_(False)
     inputs = {t: make_inputs(cfg, t, device) for t in sorted({PARITY_TOKENS, *tokens_list})}
-    paths = dspark_paths(base, inputs)
-    print(f"  dspark path per T: {paths}", flush=True)
+    paths, kept = dspark_paths(base, inputs)
+    print(f"  dspark path per T: {paths}; K/V writes kept: {kept}", flush=True)
     entries = []
     for variant in VARIANTS:
         if device == "cuda" or not variant.reduce_overhead:
@@ -386,7 +426,7 @@ def run_config(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...], dev
 
         read_us = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
         print(f"  one-launch read of {kv_weight_bytes(cfg) / 1e6:.3g} MB: {read_us:.1f} µs", flush=True)
-    return ConfigRun(label, cfg, rows, entries, read_us)
+    return ConfigRun(label, cfg, rows, entries, read_us, kept)
 
 
 def cell(times: dict[str, float | str], name: str, entry: Entry | None) -> str:
@@ -413,6 +453,7 @@ def config_table(run: ConfigRun) -> list[str]:
         "one-launch read µs",
         *names,
         *(f"{name} ÷ floor" for name in FLOOR_RATIOS),
+        "dspark_backend ÷ hand-stacked",
         f"{READ_RATIO} ÷ read",
         "dspark path",
     ]
@@ -429,6 +470,8 @@ def config_table(run: ConfigRun) -> list[str]:
         ratios = [
             f"{row.times[n] / row.floor_us:.2f}x" if isinstance(row.times[n], float) else "—" for n in FLOOR_RATIOS
         ]
+        ours, hand = (row.times[name] for name in HAND_RATIO)
+        ratios.append(f"{ours / hand:.2f}x" if isinstance(ours, float) and isinstance(hand, float) else "—")
         dspark = row.times[READ_RATIO]
         if run.read_us is None:
             read, by_read = "n/a (cpu)", "—"
@@ -442,12 +485,13 @@ def config_table(run: ConfigRun) -> list[str]:
         )
     lines.append("")
     for entry in run.entries:
-        compiled = f", {entry.graphs} graph(s) compiled" if entry.variant.name.startswith(("torch", "dspark")) else ""
+        compiled = f", {entry.graphs} graph(s) compiled" if "eager" not in entry.variant.name else ""
         lines.append(f"- {entry.variant.name}: parity at T={PARITY_TOKENS}: {entry.parity}{compiled}")
         if entry.error:
             lines.append(f"  - error: {entry.error}")
         if entry.no_cuda_graph:
             lines.append("  - †: at least one call launched no CUDA graph (Inductor skipped them: see the log)")
+    lines += [f"- dspark path: K/V writes kept off multi_linear_kv_write: {why}" for why in run.kept]
     return [*lines, ""]
 
 
@@ -476,13 +520,15 @@ def report(
         f"{gemm_rate / 1e12:.3g} TFLOP/s. Times: {timing}.",
         "",
         "- Cells: µs per call (time ÷ torch.compile in the same row; below 1.00x is faster). eager per-layer, "
-        "stacked eager, torch.compile and dspark_backend: replay of a manual `torch.cuda.CUDAGraph` captured per T. "
+        "stacked eager, both torch.compile columns and dspark_backend: replay of a manual `torch.cuda.CUDAGraph` "
+        "captured per T. "
         'RO (`mode="reduce-overhead"`): the compiled callable as called, replaying its own CUDA graph trees after '
         f"{RO_WARMUP_CALLS} warm-up calls per T, so the time includes Dynamo's guards and the copy of "
         "ctx/positions/cache_loc into the graphs' static inputs.",
         "- eager per-layer: `DraftKVWriter` as is (per layer a GEMM, k_norm, RoPE, two writes). stacked eager: "
         "sglang-style, the layers' K/V weight rows concatenated once (a copy), one GEMM, one batched k_norm, one "
-        "RoPE, per-layer writes. dspark_backend RO: "
+        "RoPE, per-layer writes; hand-stacked torch.compile: that module under plain torch.compile (`dspark_backend ÷ "
+        "hand-stacked`: the dspark_backend time ÷ its time). dspark_backend RO: "
         '`torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead")`.',
         "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
         "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
@@ -490,7 +536,9 @@ def report(
         "(graph replay after an L2 flush): what one launch that reads the weights and nothing else measures here; "
         "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
-        "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor).",
+        "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor); below a table, the reason the "
+        "passes gave for K/V writes they kept off multi_linear_kv_write. Tables of a spelling other than `reference` "
+        "(`--spellings`) time that spelling's module of `benchmarks/_spellings.py` in every column.",
         "- Every compiled variant is compiled once per config with T marked dynamic (one graph for T > 1, one for "
         f"T = 1). Before timing, each variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against "
         "eager per-layer. ✗: failed that check. †: an RO call that launched no CUDA graph. n/a (cpu): "
@@ -507,7 +555,7 @@ def breakdown(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...]) -> l
     from _read_floor import one_launch_read_us, trivial_replay_us
     from torch.profiler import ProfilerActivity, profile
 
-    model = DraftKVWriter(cfg, "cuda").requires_grad_(False)
+    model = build_spelling("reference", cfg, "cuda").requires_grad_(False)
     fn = torch.compile(model, backend=dspark_fx.dspark_backend)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
     trivial = trivial_replay_us(BENCH)
@@ -539,6 +587,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny dims (2 layers, hidden 64), T in {1, 8}")
     parser.add_argument("--configs", nargs="+", help="config keys to run (default: all of the chosen set)")
     parser.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 8 64 512 4096; --small: 1 8)")
+    parser.add_argument(
+        "--spellings",
+        nargs="+",
+        choices=SPELLINGS,
+        default=["reference"],
+        help="draft spellings of benchmarks/_spellings.py, one table per config and spelling (default: reference)",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--breakdown", action="store_true", help="CUDA: where dspark_backend's replay time goes")
     args = parser.parse_args()
@@ -554,7 +609,7 @@ def main() -> None:
     if not all(0 < t <= slots for t in tokens_list):
         parser.error(f"every T must be in [1, {slots}] (distinct cache slots per token)")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    # 6 compiled callables (the path probe's too) share `DraftKVWriter.forward`'s cache: 2 graphs each
+    # up to 6 compiled callables (the path probe's too) share a writer's `forward` cache: 2 graphs each
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, 64)
     torch.manual_seed(0)
@@ -579,8 +634,10 @@ def main() -> None:
     runs = []
     for key in keys:
         label, cfg = configs[key]
-        runs.append(run_config(label, dataclasses.replace(cfg, dtype=dtype), tokens_list, args.device, ceilings))
-        print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
+        for spelling in args.spellings:
+            cfg_run = dataclasses.replace(cfg, dtype=dtype)
+            runs.append(run_config(label, cfg_run, spelling, tokens_list, args.device, ceilings))
+            print(f"{runs[-1].label} done at {time.perf_counter() - start:.0f} s", flush=True)
     text = report(runs, args.device, ceilings, dtype, harness_us)
     print(text)
     if args.out:

@@ -32,8 +32,12 @@ def test_dspark_write_breakdown_needs_cuda():
 
 
 def test_dspark_write_small_cpu(tmp_path):
-    report = _run_benchmark("dspark_write.py", tmp_path / "dspark_write.md")
-    assert report.count("\n### small, head_dim") == 2
+    """One config, two spellings (the reference and HF-style code): every column, the hand-stacked one too."""
+    report = _run_benchmark(
+        "dspark_write.py", tmp_path / "dspark_write.md", "--configs", "small-hd16", "--spellings", "reference", "hf"
+    )
+    titles = [line for line in report.splitlines() if line.startswith("### ")]
+    assert [t.split(":")[0] for t in titles] == ["### small, head_dim 16", "### small, head_dim 16, hf spelling"]
     header = next(line for line in report.splitlines() if line.startswith("| T |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in report.splitlines() if line.startswith("| ")]
@@ -41,13 +45,19 @@ def test_dspark_write_small_cpu(tmp_path):
     assert [row[0] for row in rows] == ["1", "8"] * 2
     for row in rows:
         cells = dict(zip(columns, row, strict=True))
-        for name in ("eager per-layer", "stacked eager", "torch.compile", "dspark_backend"):
+        timed = ("eager per-layer", "stacked eager", "torch.compile", "hand-stacked torch.compile", "dspark_backend")
+        for name in timed:
             assert TIME_CELL.fullmatch(cells[name]), f"T={cells['T']} {name}: {cells[name]!r}"
         assert cells["torch.compile"].endswith("(1.00x)")
         assert cells["torch.compile RO"] == cells["dspark_backend RO"] == "n/a (cpu)"
-        assert re.fullmatch(r"\d+\.\d\dx", cells["dspark_backend ÷ floor"])
+        for ratio in ("dspark_backend ÷ floor", "dspark_backend ÷ hand-stacked"):
+            assert re.fullmatch(r"\d+\.\d\dx", cells[ratio]), f"{ratio}: {cells[ratio]!r}"
         assert cells["dspark path"] == "multi_linear"  # the K/V write lowering runs on CUDA only
     parity = [line for line in report.splitlines() if "parity at T=8" in line]
-    assert len(parity) == 2 * 4 and not any("WRONG" in line for line in parity), "\n".join(parity)
-    assert sum("2 graph(s) compiled" in line for line in parity) == 2 * 2  # T=1 and one graph for T > 1
+    assert len(parity) == 2 * 5 and not any("WRONG" in line for line in parity), "\n".join(parity)
+    assert sum("hand-stacked torch.compile: parity" in line for line in parity) == 2
+    assert sum("2 graph(s) compiled" in line for line in parity) == 2 * 3  # T=1 and one graph for T > 1
+    kept = [line for line in report.splitlines() if line.startswith("- dspark path: K/V writes kept off")]
+    assert len(kept) == 2 and "the tensors are on cpu" in kept[0], "\n".join(kept)  # reference: lowers on CUDA
+    assert re.search(r"write to k_cache_0: .+|the tensors are on cpu", kept[1]), kept[1]  # hf: today's reason
     assert "  - error:" not in report
