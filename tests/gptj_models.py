@@ -3,7 +3,8 @@
 Per layer: K and V from one shared activation `ctx` (separate `k_proj`/`v_proj` linears, or one `kv_proj` and a
 split), a per-head RMSNorm of K over head_dim, GPT-J RoPE on strided pairs (`x[..., 0::2]`, `x[..., 1::2]`, rotated
 and put back with `torch.stack((o1, o2), -1).flatten(-2)`) with cos/sin from `table[positions].chunk(2, -1)` of an
-fp32 `[max_pos, head_dim]` buffer of `[cos | sin]` halves, and `cache[loc] = k` into per-layer caches (V unrotated).
+fp32 `[512, head_dim]` buffer of `[cos | sin]` halves (fp32 in a bf16 model too, cast to the model dtype after the
+gather), and `cache[loc] = k` into per-layer caches (V unrotated).
 """
 
 from __future__ import annotations
@@ -20,22 +21,23 @@ def gptj_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class GPTJStackWriter(nn.Module):
-    def __init__(self, fused_kv=False, layers=3, hidden=64, kv_heads=2, head_dim=16, slots=64, max_pos=512, eps=1e-6):
+    def __init__(self, dtype=torch.float32, fused_kv=False, layers=3, hidden=64, kv_heads=2, head_dim=16, slots=64):
         super().__init__()
+        max_pos, eps = 512, 1e-6
         self.kv_heads, self.head_dim, self.eps, self.fused_kv = kv_heads, head_dim, eps, fused_kv
         width = kv_heads * head_dim
         if fused_kv:
-            self.kv_proj = nn.ModuleList(nn.Linear(hidden, 2 * width, bias=False) for _ in range(layers))
+            self.kv_proj = nn.ModuleList(nn.Linear(hidden, 2 * width, bias=False, dtype=dtype) for _ in range(layers))
         else:
-            self.k_proj = nn.ModuleList(nn.Linear(hidden, width, bias=False) for _ in range(layers))
-            self.v_proj = nn.ModuleList(nn.Linear(hidden, width, bias=False) for _ in range(layers))
-        self.k_norm = nn.ParameterList(nn.Parameter(torch.rand(head_dim) + 0.5) for _ in range(layers))
+            self.k_proj = nn.ModuleList(nn.Linear(hidden, width, bias=False, dtype=dtype) for _ in range(layers))
+            self.v_proj = nn.ModuleList(nn.Linear(hidden, width, bias=False, dtype=dtype) for _ in range(layers))
+        self.k_norm = nn.ParameterList(nn.Parameter(torch.rand(head_dim).to(dtype) + 0.5) for _ in range(layers))
         inv_freq = 10000.0 ** -(torch.arange(0, head_dim, 2).float() / head_dim)
         freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
         self.register_buffer("table", torch.cat((freqs.cos(), freqs.sin()), -1))
         for i in range(layers):
-            self.register_buffer(f"k_cache_{i}", torch.randn(slots, kv_heads, head_dim))
-            self.register_buffer(f"v_cache_{i}", torch.randn(slots, kv_heads, head_dim))
+            self.register_buffer(f"k_cache_{i}", torch.randn(slots, kv_heads, head_dim, dtype=dtype))
+            self.register_buffer(f"v_cache_{i}", torch.randn(slots, kv_heads, head_dim, dtype=dtype))
         self.layers = layers
 
     def caches(self) -> list[torch.Tensor]:

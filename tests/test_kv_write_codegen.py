@@ -79,8 +79,7 @@ def test_gptj_stack_flatten_rope_draft_compiles_and_matches_eager(dtype, fused_k
     fp32 rows built in the graph, read at `arange(T)` (it crashed Inductor as `aten.arange.default`). One token
     (a static graph), then several (one symbolic graph); in-place weight and table updates are seen."""
     torch.manual_seed(0)
-    model = GPTJStackWriter(fused_kv=fused_kv).to(dtype)
-    model.table.data = model.table.float()
+    model = GPTJStackWriter(dtype, fused_kv=fused_kv)
     capture = _compile_and_compare(model, dtype, _gptj_inputs((1, 5, 9), dtype), _update_gptj)
     assert len(capture.reports) == 2, "T=1, then one symbolic graph: an in-place update must not recompile"
     assert "GPT-J RoPE on 16 of 16 dims, fp32 [T, R] rows built in the graph" in str(capture.report)
