@@ -978,13 +978,18 @@ def _tables(graph: fx.Graph, ks: list[_Write], x: fx.Node, names: Namer):
     return tables, positions, "fp32 [T, R] rows built in the graph from the model's per-token cos/sin, at arange(T)"
 
 
-def _arange_tokens(graph: fx.Graph, x: fx.Node) -> fx.Node:
-    """`arange(T)` for the rows of `x` (a symbolic T is read with sym_size: no recompile, no host sync)."""
+def _arange_tokens(graph: fx.Graph, x: fx.Node, start: Any = 0) -> fx.Node:
+    """`start + arange(T)` for the rows of `x` (a symbolic T is read with sym_size: no recompile, no host sync).
+
+    Emitted as `prims.iota`, what Inductor's decompositions make of an integer `arange`: the pass runs on the
+    post-grad graph, where Inductor lowers `prims.iota` but not `aten.arange.default` (it decomposes that one
+    before this point, and refuses it as a fallback)."""
     x_val = tensor_val(x)
     tokens = x_val.shape[0]
     if not isinstance(tokens, int):
         tokens = call(graph, aten.sym_size.int, (x, 0))
-    return call(graph, aten.arange.default, (tokens,), {"dtype": torch.int64, "device": x_val.device})
+    kwargs = {"start": start, "step": 1, "dtype": torch.int64, "device": x_val.device, "requires_grad": False}
+    return call(graph, prims.iota.default, (tokens,), kwargs)
 
 
 def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteReport:
@@ -1025,9 +1030,8 @@ def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tup
             write = f"index_put at {names.of(plan.key[1])}[b, j] for j < {names.of(commit_lens)}[b] (commit_lens)"
         else:
             _, start, stop = plan.key
-            loc = call(graph, aten.add.Tensor, (_arange_tokens(graph, x), start))
+            loc = _arange_tokens(graph, x, start)
             write = f"slice [{_sym(start, names)}:{_sym(stop, names)}] (cache_loc = {_sym(start, names)} + arange(T))"
-        flat_loc = loc if kind != "commit" else call(graph, aten.reshape.default, (loc, [-1]))
         if plan.rope is not None:
             tables, positions, where = _tables(graph, ks, x, names)
             names_of_tables = ", ".join(dict.fromkeys(names.of(t) for t in tables))
@@ -1036,6 +1040,7 @@ def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tup
                 + where.format(names_of_tables)
             )
         else:
+            flat_loc = loc if kind != "commit" else call(graph, aten.reshape.default, (loc, [-1]))
             tables, positions, rope = [], flat_loc, "no RoPE"
         has_norm = ks[0].eps is not None
         args = (

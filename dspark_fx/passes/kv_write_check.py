@@ -48,6 +48,7 @@ _SHAPE_OPS = {
     aten.expand.default,
     aten.arange.default,
     aten.arange.start,
+    torch.ops.prims.iota.default,
     aten.full.default,
     aten.empty.memory_format,
     aten.zeros.default,
