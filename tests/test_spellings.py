@@ -1,6 +1,7 @@
 """The draft K/V writers of `benchmarks/_spellings.py` (the same math spelled as sglang, HF, DeepSeek/Llama and GPT-J
 code is written) against the fp64 formula of `dspark::multi_linear_kv_write`, and what the dspark passes make of each
-today (`kv_write_op="always"`, no Inductor codegen): lowered to the op, or kept with the reason in the report.
+today (`kv_write_op="always"`, without Inductor codegen): lowered to the op, or kept with the reason in the report;
+and that each compiles through Inductor codegen too.
 
 `LOWERED_TODAY` / `KEPT_TODAY` record today's outcome per spelling: work that lowers a spelling moves it from
 `KEPT_TODAY` to `LOWERED_TODAY`, and this test says which one changed.
@@ -115,3 +116,22 @@ def test_compiled_matches_eager_and_lowers_or_says_why(name, dtype):
                 rf"write to k_cache_{i}: the \[T, heads, head_dim\] view reads ({KEPT_TODAY[name]}) \(\w+\), not a GEMM"
             )
             assert any(re.search(reason, why) for why in report.kv_kept), str(report)
+
+
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_every_spelling_compiles_through_inductor_codegen(name):
+    """`dspark_backend` with `kv_write_op="always"` through real Inductor codegen (not `aot_eager`), bf16, T = 1 and
+    T > 1: whichever path a spelling takes (the op, or the fused GEMM with batched norm/RoPE), the generated code runs
+    and leaves eager's caches."""
+    from dspark_fx import make_backend
+
+    torch._dynamo.reset()
+    eager = _build(name, torch.bfloat16)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend=make_backend({"kv_write_op": "always"}))
+    with torch.no_grad():
+        for seed, tokens in enumerate((1, 9)):
+            inputs = _inputs(tokens, torch.bfloat16, seed)
+            eager(*inputs)
+            compiled(*inputs)
+            assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
