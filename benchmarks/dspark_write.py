@@ -33,6 +33,9 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      the stacked eager module under plain torch.compile: what a user writes by hand for this path
   torch.compile RO   torch.compile(model, mode="reduce-overhead")
   dspark_backend     torch.compile(model, backend=dspark_fx.dspark_backend)
+  dspark_backend, never lowered
+                     the same with DsparkConfig(kv_write_op="never"): the fused GEMM path a model gets where its K/V
+                     writes do not lower (the fallback)
   dspark_backend RO  torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead"): torch.compile
                      passes `mode` on to a custom backend, and dspark_backend applies Inductor's options of that mode
                      (triton.cudagraphs=True), so Inductor wraps its output in CUDA graph trees as for plain RO
@@ -159,6 +162,10 @@ VARIANTS = (
     Variant("torch.compile RO", functools.partial(torch.compile, mode="reduce-overhead"), reduce_overhead=True),
     Variant("dspark_backend", functools.partial(torch.compile, backend=dspark_fx.dspark_backend)),
     Variant(
+        "dspark_backend, never lowered",
+        functools.partial(torch.compile, backend=dspark_fx.make_backend({"kv_write_op": "never"})),
+    ),
+    Variant(
         "dspark_backend RO",
         functools.partial(torch.compile, backend=dspark_fx.dspark_backend, mode="reduce-overhead"),
         reduce_overhead=True,
@@ -261,7 +268,7 @@ class PathProbe:
 
     def _observe(self, _before: torch.fx.Graph, after: torch.fx.Graph, report: FusionReport) -> None:
         self._path = lowering(after)
-        self._kept = [why.split("; ")[0] for why in report.kv_kept[:1]]
+        self._kept = [str(why) for why in report.kv_kept[:1]]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> Callable:
         self._path = "unfused"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -54,6 +55,45 @@ class KVWriteReport:
     rope: str
 
 
+class KVKeptReason(enum.Enum):
+    """Why cache writes stayed on the multi_linear path instead of `dspark::multi_linear_kv_write`."""
+
+    NOT_A_PROJECTION = "the written value is not computed from GEMM column blocks of the activation"
+    ROUNDING_CAST = "a cast rounds where the op does not"
+    NORM = "the k_norm is not the op's RMSNorm"
+    ROPE = "the rotation is not the op's RoPE"
+    TABLES = "the cos/sin values cannot be given to the op"
+    LAYOUT = "a cache or written value has a shape the op does not write"
+    SLOTS = "the slots are not one per token"
+    LAYERS_DIFFER = "the layers differ where the op treats them alike"
+    VALUE_SHARED = "a value the write computes is also read elsewhere"
+    CACHE_READ_AFTER = "a cache is read after the writes"
+    DEVICE = "the op's CUDA kernel cannot run on these operands"
+    OP_REFUSES = "the op's checks refuse the operands"
+    SELF_CHECK = "the numeric self-check disagrees"
+    UNEVALUABLE = "the pass cannot follow the computation"
+    TRAINING_GRAPH = "the cache writes happen after the graph (a training graph)"
+
+
+@dataclass(frozen=True)
+class KVKept:
+    """Cache writes on one activation kept on the multi_linear path: the reason, the details, the write it is
+    about (if one), the graph node that stopped it and the model's source line of that node (if recorded)."""
+
+    activation: str  # "" for writes of the whole graph
+    reason: KVKeptReason
+    detail: str
+    cache: str | None = None
+    node: str | None = None
+    source: str | None = None
+
+    def __str__(self) -> str:
+        write = f"write to {self.cache}: " if self.cache else ""
+        at = f" [{self.node}: {self.source}]" if self.source else ""
+        where = f"{self.activation}: " if self.activation else ""
+        return f"{where}{write}{self.detail}{at}"
+
+
 @dataclass
 class Rejection:
     node: str  # the GEMM, by the parameters its weight operand is computed from
@@ -74,7 +114,7 @@ class FusionReport:
     rejected: list[Rejection] = field(default_factory=list)
     routed: list[str] = field(default_factory=list)  # lone GEMMs routed through multi_linear (skinny linears)
     kv_writes: list[KVWriteReport] = field(default_factory=list)  # cache writes lowered to multi_linear_kv_write
-    kv_kept: list[str] = field(default_factory=list)  # cache writes of projections left on today's path, and why
+    kv_kept: list[KVKept] = field(default_factory=list)  # cache writes of projections left on today's path, and why
 
     @property
     def n_groups(self) -> int:
@@ -136,6 +176,8 @@ def count(report: FusionReport) -> None:
     group["lone_gemms_routed"] += len(report.routed)
     group["kv_writes_lowered"] += len(report.kv_writes)
     group["kv_writes_kept"] += len(report.kv_kept)
+    for kept in report.kv_kept:
+        group[f"kv_kept_{kept.reason.name.lower()}"] += 1
     for rejection in report.rejected:
         group["rejected"] += 1
         group[f"rejected_{rejection.kind}"] += 1

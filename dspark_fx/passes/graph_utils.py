@@ -134,3 +134,20 @@ def reads_storage_layout(node: fx.Node) -> bool:
         if user.target in _ALIASING and reads_storage_layout(user):
             return True
     return False
+
+
+def source_line(node: fx.Node) -> str | None:
+    """`file:line: code` of the model line that made `node` (the last frame of its `stack_trace`), if recorded."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = trace.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        text = lines[i].strip()
+        if text.startswith("File "):
+            parts = text.split('"')
+            where = parts[1].rsplit("/", 1)[-1] if len(parts) > 2 else text
+            line = text.split(", line ")[1].split(",")[0] if ", line " in text else "?"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{where}:{line}: {code}"
+    return None

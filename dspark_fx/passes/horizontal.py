@@ -41,7 +41,7 @@ from dspark_fx.passes.graph_utils import aten, tensor_val, views_to_reshapes
 from dspark_fx.passes.layouts import EagerLayouts
 from dspark_fx.passes.names import Namer
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
-from dspark_fx.report import FusionReport, GroupReport, Rejection
+from dspark_fx.report import FusionReport, GroupReport, KVKept, KVKeptReason, Rejection
 
 
 def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
@@ -83,7 +83,7 @@ _INPUT_UPDATES = (
 )
 
 
-def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[str]:
+def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
     """Why cache writes that the graph returns instead of doing cannot be lowered: AOTAutograd writes the new
     values of mutated inputs after a training graph (grad enabled, parameters requiring grad); an inference
     graph writes them itself (`copy_`), and only those writes are lowered."""
@@ -97,11 +97,12 @@ def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[str]:
             caches.append(names.of(base))
     if not caches:
         return []
-    return [
+    detail = (
         f"writes to {', '.join(caches)}: the graph returns their new values, it does not write them (a training "
         "graph: grad is enabled and parameters require grad; AOTAutograd writes them after the graph), so there is "
         "no write to lower; compile under torch.no_grad() or torch.inference_mode()"
-    ]
+    )
+    return [KVKept("", KVKeptReason.TRAINING_GRAPH, detail)]
 
 
 def _fuse_group(graph: fx.Graph, group: gemm_branches.GemmGroup, config: DsparkConfig, names: Namer) -> GroupReport:

@@ -1,0 +1,393 @@
+"""What one written K or V value computes, read off its symbolic elements (`kv_symbolic`), and the proof that it is
+the op's formula.
+
+The op writes, for token t, head h and element j of a layer (`layer_kv` in `custom_ops.linear.multi_linear_kv_write`):
+
+    x[t, h, j] = P[t, c0 + h*d + j]                                  a column block of a GEMM on the activation
+    n[t, h, j] = x[t, h, j] * (sum_i x[t, h, i]² / d + eps)^-1/2 * w[j]     k_norm (optional; w optional)
+    K[t, h, j] = n[j] cos[t, j'] - n[j + R/2] sin[t, j']  ... (neox pairs (j, j + R/2); GPT-J pairs (2i, 2i + 1))
+    K[t, h, j] = n[t, h, j]                                            j >= R (the part RoPE leaves as it is)
+    V[t, h, j] = P[t, c0' + h*d + j]
+
+Each written element is a polynomial; every monomial holds exactly one projection element `P` (the GEMM outputs on
+the activation are the evaluation's leaves). Grouping by that element gives each written element as
+`sum_c P[t, c] * coef_c`; the coefficients are then divided by the norm's `(...)^-1/2` (its base must be the mean
+of the squares of the head's own columns plus a constant: eps), by the norm weight's form (`w[j]`, Gemma's
+`1 + w[j]`, or none; the weight of element j is read where j is a plain element, or tried from the `[d]` leaves the
+coefficients hold), and what is left must be 1 for an element RoPE leaves as it is, and for a rotated pair `(a, b)`
+`(cos, -sin)` and `(cos, sin)` with the same two expressions, equal across heads. Those per-token cos/sin
+expressions are what the op's table rows must hold (`kv_tables`). Nothing here depends on how the graph spelled it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+from dspark_fx.passes.kv_symbolic import Evaluation
+
+
+class NotTheFormula(Exception):
+    """The written value is not the op's formula: `kind` ("projection", "norm", "rope", "cast", "layout"), the
+    message says why, `node` is the graph node where that shows (if one does)."""
+
+    def __init__(self, kind: str, message: str, node: fx.Node | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.node = node
+
+
+@dataclass(frozen=True)
+class Norm:
+    eps: float
+    weight: fx.Node | None  # the `[head_dim]` leaf the weight is read from, or None (no weight)
+    gemma: bool  # the weight is `1 + w`
+
+
+@dataclass(frozen=True)
+class Rope:
+    rot: int  # rotated elements per head
+    neox: bool
+    cos: np.ndarray  # [tokens, rot / 2] expression ids: what the op's table row must hold
+    sin: np.ndarray
+
+
+@dataclass(frozen=True)
+class Written:
+    """One written value, as the op computes it."""
+
+    gemm: fx.Node
+    column: int  # the GEMM output column of element [t, 0, 0]
+    heads: int
+    head_dim: int
+    norm: Norm | None
+    rope: Rope | None
+
+    @property
+    def transformed(self) -> bool:
+        return self.norm is not None or self.rope is not None
+
+
+def normed_size(ev: Evaluation, value: fx.Node) -> int | None:
+    """How many elements the k_norm of `value`'s first element means over (its head_dim), None without a norm."""
+    sym = ev(value)
+    if sym is None or not sym.ids.size:
+        return None
+    alg = ev.alg
+    for mono, _ in alg.polys[int(sym.ids.reshape(-1)[0])][:1]:
+        for aid, k in mono:
+            if alg.atoms[aid][0] == "base" and k == -0.5:
+                return sum(1 for m, _ in alg.polys[alg.atoms[aid][1]] if m != ())
+    return None
+
+
+def read_written(ev: Evaluation, value: fx.Node, gemms: set[fx.Node], heads: int, head_dim: int) -> Written:
+    """What `value` (`[T, heads, head_dim]`, or `[T, heads * head_dim]`) computes; raises `NotTheFormula`."""
+    ids = ev(value).ids if ev(value) is not None else None
+    if ids is None or ids.size != ev.tokens * heads * head_dim or ev(value).complex:
+        raise NotTheFormula("layout", f"{value.name} is not a [T, {heads}, {head_dim}] value", value)
+    ids = ids.reshape(ev.tokens, heads, head_dim)
+    terms = _Terms(ev, gemms, value)
+    rows = [[[terms.of(int(ids[t, h, j])) for j in range(head_dim)] for h in range(heads)] for t in range(ev.tokens)]
+    gemm, column = terms.block(rows, head_dim)
+    local = [
+        [
+            [{terms.local(c, gemm, column, t, h, head_dim): k for c, k in e.items()} for e in row]
+            for h, row in enumerate(hrows)
+        ]
+        for t, hrows in enumerate(rows)
+    ]
+    norm_eps = _strip_norm(ev, local, gemm, column, head_dim, value)
+    return _with_weight_and_rope(ev, local, gemm, column, head_dim, norm_eps, value)
+
+
+class _Terms:
+    """Written elements as `{(t, column): coefficient id}` over the projection elements they read."""
+
+    def __init__(self, ev: Evaluation, gemms: set[fx.Node], value: fx.Node) -> None:
+        self.ev, self.gemms, self.value = ev, gemms, value
+        self.gemm: fx.Node | None = None
+
+    def of(self, e: int) -> dict[tuple[int, int], int]:
+        alg = self.ev.alg
+        grouped: dict[tuple[int, int], dict] = {}
+        for mono, coef in alg.polys[e]:
+            found = [(i, k) for i, k in mono if alg.atoms[i][0] == "leaf" and alg.atoms[i][1] in self.gemms]
+            if len(found) != 1 or found[0][1] != 1.0:
+                raise self._why(e, found)
+            (aid, _), node = found[0], alg.atoms[found[0][0]][1]
+            if self.gemm is None:
+                self.gemm = node
+            elif node is not self.gemm:
+                raise NotTheFormula(
+                    "projection", f"{self.value.name} reads two GEMMs ({self.gemm.name}, {node.name})", node
+                )
+            width = self.ev.shape(node)[1]
+            key = divmod(alg.atoms[aid][2], width)
+            rest = tuple(m for m in mono if m[0] != aid)
+            grouped.setdefault(key, {})[rest] = coef
+        return {key: alg._intern(poly) for key, poly in grouped.items()}
+
+    def _why(self, e: int, found: list) -> NotTheFormula:
+        alg = self.ev.alg
+        casts = [
+            self.ev.casts[aid]
+            for aid in _atoms_in(alg, e)
+            if alg.atoms[aid][0] == "cast" and self._reads_projection(alg.atoms[aid][2])
+        ]
+        if casts:
+            order = {n: i for i, n in enumerate(self.value.graph.nodes)}
+            node = min(casts, key=order.__getitem__)  # the first rounding on the way
+            src, dst = node.args[0].meta["val"].dtype, node.meta["val"].dtype
+            return NotTheFormula(
+                "cast",
+                f"{node.name} casts {src} to {dst}, a rounding the op does not make (only casts that keep every "
+                f"value and roundings to the model dtype {self.ev.model} may be left out)",
+                node,
+            )
+        if not found:
+            return NotTheFormula(
+                "projection", f"an element of {self.value.name} has a term without a projection element", self.value
+            )
+        return NotTheFormula(
+            "projection", f"an element of {self.value.name} is not linear in the projection elements", self.value
+        )
+
+    def _reads_projection(self, e: int) -> bool:
+        alg = self.ev.alg
+        return any(alg.atoms[a][0] == "leaf" and alg.atoms[a][1] in self.gemms for a in _atoms_in(alg, e))
+
+    def block(self, rows: list, head_dim: int) -> tuple[fx.Node, int]:
+        """The GEMM and the column of element [0, 0, 0]: head h, token t reads columns `column + h*d + [0, d)`
+        of token t."""
+        if self.gemm is None:
+            raise NotTheFormula("projection", f"{self.value.name} reads no GEMM output", self.value)
+        cols = [c for e in rows[0][0] for (_, c) in e]
+        column = min(cols)
+        for t, hrows in enumerate(rows):
+            for h, row in enumerate(hrows):
+                lo = column + h * head_dim
+                for e in row:
+                    if any(tt != t or not lo <= c < lo + head_dim for tt, c in e):
+                        raise NotTheFormula(
+                            "projection",
+                            f"{self.value.name}[{t}, {h}] reads GEMM columns or tokens outside head {h}'s block of "
+                            f"token {t} (heads are columns {column} + h * {head_dim} of {self.gemm.name})",
+                            self.value,
+                        )
+        return self.gemm, column
+
+    @staticmethod
+    def local(key: tuple[int, int], gemm: fx.Node, column: int, t: int, h: int, head_dim: int) -> int:
+        return key[1] - column - h * head_dim
+
+
+def _atoms_in(alg, e: int) -> list[int]:
+    """Atom ids in expression `e`, looking into base, function and cast arguments too."""
+    out, todo, seen = [], [e], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        for mono, _ in alg.polys[x]:
+            for aid, _ in mono:
+                out.append(aid)
+                atom = alg.atoms[aid]
+                if atom[0] in ("base", "fn", "cast"):
+                    todo.append(atom[-1])
+    return out
+
+
+def _strip_norm(ev: Evaluation, local: list, gemm: fx.Node, column: int, d: int, value: fx.Node) -> float | None:
+    """Divide every coefficient by its head's `(mean of squares + eps)^-1/2`; the eps, or None without a norm."""
+    alg = ev.alg
+    eps_seen: set[float] = set()
+    normed: set[bool] = set()
+    for t, hrows in enumerate(local):
+        for h, row in enumerate(hrows):
+            base = _norm_base(ev, row)
+            normed.add(base is not None)
+            if base is None:
+                continue
+            base_id, base_atom = base
+            eps_seen.add(_norm_eps(ev, base_id, gemm, column + h * d, d, t, value))
+            for e in row:
+                for j, k in e.items():
+                    poly = alg.polys[k]
+                    if not all((base_atom, -0.5) in mono for mono, _ in poly):
+                        raise NotTheFormula("norm", f"{value.name}: not every term of a head is normed alike", value)
+                    e[j] = alg._intern({tuple(m for m in mono if m != (base_atom, -0.5)): c for mono, c in poly})
+    if len(normed) != 1:
+        raise NotTheFormula("norm", f"{value.name}: some heads or tokens are normed and others not", value)
+    if len(eps_seen) > 1:
+        raise NotTheFormula("norm", f"{value.name}: heads are normed with different eps {sorted(eps_seen)}", value)
+    return eps_seen.pop() if eps_seen else None
+
+
+def _norm_base(ev: Evaluation, row: list) -> tuple[int, int] | None:
+    """`(base expression, atom id)` of the `base^-1/2` factor in the first term of a head, if any."""
+    alg = ev.alg
+    first = next(iter(row[0].values()))
+    for mono, _ in alg.polys[first]:
+        for aid, k in mono:
+            if alg.atoms[aid][0] == "base" and k == -0.5:
+                return alg.atoms[aid][1], aid
+    return None
+
+
+def _norm_eps(ev: Evaluation, base: int, gemm: fx.Node, lo: int, d: int, t: int, value: fx.Node) -> float:
+    """The eps of `mean over the head's own columns of P² + eps`, or `NotTheFormula`."""
+    alg = ev.alg
+    width = ev.shape(gemm)[1]
+    want = {t * width + lo + j for j in range(d)}
+    eps, seen = 0.0, set()
+    for mono, coef in alg.polys[base]:
+        if mono == ():
+            eps = coef
+            continue
+        if not any(alg.atoms[i][0] == "leaf" and alg.atoms[i][1] is gemm for i, _ in mono):
+            leaf = next((alg.atoms[i][1] for i, _ in mono if alg.atoms[i][0] == "leaf"), value)
+            raise NotTheFormula(
+                "norm",
+                f"{value.name}: the norm's eps is not a constant but a value of the graph ({leaf.name}); Dynamo makes "
+                "a Python float attribute a graph input under dynamic=True: compile with dynamic=None (the token "
+                "count still becomes symbolic at a second size) or torch._dynamo.config.specialize_float=True",
+                leaf,
+            )
+        atom = alg.atoms[mono[0][0]] if len(mono) == 1 else None
+        if atom is None or atom[0] != "leaf" or atom[1] is not gemm or mono[0][1] != 2.0 or atom[2] not in want:
+            raise NotTheFormula(
+                "norm",
+                f"{value.name}: the norm's mean is not over the squares of one head's {d} elements (it reads "
+                "other values, e.g. over the heads instead of head_dim, or after the rotation)",
+                value,
+            )
+        if coef != 1.0 / d:
+            raise NotTheFormula("norm", f"{value.name}: the norm divides the sum of squares by {1 / coef:g}, not {d}")
+        seen.add(atom[2])
+    if seen != want:
+        raise NotTheFormula("norm", f"{value.name}: the norm's mean reads {len(seen)} of the head's {d} elements")
+    return eps
+
+
+def _weight_forms(ev: Evaluation, local: list, d: int) -> list[tuple[fx.Node | None, bool]]:
+    """Candidate norm weight forms: none, then `w[j]` and `1 + w[j]` for each `[d]` leaf the coefficients read."""
+    alg = ev.alg
+    nodes: dict[fx.Node, None] = {}
+    for e in local[0][0]:
+        for k in e.values():
+            for mono, _ in alg.polys[k]:
+                for aid, _ in mono:
+                    atom = alg.atoms[aid]
+                    if atom[0] == "leaf" and ev.shape(atom[1]) == (d,):
+                        nodes[atom[1]] = None
+    return [(None, False)] + [(n, g) for n in nodes for g in (False, True)]
+
+
+def _divide(ev: Evaluation, k: int, weight: fx.Node | None, gemma: bool, j: int) -> int | None:
+    """`k / w[j]` (or `/ (1 + w[j])`) if that divides it and leaves no element of `w`, else None."""
+    alg = ev.alg
+    if weight is None:
+        out = k
+    else:
+        aid = alg.atom_id(("leaf", weight, j))
+        if aid is None:
+            return None
+        poly = alg.polys[k]
+        if not gemma:
+            if not all((aid, 1.0) in mono for mono, _ in poly):
+                return None
+            out = alg._intern({tuple(m for m in mono if m != (aid, 1.0)): c for mono, c in poly})
+        else:
+            out = alg._intern({mono: c for mono, c in poly if all(i != aid for i, _ in mono)})
+            if alg.mul(out, alg.add(alg.one, alg.atom(("leaf", weight, j)))) != k:
+                return None
+        if any(alg.atoms[i][0] == "leaf" and alg.atoms[i][1] is weight for i in _atoms_in(alg, out)):
+            return None
+    return out
+
+
+def _with_weight_and_rope(
+    ev: Evaluation, local: list, gemm: fx.Node, column: int, d: int, eps: float | None, value: fx.Node
+) -> Written:
+    heads = len(local[0])
+    forms = [(None, False)] if eps is None else _weight_forms(ev, local, d)
+    why: NotTheFormula | None = None
+    for weight, gemma in forms:
+        rest = []
+        for hrows in local:
+            rest.append([])
+            for row in hrows:
+                divided = [{j: _divide(ev, k, weight, gemma, j) for j, k in e.items()} for e in row]
+                if any(k is None for e in divided for k in e.values()):
+                    break
+                rest[-1].append(divided)
+            else:
+                continue
+            break
+        else:
+            try:
+                rope = _rope(ev, rest, d, value)
+            except NotTheFormula as err:
+                why = why or err
+                continue
+            norm = Norm(eps, weight, gemma) if eps is not None else None
+            return Written(gemm, column, heads, d, norm, rope)
+    if why is not None:
+        raise why
+    raise NotTheFormula("norm", f"{value.name}: the norm weight is neither w[j], 1 + w[j] nor absent", value)
+
+
+def _rope(ev: Evaluation, rest: list, d: int, value: fx.Node) -> Rope | None:
+    """The rotation the coefficients left after the norm make, or None if every element is its own."""
+    alg = ev.alg
+    plain = [
+        all(rest[t][h][j] == {j: alg.one} for t in range(len(rest)) for h in range(len(rest[0]))) for j in range(d)
+    ]
+    rot = max((j + 1 for j in range(d) if not plain[j]), default=0)
+    if rot == 0:
+        return None
+    if rot % 2:
+        raise NotTheFormula("rope", f"{value.name}: elements 0..{rot - 1} of a head mix, an odd count: not a RoPE")
+    half = rot // 2
+    problems = []
+    for neox in (True, False):
+        pairs = [(i, i + half) if neox else (2 * i, 2 * i + 1) for i in range(half)]
+        try:
+            cos, sin = _pairs(ev, rest, pairs)
+        except NotTheFormula as err:
+            problems.append(str(err))
+            continue
+        return Rope(rot, neox, cos, sin)
+    raise NotTheFormula(
+        "rope",
+        f"{value.name}: the first {rot} elements of a head are neither a neox nor a GPT-J rotation "
+        f"({problems[0]}; GPT-J: {problems[1]})",
+        value,
+    )
+
+
+def _pairs(ev: Evaluation, rest: list, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    alg = ev.alg
+    tokens, heads = len(rest), len(rest[0])
+    cos = np.empty((tokens, len(pairs)), dtype=np.int64)
+    sin = np.empty((tokens, len(pairs)), dtype=np.int64)
+    for t in range(tokens):
+        for i, (a, b) in enumerate(pairs):
+            for h in range(heads):
+                ea, eb = rest[t][h][a], rest[t][h][b]
+                if set(ea) != {a, b} or set(eb) != {a, b}:
+                    raise NotTheFormula("rope", f"elements {a} and {b} are not two-term sums of each other")
+                c, s = ea[a], alg.scale(ea[b], -1.0)
+                if eb[b] != c:
+                    raise NotTheFormula("rope", f"elements ({a}, {b}) do not take the same cos factor")
+                if eb[a] != s:
+                    raise NotTheFormula("rope", f"elements ({a}, {b}) are not (a cos - b sin, b cos + a sin)")
+                if h == 0:
+                    cos[t, i], sin[t, i] = c, s
+                elif (cos[t, i], sin[t, i]) != (c, s):
+                    raise NotTheFormula("rope", f"heads 0 and {h} rotate elements ({a}, {b}) by different angles")
+    return cos, sin

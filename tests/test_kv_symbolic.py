@@ -1,0 +1,97 @@
+"""The symbolic element evaluation behind the KV-write lowering (`dspark_fx/passes/kv_symbolic.py`): different
+spellings of one computation give the same expression ids, element for element; different computations do not.
+Fast: graphs from `make_fx` (fake tensors), no compile."""
+
+import numpy as np
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dspark_fx.passes.kv_symbolic import Evaluation
+
+T, H, D = 3, 2, 8
+
+
+def _evaluate(fn, *shapes, dtype=torch.float32):
+    """Trace `fn(x, cos, sin, w)` (x `[T, H*D]` stands for a GEMM output) and evaluate each output symbolically."""
+    args = [torch.randn(s, dtype=dtype) for s in shapes]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    graph = gm.graph
+    x = next(iter(graph.find_nodes(op="placeholder")))
+    ev = Evaluation(graph, T, dtype, {x})
+    (out,) = graph.find_nodes(op="output")
+    return [ev(node).ids for node in out.args[0]]
+
+
+def _rope_spellings(x, cos, sin, w):
+    k = x.view(T, H, D)
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = k.chunk(2, -1)
+    by_chunk = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    y1, y2 = k.split(D // 2, -1)
+    by_split = torch.cat((-y2 * s + y1 * c, y1 * s + y2 * c), -1)
+    cc, ss = torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
+    rotate_half = torch.cat((-k[..., D // 2 :], k[..., : D // 2]), -1)
+    by_rotate_half = k * cc + rotate_half * ss
+    z1, z2 = k.view(T, H, 2, D // 2).unbind(-2)
+    by_unbind = torch.stack((z1 * c - z2 * s, z2 * c + z1 * s), -2).flatten(-2)
+    hf = k.view(1, T, H, D).transpose(1, 2)  # [1, H, T, D]
+    hf_rot = torch.cat((-hf[..., D // 2 :], hf[..., : D // 2]), -1)
+    by_hf_layout = (hf * cc.transpose(0, 1)[None] + hf_rot * ss.transpose(0, 1)[None]).transpose(1, 2).reshape(T, H, D)
+    return by_chunk, by_split, by_rotate_half, by_unbind, by_hf_layout
+
+
+def test_rope_spellings_are_the_same_expressions():
+    outs = _evaluate(_rope_spellings, (T, H * D), (T, D // 2), (T, D // 2), (D,))
+    for i, ids in enumerate(outs[1:], 1):
+        assert np.array_equal(ids, outs[0]), f"spelling {i} differs from chunk/cat"
+
+
+def _gptj_spellings(x, cos, sin, w):
+    k = x.view(T, H, D)
+    c, s = cos[:, None, :], sin[:, None, :]
+    a, b = k[..., ::2], k[..., 1::2]
+    by_stack = torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2)
+    angle = torch.atan2(sin, cos)
+    freqs_cis = torch.polar(torch.ones_like(cos), angle)[:, None, :]
+    by_complex = torch.view_as_real(torch.view_as_complex(k.reshape(T, H, D // 2, 2)) * freqs_cis).flatten(-2)
+    angle = angle[:, None, :]
+    by_polar_parts = torch.stack((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()), -1)
+    return by_stack, by_complex, by_polar_parts.flatten(-2)
+
+
+def test_gptj_pairs_by_slices_and_by_complex_multiply_are_the_same_expressions():
+    """A complex product is its real pairs; `polar(1, angle)` is `(cos angle, sin angle)`."""
+    _, by_complex, by_polar_parts = _evaluate(_gptj_spellings, (T, H * D), (T, D // 2), (T, D // 2), (D,))
+    assert np.array_equal(by_complex, by_polar_parts)
+
+
+def _norm_spellings(x, cos, sin, w):
+    k = x.view(T, H, D)
+    eps = 1e-6
+    by_rsqrt = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * w
+    by_sqrt = w * (k / torch.sqrt((k * k).sum(-1, keepdim=True) / D + eps))
+    eps_outside = k / (torch.sqrt(k.pow(2).mean(-1, keepdim=True)) + eps) * w
+    over_heads = k * torch.rsqrt(k.pow(2).mean(-2, keepdim=True) + eps) * w
+    return by_rsqrt, by_sqrt, eps_outside, over_heads
+
+
+def test_norm_spellings_are_the_same_expressions_and_near_misses_are_not():
+    by_rsqrt, by_sqrt, eps_outside, over_heads = _evaluate(_norm_spellings, (T, H * D), (T, D // 2), (T, D // 2), (D,))
+    assert np.array_equal(by_rsqrt, by_sqrt)
+    assert not np.any(eps_outside == by_rsqrt)
+    assert not np.any(over_heads == by_rsqrt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_casts_are_left_out_only_where_they_round_nothing_the_op_keeps(dtype):
+    """In a bf16 model, `.float()` and the cast back are left out; an fp16 round trip is not. In an fp32 model,
+    a bf16 round trip is a rounding too."""
+
+    def casts(x, cos, sin, w):
+        k = x.view(T, H, D)
+        return k.float().to(dtype), k.to(torch.float16).to(dtype), k.to(torch.bfloat16).to(dtype)
+
+    plain, fp16, bf16 = _evaluate(casts, (T, H * D), (T, D // 2), (T, D // 2), (D,), dtype=dtype)
+    assert not np.any(fp16 == plain)
+    assert np.array_equal(bf16, plain) == (dtype == torch.bfloat16)
