@@ -32,7 +32,7 @@ def leaf_signature(node: fx.Node, max_numel: int) -> str | None:
     val = tensor_val(node)
     if val is None or not all(isinstance(s, int) for s in val.shape) or val.numel() > max_numel:
         return None
-    if node.op == "placeholder":
+    if node.op in ("placeholder", "get_attr"):  # a parameter, or a frozen constant
         return f"param{shape_key(node)}"
     if node.op != "call_function":
         return None

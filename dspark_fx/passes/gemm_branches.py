@@ -35,11 +35,13 @@ from dspark_fx.report import Rejection
 
 MULTI_LINEAR = torch.ops.dspark.multi_linear.default
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+_WEIGHT_SOURCES = ("placeholder", "get_attr")  # a graph input, or a frozen constant (`frozen.py`)
 
 
 @dataclass
 class GemmBranch:
-    """One `mm`/`addmm` whose weight is rows `[row_start, row_start + row_count)` of placeholder `weight`."""
+    """One `mm`/`addmm` whose weight is rows `[row_start, row_start + row_count)` of `weight`, an `[out, in]`
+    tensor: a parameter placeholder, or under freezing a frozen constant (`get_attr`) with unit inner stride."""
 
     node: fx.Node
     activation: fx.Node
@@ -95,7 +97,7 @@ def _slice_args(node: fx.Node) -> tuple:
 
 @dataclass
 class RowRange:
-    """Rows `[start, stop)` of the placeholder `base` (a parameter, or a buffer)."""
+    """Rows `[start, stop)` of `base`: a placeholder (a parameter, or a buffer) or a frozen constant (`get_attr`)."""
 
     base: fx.Node
     start: int
@@ -103,14 +105,15 @@ class RowRange:
 
 
 def _row_range(node: fx.Node) -> RowRange | str:
-    """The rows of a placeholder that `node` is (all of them) or a unit-step row slice of, else a reason."""
-    if node.op == "placeholder":
+    """The rows of a placeholder or constant that `node` is (all of them) or a unit-step row slice of, else a
+    reason."""
+    if node.op in _WEIGHT_SOURCES:
         val = tensor_val(node)
         return RowRange(node, 0, int(val.shape[0]))
     if node.target is aten.slice.Tensor:
         base, dim, start, stop, step = _slice_args(node)
         base_val = tensor_val(base)
-        if base.op != "placeholder" or base_val is None:
+        if base.op not in _WEIGHT_SOURCES or base_val is None:
             return f"weight is a slice of {op_name(base)} output, not of a parameter"
         if dim % base_val.dim() != 0 or step != 1:
             return "weight slice is not a unit-step row slice"

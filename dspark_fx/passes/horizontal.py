@@ -19,7 +19,8 @@ Where the branches end in per-layer K/V cache writes, `kv_write` first replaces 
 of all layers by one `dspark::multi_linear_kv_write` (`DsparkConfig.kv_write_op`: by default on CUDA only, where
 the op has its kernel; see that module); the GEMMs it does not take are fused as below.
 
-This module only drives the steps: normalize (CSE, `normalize`) → lower cache writes (`kv_write`) → find the GEMMs
+This module only drives the steps: normalize (CSE, `normalize`) → GEMMs on frozen weights (Inductor freezing) in
+the unfrozen shape (`frozen`) → lower cache writes (`kv_write`) → find the GEMMs
 grouped by activation (`gemm_branches`) → for each group: rewrite its GEMMs into one multi-linear (`gemm_branches`),
 then batch the per-branch regions (`batch_group`: regions of `branch_regions`, classes of identical branches of
 `branch_classes`, batched ops of each class by `batch_class` with the rules of `batching`/`batch_rules`) → the views
@@ -37,6 +38,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches, kv_write
 from dspark_fx.passes.batch_group import batch_group
+from dspark_fx.passes.frozen import expose_frozen_weights
 from dspark_fx.passes.graph_utils import aten, tensor_val, views_to_reshapes
 from dspark_fx.passes.layouts import EagerLayouts
 from dspark_fx.passes.names import Namer
@@ -49,6 +51,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     names = Namer(graph, input_names)
     eager_layouts = EagerLayouts(graph)
     eliminate_common_subexpressions(graph)
+    expose_frozen_weights(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
         report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names)
