@@ -10,7 +10,9 @@
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune|write]
+#   spellings the context-KV write of every draft spelling (benchmarks/_spellings.py), Qwen3-8B dims, T 1..4096
+#             (benchmarks/dspark_write.py --spellings ...); no build step needed when the ops are built
+# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune|write|spellings]
 # (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -22,7 +24,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 } 2>&1 | tee "$OUT/env.txt"
 status=0
-if [ "$what" != bench ] && [ "$what" != tune ]; then
+if [ "$what" != bench ] && [ "$what" != tune ] && [ "$what" != spellings ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
 fi
 case "$what" in
@@ -65,6 +67,10 @@ case "$what" in
       tee "$OUT/dspark_write_breakdown.log" || status=1
     { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc benchmarks/kv_write_tune.cu \
       -o /tmp/kv_write_tune && /tmp/kv_write_tune; } 2>&1 | tee "$OUT/kv_write_tune.log" || status=1
+    ;;
+  spellings)
+    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf complex gptj_stack \
+      --out "$OUT/dspark_write_spellings.md" 2>&1 | tee "$OUT/dspark_write_spellings.log" || status=1
     ;;
   tune)
     for src in benchmarks/${TUNE:-*}_tune.cu; do

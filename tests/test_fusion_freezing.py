@@ -99,13 +99,13 @@ def test_concatenated_constant_is_split_back_into_one_gemm_per_piece(with_bias):
         torch.testing.assert_close(got, want)
 
 
-def _frozen_compile(cfg, concat_linear: bool, tokens=(7, 1)) -> tuple[CaptureBackend, str]:
+def _frozen_compile(cfg, concat_linear: bool, tokens=(7, 1), kv_write_op="never") -> tuple[CaptureBackend, str]:
     """Compile a draft with freezing, run it on `tokens` rows and check its caches against eager; the capture and
     the code Inductor generated for the first call."""
     torch._dynamo.reset()
     eager = DraftKVWriter(cfg)
     model = copy.deepcopy(eager)
-    capture = CaptureBackend({"kv_write_op": "never"}, inner="inductor")
+    capture = CaptureBackend({"kv_write_op": kv_write_op}, inner="inductor")
     with torch.no_grad(), torch._inductor.config.patch({**FREEZING, "cpp.enable_concat_linear": concat_linear}):
         compiled = torch.compile(model, backend=capture)
         codes = []
@@ -131,3 +131,19 @@ def test_frozen_draft_fuses_with_inductor_and_matches_eager(concat_linear):
         assert counts["dspark.multi_linear"] == 1 and counts["aten.mm"] + counts["aten.addmm"] == 0, after
         (fused,) = [n for n in after.nodes if n.target is torch.ops.dspark.multi_linear.default]
         assert all(w.op == "get_attr" for w in fused.args[1]), fused.args[1]  # the frozen weights, read as is
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concat_linear", [False, True], ids=["transposed_views", "concatenated"])
+def test_frozen_draft_lowers_its_kv_writes_reading_the_frozen_constants(concat_linear):
+    """Under freezing the KV writes lower too: the op reads the frozen weights, norm weights and table (get_attr
+    constants) in place; real Inductor codegen, caches equal to eager at T = 7 and T = 1."""
+    cfg = small_config(num_layers=3, qkv_bias=True, dtype=torch.bfloat16)
+    capture, code = _frozen_compile(cfg, concat_linear, kv_write_op="always")
+    assert "dspark.multi_linear_kv_write" in code
+    for report, after in zip(capture.reports, capture.after, strict=True):
+        (group,) = report.kv_writes
+        assert len(group.layers) == 3 and not report.kv_kept, report
+        (op,) = [n for n in after.nodes if n.target is torch.ops.dspark.multi_linear_kv_write.default]
+        constants = [*op.args[1], *op.args[4], *op.args[7], *op.args[9]]
+        assert all(c.op == "get_attr" for c in constants), constants

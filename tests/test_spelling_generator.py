@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 import spelling_generator as gen
 import torch
+from torch.utils._pytree import tree_map
 
 from dspark_fx import DsparkConfig, make_backend
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
@@ -38,11 +39,11 @@ def _eager(model: gen.GeneratedWriter, inputs: tuple) -> None:
         model(*inputs)
 
 
-def _compiled_matches_eager(spec: gen.Spec, backend, update_weights: bool) -> None:
+def _compiled_matches_eager(spec: gen.Spec, backend, update_weights: bool, device: str = "cpu") -> None:
     """Compile a copy of the writer (`dynamic=True`), run both at each of `TOKENS` and compare the caches (poisoned:
     slots not written must keep their random values); after the first two calls, update a K weight in place in both
     (the compiled model must see it)."""
-    eager = gen.build(spec)
+    eager = gen.build(spec).to(device)
     model = copy.deepcopy(eager)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with torch._dynamo.config.patch(specialize_float=True):  # eps a constant, not a graph input, under dynamic=True
@@ -59,7 +60,10 @@ def _run_steps(spec: gen.Spec, eager, model, compiled, update_weights: bool) -> 
                         w.data[rows].mul_(-1.5)
                     else:
                         w.copy_(torch.flip(w, dims=(0,)))
-        inputs = gen.make_inputs(spec, tokens, seed=100 * spec.seed + step)
+        inputs = tree_map(
+            lambda t: t.to(model.caches()[0].device) if isinstance(t, torch.Tensor) else t,
+            gen.make_inputs(spec, tokens, seed=100 * spec.seed + step),
+        )
         _eager(eager, inputs)
         with torch.no_grad():
             compiled(*inputs)
@@ -105,6 +109,21 @@ def test_inductor_codegen_matches_eager(seed):
     torch._dynamo.reset()
     spec = gen.generate(seed)
     _compiled_matches_eager(spec, make_backend({"kv_write_op": "always"}), update_weights=True)
+
+
+CUDA_SEEDS = [p for p in SEEDS if gen.generate(p.values[0]).dtype == "bf16"][:24]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", CUDA_SEEDS)
+def test_cuda_auto_lowers_through_inductor_and_matches_eager(seed):
+    """On CUDA the default `kv_write_op="auto"` lowers the bf16 positives through real Inductor codegen (the op's
+    CUDA kernel), with eager's caches at T > 1, T = 1 and after an in-place K weight update."""
+    torch._dynamo.reset()
+    spec = gen.generate(seed)
+    capture = CaptureBackend(DsparkConfig(), inner="inductor")
+    _compiled_matches_eager(spec, capture, update_weights=True, device="cuda")
+    _assert_lowered(spec, capture)
 
 
 def _assert_lowered(spec: gen.Spec, capture: CaptureBackend) -> None:

@@ -111,3 +111,23 @@ def test_every_spelling_compiles_through_inductor_codegen(name):
             eager(*inputs)
             compiled(*inputs)
             assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_every_spelling_lowers_on_cuda_with_auto(name):
+    """On CUDA, the default `kv_write_op="auto"` through real Inductor codegen: every spelling becomes one
+    `multi_linear_kv_write` (the op's CUDA kernel) and leaves eager's caches, bf16, T = 1 and T > 1."""
+    torch._dynamo.reset()
+    eager = _build(name, torch.bfloat16).to("cuda")
+    compiled_model = copy.deepcopy(eager)
+    capture = CaptureBackend(DsparkConfig(), inner="inductor")
+    compiled = torch.compile(compiled_model, backend=capture)
+    with torch.no_grad():
+        for seed, tokens in enumerate((1, 9, 17)):
+            inputs = [t.to("cuda") for t in _inputs(tokens, torch.bfloat16, seed)]
+            eager(*inputs)
+            compiled(*inputs)
+            assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+    lowered = [op_counts(graph)[OP] for graph in capture.after]
+    assert lowered == [1] * len(capture.after), f"{name} is not lowered on CUDA:\n{capture.report}"
