@@ -137,7 +137,7 @@ def emit_rows(graph: fx.Graph, where: Located) -> fx.Node:
     """`[T, count]` rows of `where` (graph nodes inserted at the current insert point)."""
     x = where.node
     if where.complex:
-        x = call(graph, aten.view_as_real.default, (x,))
+        x = _real_rows(graph, x)
     rank = len(where.index)
     for d in reversed(range(rank)):
         if d not in (where.token_dim, where.col_dim):
@@ -148,6 +148,15 @@ def emit_rows(graph: fx.Graph, where: Located) -> fx.Node:
     if (lo, where.step, where.count) != (0, 1, tensor_val(x).shape[1]):
         x = call(graph, aten.slice.Tensor, (x, 1, lo, lo + (where.count - 1) * where.step + 1, where.step))
     return x
+
+
+def _real_rows(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """`view_as_real(node)`; for rows gathered from a complex table (`freqs_cis[pos]`), the same rows gathered from
+    the table's real view, which Inductor generates code for (it runs complex ops as fallback kernels)."""
+    if node.target is aten.index.Tensor and len(node.args[1]) == 1:
+        table = call(graph, aten.view_as_real.default, (node.args[0],))
+        return call(graph, aten.index.Tensor, (table, node.args[1]))
+    return call(graph, aten.view_as_real.default, (node,))
 
 
 def built_table(graph: fx.Graph, cos: Located, sin: Located) -> fx.Node:

@@ -228,13 +228,14 @@ def _index_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
     loc_val = tensor_val(loc)
     if loc_val is None or loc_val.dim() != 1 or loc_val.dtype not in (torch.int32, torch.int64):
         return None
+    nodes = [new]
+    value = _one_token_source(value, cache, loc_val, nodes)
     if isinstance(value, fx.Node) and value.target is aten.where.self:
         commit = _commit(cache, loc, value)
         if commit is not None:
-            nodes = [new, value, value.args[2]]
+            nodes += [value, value.args[2]]
             return _Site(cache, copy, new, _one_token_source(value.args[1], cache, loc_val, nodes), commit, nodes)
-    nodes = [new]
-    return _Site(cache, copy, new, _one_token_source(value, cache, loc_val, nodes), ("index", loc), nodes)
+    return _Site(cache, copy, new, value, ("index", loc), nodes)
 
 
 def _one_token_source(value: Any, cache: fx.Node, loc_val: torch.Tensor, nodes: list[fx.Node]) -> Any:
@@ -381,15 +382,30 @@ class _Group:
         model = tensor_val(self.activation).dtype
         for shrink in (True, False):
             self.ev = Evaluation(self.activation.graph, tokens, model, self.gemms, shrink=shrink)
-            self.writes, self.failed = [], []
-            heads = self._head_layout()
-            for site in self.sites:
-                try:
-                    self.writes.append(self._analyse(site, heads))
-                except _NoMatch as err:
-                    self.failed.append(err)
-            if not self.failed or self.ev.static_tokens is None or tokens > STATIC_AS_IS:
+            for layout in self._head_layouts():
+                self.writes, self.failed = [], []
+                for site in self.sites:
+                    try:
+                        self.writes.append(self._analyse(site, layout))
+                    except _NoMatch as err:
+                        self.failed.append(err)
+                if not self.failed:
+                    return
+            if self.ev.static_tokens is None or tokens > STATIC_AS_IS:
                 return
+
+    def _head_layouts(self) -> list[tuple[int, int] | None]:
+        """The `(heads, head_dim)` layouts to read `[S, heads * head_dim]` caches with: the one the group shows
+        (`_head_layout`), else every split of the width into heads of a size the op's kernel takes (a multiple of
+        8 up to 256, smallest first: a head of several real heads can prove with cos/sin no table row holds): the
+        proof decides, and any layout it proves computes the same values."""
+        layout = self._head_layout()
+        widths = {int(tensor_val(site.cache).shape[1]) for site in self.sites if tensor_val(site.cache).dim() == 2}
+        if layout is not None or len(widths) != 1:
+            return [layout]
+        (width,) = widths
+        sizes = [d for d in range(8, min(width, 256) + 1, 8) if width % d == 0]
+        return [(width // d, d) for d in sizes] or [None]
 
     def _head_layout(self) -> tuple[int, int] | None:
         """`(heads, head_dim)` for the group's `[S, heads * head_dim]` caches: the `[S, heads, head_dim]` caches'
@@ -429,8 +445,9 @@ class _Group:
             if layout is None or layout[0] * layout[1] != cache_val.shape[1]:
                 raise _NoMatch(
                     KVKeptReason.LAYOUT,
-                    f"the head size of the [S, {cache_val.shape[1]}] cache is not known (no k_norm and no "
-                    "[S, heads, head_dim] cache of the same width on this activation)",
+                    f"the head size of the [S, {cache_val.shape[1]}] cache is not known (no k_norm, no "
+                    "[S, heads, head_dim] cache of the same width on this activation, no split into heads of a "
+                    "multiple of 8 elements up to 256 that the proof accepts)",
                     site.value,
                     site.cache,
                 )
