@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
-.venv/bin/python -c 'import numpy' 2>/dev/null || .venv/bin/pip install -q numpy  # torch warns without it
+.venv/bin/python -c 'import numpy' 2>/dev/null || .venv/bin/pip install -q numpy  # a dependency (the KV-write proof)
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
