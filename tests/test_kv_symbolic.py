@@ -18,7 +18,7 @@ def _evaluate(fn, *shapes, dtype=torch.float32):
     gm = make_fx(fn, tracing_mode="fake")(*args)
     graph = gm.graph
     x = next(iter(graph.find_nodes(op="placeholder")))
-    ev = Evaluation(graph, T, dtype, {x})
+    ev = Evaluation(T, dtype, {x})
     (out,) = graph.find_nodes(op="output")
     return [ev(node).ids for node in out.args[0]]
 

@@ -85,19 +85,17 @@ def normed_size(ev: Evaluation, value: fx.Node) -> int | None:
 
 def read_written(ev: Evaluation, value: fx.Node, gemms: set[fx.Node], heads: int, head_dim: int) -> Written:
     """What `value` (`[T, heads, head_dim]`, or `[T, heads * head_dim]`) computes; raises `NotTheFormula`."""
-    ids = ev(value).ids if ev(value) is not None else None
-    if ids is None or ids.size != ev.tokens * heads * head_dim or ev(value).complex:
+    sym = ev(value)
+    if sym is None or sym.ids.size != ev.tokens * heads * head_dim or sym.complex:
         raise NotTheFormula("layout", f"{value.name} is not a [T, {heads}, {head_dim}] value", value)
-    ids = ids.reshape(ev.tokens, heads, head_dim)
+    ids = sym.ids.reshape(ev.tokens, heads, head_dim)
     terms = _Terms(ev, gemms, value)
     rows = [[[terms.of(int(ids[t, h, j])) for j in range(head_dim)] for h in range(heads)] for t in range(ev.tokens)]
     gemm, column = terms.block(rows, head_dim)
+    # each term keyed by its element's index within the head instead of its (token, GEMM column)
     local = [
-        [
-            [{terms.local(c, gemm, column, t, h, head_dim): k for c, k in e.items()} for e in row]
-            for h, row in enumerate(hrows)
-        ]
-        for t, hrows in enumerate(rows)
+        [[{c - column - h * head_dim: k for (_, c), k in e.items()} for e in row] for h, row in enumerate(hrows)]
+        for hrows in rows
     ]
     norm_eps = _strip_norm(ev, local, gemm, column, head_dim, value)
     return _with_weight_and_rope(ev, local, gemm, column, head_dim, norm_eps, value)
@@ -178,10 +176,6 @@ class _Terms:
                             self.value,
                         )
         return self.gemm, column
-
-    @staticmethod
-    def local(key: tuple[int, int], gemm: fx.Node, column: int, t: int, h: int, head_dim: int) -> int:
-        return key[1] - column - h * head_dim
 
 
 def _atoms_in(alg, e: int) -> list[int]:

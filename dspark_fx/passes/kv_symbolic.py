@@ -187,7 +187,6 @@ class Sym:
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_SHAPE_OPS = (*_VIEWS, aten.expand.default)
 _COPIES = (aten.alias.default, aten.clone.default, aten.contiguous.default, aten.lift_fresh_copy.default)
 _FUNCTIONS = {aten.cos.default: "cos", aten.sin.default: "sin", aten.exp.default: "exp"}
 _POWERS = {aten.rsqrt.default: -0.5, aten.sqrt.default: 0.5, aten.reciprocal.default: -1.0}
@@ -196,9 +195,7 @@ _POWERS = {aten.rsqrt.default: -0.5, aten.sqrt.default: 0.5, aten.reciprocal.def
 class Evaluation:
     """Symbolic values of the nodes of one graph, on demand (memoized)."""
 
-    def __init__(
-        self, graph: fx.Graph, tokens: Any, model: torch.dtype, opaque: set[fx.Node], shrink: bool = True
-    ) -> None:
+    def __init__(self, tokens: Any, model: torch.dtype, opaque: set[fx.Node], shrink: bool = True) -> None:
         # the token count's symbols are `TOKENS`; other symbols (a table's rows under dynamic=True) their values
         self.token_symbols = tokens.node.expr.free_symbols if isinstance(tokens, torch.SymInt) else set()
         self.alg = Algebra()

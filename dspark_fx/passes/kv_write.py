@@ -381,7 +381,7 @@ class _Group:
         tokens = tensor_val(self.activation).shape[0]
         model = tensor_val(self.activation).dtype
         for shrink in (True, False):
-            self.ev = Evaluation(self.activation.graph, tokens, model, self.gemms, shrink=shrink)
+            self.ev = Evaluation(tokens, model, self.gemms, shrink=shrink)
             for layout in self._head_layouts():
                 self.writes, self.failed = [], []
                 for site in self.sites:
