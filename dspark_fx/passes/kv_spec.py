@@ -126,7 +126,7 @@ class _Terms:
             key = divmod(alg.atoms[aid][2], width)
             rest = tuple(m for m in mono if m[0] != aid)
             grouped.setdefault(key, {})[rest] = coef
-        return {key: alg._intern(poly) for key, poly in grouped.items()}
+        return {key: alg.intern(poly) for key, poly in grouped.items()}
 
     def _why(self, e: int, found: list) -> NotTheFormula:
         alg = self.ev.alg
@@ -213,7 +213,7 @@ def _strip_norm(ev: Evaluation, local: list, gemm: fx.Node, column: int, d: int,
                     poly = alg.polys[k]
                     if not all((base_atom, -0.5) in mono for mono, _ in poly):
                         raise NotTheFormula("norm", f"{value.name}: not every term of a head is normed alike", value)
-                    e[j] = alg._intern({tuple(m for m in mono if m != (base_atom, -0.5)): c for mono, c in poly})
+                    e[j] = alg.intern({tuple(m for m in mono if m != (base_atom, -0.5)): c for mono, c in poly})
     if len(normed) != 1:
         raise NotTheFormula("norm", f"{value.name}: some heads or tokens are normed and others not", value)
     if len(eps_seen) > 1:
@@ -294,9 +294,9 @@ def _divide(ev: Evaluation, k: int, weight: fx.Node | None, gemma: bool, j: int)
         if not gemma:
             if not all((aid, 1.0) in mono for mono, _ in poly):
                 return None
-            out = alg._intern({tuple(m for m in mono if m != (aid, 1.0)): c for mono, c in poly})
+            out = alg.intern({tuple(m for m in mono if m != (aid, 1.0)): c for mono, c in poly})
         else:
-            out = alg._intern({mono: c for mono, c in poly if all(i != aid for i, _ in mono)})
+            out = alg.intern({mono: c for mono, c in poly if all(i != aid for i, _ in mono)})
             if alg.mul(out, alg.add(alg.one, alg.atom(("leaf", weight, j)))) != k:
                 return None
         if any(alg.atoms[i][0] == "leaf" and alg.atoms[i][1] is weight for i in _atoms_in(alg, out)):

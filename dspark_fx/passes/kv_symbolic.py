@@ -64,7 +64,8 @@ class Algebra:
 
     # -- construction ---------------------------------------------------------------------------------------------
 
-    def _intern(self, terms: dict) -> int:
+    def intern(self, terms: dict) -> int:
+        """The id of the polynomial `{monomial: coefficient}` (zero coefficients dropped)."""
         poly = tuple(sorted((m, float(c)) for m, c in terms.items() if c != 0.0))
         found = self._poly_ids.get(poly)
         if found is None:
@@ -73,7 +74,7 @@ class Algebra:
         return found
 
     def const(self, c: float) -> int:
-        return self._intern({(): float(c)})
+        return self.intern({(): float(c)})
 
     def atom(self, key: tuple) -> int:
         """The expression `1 * atom`."""
@@ -81,7 +82,7 @@ class Algebra:
         if aid is None:
             aid = self._atom_ids[key] = len(self.atoms)
             self.atoms.append(key)
-        return self._intern({((aid, 1.0),): 1.0})
+        return self.intern({((aid, 1.0),): 1.0})
 
     def atom_id(self, key: tuple) -> int | None:
         return self._atom_ids.get(key)
@@ -116,12 +117,12 @@ class Algebra:
             out = dict(self.polys[a])
             for m, c in self.polys[b]:
                 out[m] = out.get(m, 0.0) + sign * c
-            return self._intern(out)
+            return self.intern(out)
 
         return self._cached(("add", a, b, sign), run)
 
     def scale(self, a: int, c: float) -> int:
-        return self._cached(("scale", a, c), lambda: self._intern({m: k * c for m, k in self.polys[a]}))
+        return self._cached(("scale", a, c), lambda: self.intern({m: k * c for m, k in self.polys[a]}))
 
     def mul(self, a: int, b: int) -> int:
         if a > b:
@@ -133,7 +134,7 @@ class Algebra:
                 for mb, cb in self.polys[b]:
                     m = _mono_mul(ma, mb)
                     out[m] = out.get(m, 0.0) + ca * cb
-            return self._intern(out)
+            return self.intern(out)
 
         return self._cached(("mul", a, b), run)
 
@@ -151,12 +152,12 @@ class Algebra:
             if len(poly) == 1 and (p.is_integer() or all(self.atoms[i][0] == "base" for i, _ in poly[0][0])):
                 ((mono, coef),) = poly
                 if coef > 0 or float(p).is_integer():
-                    return self._intern({tuple((i, k * p) for i, k in mono): coef**p})
+                    return self.intern({tuple((i, k * p) for i, k in mono): coef**p})
             aid = self.atom_id(("base", a))
             if aid is None:
                 self.atom(("base", a))
                 aid = self.atom_id(("base", a))
-            return self._intern({((aid, float(p)),): 1.0})
+            return self.intern({((aid, float(p)),): 1.0})
 
         return self._cached(("pow", a, float(p)), run)
 
