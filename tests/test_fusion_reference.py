@@ -41,26 +41,18 @@ def test_parity_and_graph_diff(options, dtype):
     gemms_per_layer = 2 if cfg.proj == "kv_separate" else 1
     n = cfg.num_layers * gemms_per_layer
     capture.assert_fused(n_groups=1, n_branches=[n])
-    # masked writes: each layer's `where` reads its rotated K through a reshape of computed values, so norm and RoPE
-    # stay per layer (test_fusion_batch_choice.py says why)
-    norms = 1 if cfg.write != "commit" else cfg.num_layers
     for before, after in zip(capture.before, capture.after, strict=True):
         assert _gemms(before) == n and _gemms(after) == 0, capture.graph_diff()
         assert op_counts(after)["dspark.multi_linear"] == 1
         b, a = op_counts(before), op_counts(after)
-        assert b["aten.rsqrt"] == cfg.num_layers and a["aten.rsqrt"] == norms, capture.graph_diff()
-        assert b["aten.pow"] == cfg.num_layers and a["aten.pow"] == norms
-        if norms == 1:
-            assert a["aten.cat"] <= b["aten.cat"] // cfg.num_layers + 1  # RoPE cat batched (+1 norm-weight gather)
+        assert b["aten.rsqrt"] == cfg.num_layers and a["aten.rsqrt"] == 1, capture.graph_diff()
+        assert b["aten.pow"] == cfg.num_layers and a["aten.pow"] == 1
+        assert a["aten.cat"] <= b["aten.cat"] // cfg.num_layers + 1  # RoPE cat batched (+1 norm-weight gather)
     for report in capture.reports:
         (group,) = report.groups
-        if norms == 1:
-            k_class = max(group.classes, key=lambda c: len(c.ops))
-            assert len(k_class.branches) == cfg.num_layers
-            assert "aten.rsqrt" in k_class.ops and "aten.mul" in k_class.ops
-        else:
-            kept = [u for u in group.unbatched if u.reason.startswith("kept per branch")]
-            assert len(kept) == cfg.num_layers and "aten.where" in kept[0].reason, group
+        k_class = max(group.classes, key=lambda c: len(c.ops))
+        assert len(k_class.branches) == cfg.num_layers
+        assert "aten.rsqrt" in k_class.ops and "aten.mul" in k_class.ops
 
 
 def test_graph_diff_and_report_text():

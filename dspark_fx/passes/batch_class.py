@@ -13,32 +13,23 @@ After:
 
 The per-branch values are strided slices of batched ones (the fusion turns the views below them into reshapes);
 a value read through `as_strided` depends on its storage layout and is never batched. An op that no rule can
-batch stays per branch with every op after it (the class batches the ops before it, the report says why). A class
-whose batched values would feed a branch's own ops in a form Inductor runs slower than the branch's own ops (see
-`_check_batching_wins`) is not batched at all: its branches keep their ops ("kept per branch: ...").
+batch stays per branch with every op after it (the class batches the ops before it, the report says why).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dspark_fx.passes.batch_rules import is_reduction
 from dspark_fx.passes.batching import BatchError, Operand, batch_op
 from dspark_fx.passes.branch_classes import BranchClass
 from dspark_fx.passes.branch_regions import Region
 from dspark_fx.passes.gemm_branches import FusedGemm
-from dspark_fx.passes.graph_utils import ALIASING, RESHAPES, aten, call, op_name, reads_storage_layout, tensor_val
+from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
 from dspark_fx.report import ClassReport
-
-
-class BatchingLoses(BatchError):
-    """The class could be batched, but its branches' own ops are faster (the reason says why)."""
 
 
 @dataclass
@@ -99,7 +90,6 @@ def _emit(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchC
             raise BatchError("a non-tensor value leaves the batched ops", e.node)
         if reads_storage_layout(counterparts[e.member][e.node]):
             raise BatchError("read through as_strided or a dtype view (its storage layout)", e.node)
-    _check_batching_wins(nodes, exits, members)
     existing = set(graph.nodes)
     try:
         with graph.inserting_before(ref.nodes[1]):
@@ -127,77 +117,6 @@ def _emit(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchC
             if not node.users:
                 graph.erase_node(node)
     return [op_name(n) for n in nodes]
-
-
-_WRITES = (
-    aten.index_put.default, aten.index_put_.default, aten.index_copy.default, aten.slice_scatter.default,
-    aten.select_scatter.default, aten.copy_.default,
-)  # fmt: skip
-
-
-def _check_batching_wins(nodes: list[fx.Node], exits: list[_Exit], members: list[int]) -> None:
-    """Raise `BatchingLoses` where a branch's own ops, fed by the batched ones, would run slower than unbatched.
-
-    Batching moves no fewer bytes; it saves launches. Where a batched value leaves for a write, the output or a custom
-    op, that reads it as it is. Where it leaves for a branch's own computation (the class stops short of the branch's
-    end), Inductor fuses that op with the batched ops before it, and loses in two ways (measured on an H200, 5
-    layers x 8 kv heads x 128, bf16, T = 4096, where the sglang-style spelling's fallback took 664 us against
-    581 us for plain torch.compile):
-
-    - through a reshape of a computed value, the per-branch read is re-indexed by dividing the flat index, which
-      the branch's offset in the batch keeps from simplifying: 64-bit divisions per element for a symbolic token
-      count, scalar loads for a static one (the fused norm/RoPE kernel: 110.8 us against 70.0 us per layer);
-    - from a batched reduction to an op over the reduction's whole input (a norm's scale, read per branch), the
-      per-branch kernels cannot join the batched reduction's kernel (another iteration space), so they read its
-      input a second time; per branch, each layer's reduction and its users are one kernel.
-    """
-    computed: set[fx.Node] = set()  # batched values that an op computed, or views of one
-    reshaped: dict[fx.Node, fx.Node] = {}  # batched value -> a reshape of a computed value it derives from
-    reduced: dict[fx.Node, fx.Node] = {}  # batched value -> a reduction it derives from
-    for node in nodes:
-        inputs = node.all_input_nodes
-        if node.target not in ALIASING or any(i in computed for i in inputs):
-            computed.add(node)
-        for i in inputs:
-            if i in reshaped:
-                reshaped[node] = reshaped[i]
-            if i in reduced:
-                reduced[node] = reduced[i]
-        if node.target in RESHAPES and any(i in computed for i in inputs):
-            reshaped[node] = node
-        if is_reduction(node.target):
-            reduced[node] = node
-    for e in exits:
-        user = next((u for u in e.users if not _reads_as_stored(u)), None)
-        if user is None:
-            continue
-        whose = f"branch {members[e.member]}'s own {op_name(user)} ({user.name})"
-        if e.node in reshaped:
-            reshape = reshaped[e.node]
-            raise BatchingLoses(
-                f"kept per branch: {whose} would read the batched values through {op_name(reshape)} "
-                f"({reshape.name}) of computed values, which Inductor indexes by integer division"
-            )
-        reduction = reduced.get(e.node)
-        if reduction is not None and _same_numel(e.node, reduction.all_input_nodes[0]):
-            raise BatchingLoses(
-                f"kept per branch: {whose} reads values scaled by the batched {op_name(reduction)} "
-                f"({reduction.name}), which its kernel cannot join"
-            )
-
-
-def _reads_as_stored(node: fx.Node) -> bool:
-    """A consumer that reads its input from memory as it is, without fusing ops into the read: a write, the graph's
-    outputs, an op of another library than ATen (custom ops)."""
-    target = node.target
-    custom = isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
-    return node.op == "output" or target in _WRITES or custom
-
-
-def _same_numel(a: fx.Node, b: fx.Node) -> bool:
-    """Equal element counts, comparing symbolic sizes without adding guards (unknown counts as different)."""
-    va, vb = tensor_val(a), tensor_val(b)
-    return va is not None and vb is not None and statically_known_true(va.numel() == vb.numel())
 
 
 def _operands(node: fx.Node, member_nodes: list[fx.Node], ref: Region, batched: dict) -> tuple[tuple, dict]:

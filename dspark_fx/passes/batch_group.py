@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches
-from dspark_fx.passes.batch_class import BatchingLoses, batch_class
+from dspark_fx.passes.batch_class import batch_class
 from dspark_fx.passes.batching import BatchError
 from dspark_fx.passes.branch_classes import select_classes
 from dspark_fx.report import ClassReport, UnbatchedBranch
@@ -62,8 +62,6 @@ def batch_group(
     for cls in selection.classes:
         try:
             classes.append(batch_class(graph, fused, regions, cls))
-        except BatchingLoses as err:
-            unbatched += [UnbatchedBranch(i, str(err)) for i in cls.members]
         except BatchError as err:
             unbatched += [UnbatchedBranch(i, f"batching failed: {err}") for i in cls.members]
         except Exception as err:  # a rule bug must not break the compile: these branches keep their own ops

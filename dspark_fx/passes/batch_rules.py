@@ -289,12 +289,6 @@ _RULES: dict[Any, Rule] = {
 }
 
 
-def is_reduction(target: Any) -> bool:
-    """Whether an op with a batching rule reduces over dims (`mean`, `sum`, `amax`, `var`, ...)."""
-    spec = _DIM_OPS.get(target)
-    return target in (aten.mean.default, aten.sum.default, aten.prod.dim_int) or (spec is not None and spec.reduction)
-
-
 def rule_for(target: Any) -> Rule | None:
     """The batching rule for an op overload, or None when there is none (the op ends a branch region)."""
     if not isinstance(target, torch._ops.OpOverload):
