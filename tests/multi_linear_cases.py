@@ -145,6 +145,7 @@ class Spec:
     commit: tuple[int, ...] = (1,)  # commit_lens pattern, cycled over the rows
     negative: tuple[int, ...] = ()  # tokens whose slot is negative (skipped)
     table_rows: int = 64  # rows of layer 0's cos/sin table (layer i has 5 * i more)
+    table_form: str = "halves"  # "halves" [P, R], "pairs" [P, R/2, 2] (a complex table's real view), "frequencies"
     seed: int = 0  # of everything but the weights
     weight_seed: int = 0
 
@@ -313,7 +314,13 @@ def make_case(spec: Spec, device: str = "cpu", fresh_weights: bool = False) -> C
     if spec.rot is not None:
         for i in range(n):  # arbitrary values, not unit cos/sin pairs: a swapped or misread entry shows
             rows = spec.table_rows + 5 * i
-            tables.append((2.4 * torch.rand(rows, spec.rot, generator=gen) - 1.2).to(device))
+            if spec.table_form == "frequencies":  # [R/2], angles up to a few hundred radians at these positions
+                table = 8.0 * torch.rand(spec.rot // 2, generator=gen) / (i + 1)
+            elif spec.table_form == "pairs":
+                table = 2.4 * torch.rand(rows, spec.rot // 2, 2, generator=gen) - 1.2
+            else:
+                table = 2.4 * torch.rand(rows, spec.rot, generator=gen) - 1.2
+            tables.append(table.to(device))
     positions = torch.randint(0, spec.table_rows, (t,), generator=gen).to(spec.pos_dtype).to(device)
     assert spec.slots >= t
     usable = spec.slots - 4 if spec.slots - 4 >= t else spec.slots  # the last slots free: a wrapped -1 shows
@@ -365,7 +372,7 @@ def counted_from_the_end(case: Case, every: int = 3) -> Case:
     chosen[::every] = True
     flat[chosen & (flat >= 0)] -= slots
     args["cache_loc"] = loc
-    if args["cos_sin_caches"]:
+    if args["cos_sin_caches"] and args["cos_sin_caches"][0].dim() > 1:  # frequencies: positions are angles
         rows = min(t.shape[0] for t in args["cos_sin_caches"])
         positions = args["positions"].clone()
         positions[1::every] -= rows
@@ -388,6 +395,17 @@ def _fp64_rope(k: torch.Tensor, rows: torch.Tensor, neox: bool) -> torch.Tensor:
     return out
 
 
+def _fp64_factors(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`[T, R]` [cos | sin] rows in float64 of a table of any form (halves `[P, R]`, pairs `[P, R/2, 2]`,
+    frequencies `[R/2]`: the angle is the fp32 product the op computes, its cos/sin taken in float64)."""
+    table, pos = table.cpu(), positions.cpu()
+    if table.dim() == 1:
+        angles = (pos.float()[:, None] * table[None, :]).double()
+        return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+    rows = table.double()[pos.long()]
+    return torch.cat([rows[..., 0], rows[..., 1]], dim=1) if table.dim() == 3 else rows
+
+
 def fp64_kv(args: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (K, V) `[T, heads, head_dim]` in float64 for every token, from the op's formula."""
     x = args["x"].cpu().double()
@@ -408,8 +426,7 @@ def fp64_kv(args: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
             if args["k_norm_weights"][i] is not None:
                 k = k * args["k_norm_weights"][i].cpu().double()
         if args["cos_sin_caches"]:
-            table = args["cos_sin_caches"][i].cpu().double()
-            k = _fp64_rope(k, table[args["positions"].cpu().long()], args["is_neox"])
+            k = _fp64_rope(k, _fp64_factors(args["cos_sin_caches"][i], args["positions"]), args["is_neox"])
         out.append((k, v))
     return out
 
@@ -577,7 +594,36 @@ def _bad_cases():
         ("k_norm_eps negative", lambda a: {"k_norm_eps": [1e-6, -1e-6]}, ValueError, r"k_norm_eps\[1\] "),
         ("k_norm_eps nan", lambda a: {"k_norm_eps": [NAN, 1e-6]}, ValueError, r"k_norm_eps\[0\] "),
         ("k_norm_eps inf", lambda a: {"k_norm_eps": [1e-6, float("inf")]}, ValueError, r"k_norm_eps\[1\] "),
-        ("cos_sin_caches 1-D", _entry("cos_sin_caches", 0, lambda a: _like(a, 8)), ValueError, r"cos_sin_caches\[0\] "),
+        (
+            "cos_sin_caches 4-D",
+            _entry("cos_sin_caches", 0, lambda a: _like(a, 9, 2, 2, 2)),
+            ValueError,
+            r"cos_sin_caches\[0\] must be \[P, R\]",
+        ),
+        (
+            "cos_sin_caches pairs of 3",
+            lambda a: {"cos_sin_caches": [_like(a, 9, 4, 3)] * 2},
+            ValueError,
+            r"cos_sin_caches\[0\] must be \[P, R\]",
+        ),
+        (
+            "cos_sin_caches forms mixed",
+            _entry("cos_sin_caches", 1, lambda a: _like(a, a["cos_sin_caches"][0].shape[1] // 2)),
+            ValueError,
+            r"cos_sin_caches\[1\] is a \[R/2\] table \(frequencies\), layer 0's a \[P, R\] table",
+        ),
+        (
+            "frequencies rotate more than head_dim",
+            lambda a: {"cos_sin_caches": [_like(a, d // 2 + 1)] * 2},
+            ValueError,
+            r"cos_sin_caches\[0\] ",
+        ),
+        (
+            "pairs rotary dim per layer",
+            lambda a: {"cos_sin_caches": [_like(a, 9, 2, 2), _like(a, 9, 3, 2)]},
+            ValueError,
+            r"cos_sin_caches\[1\] ",
+        ),
         (
             "cos_sin_caches fp64",
             _entry("cos_sin_caches", 1, lambda a: a["cos_sin_caches"][1].double()),
@@ -716,6 +762,11 @@ def _cache_view(a: dict, shape, strides, offset=0) -> torch.Tensor:
     return buf.as_strided(shape, strides, offset)
 
 
+def _pairs_apart(rows: int, rot: int, device: torch.device) -> torch.Tensor:
+    """A `[rows, R/2, 2]` pairs table whose cos and sin lie in two separate planes (strides `(R, 1, R/2)`)."""
+    return torch.rand(rows, 2, rot // 2).transpose(1, 2).to(device)
+
+
 def _cuda_only_cases():
     """(id, spec, change(args) or None, error class, a word the message must contain): inputs the CPU op accepts
     and the CUDA op rejects (csrc/multi_linear_kv_write.cu, check_cuda_layout and kv_table)."""
@@ -777,6 +828,20 @@ def _cuda_only_cases():
             entry("cos_sin_caches", 0, lambda a: torch.rand(s.table_rows, 2 * s.rot).to(a["x"].device)[:, ::2]),
             ValueError,
             r"cos_sin_caches\[0\]",
+        ),
+        (
+            "pairs table with cos and sin apart",
+            replace(s, table_form="pairs"),
+            lambda a: {"cos_sin_caches": [_pairs_apart(s.table_rows, s.rot, a["x"].device)] * 2},
+            ValueError,
+            r"cos_sin_caches\[0\] must have a unit inner stride on CUDA \(a \[P, R/2, 2\] table",
+        ),
+        (
+            "frequencies strided",
+            replace(s, table_form="frequencies"),
+            lambda a: {"cos_sin_caches": [torch.rand(s.rot).to(a["x"].device)[::2]] * 2},
+            ValueError,
+            r"cos_sin_caches\[0\] must have a unit inner stride on CUDA",
         ),
     ]
 

@@ -102,6 +102,10 @@ CONFIGS = {
     "partial neox": Spec(rot=6),
     "partial gptj": Spec(rot=6, neox=False),
     "no rope": Spec(rot=None),
+    "pairs table": Spec(table_form="pairs"),
+    "pairs table, partial gptj": Spec(table_form="pairs", rot=6, neox=False, pos_dtype=torch.int32),
+    "frequencies": Spec(table_form="frequencies"),
+    "frequencies, partial gptj": Spec(table_form="frequencies", rot=10, neox=False, pos_dtype=torch.int32),
     "norm with fp32 weight": Spec(norm="fp32-weight", neox=False),
     "norm without weight": Spec(norm="no-weight"),
     "no norm": Spec(norm="off", neox=False),
@@ -470,6 +474,16 @@ def test_positions_unchecked_without_rope():
     case = make_case(replace(BAD, rot=None))
     case.args["positions"][:] = torch.tensor([-1, 2**40, 0, -(2**62), 7, 5])
     run_and_check(case)
+
+
+def test_frequency_positions_are_angles():
+    """With an `[R/2]` inverse-frequency table a position is an angle, not a row: negative and huge ones are
+    rotated by their own angle, never wrapped or refused, `wrap_negative` or not."""
+    for wrap in (False, True):
+        case = make_case(replace(BAD, table_form="frequencies"))
+        case.args["positions"][:] = torch.tensor([-1, 70_000, 0, -300, 7, 5])
+        case.args["wrap_negative"] = wrap
+        run_and_check(case)
 
 
 def test_fake_impl_reads_no_index_values():

@@ -20,7 +20,7 @@ import pytest
 import torch
 from multi_linear_emulation_shim import build
 
-from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
+from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference, rotary_dim, table_form
 
 DRIVER = r"""
 #include "experimental/kv_write_stream_kernel.cuh"
@@ -139,7 +139,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
   // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, stream variant,
-  //        heads-kernel CTAs at most, fused grid multiple
+  //        heads-kernel CTAs at most, fused grid multiple, table form
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -199,6 +199,7 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   kv.commit_int64 = ints[15];
   kv.slots = longs[5];
   kv.wrap_negative = static_cast<int>(longs[7]);
+  kv.table_form = static_cast<int>(longs[11]);
   const HeadsArgs h{kv, ptrs[4], longs[6], tokens, layers, split, static_cast<int>(longs[9])};
   const int variant = static_cast<int>(longs[8]);
   if (bf16) {
@@ -229,6 +230,7 @@ class Spec:
     commit: bool = False
     dtype: torch.dtype = torch.bfloat16
     slots: int = 24
+    table_form: str = "halves"  # the RoPE table form: "halves", "pairs" or "frequencies"
 
 
 def _case(spec: Spec, seed: int) -> dict:
@@ -248,7 +250,15 @@ def _case(spec: Spec, seed: int) -> dict:
     norm_w = [
         (torch.rand(d, generator=gen) + 0.5).to(torch.float32 if i == 0 else spec.dtype) for i in range(spec.layers)
     ]
-    tables = [torch.randn(40 + i, spec.rot, generator=gen) for i in range(spec.layers)] if spec.rope else []
+    table_shape = {"halves": (spec.rot,), "pairs": (spec.rot // 2, 2), "frequencies": ()}[spec.table_form]
+    rows = () if spec.table_form == "frequencies" else (40,)
+    tables = []
+    if spec.rope:
+        for i in range(spec.layers):
+            if spec.table_form == "frequencies":
+                tables.append(torch.rand(spec.rot // 2, generator=gen) * (i + 1) / 4)
+            else:
+                tables.append(torch.randn(rows[0] + i, *table_shape, generator=gen))
     positions = torch.randint(0, 40, (t,), generator=gen)
     slots = torch.randperm(spec.slots, generator=gen)[:t]
     if t > 2:
@@ -286,6 +296,7 @@ def _case(spec: Spec, seed: int) -> dict:
 
 
 PATHS = {"heads": 0, "fused": 1, "stream": 2}
+TABLE_FORMS = {"halves": 0, "pairs": 1, "frequencies": 2}  # kHalves, kPairs, kFrequencies of the kernels
 
 
 def _emulate(
@@ -343,7 +354,10 @@ def _emulate(
             ptr(tables[i]) if tables else None,
         ]
         strides += [kw.stride(0), vw.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)]
-        strides += [tables[i].shape[0], tables[i].stride(0)] if tables else [0, 0]
+        if tables and table_form(tables[i]) != "frequencies":
+            strides += [tables[i].shape[0], tables[i].stride(0)]
+        else:
+            strides += [0, 0]
         norm_fp32.append(int(nw is not None and nw.dtype == torch.float32))
     loc, commit = a["cache_loc"], a["commit_lens"]
     two_d = loc.dim() == 2
@@ -357,7 +371,7 @@ def _emulate(
         a["num_kv_heads"],
         a["head_dim"],
         int(bool(a["k_norm_eps"])),
-        tables[0].shape[1] if tables else 0,
+        rotary_dim(tables[0]) if tables else 0,
         int(a["is_neox"]),
         int(bool(tables)),
         int(a["positions"].dtype == torch.int64),
@@ -380,6 +394,7 @@ def _emulate(
         variant,
         ctas,
         grid,
+        TABLE_FORMS[table_form(tables[0])] if tables else 0,
     ]
     extra = [ptr(t) for t in past_last] if past_last is not None else [None, None]
     ptrs = [ptr(a["x"]), ptr(a["positions"]), ptr(loc), ptr(commit), ptr(projections), *extra, None, *per_layer]
@@ -568,3 +583,28 @@ def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
     table = torch.randn(40, spec.rot, generator=torch.Generator().manual_seed(7))
     _check(emu, spec, kernel="fused", grid=2, past_last=(cache, table))
     assert torch.equal(_bits(cache), before), "a tile past the last head wrote"
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("form", ["pairs", "frequencies"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+def test_table_forms(emu, kernel, form, neox):
+    """A `[P, R/2, 2]` pairs table (a complex table's real view) and `[R/2]` inverse frequencies (cos/sin computed
+    from the position) in every kernel, partial rotary, against the reference."""
+    _check(emu, Spec(tokens=6, head_dim=64, rot=40, neox=neox, table_form=form), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+def test_frequency_positions_are_angles(emu, kernel):
+    """With inverse frequencies a position is an angle: a negative one or one past any table's rows is written
+    (rotated by its own angle) and never wrapped, with `wrap_negative` too."""
+
+    def edit(got, want):
+        for a in (got, want):
+            a["wrap_negative"] = True
+            loc, slots = a["cache_loc"].view(-1), a["k_caches"][0].shape[0]
+            loc[loc == -1] = min(set(range(slots)) - set(loc.tolist())) - slots
+            a["positions"][1] = -7
+            a["positions"][4] = 100_000
+
+    _check(emu, Spec(tokens=6, head_dim=64, table_form="frequencies"), kernel=kernel, edit=edit)

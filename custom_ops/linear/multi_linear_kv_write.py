@@ -21,8 +21,8 @@ All math is fp32 from the inputs (GEMM accumulation, norm, rotation); K and V ar
 | `v_biases`       | N x `[R_i]` or None        | as `x`         |     | bias of `v_weights[i]`                        |
 | `k_norm_weights` | N x `[head_dim]` or None   | as `x` or fp32 |     | RMSNorm weight of layer i (None: no weight)   |
 | `k_norm_eps`     | N x `float`, or empty      |                |     | RMSNorm eps of layer i; empty: no norm        |
-| `cos_sin_caches` | N x `[P_i, R]`, or empty   | fp32           |     | `[cos, sin]` halves per row; empty: no RoPE   |
-| `positions`      | `[T]`                      | int32/int64    |     | row of `cos_sin_caches[i]` for token t        |
+| `cos_sin_caches` | N tables (below), or empty | fp32           |     | cos/sin per position; empty: no RoPE          |
+| `positions`      | `[T]`                      | int32/int64    |     | position of token t                           |
 | `is_neox`        | `bool`                     |                |     | pairs `(d, d + R/2)` (True) or `(2d, 2d + 1)` |
 | `k_caches`       | N x `[S, heads, head_dim]` | as `x`         | yes | K cache of layer i (any strides)              |
 | `v_caches`       | N x `[S, heads, head_dim]` | as `x`         | yes | V cache of layer i (any strides)              |
@@ -34,29 +34,43 @@ All math is fp32 from the inputs (GEMM accumulation, norm, rotation); K and V ar
 | returns          | nothing                    |                |     |                                               |
 
 RoPE rotates the first `R` elements of each head (`R` even, `0 < R <= head_dim`, the same for every layer; the rest
-pass through); with `(c, s) = (cos_sin[p, j], cos_sin[p, R/2 + j])` a pair `(a, b)` becomes `(a c - b s, b c + a s)`,
-pair j being `(j, j + R/2)` (neox) or `(2j, 2j + 1)` (GPT-J). RMSNorm is `k * rsqrt(mean(k²) + eps) (* weight)` over
+pass through): with the factors `(c_j, s_j)` of token t's position `p`, pair j becomes `(a c_j - b s_j, b c_j + a s_j)`,
+pair j being elements `(j, j + R/2)` (neox) or `(2j, 2j + 1)` (GPT-J), `j < R/2`. The tables give the factors, in
+one of three forms (every layer's table the same form, `rope_rows` turns any of them into `[cos | sin]` rows):
+
+| form        | table              | `(c_j, s_j)` at position `p`                   | what a model holds             |
+|-------------|--------------------|------------------------------------------------|--------------------------------|
+| halves      | `[P, R]` fp32      | `(t[p, j], t[p, R/2 + j])`                     | a cos/sin-halves cache         |
+| pairs       | `[P, R/2, 2]` fp32 | `(t[p, j, 0], t[p, j, 1])`                     | `view_as_real` of `freqs_cis`  |
+| frequencies | `[R/2]` fp32       | `(cos(float(p) * t[j]), sin(float(p) * t[j]))` | `inv_freq` (cos/sin per call)  |
+
+The frequencies form computes the angle as an fp32 product (what `positions.float() * inv_freq` computes) and its
+cos/sin in fp32; a model that casts cos/sin to its dtype before the multiply rounds them there, the op does not (a
+difference within the dtype's rounding of the result). Its positions are angles, not rows: any value is valid and
+none is wrapped or range-checked. RMSNorm is `k * rsqrt(mean(k²) + eps) (* weight)` over
 the `head_dim` elements of a head.
 
 Structural rules (`_check_args`: the CPU impl and the fake run it, the CUDA binding mirrors it), all raised before
 anything is written, `TypeError` for a wrong dtype and `ValueError` for anything else, each message starting with
 `multi_linear_kv_write: ` and naming the argument: the list lengths (one entry per layer; `k_norm_eps` and
-`cos_sin_caches` may be empty), shapes, dtypes and devices of the table; `k_row_starts[i]` / `v_row_starts[i]`
-select `kv` rows inside the weight; `k_norm_eps` finite and `>= 0`; `k_norm_weights` all None when `k_norm_eps` is
-empty; every cache the same `[S, num_kv_heads, head_dim]`; no cache overlaps itself (e.g. a broadcast view), another
-cache or any input (views of one buffer are fine when their elements are disjoint: the layers of a stacked
-`[N, S, heads, head_dim]` buffer, the K and V halves of an interleaved `[S, 2, heads, head_dim]` one); `cache_loc`
-1-D without `commit_lens` or 2-D with it. Checked on storages, offsets and strides, never data pointers, so the fake
-impl raises the same errors under `torch.compile`. The CUDA binding adds what its kernel needs: bf16/fp16 `x`,
-`K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, caches with unit inner stride and 16-byte aligned `head_dim` rows
-(address and slot / head strides multiples of 16 bytes), contiguous `k_norm_weights`, `cos_sin_caches` with unit
-inner stride, fewer than 2^31 (token, layer, K or V, head) units per launch; anything else raises `TypeError`
-(dtype) or `ValueError` there, naming the argument. `_check_cuda_layout` states these rules in Python and the fake
-impl runs it on CUDA tensors, so a compiled graph that would raise in the binding raises at compile time instead
-(the address is judged from the storage offset, `custom_ops.checks.is_aligned`).
+`cos_sin_caches` may be empty), shapes, dtypes and devices of the table (one RoPE table form for all layers);
+`k_row_starts[i]` / `v_row_starts[i]` select `kv` rows inside the weight; `k_norm_eps` finite and `>= 0`;
+`k_norm_weights` all None when `k_norm_eps` is empty; every cache the same `[S, num_kv_heads, head_dim]`; no cache
+overlaps itself (e.g. a broadcast view), another cache or any input (views of one buffer are fine when their elements
+are disjoint: the layers of a stacked `[N, S, heads, head_dim]` buffer, the K and V halves of an interleaved `[S, 2,
+heads, head_dim]` one); `cache_loc` 1-D without `commit_lens` or 2-D with it. Checked on storages, offsets and strides,
+never data pointers, so the fake impl raises the same errors under `torch.compile`. The CUDA binding adds what its
+kernel needs: bf16/fp16 `x`, `K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, caches with unit inner stride and 16-byte
+aligned `head_dim` rows (address and slot / head strides multiples of 16 bytes), contiguous `k_norm_weights`,
+`cos_sin_caches` whose per-position factors are contiguous (unit inner stride; pairs: `[R/2, 2]` rows laid out as `R`
+consecutive floats), fewer than 2^31 (token, layer, K or V, head) units per launch; anything else raises `TypeError`
+(dtype) or `ValueError` there, naming the argument. `_check_cuda_layout` states these rules in Python and the fake impl
+runs it on CUDA tensors, so a compiled graph that would raise in the binding raises at compile time instead (the address
+is judged from the storage offset, `custom_ops.checks.is_aligned`).
 
 Index values (the contract of every dspark op, docs/contract.md): a negative `cache_loc` entry skips the token (its
-K and V are not written); an entry `>= S`, or a position outside `[0, min_i P_i)` (a row of every table), raises
+K and V are not written); an entry `>= S`, or a position outside `[0, min_i P_i)` (a row of every halves or pairs
+table), raises
 `ValueError` on CPU (and on CUDA with `custom_ops.set_checks(True)`) before any cache is modified; on CUDA without
 checks such a token is skipped. With `wrap_negative=True` the values index as in Python (what eager `cache[loc] = k`
 and `table[positions]` do, so a compiled graph needs no extra kernel to wrap them): an entry `l` in `[-S, 0)`
@@ -78,7 +92,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from custom_ops._library import register_op
 from custom_ops.checks import check_index_range, is_aligned, must_check_values
 
-__all__ = ["layer_kv", "multi_linear_kv_write_reference"]
+__all__ = ["layer_kv", "multi_linear_kv_write_reference", "rope_rows", "rotary_dim", "table_form"]
 
 _OP = "multi_linear_kv_write"
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -145,6 +159,33 @@ def _check_norm(x: torch.Tensor, weights, eps: Sequence[float], head_dim: int) -
         _check_device(name, w, x)
 
 
+TABLE_FORMS = {2: "halves", 3: "pairs", 1: "frequencies"}  # a table's dim -> its RoPE form
+_TABLE_SHAPES = {"halves": "[P, R]", "pairs": "[P, R/2, 2]", "frequencies": "[R/2]"}
+
+
+def table_form(table: torch.Tensor) -> str | None:
+    """The RoPE form of one `cos_sin_caches` entry ("halves", "pairs", "frequencies"), None if it has none."""
+    form = TABLE_FORMS.get(table.dim())
+    return None if form == "pairs" and table.shape[2] != 2 else form
+
+
+def rotary_dim(table: torch.Tensor) -> int:
+    """`R`, the rotated elements of a head, of a table of any form."""
+    return table.shape[1] if table.dim() == 2 else 2 * table.shape[-2 if table.dim() == 3 else 0]
+
+
+def rope_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The `[t, R]` `[cos | sin]` rows of `positions [t]` (already wrapped) in `table`'s dtype, whatever its form."""
+    form = table_form(table)
+    if form == "halves":
+        return table[positions.long()]
+    if form == "pairs":
+        pairs = table[positions.long()]
+        return torch.cat([pairs[..., 0], pairs[..., 1]], dim=-1)
+    angles = positions.to(torch.float32)[:, None].to(table.dtype) * table[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
 def _check_rope(x: torch.Tensor, caches: Sequence[torch.Tensor], positions: torch.Tensor, head_dim: int) -> None:
     tokens = x.shape[0]
     if positions.dim() != 1 or positions.shape[0] != tokens:
@@ -154,16 +195,26 @@ def _check_rope(x: torch.Tensor, caches: Sequence[torch.Tensor], positions: torc
     _check_device("positions", positions, x)
     for i, c in enumerate(caches):
         name = f"cos_sin_caches[{i}]"
-        if c.dim() != 2:
-            raise _fail(f"{name} must be 2-D [P, R], got {tuple(c.shape)}")
+        form = table_form(c)
+        if form is None:
+            raise _fail(
+                f"{name} must be [P, R] (cos | sin halves), [P, R/2, 2] (cos, sin pairs) or [R/2] (inverse "
+                f"frequencies), got {tuple(c.shape)}"
+            )
+        first = table_form(caches[0])
+        if form != first:
+            raise _fail(
+                f"{name} is a {_TABLE_SHAPES[form]} table ({form}), layer 0's a {_TABLE_SHAPES[first]} table "
+                f"({first}): every layer's table must have the same form"
+            )
         if c.dtype != torch.float32:
             raise _wrong_type(f"{name} must be torch.float32, got {c.dtype}")
         _check_device(name, c, x)
-        rot = c.shape[1]
-        if rot % 2 or not 0 < rot <= head_dim or rot != caches[0].shape[1]:
+        rot = rotary_dim(c)
+        if rot % 2 or not 0 < rot <= head_dim or rot != rotary_dim(caches[0]):
             raise _fail(
-                f"{name} has {rot} columns: the rotary dim must be even, in (0, head_dim = {head_dim}] "
-                f"and the same for every layer ({caches[0].shape[1]} for layer 0)"
+                f"{name} {tuple(c.shape)} rotates {rot} elements: the rotary dim must be even, in (0, head_dim = "
+                f"{head_dim}] and the same for every layer ({rotary_dim(caches[0])} for layer 0)"
             )
 
 
@@ -335,8 +386,11 @@ def _check_args(
     _check_aliasing(_named_caches(k_caches, v_caches), inputs)
 
 
-def _position_rows(cos_sin_caches: Sequence[torch.Tensor]) -> int:
-    """Rows of the shortest table: the positions every layer can read."""
+def _position_rows(cos_sin_caches: Sequence[torch.Tensor]) -> int | None:
+    """Rows of the shortest table: the positions every layer can read; None where positions are not rows (no RoPE,
+    or inverse frequencies)."""
+    if not cos_sin_caches or table_form(cos_sin_caches[0]) == "frequencies":
+        return None
     return min(c.shape[0] for c in cos_sin_caches)
 
 
@@ -348,7 +402,8 @@ def _check_values(
     wrap_negative: bool,
 ) -> None:
     """The index-value rules (CPU always, CUDA in checking mode): every slot below S, every position a row of every
-    table (skipped tokens included), slots first; with `wrap_negative` down to -S and -P."""
+    table (skipped tokens included; not for inverse frequencies), slots first; with `wrap_negative` down to -S and
+    -P."""
     if not must_check_values(cache_loc):
         return
     slots = k_caches[0].shape[0]
@@ -357,8 +412,8 @@ def _check_values(
     else:
         what = f"cache slots are [0, {slots}) (negative entries skip the token)"
     check_index_range("cache_loc", cache_loc, slots, what, wrap=wrap_negative)
-    if cos_sin_caches:
-        rows = _position_rows(cos_sin_caches)
+    rows = _position_rows(cos_sin_caches)
+    if rows is not None:
         low = -rows if wrap_negative else 0
         what = f"positions must be in [{low}, {rows}), a row of every cos_sin_caches table"
         check_index_range("positions", positions, rows, what, negative_skips=False, wrap=wrap_negative)
@@ -449,20 +504,21 @@ def multi_linear_kv_write_reference(
         head_dim,
     )
     _check_values(cos_sin_caches, positions, k_caches, cache_loc, wrap_negative)
+    rows = _position_rows(cos_sin_caches)
     if wrap_negative:
         cache_loc = _wrapped(cache_loc, k_caches[0].shape[0])
-        if cos_sin_caches:
-            positions = _wrapped(positions, _position_rows(cos_sin_caches))
+        if rows is not None:
+            positions = _wrapped(positions, rows)
     tokens, slots = _written_tokens(cache_loc, commit_lens)
     xs = x[tokens].float()
-    pos = positions[tokens].long()
+    pos = positions[tokens]
     for i in range(len(k_weights)):
         k, v = layer_kv(
             xs,
             (k_weights[i], k_row_starts[i], k_biases[i]),
             (v_weights[i], v_row_starts[i], v_biases[i]),
             (k_norm_weights[i], k_norm_eps[i]) if k_norm_eps else None,
-            cos_sin_caches[i][pos] if cos_sin_caches else None,
+            rope_rows(cos_sin_caches[i], pos) if cos_sin_caches else None,
             is_neox,
             num_kv_heads,
             head_dim,
@@ -528,10 +584,20 @@ def _check_cuda_layout(
         if w is not None and w.stride(0) != 1 and w.shape[0] > 1:
             raise _fail(f"k_norm_weights[{i}] must be contiguous on CUDA")
     for i, t in enumerate(cos_sin_caches):
-        if t.stride(1) != 1 and t.shape[1] > 1:
-            raise _fail(f"cos_sin_caches[{i}] must have a unit inner stride on CUDA")
+        if not _factors_contiguous(t):
+            raise _fail(
+                f"cos_sin_caches[{i}] must have a unit inner stride on CUDA (a [P, R/2, 2] table: each row's R "
+                f"factors consecutive), got strides {tuple(t.stride())}"
+            )
     if x.shape[0] * 2 * min(len(k_weights), _MAX_LAYERS_PER_LAUNCH) * num_kv_heads >= 2**31:
         raise _fail(f"x has too many tokens for one call ({x.shape[0]}): split it")
+
+
+def _factors_contiguous(t: torch.Tensor) -> bool:
+    """Whether the factors of one position are consecutive floats (what the CUDA kernels read)."""
+    if t.dim() == 3:
+        return (t.stride(2) == 1 or t.shape[2] <= 1) and (t.stride(1) == 2 or t.shape[1] <= 1)
+    return t.stride(-1) == 1 or t.shape[-1] <= 1
 
 
 def _multi_linear_kv_write_fake(

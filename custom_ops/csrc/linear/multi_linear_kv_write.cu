@@ -90,6 +90,24 @@ void check_norm(const at::Tensor& x, const OptionalList& weights, at::ArrayRef<d
   }
 }
 
+// The RoPE form of a table (as table_form in Python): by its dims, [P, R] halves, [P, R/2, 2] pairs, [R/2]
+// inverse frequencies; -1 for none of them.
+int table_form_of(const at::Tensor& t) {
+  if (t.dim() == 2) return kHalves;
+  if (t.dim() == 3 && t.size(2) == 2) return kPairs;
+  if (t.dim() == 1) return kFrequencies;
+  return -1;
+}
+
+const char* form_name(int form) {
+  return form == kHalves ? "[P, R] table (halves)" : form == kPairs ? "[P, R/2, 2] table (pairs)"
+                                                                    : "[R/2] table (frequencies)";
+}
+
+int64_t rotary_dim_of(const at::Tensor& t) {
+  return t.dim() == 2 ? t.size(1) : 2 * t.size(t.dim() == 3 ? 1 : 0);
+}
+
 void check_rope(const at::Tensor& x, TensorList tables, const at::Tensor& positions, int64_t head_dim) {
   const int64_t tokens = x.size(0);
   TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == tokens, kOp, "positions must be [", num(tokens),
@@ -100,14 +118,22 @@ void check_rope(const at::Tensor& x, TensorList tables, const at::Tensor& positi
   for (size_t i = 0; i < tables.size(); ++i) {
     const at::Tensor& c = tables[i];
     const std::string name = "cos_sin_caches[" + num(i) + "]";
-    TORCH_CHECK_VALUE(c.dim() == 2, kOp, name, " must be 2-D [P, R], got ", shape_of(c.sizes()));
+    const int form = table_form_of(c);
+    TORCH_CHECK_VALUE(form >= 0, kOp, name,
+                      " must be [P, R] (cos | sin halves), [P, R/2, 2] (cos, sin pairs) or [R/2] (inverse "
+                      "frequencies), got ",
+                      shape_of(c.sizes()));
+    const int first = table_form_of(tables[0]);
+    TORCH_CHECK_VALUE(form == first, kOp, name, " is a ", form_name(form), ", layer 0's a ", form_name(first),
+                      ": every layer's table must have the same form");
     TORCH_CHECK_TYPE(c.scalar_type() == at::kFloat, kOp, name, " must be torch.float32, got ",
                      dtype_of(c.scalar_type()));
     check_device(name, c, x);
-    const int64_t rot = c.size(1);
-    TORCH_CHECK_VALUE(rot % 2 == 0 && rot > 0 && rot <= head_dim && rot == tables[0].size(1), kOp, name, " has ",
-                      num(rot), " columns: the rotary dim must be even, in (0, head_dim = ", num(head_dim),
-                      "] and the same for every layer (", num(tables[0].size(1)), " for layer 0)");
+    const int64_t rot = rotary_dim_of(c), rot0 = rotary_dim_of(tables[0]);
+    TORCH_CHECK_VALUE(rot % 2 == 0 && rot > 0 && rot <= head_dim && rot == rot0, kOp, name, " ",
+                      shape_of(c.sizes()), " rotates ", num(rot),
+                      " elements: the rotary dim must be even, in (0, head_dim = ", num(head_dim),
+                      "] and the same for every layer (", num(rot0), " for layer 0)");
   }
 }
 
@@ -318,8 +344,12 @@ void check_cuda_layout(const Call& c) {
   }
   for (size_t i = 0; i < c.tables.size(); ++i) {
     const at::Tensor& t = c.tables[i];
-    TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, kOp, "cos_sin_caches[", num(i),
-                      "] must have a unit inner stride on CUDA");
+    const bool contiguous = t.dim() == 3 ? (t.stride(2) == 1 || t.size(2) <= 1) && (t.stride(1) == 2 || t.size(1) <= 1)
+                                         : t.stride(-1) == 1 || t.size(-1) <= 1;
+    TORCH_CHECK_VALUE(contiguous, kOp, "cos_sin_caches[", num(i),
+                      "] must have a unit inner stride on CUDA (a [P, R/2, 2] table: each row's R factors "
+                      "consecutive), got strides ",
+                      shape_of(t.strides()));
   }
 }
 
@@ -331,7 +361,7 @@ void check_values(const Call& c) {
                                           ") (a negative entry l addresses slot " + num(slots) + " + l)"
                                     : "cache slots are [0, " + num(slots) + ") (negative entries skip the token)",
                     true, c.wrap_negative);
-  if (c.tables.empty()) return;
+  if (c.tables.empty() || table_form_of(c.tables[0]) == kFrequencies) return;
   int64_t rows = c.tables[0].size(0);
   for (const at::Tensor& t : c.tables) rows = std::min(rows, t.size(0));
   check_index_range(c.positions, rows, "positions",
@@ -383,13 +413,14 @@ KvWrite kv_table(const Call& c, size_t first, size_t count) {
     kv.commit_int64 = c.commit->scalar_type() == at::kLong;
   }
   kv.slots = c.k_caches[0].size(0);
+  kv.table_form = c.tables.empty() ? kHalves : table_form_of(c.tables[0]);
   kv.position_limit = 0;
-  for (size_t i = 0; i < c.tables.size(); ++i) {
+  for (size_t i = 0; i < c.tables.size() && kv.table_form != kFrequencies; ++i) {
     kv.position_limit = i == 0 ? c.tables[i].size(0) : std::min(kv.position_limit, c.tables[i].size(0));
   }
   kv.heads = static_cast<int>(c.heads);
   kv.head_dim = static_cast<int>(c.head_dim);
-  kv.rotary_dim = c.tables.empty() ? 0 : static_cast<int>(c.tables[0].size(1));
+  kv.rotary_dim = c.tables.empty() ? 0 : static_cast<int>(rotary_dim_of(c.tables[0]));
   kv.neox = c.neox;
   kv.has_norm = !c.eps.empty();
   kv.has_rope = !c.tables.empty();

@@ -20,7 +20,8 @@
 // Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
 // the fused epilogue, 8 in the heads kernel): the token's slot (cache_loc, or cache_loc_2d and commit_lens) and, with
 // RoPE, its position; a negative or out-of-range slot, a masked commit column or a position outside the shortest
-// table skips the token (nothing is read through it, nothing written, in any layer). K: sum of squares across the
+// table (halves or pairs form; a frequencies table has no rows) skips the token (nothing is read through it, nothing
+// written, in any layer). K: sum of squares across the
 // head's lanes, scale = rsqrt(mean + eps), times the norm weight; RoPE pairs (j, j + R/2) (neox: by a shuffle, or
 // through a row of shared memory private to the head's lanes when R/2 splits a lane's elements) or (2j, 2j + 1)
 // (GPT-J, inside a lane) for j < R/2; then every lane stores its V elements, rounded once, with one vector store.
@@ -33,6 +34,13 @@ namespace mlinear {
 
 constexpr int kMaxLayers = kMaxSegments / 2;  // layers per launch: two GEMM segments (K, V) each
 constexpr int kHeadWarps = 8;                 // warps per CTA of the heads kernel
+
+// RoPE table forms (KvWrite::table_form; table_form in custom_ops/linear/multi_linear_kv_write.py): the factors
+// (c_j, s_j) of pair j < R/2 at position p are row p's (j, R/2 + j) (halves, [P, R]), (2j, 2j + 1) (pairs,
+// [P, R/2, 2]: a complex table's real view), or cos / sin of float(p) * f[j] in fp32 (frequencies, f = [R/2]).
+constexpr int kHalves = 0;
+constexpr int kPairs = 1;
+constexpr int kFrequencies = 2;
 
 // The fused kernel's tile for head_dim 32 V: one head, V row warps of 2 m-tiles (16 * 2 * V = 32 V rows), 4 k-warps,
 // 4 stages. On the H200 (Qwen3-8B draft dims, 80 heads, T 1..16) 4 k-warps were 8-10 % faster than 2 (more loads in
@@ -48,8 +56,9 @@ struct KvWrite {
   const void* norm_weight[kMaxLayers];  // [head_dim], nullptr: no weight
   int norm_fp32[kMaxLayers];            // norm_weight is fp32 (else the element type)
   float eps[kMaxLayers];
-  const float* cos_sin[kMaxLayers];     // [rows][R]: cos in [0, R/2), sin in [R/2, R)
-  int64_t table_stride[kMaxLayers];
+  const float* cos_sin[kMaxLayers];     // a table of the form table_form: rows of R factors, or R/2 frequencies
+  int64_t table_stride[kMaxLayers];     // elements between rows (halves, pairs)
+  int table_form;                       // kHalves, kPairs or kFrequencies
   const void* positions;
   int64_t positions_stride;
   int positions_int64;
@@ -62,7 +71,8 @@ struct KvWrite {
   int width;                            // 32-bit index arithmetic throughout (the binding checks the ranges)
   int64_t slots;
   int64_t position_limit;               // rows of the shortest table of the call: a position outside [0, limit)
-                                        // skips its token in every layer (the CPU op raises for it)
+                                        // skips its token in every layer (the CPU op raises for it); unused for
+                                        // frequencies, whose positions are angles (any value, never wrapped)
   int heads, head_dim, rotary_dim;
   int neox, has_norm, has_rope;
   int wrap_negative;                    // a slot in [-slots, 0) / position in [-limit, 0) counts from the end
@@ -135,10 +145,45 @@ __device__ __forceinline__ float group_sum(float v) {
 // A lane's share of one head: elements e0 = lane * V .. e0 + V - 1 of head_dim, `lane` counted in the head's lanes
 // (lanes with e0 >= head_dim hold none: head_dim may be any multiple of 8 up to V times the head's lanes).
 //
+// Whether positions index table rows (halves, pairs) and so are wrapped and range-checked; frequencies' are angles.
+__device__ __forceinline__ bool positions_are_rows(const KvWrite& kv) {
+  return kv.has_rope && kv.table_form != kFrequencies;
+}
+
+// The token's position as read by the kernels: wrapped (with wrap_negative) where it is a table row.
+__device__ __forceinline__ int64_t token_position(const KvWrite& kv, int64_t t) {
+  const int64_t p = load_index(kv.positions, t * kv.positions_stride, kv.positions_int64);
+  return positions_are_rows(kv) ? wrapped(p, kv.position_limit, kv.wrap_negative) : p;
+}
+
+// Whether RoPE lets the token be written: a row position inside every table (any position for frequencies).
+__device__ __forceinline__ bool position_ok(const KvWrite& kv, int64_t pos) {
+  return !positions_are_rows(kv) || (pos >= 0 && pos < kv.position_limit);
+}
+
+// The factors of pair j: from the position's row (halves, pairs) or from the frequencies and the position.
+__device__ __forceinline__ void rope_factors(int form, const float* row, int half, int j, float pos, float& c,
+                                             float& s) {
+  if (form == kFrequencies) {
+    sincosf(pos * row[j], &s, &c);  // fp32 product, as positions.float() * inv_freq
+  } else if (form == kPairs) {
+    c = row[2 * j];
+    s = row[2 * j + 1];
+  } else {
+    c = row[j];
+    s = row[half + j];
+  }
+}
+
+// A lane's share of one head: elements e0 = lane * V .. e0 + V - 1 of head_dim, `lane` counted in the head's lanes
+// (lanes with e0 >= head_dim hold none: head_dim may be any multiple of 8 up to V times the head's lanes).
+//
 // The cos/sin factors of this lane's elements (1 and 0 past the rotary dim): pair j of element e is e or e - R/2
-// (neox) or e / 2 (GPT-J); `row` holds the token's R table values (global or shared memory).
+// (neox) or e / 2 (GPT-J); `row` holds the token's factors in the form `form` (global or shared memory; for
+// frequencies the R/2 frequencies, `pos` the token's position).
 template <int V>
-__device__ __forceinline__ void load_rope(const KvWrite& kv, const float* row, int e0, float (&c)[V], float (&s)[V]) {
+__device__ __forceinline__ void load_rope(const KvWrite& kv, int form, const float* row, float pos, int e0,
+                                          float (&c)[V], float (&s)[V]) {
   const int half = kv.rotary_dim / 2;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
@@ -147,8 +192,7 @@ __device__ __forceinline__ void load_rope(const KvWrite& kv, const float* row, i
     s[i] = 0.f;
     if (kv.has_rope && e < kv.rotary_dim) {
       const int j = kv.neox ? (e < half ? e : e - half) : e / 2;
-      c[i] = row[j];
-      s[i] = row[half + j];
+      rope_factors(form, row, half, j, pos, c[i], s[i]);
     }
   }
 }
@@ -283,10 +327,7 @@ struct KvWriteEpilogue {
                                              : j + 1;
       pre.loc = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
                         kv.wrap_negative);
-      if (kv.has_rope) {
-        pre.pos = wrapped(load_index(kv.positions, t * kv.positions_stride, kv.positions_int64), kv.position_limit,
-                          kv.wrap_negative);
-      }
+      if (kv.has_rope) pre.pos = token_position(kv, t);
     }
     const void* w = kv.norm_weight[h.layer];
     if (h.kind == 0 && kv.has_norm && w != nullptr && t < kHeadDim) {
@@ -318,13 +359,20 @@ struct KvWriteEpilogue {
     }
     if (t >= kTokens) return;
     const int j = t % kv.width;
-    const bool rope_ok = !kv.has_rope || (pre.pos >= 0 && pre.pos < kv.position_limit);
+    const bool rope_ok = position_ok(kv, pre.pos);
     const bool live = t < args.gemm.tokens && j < pre.commit && pre.loc >= 0 && pre.loc < kv.slots && rope_ok;
     slots[t] = live ? pre.loc : -1;
     if (!live || h.kind != 0 || !kv.has_rope) return;
-    // This token's cos/sin row: 16-byte copies where the row allows, else 4-byte ones.
-    const float* src = kv.cos_sin[h.layer] + pre.pos * kv.table_stride[h.layer];
     float* dst = rows + t * kHeadDim;
+    if (kv.table_form == kFrequencies) {  // the token's factors computed into the row, as halves
+      const int half = kv.rotary_dim / 2;
+      const float pos = static_cast<float>(pre.pos);
+      for (int j = 0; j < half; ++j) rope_factors(kFrequencies, kv.cos_sin[h.layer], half, j, pos, dst[j], dst[half + j]);
+      return;
+    }
+    // This token's cos/sin row (halves or pairs: R consecutive floats): 16-byte copies where the row allows, else
+    // 4-byte ones.
+    const float* src = kv.cos_sin[h.layer] + pre.pos * kv.table_stride[h.layer];
     if (kv.rotary_dim % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
       for (int e = 0; e < kv.rotary_dim; e += 4) copy_async16(reinterpret_cast<uint4*>(dst + e), src + e, true);
     } else {
@@ -365,7 +413,8 @@ struct KvWriteEpilogue {
       }
       float g[V], c[V], sn[V];
       load_weight<float, V>(weight, 1, lane * V, kHeadDim, g);
-      load_rope<V>(kv, table_rows + token * kHeadDim, lane * V, c, sn);
+      load_rope<V>(kv, kv.table_form == kPairs ? kPairs : kHalves, table_rows + token * kHeadDim, 0.f, lane * V, c,
+                   sn);
       __syncwarp();  // every lane has read its sums before the row becomes the scratch row
       emit_head<T, V>(kv, h.kind == 0, kv.eps[h.layer], g, c, sn, v, mine,
                       cache_row<T>(kv, h.kind, h.layer, h.head, slot), lane);
@@ -525,17 +574,17 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
           kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
       slot = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
                      kv.wrap_negative);
-      pos = kv.has_rope ? wrapped(load_index(kv.positions, token * kv.positions_stride, kv.positions_int64),
-                                  kv.position_limit, kv.wrap_negative)
-                        : 0;
-      live = j < commit && slot >= 0 && slot < kv.slots && (!kv.has_rope || (pos >= 0 && pos < kv.position_limit));
+      pos = kv.has_rope ? token_position(kv, token) : 0;
+      live = j < commit && slot >= 0 && slot < kv.slots && position_ok(kv, pos);
     }
     const int layer = w.segment >> 1, kind = w.segment & 1;
     float g[V], c[V], sn[V];
     if (live && kind == 0) {  // K: the norm weight and the cos/sin row load while the unit's copies land
       load_weight<T, V>(kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim, g);
-      load_rope<V>(kv, kv.has_rope ? kv.cos_sin[layer] + pos * kv.table_stride[layer] : nullptr,
-                   kv.has_rope ? e0 : 1 << 30, c, sn);
+      const float* row = !kv.has_rope                     ? nullptr
+                         : kv.table_form == kFrequencies ? kv.cos_sin[layer]
+                                                         : kv.cos_sin[layer] + pos * kv.table_stride[layer];
+      load_rope<V>(kv, kv.table_form, row, static_cast<float>(pos), kv.has_rope ? e0 : 1 << 30, c, sn);
     }
     wait_copies<kHeadStages - 1>();  // this unit's group is complete
     if (live) {
