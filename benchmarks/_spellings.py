@@ -10,7 +10,8 @@ same in every spelling (that of `dspark::multi_linear_kv_write` with the spellin
   (fp32, cast back, then `* weight`); RoPE from an fp32 `cos_sin_cache` by `index_select`, `chunk` halves (neox) in
   fp32, on the key and a dummy query.
 - `hf` (HF transformers): `k_proj` / `v_proj`, the `[1, heads, T, head_dim]` layout; Qwen3-style RMSNorm
-  (`weight * x.to(dtype)`); cos/sin computed from `inv_freq` in the model dtype, `rotate_half` (neox).
+  (`weight * x.to(dtype)`); cos/sin computed per call as HF does (the angles by `inv_freq @ position_ids`, cast to
+  the model dtype), `rotate_half` (neox).
 - `complex` (DeepSeek / Llama reference): `wk` / `wv`, `F.rms_norm`; a complex64 `freqs_cis` table, rotation by a
   complex multiply on `view_as_complex` pairs (GPT-J pairs).
 - `gptj_stack`: one `qkv_proj` linear + `split` (Q unused); hand-written fp32 norm, `* weight` in fp32; cos/sin by
@@ -227,10 +228,17 @@ class HFRotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+        self.attention_scaling = 1.0
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[:, None].float() * self.inv_freq[None, :]
+        """cos/sin `[B, T, head_dim]` of `position_ids [B, T]`: the angles as the outer product `inv_freq @ pos`."""
+        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        position_ids_expanded = position_ids[:, None, :].float()
+        freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -288,8 +296,7 @@ class HFSpelling(_SpellingWriter):
         ]
 
     def layer_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cos, sin = self.rotary_emb(ctx, positions)
-        position_embeddings = (cos[None], sin[None])  # [1, T, head_dim], batch of one
+        position_embeddings = self.rotary_emb(ctx, positions[None])  # [1, T, head_dim] each, batch of one
         return [layer(ctx, position_embeddings) for layer in self.layers]
 
 

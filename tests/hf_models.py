@@ -53,15 +53,22 @@ class HFLayer(nn.Module):
 
 
 class HFStyleDraft(nn.Module):
-    def __init__(self, layers=4, hidden=64, kv_heads=2, head_dim=16, theta=10000.0, rotary_dim=None, **layer_options):
+    """`position_offset`: the angles are taken at `positions + position_offset` (0: at the positions)."""
+
+    def __init__(
+        self, layers=4, hidden=64, kv_heads=2, head_dim=16, theta=10000.0, rotary_dim=None, position_offset=0, **options
+    ):
         super().__init__()
         rotary_dim = rotary_dim or head_dim
+        self.position_offset = position_offset
         self.layers = nn.ModuleList(
-            HFLayer(hidden, kv_heads, head_dim, rotary_dim=rotary_dim, **layer_options) for _ in range(layers)
+            HFLayer(hidden, kv_heads, head_dim, rotary_dim=rotary_dim, **options) for _ in range(layers)
         )
         self.register_buffer("inv_freq", theta ** -(torch.arange(0, rotary_dim, 2).float() / rotary_dim))
 
     def forward(self, x, positions):
+        if self.position_offset:
+            positions = positions + self.position_offset
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -95,3 +95,24 @@ def test_casts_are_left_out_only_where_they_round_nothing_the_op_keeps(dtype):
     plain, fp16, bf16 = _evaluate(casts, (T, H * D), (T, D // 2), (T, D // 2), (D,), dtype=dtype)
     assert not np.any(fp16 == plain)
     assert np.array_equal(bf16, plain) == (dtype == torch.bfloat16)
+
+
+def _angle_spellings(x, inv_freq, positions, w):
+    outer = positions[:, None] * inv_freq[None, :]
+    matmul = (inv_freq[None, :, None].expand(1, -1, 1) @ positions[None, None, :]).transpose(1, 2)[0]
+    projection = x @ w  # an inner dim of H * D: a projection, not expanded
+    return outer.cos(), matmul.cos(), projection
+
+
+def test_small_matmuls_are_sums_of_products_and_projections_stay_leaves():
+    """HF's angles `inv_freq @ positions` (a bmm of inner dim 1) are the outer product's expressions; a matmul of a
+    large inner dim is a leaf of its own."""
+    args = [torch.randn(T, H * D), torch.randn(D // 2), torch.randn(T), torch.randn(H * D, 4)]
+    graph = make_fx(_angle_spellings, tracing_mode="fake")(*args).graph
+    x = next(iter(graph.find_nodes(op="placeholder")))
+    ev = Evaluation(T, torch.float32, {x})
+    (out,) = graph.find_nodes(op="output")
+    outer, matmul, projection = (ev(node).ids for node in out.args[0])
+    assert np.array_equal(outer, matmul)
+    atoms = [ev.alg.single_atom(int(e)) for e in projection.reshape(-1)]
+    assert all(a is not None and a[0] == "leaf" and a[1] is out.args[0][2] for a in atoms)

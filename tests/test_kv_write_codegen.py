@@ -85,11 +85,26 @@ def test_gptj_stack_flatten_rope_draft_compiles_and_matches_eager(dtype, fused_k
     assert "GPT-J RoPE on 16 of 16 dims, tables table at positions" in str(capture.report)
 
 
-def test_hf_cos_sin_rows_and_slice_write_compile_and_match_eager():
-    """HF `emb = cat(freqs, freqs)` cos/sin (bf16): rows sliced, concatenated and cast to fp32 in the graph; the
-    slice write `cache[a:a + T] = k` gets `a + arange(T)`, with `a` static in the first graph, symbolic after."""
+def test_hf_inverse_frequencies_compile_and_match_eager():
+    """HF `emb = cat(freqs, freqs)` cos/sin from `inv_freq` (bf16): the op gets `inv_freq` and the positions and
+    computes cos/sin itself (fp32, where eager rounds them to bf16: within bf16's tolerance)."""
     torch.manual_seed(0)
-    model = HFStyleKVWriter("slice", layers=3).to(torch.bfloat16)
+    model = HFStyleKVWriter("index_put", layers=3).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [
+        (torch.randn(t, 64, generator=gen).to(torch.bfloat16), torch.randint(0, 4096, (t,), generator=gen), loc)
+        for t, loc in ((6, torch.arange(6)), (11, torch.randperm(64, generator=gen)[:11]))
+    ]
+    capture = _compile_and_compare(model, torch.bfloat16, inputs)
+    assert "inverse frequencies inv_freq (cos/sin computed in the op) at positions" in str(capture.report)
+
+
+def test_hf_cos_sin_rows_and_slice_write_compile_and_match_eager():
+    """HF `emb = cat(freqs, freqs)` cos/sin (bf16) at shifted positions: rows sliced, concatenated and cast to fp32
+    in the graph; the slice write `cache[a:a + T] = k` gets `a + arange(T)`, with `a` static in the first graph,
+    symbolic after."""
+    torch.manual_seed(0)
+    model = HFStyleKVWriter("slice", layers=3, position_offset=2).to(torch.bfloat16)
     for cache in model.caches():
         cache.normal_()
     gen = torch.Generator().manual_seed(3)

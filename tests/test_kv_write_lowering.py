@@ -16,12 +16,14 @@ from helpers import draft_inputs, eager_and_compiled, small_config
 from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
 
 import custom_ops
+from custom_ops.linear.multi_linear_kv_write import rotary_dim
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
 from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
 
 ALWAYS = DsparkConfig(kv_write_op="always")
+prims = torch.ops.prims
 OP = "dspark.multi_linear_kv_write"
 GONE = (
     "aten.mm",
@@ -112,14 +114,31 @@ def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("write", HF_WRITES)
 def test_hf_style_writers_become_one_op(write, dtype):
-    """HF cos/sin [T, head_dim] (duplicated halves, model dtype): the op gets [T, R] fp32 rows built in the graph."""
+    """HF cos/sin [T, head_dim] computed per call from `inv_freq` and the positions (duplicated halves, model
+    dtype): the op gets the `inv_freq` buffer and the positions themselves (its frequencies form)."""
     capture = _hf_run(HFStyleKVWriter(write), dtype)
+    _assert_lowered(capture, 4)
+    args = _op_node(capture.after[-1]).args
+    (table,) = set(args[9])
+    if dtype == torch.bfloat16:  # the module's .to(bf16) made inv_freq bf16: cast to fp32 for the op
+        assert table.target is prims.convert_element_type.default
+        table = table.args[0]
+    assert table.op == "placeholder"
+    assert tuple(table.meta["val"].shape) == (8,), "inv_freq [R/2]"
+    assert args[10].op == "placeholder" and args[10].meta["val"].dtype == torch.int64, "the positions input"
+    assert "inverse frequencies inv_freq (cos/sin computed in the op) at positions" in str(capture.report)
+
+
+def test_hf_angles_at_shifted_positions_get_rows_built_in_the_graph():
+    """Angles at `positions + 3`: no tensor holds the op's positions, so the op gets the model's cos/sin as `[T, R]`
+    fp32 rows built in the graph, read at arange(T)."""
+    capture = _hf_run(HFStyleKVWriter("index_put", position_offset=3), torch.bfloat16)
     _assert_lowered(capture, 4)
     args = _op_node(capture.after[-1]).args
     (table,) = set(args[9])
     assert table.op != "placeholder" and table.meta["val"].dtype == torch.float32
     assert table.meta["val"].shape[1] == 16
-    assert op_counts(capture.after[-1])["prims.iota"] >= 1  # positions = arange(T)
+    assert args[10].target is prims.iota.default  # positions = arange(T)
     assert "built in the graph from the model's per-token cos/sin" in str(capture.report)
 
 
@@ -135,7 +154,7 @@ def test_hf_style_norm_and_rope_variants_map_onto_op_arguments(options):
     norm = options.get("norm", "weight")
     assert args[7] == [None] * 4 if norm != "weight" else all(w is not None for w in args[7])
     assert args[8] == ([] if norm is None else [options.get("eps", 1e-6)] * 4)
-    assert args[9][0].meta["val"].shape[1] == options.get("rotary_dim", 16)
+    assert rotary_dim(args[9][0].meta["val"]) == options.get("rotary_dim", 16)
 
 
 def test_writes_without_norm_or_rope_lower_too():

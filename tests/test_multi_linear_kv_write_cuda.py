@@ -187,6 +187,8 @@ LAYOUTS = {
     "norm without weight": dict(norm="no-weight"),
     "no norm": dict(norm="off"),
     "no rope": dict(rot=None),
+    "pairs tables (a complex table's real view)": dict(table_form="pairs"),
+    "inverse frequencies, int32 positions": dict(table_form="frequencies", pos_dtype=torch.int32),
     "one layer": dict(layers=1),
     "head_dim 256": dict(heads=2, head_dim=256, rot=64),
     "head_dim 8": dict(heads=4, head_dim=8, rot=8),

@@ -15,11 +15,11 @@ An expression is a polynomial over atoms with float coefficients, interned in an
   proof through it fails and the report names it.
 
 Every op with a rule is one entry of `_RULES`: views, permutes, slices, cats, stacks, splits, selects, expands and
-complex views are index maps on the id arrays (numpy does them); sums, products, powers, means, casts and the
-functions act on the expressions. Complex tensors are their real view (a trailing dim of 2), and a complex product
-expands into its real and imaginary parts. So `split`/`chunk`/`unbind` and slices, `stack` and `cat`, `transpose`
-and `permute`, `view_as_complex(x) * freqs_cis` and its real-pair form, `x / sqrt(m)` and `x * rsqrt(m)`,
-`sum / d` and `mean` all give the same expressions: one proof serves every spelling.
+complex views are index maps on the id arrays (numpy does them); sums, products, powers, means, casts, the functions and
+matrix products of a small inner dim act on the expressions. Complex tensors are their real view (a trailing dim of 2),
+and a complex product expands into its real and imaginary parts. So `split`/`chunk`/`unbind` and slices, `stack` and
+`cat`, `transpose` and `permute`, `view_as_complex(x) * freqs_cis` and its real-pair form, `x / sqrt(m)` and `x *
+rsqrt(m)`, `sum / d` and `mean` all give the same expressions: one proof serves every spelling.
 """
 
 from __future__ import annotations
@@ -579,6 +579,27 @@ def _reduce(ev: Evaluation, node: fx.Node) -> Sym | None:
     return Sym(out)
 
 
+MAX_INNER = 4  # the inner dim of an `mm` / `bmm` the evaluation expands, at most
+
+
+def _matmul(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`mm` / `bmm` with a small inner dim, as sums of products (HF computes its RoPE angles as the outer product
+    `inv_freq @ positions`, an inner dim of 1); a larger one (a projection) stays a leaf."""
+    a, b = ev.arg(node, 0), ev.arg(node, 1)
+    if a.complex or b.complex or a.ids.shape[-1] > MAX_INNER:
+        return None
+    alg = ev.alg
+    batch, (rows, inner), cols = a.ids.shape[:-2], a.ids.shape[-2:], b.ids.shape[-1]
+    out = np.empty((*batch, rows, cols), dtype=np.int64)
+    for index in np.ndindex(out.shape):
+        *at, i, j = index
+        total = alg.zero
+        for k in range(inner):
+            total = alg.add(total, alg.mul(int(a.ids[(*at, i, k)]), int(b.ids[(*at, k, j)])))
+        out[index] = total
+    return Sym(out)
+
+
 def _cast(ev: Evaluation, node: fx.Node) -> Sym | None:
     x = ev.arg(node, 0)
     src = tensor_val(node.args[0])
@@ -646,6 +667,8 @@ _RULES: dict[Any, Callable[[Evaluation, fx.Node], Any]] = {
     aten.pow.Tensor_Scalar: _power_rule,
     **dict.fromkeys(_POWERS, _power_rule),
     **dict.fromkeys(_FUNCTIONS, _function),
+    aten.mm.default: _matmul,
+    aten.bmm.default: _matmul,
     aten.mean.dim: _reduce,
     aten.sum.dim_IntList: _reduce,
     prims.convert_element_type.default: _cast,

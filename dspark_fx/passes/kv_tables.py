@@ -1,15 +1,21 @@
-"""The op's cos/sin table operands for a proven rotation: the model's table as it is, or rows built in the graph.
+"""The op's cos/sin table operands for a proven rotation: the model's own table or frequencies, or rows built in the
+graph.
 
-`kv_spec` gives, per layer, the per-token cos and sin expressions `[tokens, R/2]` the op's table rows must hold.
+`kv_spec` gives, per layer, the per-token cos and sin expressions `[tokens, R/2]` the op's factors must be.
 
-- Direct: every cos element is element `i` and every sin element element `R/2 + i` of row `index[t]` of one fp32
-  `[P, R]` placeholder read by `table[index]` (`index_select`, `embedding`), with one 1-D `index` for all layers:
-  the op gets the tables and `index` as they are (the op's layout: `[cos | sin]` halves).
+- Direct (`direct_table`): the op reads what the model holds, in one of its table forms (`custom_ops.linear.
+  multi_linear_kv_write`), at one 1-D `index` / `positions` for all layers:
+  - halves: every cos element is element `i` and every sin element element `R/2 + i` of row `index[t]` of one fp32
+    `[P, R]` placeholder read by `table[index]` (`index_select`, `embedding`);
+  - pairs: elements `2i` and `2i + 1` of such a row of a complex `[P, R/2]` table (`freqs_cis[pos]`; the op gets
+    its real view) or an fp32 `[P, R/2, 2]` one;
+  - frequencies: `cos(float(p_t) * f_i)` and `sin(...)` of `R/2` frequencies `f` (fp32, or bf16 / fp16 cast to
+    fp32 for the op) and one int tensor of T positions (`positions.float() * inv_freq`, or HF's `inv_freq @
+    positions` matmul): the op computes them per token.
 - Built: otherwise both halves are found in values the graph computes (`locate`: a node whose elements, along its
   token dim from row 0 and along one other dim with a constant step, are those expressions; the other dims fixed):
-  the op gets `cat(cos rows, sin rows)` in fp32, `[T, R]`, read at `arange(T)`. Whatever the graph computed
-  (gathered from any table, computed from `inv_freq` and the positions, a complex table's real and imaginary
-  parts, cast to the model dtype) is what the op reads.
+  the op gets `cat(cos rows, sin rows)` in fp32, `[T, R]`, read at `arange(T)`. Whatever the graph computed is what
+  the op reads, one more kernel before it.
 """
 
 from __future__ import annotations
@@ -28,15 +34,49 @@ from dspark_fx.passes.kv_symbolic import Evaluation, Sym
 prims = torch.ops.prims
 
 
-def direct_table(ev: Evaluation, cos: np.ndarray, sin: np.ndarray) -> tuple[fx.Node, fx.Node] | None:
-    """`(table, index)` if the rows are `table[index]` in the op's layout, else None."""
-    alg = ev.alg
+@dataclass(frozen=True)
+class Direct:
+    """The model's own `source` table (form `form`) read at the 1-D positions `index` (for frequencies: a tensor of T
+    positions in any shape)."""
+
+    source: fx.Node
+    index: fx.Node
+    form: str
+
+    def emit(self, graph: fx.Graph) -> tuple[fx.Node, fx.Node]:
+        """(the op's table operand, its positions operand), views inserted at the current insert point."""
+        table, index = self.source, self.index
+        if tensor_val(table).is_complex():
+            table = call(graph, aten.view_as_real.default, (table,))
+        elif self.form == "frequencies":
+            if tensor_val(table).dim() != 1:
+                table = call(graph, aten.view.default, (table, [-1]))
+            if tensor_val(table).dtype != torch.float32:  # bf16 / fp16 frequencies: fp32 holds them exactly
+                table = call(graph, prims.convert_element_type.default, (table, torch.float32))
+        if tensor_val(index).dim() != 1:
+            index = call(graph, aten.view.default, (index, [-1]))
+        return table, index
+
+
+def direct_table(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, tokens: Any) -> Direct | None:
+    """The model's table or frequencies holding the rows in an op form, else None (`tokens`: the graph's T)."""
     half = cos.shape[1]
+    for form, columns in (("halves", lambda i: (i, half + i)), ("pairs", lambda i: (2 * i, 2 * i + 1))):
+        found = _gathered(ev, cos, sin, columns)
+        if found is not None and _table_holds(found[0], form, half) and _is_1d_index(found[1]):
+            return Direct(found[0], found[1], form)
+    return _frequencies(ev, cos, sin, tokens)
+
+
+def _gathered(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, columns: Any) -> tuple[fx.Node, fx.Node] | None:
+    """`(table, index)` if, for every token, cos/sin element i are the elements `columns(i)` of one gathered row of
+    one table, read at one index node."""
+    alg = ev.alg
     found: set[tuple[fx.Node, fx.Node]] = set()
     for t in range(cos.shape[0]):
         rows = set()
-        for i in range(half):
-            for e, col in ((cos[t, i], i), (sin[t, i], half + i)):
+        for i in range(cos.shape[1]):
+            for e, col in zip((cos[t, i], sin[t, i]), columns(i), strict=True):
                 atom = alg.single_atom(int(e))
                 if atom is None or atom[0] != "gather" or atom[3] != col:
                     return None
@@ -44,15 +84,75 @@ def direct_table(ev: Evaluation, cos: np.ndarray, sin: np.ndarray) -> tuple[fx.N
                 found.add((atom[1], ev.gathers[alg.atom_id(atom)]))
         if len(rows) != 1:
             return None
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def _table_holds(table: fx.Node, form: str, half: int) -> bool:
+    val = tensor_val(table)
+    if table.op not in ("placeholder", "get_attr") or val is None:
+        return False
+    if form == "halves":
+        return val.dtype == torch.float32 and val.dim() == 2 and same_shape(val.shape[1:], (2 * half,))
+    if val.dtype == torch.complex64:
+        return val.dim() == 2 and same_shape(val.shape[1:], (half,))
+    return val.dtype == torch.float32 and val.dim() == 3 and same_shape(val.shape[1:], (half, 2))
+
+
+def _is_1d_index(index: fx.Node) -> bool:
+    val = tensor_val(index)
+    return val is not None and val.dim() == 1
+
+
+def _frequencies(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, tokens: Any) -> Direct | None:
+    """Every cos/sin element `cos` / `sin` of `cast_fp32(p[t]) * f[i]`: one int node `p` holding the T positions
+    (element t, any shape), one fp32 node `f` of R/2 elements (element i)."""
+    alg = ev.alg
+    half = cos.shape[1]
+    found: set[tuple[fx.Node, fx.Node]] = set()
+    for t in range(cos.shape[0]):
+        for i in range(half):
+            angle = None
+            for e, name in ((cos[t, i], "cos"), (sin[t, i], "sin")):
+                atom = alg.single_atom(int(e))
+                if atom is None or atom[0] != "fn" or atom[1] != name or angle not in (None, atom[2]):
+                    return None
+                angle = atom[2]
+            parts = _angle_parts(ev, angle)
+            if parts is None:
+                return None
+            (pos, pos_flat), (freq, freq_flat) = parts
+            if pos_flat != t or freq_flat != i:
+                return None
+            found.add((freq, pos))
     if len(found) != 1:
         return None
-    ((table, index),) = found
-    table_val, index_val = tensor_val(table), tensor_val(index)
-    if table.op not in ("placeholder", "get_attr") or table_val.dim() != 2 or table_val.dtype != torch.float32:
+    ((freq, pos),) = found
+    freq_val, pos_val = tensor_val(freq), tensor_val(pos)
+    if freq_val.dtype not in _FREQUENCY_DTYPES or not same_shape((freq_val.numel(),), (half,)):
         return None
-    if table_val.shape[1] != 2 * half or index_val is None or index_val.dim() != 1:
+    if pos_val.dtype not in (torch.int32, torch.int64) or not same_shape((pos_val.numel(),), (tokens,)):
         return None
-    return table, index
+    return Direct(freq, pos, "frequencies")
+
+
+_FREQUENCY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what an fp32 angle product reads exactly
+
+
+def _angle_parts(ev: Evaluation, angle: int) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]] | None:
+    """`((p, t), (f, i))` if `angle` is `1.0 * cast_fp32(p[t]) * f[i]` (leaves of an int and a float node)."""
+    alg = ev.alg
+    poly = alg.polys[angle]
+    if len(poly) != 1 or poly[0][1] != 1.0 or len(poly[0][0]) != 2:
+        return None
+    atoms = [alg.atoms[a] for a, k in poly[0][0] if k == 1.0]
+    casts = [a for a in atoms if a[0] == "cast" and a[1] == str(torch.float32)]
+    leaves = [a for a in atoms if a[0] == "leaf"]
+    if len(casts) != 1 or len(leaves) != 1:
+        return None
+    inner = alg.single_atom(casts[0][2])
+    if inner is None or inner[0] != "leaf":
+        return None
+    return (inner[1], inner[2]), (leaves[0][1], leaves[0][2])
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ from dspark_fx.passes.branch_regions import descendants
 from dspark_fx.passes.graph_utils import aten, call, fake_mode_of, is_pure, op_name, source_line, tensor_val
 from dspark_fx.passes.kv_spec import Norm, NotTheFormula, Rope, Written, normed_size, read_written
 from dspark_fx.passes.kv_symbolic import Evaluation, Unevaluable
-from dspark_fx.passes.kv_tables import built_table, direct_table, locate
+from dspark_fx.passes.kv_tables import Direct, built_table, direct_table, locate
 from dspark_fx.passes.kv_write_check import STATIC_AS_IS, self_check
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import KVKept, KVKeptReason, KVWriteReport
@@ -664,12 +664,18 @@ def _check_device(config: DsparkConfig, x_val: torch.Tensor, heads: int, head_di
 def _tables(graph: fx.Graph, group: _Group, ks: list[_Write], names: Namer) -> tuple[list[fx.Node], fx.Node, str]:
     """(per-layer cos/sin tables, positions, description) for the op (`kv_tables`)."""
     ev = group.ev
-    direct = [direct_table(ev, w.rope.cos, w.rope.sin) for w in ks]
-    if all(d is not None for d in direct):
-        tables, indices = zip(*direct, strict=True)
-        if len(set(indices)) == 1 and len({str(tensor_val(t).shape[0]) for t in tables}) == 1:  # no guard
-            return list(tables), indices[0], "tables {} at " + names.of(indices[0])
     tokens = tensor_val(group.activation).shape[0]
+    direct = [direct_table(ev, w.rope.cos, w.rope.sin, tokens) for w in ks]
+    if all(d is not None for d in direct) and _one_reading(direct):
+        emitted = {d: d.emit(graph) for d in dict.fromkeys(direct)}
+        sources = ", ".join(dict.fromkeys(names.of(d.source) for d in direct))
+        what = {"halves": "tables", "pairs": "cos/sin pair tables"}.get(direct[0].form, "inverse frequencies")
+        computed = " (cos/sin computed in the op)" if direct[0].form == "frequencies" else ""
+        return (
+            [emitted[d][0] for d in direct],
+            emitted[direct[0]][1],
+            f"{what} {sources}{computed} at {names.of(direct[0].index)}",
+        )
     built: dict[tuple[bytes, bytes], fx.Node] = {}
     tables = []
     for i, w in enumerate(ks):
@@ -688,6 +694,13 @@ def _tables(graph: fx.Graph, group: _Group, ks: list[_Write], names: Namer) -> t
         tables.append(built[key])
     positions = _arange_tokens(graph, group.activation)
     return tables, positions, "fp32 [T, R] rows built in the graph from the model's per-token cos/sin, at arange(T)"
+
+
+def _one_reading(direct: list[Direct]) -> bool:
+    """Every layer's table read in one form at one index, and (rows) the tables' rows the same size: no guard."""
+    if len({(d.form, d.index) for d in direct}) != 1:
+        return False
+    return direct[0].form == "frequencies" or len({str(tensor_val(d.source).shape[0]) for d in direct}) == 1
 
 
 def _arange_tokens(graph: fx.Graph, x: fx.Node, start: Any = 0) -> fx.Node:
@@ -746,11 +759,7 @@ def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tup
             write = f"slice [{_sym(start, names)}:{_sym(stop, names)}] (cache_loc = {_sym(start, names)} + arange(T))"
         if plan.rope is not None:
             tables, positions, where = _tables(graph, group, ks, names)
-            names_of_tables = ", ".join(dict.fromkeys(names.of(t) for t in tables))
-            rope = (
-                f"{'neox' if plan.rope.neox else 'GPT-J'} RoPE on {plan.rope.rot} of {plan.head_dim} dims, "
-                + where.format(names_of_tables)
-            )
+            rope = f"{'neox' if plan.rope.neox else 'GPT-J'} RoPE on {plan.rope.rot} of {plan.head_dim} dims, {where}"
         else:
             flat_loc = loc if kind != "commit" else call(graph, aten.reshape.default, (loc, [-1]))
             tables, positions, rope = [], flat_loc, "no RoPE"

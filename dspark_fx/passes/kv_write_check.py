@@ -34,7 +34,7 @@ from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
-from custom_ops.linear.multi_linear_kv_write import layer_kv
+from custom_ops.linear.multi_linear_kv_write import layer_kv, rope_rows
 from dspark_fx.passes.graph_utils import aten, is_pure, tensor_val
 
 MAX_ELEMENTS = 1 << 22  # fp64 elements of the random inputs plus the written values, summed
@@ -98,14 +98,14 @@ def _check(op: fx.Node, layers: list[tuple[fx.Node, fx.Node]], activation: fx.No
         return f"the numeric self-check cannot run: {err}"
     (_, kw, ks, kb, vw, vs, vb, norm_w, eps, tables, positions, neox, *_, heads, head_dim, _) = op.args
     x = env[activation]
-    pos = env[positions].long() if tables else None
+    pos = env[positions] if tables else None
     for i, (k_node, v_node) in enumerate(layers):
         k, v = layer_kv(
             x,
             (env[kw[i]], ks[i], _opt(env, kb[i])),
             (env[vw[i]], vs[i], _opt(env, vb[i])),
             (_opt(env, norm_w[i]), eps[i]) if eps else None,
-            env[tables[i]][pos] if tables else None,
+            rope_rows(env[tables[i]], pos) if tables else None,
             neox,
             heads,
             head_dim,
