@@ -113,6 +113,46 @@ def test_every_spelling_compiles_through_inductor_codegen(name):
             assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
 
 
+def test_never_lowered_batched_rope_leaves_in_the_cache_dtype():
+    """Not lowered (`kv_write_op="never"`), the reference spelling's batched norm/RoPE ends in fp32 halves cast to
+    bf16 for the cache writes: the pass emits the cast halves' `cat`, so the batched value the writes read is bf16
+    (Inductor stores it once, instead of fp32 rows each write casts); the generated code leaves eager's caches."""
+    from dspark_fx import make_backend
+
+    torch._dynamo.reset()
+    eager = _build("reference", torch.bfloat16)
+    capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
+    with torch.no_grad():
+        torch.compile(copy.deepcopy(eager), backend=capture)(*_inputs(7, torch.bfloat16, 0))
+    graph = capture.after[0]
+    writes = [n for n in graph.nodes if n.target is torch.ops.aten.index_put.default]
+    assert writes and op_counts(graph)["dspark.multi_linear"] == 1, str(capture.report)
+    read = set()
+    for write in writes:
+        value = write.args[2]
+        while value.target is not torch.ops.aten.select.int:  # the per-branch views of the batched value
+            value = value.args[0]
+        read.add(value.args[0])
+    def below_views(value):
+        while value.target in (torch.ops.aten.clone.default, torch.ops.aten.view.default):
+            value = value.args[0]
+        return value
+
+    sources = [below_views(v) for v in read]
+    cats = [v for v in sources if v.target is torch.ops.aten.cat.default]
+    assert cats, [v.format_node() for v in sources]  # K: the RoPE halves' cat (V: the GEMM block)
+    assert all(v.meta["val"].dtype == torch.bfloat16 for v in cats), "the batched halves are cast before their cat"
+    torch._dynamo.reset()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend=make_backend({"kv_write_op": "never"}))
+    with torch.no_grad():
+        for seed, tokens in enumerate((1, 9)):
+            inputs = _inputs(tokens, torch.bfloat16, seed)
+            eager(*inputs)
+            compiled(*inputs)
+            assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", spellings.SPELLINGS)
 def test_every_spelling_lowers_on_cuda_with_auto(name):

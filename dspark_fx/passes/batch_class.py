@@ -11,6 +11,9 @@ After:
     k  = reshape(kv, [2, -1, h, d]);  n = mul(k, unsqueeze(unsqueeze(cat([w_0[None], w_1[None]]), 1), 1))
     consumers of n_0 read select(n, 0, 0); consumers of n_1 read select(n, 0, 1)
 
+A batched value that leaves as a narrowing cast of a `cat` (fp32 RoPE halves cast to bf16 for the cache writes) is
+emitted as the `cat` of the cast halves: the same values, and the batched kernel stores bf16 rows, not fp32 ones.
+
 The per-branch values are strided slices of batched ones (the fusion turns the views below them into reshapes);
 a value read through `as_strided` depends on its storage layout and is never batched. An op that no rule can
 batch stays per branch with every op after it (the class batches the ops before it, the report says why).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -30,6 +34,8 @@ from dspark_fx.passes.branch_regions import Region
 from dspark_fx.passes.gemm_branches import FusedGemm
 from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
 from dspark_fx.report import ClassReport
+
+prims = torch.ops.prims
 
 
 @dataclass
@@ -103,6 +109,8 @@ def _emit(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchC
                 except BatchError as err:
                     err.node = err.node or node
                     raise
+            for e in exits:
+                batched[e.node] = _narrowed_before_cat(graph, batched[e.node])
             views = [call(graph, aten.select.int, (batched[e.node], 0, e.member)) for e in exits]
     except Exception:
         for node in reversed(list(graph.nodes)):
@@ -117,6 +125,36 @@ def _emit(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchC
             if not node.users:
                 graph.erase_node(node)
     return [op_name(n) for n in nodes]
+
+
+_PASS_THROUGH = (aten.clone.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _narrowed_before_cat(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """`node`, or for a narrowing cast of a `cat` (through clones and views) read by nothing else, the `cat` of the
+    cast parts, viewed as before (the same values). The batched value leaves for per-branch writes: Inductor inlines
+    the cheap cast into each writer and stores the value before it, so casting before the `cat` halves what the
+    batched kernel stores and the writers read (bf16 instead of fp32 rows)."""
+    if node.target is not prims.convert_element_type.default or node.users:
+        return node
+    chain, source = [], node.args[0]
+    while source.target in _PASS_THROUGH and len(source.users) == 1 and not source.kwargs:
+        chain.append(source)
+        source = source.args[0]
+    dtype = node.args[1]
+    if source.target is not aten.cat.default or len(source.users) != 1:
+        return node
+    if tensor_val(source).dtype.itemsize <= dtype.itemsize:
+        return node
+    parts, dim = source.args[0], source.args[1] if len(source.args) > 1 else 0
+    out = call(
+        graph, aten.cat.default, ([call(graph, prims.convert_element_type.default, (p, dtype)) for p in parts], dim)
+    )
+    for op in reversed(chain):
+        out = call(graph, op.target, (out, *op.args[1:]))
+    for dead in (node, *chain, source):
+        graph.erase_node(dead)
+    return out
 
 
 def _operands(node: fx.Node, member_nodes: list[fx.Node], ref: Region, batched: dict) -> tuple[tuple, dict]:

@@ -357,19 +357,24 @@ struct KvWriteEpilogue {
       }
       weight[t] = w;
     }
+    if (kv.has_rope && kv.table_form == kFrequencies && h.kind == 0) {
+      // Every token's factors (a skipped token's row is never read), one (token, pair) per thread of the CTA.
+      const int half = kv.rotary_dim / 2;
+      const int tokens = args.gemm.tokens < kTokens ? args.gemm.tokens : kTokens;
+      for (int i = t; i < tokens * half; i += static_cast<int>(blockDim.x)) {
+        const int u = i / half, pair = i - u * half;
+        float* row = rows + u * kHeadDim;
+        rope_factors(kFrequencies, kv.cos_sin[h.layer], half, pair, static_cast<float>(token_position(kv, u)),
+                     row[pair], row[half + pair]);
+      }
+    }
     if (t >= kTokens) return;
     const int j = t % kv.width;
     const bool rope_ok = position_ok(kv, pre.pos);
     const bool live = t < args.gemm.tokens && j < pre.commit && pre.loc >= 0 && pre.loc < kv.slots && rope_ok;
     slots[t] = live ? pre.loc : -1;
-    if (!live || h.kind != 0 || !kv.has_rope) return;
+    if (!live || h.kind != 0 || !kv.has_rope || kv.table_form == kFrequencies) return;
     float* dst = rows + t * kHeadDim;
-    if (kv.table_form == kFrequencies) {  // the token's factors computed into the row, as halves
-      const int half = kv.rotary_dim / 2;
-      const float pos = static_cast<float>(pre.pos);
-      for (int j = 0; j < half; ++j) rope_factors(kFrequencies, kv.cos_sin[h.layer], half, j, pos, dst[j], dst[half + j]);
-      return;
-    }
     // This token's cos/sin row (halves or pairs: R consecutive floats): 16-byte copies where the row allows, else
     // 4-byte ones.
     const float* src = kv.cos_sin[h.layer] + pre.pos * kv.table_stride[h.layer];
@@ -565,6 +570,9 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
   bool live = false;  // the current token is written (committed, its slot and position in range)
   int64_t slot = 0, pos = 0;
   int stage = 0;
+  float c[V] = {}, sn[V] = {};  // the cos/sin factors of token rope_token in table rope_table (every K unit of it)
+  int rope_token = -1;
+  const float* rope_table = nullptr;
   for (int u = begin; u < end; ++u, at.next(segments, groups)) {
     const HeadsUnit w = at.unit(per_unit, kv.heads);
     if (w.token != token) {
@@ -578,13 +586,16 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
       live = j < commit && slot >= 0 && slot < kv.slots && position_ok(kv, pos);
     }
     const int layer = w.segment >> 1, kind = w.segment & 1;
-    float g[V], c[V], sn[V];
-    if (live && kind == 0) {  // K: the norm weight and the cos/sin row load while the unit's copies land
+    float g[V];
+    if (live && kind == 0) {  // K: the norm weight and the cos/sin factors load while the unit's copies land
       load_weight<T, V>(kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim, g);
-      const float* row = !kv.has_rope                     ? nullptr
-                         : kv.table_form == kFrequencies ? kv.cos_sin[layer]
-                                                         : kv.cos_sin[layer] + pos * kv.table_stride[layer];
-      load_rope<V>(kv, kv.table_form, row, static_cast<float>(pos), kv.has_rope ? e0 : 1 << 30, c, sn);
+      const float* table = kv.has_rope ? kv.cos_sin[layer] : nullptr;
+      if (token != rope_token || table != rope_table) {  // layers sharing a table share the token's factors
+        rope_token = token;
+        rope_table = table;
+        const float* row = !kv.has_rope || kv.table_form == kFrequencies ? table : table + pos * kv.table_stride[layer];
+        load_rope<V>(kv, kv.table_form, row, static_cast<float>(pos), kv.has_rope ? e0 : 1 << 30, c, sn);
+      }
     }
     wait_copies<kHeadStages - 1>();  // this unit's group is complete
     if (live) {
