@@ -60,6 +60,6 @@ def test_two_ranks_fuse_lower_and_match_the_unsharded_draft(tmp_path):
     _check_ranks(summaries, 2, KINDS, explained=True)
 
 
-def test_four_ranks_hand_sharded(tmp_path):
-    summaries = spawn(4, tmp_path, ("hand",), explain_too=False)
-    _check_ranks(summaries, 4, ("hand",), explained=False)
+def test_four_ranks_one_kv_head_each(tmp_path):
+    summaries = spawn(4, tmp_path, KINDS, explain_too=False)
+    _check_ranks(summaries, 4, KINDS, explained=False)

@@ -28,6 +28,15 @@ from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_co
 CFG = TPDraftConfig()
 KINDS = ("dtensor", "hand")
 COLLECTIVES = "_c10d_functional."
+PRELOAD = [
+    "dspark_fx.testing",
+    "dspark_fx.reference_tp_draft",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed._functional_collectives",
+    "torch._dynamo.convert_frame",
+    "torch._functorch.aot_autograd",
+    "torch._inductor.decomposition",
+]
 
 
 def spawn(world_size: int, out: Path, kinds: tuple[str, ...], explain_too: bool) -> dict[int, dict[str, Any]]:
@@ -35,8 +44,9 @@ def spawn(world_size: int, out: Path, kinds: tuple[str, ...], explain_too: bool)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # the ranks fork from one server process that imported this module (and torch, dspark_fx) once
-    multiprocessing.set_forkserver_preload([__name__])
+    # the ranks fork from one server process that imported torch, its compiler and dspark_fx once (this module is
+    # not on the server's path: it imports what this module imports)
+    multiprocessing.set_forkserver_preload(PRELOAD)
     args = (world_size, port, str(out), kinds, explain_too)
     mp.start_processes(_entry, args=args, nprocs=world_size, start_method="forkserver")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)}
