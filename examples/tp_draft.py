@@ -76,7 +76,9 @@ def _run(kind: str, cfg: TPDraftConfig, args: argparse.Namespace, rank: int, wor
     counters.clear()
     full = TPDraft(cfg, device=device)
     model = _sharded(kind, full, rank, world, device)
-    backend = dspark_fx.make_backend({"kv_write_op": args.kv_write_op})
+    graphs: list[tuple[list[str], list[str]]] = []  # the collectives before and after the pass, per compile
+    observe = lambda before, after, _report: graphs.append((_collectives(before), _collectives(after)))
+    backend = dspark_fx.make_backend({"kv_write_op": args.kv_write_op}, observer=observe)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     heads, tol = rank_heads(cfg, rank, world), TOLERANCES[cfg.dtype]
     worst = 0.0
@@ -91,10 +93,21 @@ def _run(kind: str, cfg: TPDraftConfig, args: argparse.Namespace, rank: int, wor
                 worst = max(worst, (got.float() - want.float()).abs().max().item())
             if step == 0:
                 _update_weights(kind, full, model)
+    if not graphs:  # served from Inductor's cache: the pass did not run in this process
+        order = "collectives not seen"
+    elif all(after == before for before, after in graphs):
+        order = f"{sum('all_reduce.' in c for c in graphs[0][0])} all-reduces kept in order"
+    else:
+        order = "the pass CHANGED the collectives"
     return (
-        f"[rank {rank}] {kind:7s} {_what_fused(dict(counters))}; parity (K/V heads {heads.start}:{heads.stop}): "
-        f"OK, max abs diff {worst:.1e}"
+        f"[rank {rank}] {kind:7s} {_what_fused(dict(counters))}; {order}; parity (K/V heads "
+        f"{heads.start}:{heads.stop}): OK, max abs diff {worst:.1e}"
     )
+
+
+def _collectives(graph: torch.fx.Graph) -> list[str]:
+    """The graph's collective nodes in order (`_c10d_functional` ops: all_reduce, wait_tensor), by name and op."""
+    return [f"{n.name}: {n.target}" for n in graph.nodes if "_c10d_functional" in str(n.target)]
 
 
 def main() -> None:

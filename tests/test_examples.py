@@ -26,7 +26,8 @@ def test_demo_prints_a_short_summary_and_labels_its_timings_truthfully():
 @pytest.mark.slow
 def test_tp_example_runs_under_torchrun_on_two_cpu_ranks():
     """`torchrun --nproc-per-node 2 examples/tp_draft.py` on CPU (gloo, Inductor): one line per rank and kind,
-    both lowering the K/V writes of the rank's heads and matching the unsharded draft."""
+    both lowering the K/V writes of the rank's heads, keeping the collectives in order in Inductor's post-grad graph
+    and matching the unsharded draft."""
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     run += [str(ROOT / "examples" / "tp_draft.py"), "--kv-write-op", "always"]
     env = {
@@ -42,5 +43,5 @@ def test_tp_example_runs_under_torchrun_on_two_cpu_ranks():
     assert len(lines) == len(expected), out
     for line, (rank, kind) in zip(lines, expected, strict=True):
         assert line.startswith(f"[rank {rank}] {kind}") and fused[kind] in line, out
-        assert "K/V writes -> 1 multi_linear_kv_write;" in line, out
+        assert "K/V writes -> 1 multi_linear_kv_write; 4 all-reduces kept in order;" in line, out
         assert f"parity (K/V heads {4 * rank}:{4 * rank + 4}): OK" in line, out
