@@ -71,13 +71,13 @@ class DsparkBackend:
         options = dict(options or {})
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         manager = DsparkPassManager(self.config, user_pass=user_pass, observer=self.observer)
-        manager.input_names = input_names(gm, example_inputs)
+        manager.input_names = _input_names(gm, example_inputs)
         if self.inner == "aot_eager":
             return _aot_eager(gm, example_inputs, manager)
         return _inductor(gm, example_inputs, manager, mode, options)
 
 
-def input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+def _input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
     """Dynamo's input names, one per input of the graph AOTAutograd makes: that graph takes a tensor subclass (a
     DTensor parameter of a tensor-parallel model) as its inner values (`__tensor_flatten__`, recursively, in order).
     A subclass holding one inner tensor (a DTensor's local shard) gives it its own name; other inner values are
