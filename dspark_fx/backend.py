@@ -71,10 +71,32 @@ class DsparkBackend:
         options = dict(options or {})
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         manager = DsparkPassManager(self.config, user_pass=user_pass, observer=self.observer)
-        manager.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        manager.input_names = _input_names(gm, example_inputs)
         if self.inner == "aot_eager":
             return _aot_eager(gm, example_inputs, manager)
         return _inductor(gm, example_inputs, manager, mode, options)
+
+
+def _input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+    """Dynamo's input names, one per input of the graph AOTAutograd makes: that graph takes a tensor subclass (a
+    DTensor parameter of a tensor-parallel model) as its inner values (`__tensor_flatten__`, recursively, in order).
+    A subclass holding one inner tensor (a DTensor's local shard) gives it its own name; other inner values are
+    named `name.attr` (a DTensor's device mesh, where torch passes it to the graph)."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [flat for name, value in zip(placeholders, example_inputs, strict=False) for flat in _flat(name, value)]
+
+
+def _flat(name: str, value: Any) -> list[str]:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(value):
+        return [name]
+    attrs, _ = value.__tensor_flatten__()
+    tensors = [attr for attr in attrs if isinstance(getattr(value, attr), torch.Tensor)]
+    names = []
+    for attr in attrs:
+        names += _flat(name if tensors == [attr] else f"{name}.{attr}", getattr(value, attr))
+    return names
 
 
 def make_backend(

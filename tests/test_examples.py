@@ -21,3 +21,27 @@ def test_demo_prints_a_short_summary_and_labels_its_timings_truthfully():
     assert "dspark_backend compile: 1 fused group(s) of 5 GEMMs" in out or "served from Inductor's cache" in out
     assert "parity with eager: OK" in out
     assert "torch.compile(backend=dspark_backend)" in out and "graph diff" not in out
+
+
+@pytest.mark.slow
+def test_tp_example_runs_under_torchrun_on_two_cpu_ranks():
+    """`torchrun --nproc-per-node 2 examples/tp_draft.py` on CPU (gloo, Inductor): one line per rank and kind,
+    both lowering the K/V writes of the rank's heads, keeping the collectives in order in Inductor's post-grad graph
+    and matching the unsharded draft."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    run += [str(ROOT / "examples" / "tp_draft.py"), "--kv-write-op", "always"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",  # each rank's pass runs: a cache hit would skip it
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    }
+    out = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("[rank ")]
+    fused = {"dtensor": "4 fused GEMM groups (10 GEMMs), 4 lone GEMMs", "hand": "0 fused GEMM groups (0 GEMMs), 8 lone"}
+    expected = [(rank, kind) for rank in (0, 1) for kind in ("dtensor", "hand")]
+    assert len(lines) == len(expected), out
+    for line, (rank, kind) in zip(lines, expected, strict=True):
+        assert line.startswith(f"[rank {rank}] {kind}") and fused[kind] in line, out
+        assert "K/V writes -> 1 multi_linear_kv_write; 4 all-reduces kept in order;" in line, out
+        assert f"parity (K/V heads {4 * rank}:{4 * rank + 4}): OK" in line, out

@@ -7,6 +7,7 @@ from helpers import eager_and_compiled, small_config
 from torch import nn
 
 from dspark_fx import DsparkConfig, explain
+from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
@@ -152,3 +153,31 @@ def test_column_slice_with_a_symbolic_bound_fuses_without_narrowing():
             x = torch.randn(tokens, 32)
             assert_close_for_dtype(compiled(x), model(x))
     assert capture.reports[-1].groups[0].branches == ["lins.0.weight[0:32]", "lins.1.weight[0:32]"]
+
+
+class _Chained(nn.Module):
+    """GEMMs reading another GEMM's output with nothing in between: `b(a(x))`, `c(a(x))` (a down projection
+    straight after an up projection, o_proj straight after q_proj); `a` and `a2` share x."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a, self.a2, self.b, self.c = (nn.Linear(width, width, bias=i == 2) for i in range(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h), self.c(h), self.a2(x)
+
+
+@pytest.mark.parametrize("skinny", [True, False])
+def test_a_group_whose_activation_is_the_output_of_another_fused_gemm(skinny):
+    """The group on `a(x)` is rewritten after the group on x replaced `a`'s GEMM: it reads `a`'s column block."""
+    torch._dynamo.reset()
+    model, x = _Chained(), torch.randn(3, 8)
+    capture = CaptureBackend(DsparkConfig(skinny_linears=skinny))
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(model, backend=capture)(x), model(x))
+    capture.assert_fused(n_groups=2, n_branches=[2, 2])
+    counts = op_counts(capture.after[-1])
+    assert counts["dspark.multi_linear"] == 2 and counts["aten.mm"] + counts["aten.addmm"] == 0
+    (first, second) = [n for n in capture.after[-1].nodes if op_name(n) == "dspark.multi_linear"]
+    assert second.args[0].args[0] is first, "the second group reads the first group's output"

@@ -90,6 +90,16 @@ def find_groups(graph: fx.Graph, names: Namer) -> GemmScan:
     return GemmScan([GemmGroup(activation, branches) for (activation, _), branches in groups.items()], rejected)
 
 
+def refresh_activation(group: GemmGroup) -> GemmGroup:
+    """`group` reading its activation as the graph holds it now: rewriting an earlier group replaces that group's
+    GEMMs, and one of them may be this group's activation (`b(a(x))`: `a`'s GEMM is gone, `b` reads its block)."""
+    gemm = group.branches[0].node
+    activation = gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
+    for branch in group.branches:
+        branch.activation = activation
+    return GemmGroup(activation, group.branches)
+
+
 def _slice_args(node: fx.Node) -> tuple:
     """`(input, dim, start, stop, step)` of an `aten.slice.Tensor` node, defaults filled in."""
     return (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])

@@ -58,6 +58,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     scan = gemm_branches.find_groups(graph, names)
     report.rejected += scan.rejected
     for group in scan.groups:
+        group = gemm_branches.refresh_activation(group)
         if len(group.branches) >= config.min_branches:
             report.groups.append(_fuse_group(graph, group, config, names))
         elif len(group.branches) == 1 and config.skinny_linears:
