@@ -94,17 +94,14 @@ def test_compiled_matches_eager_and_lowers(name, dtype):
         assert len(group.layers) == CFG.num_layers and not report.kv_kept, str(report)
 
 
-@pytest.mark.parametrize("name", spellings.SPELLINGS)
-def test_every_spelling_compiles_through_inductor_codegen(name):
-    """`dspark_backend` with `kv_write_op="always"` through real Inductor codegen (not `aot_eager`), bf16, T = 1 and
-    T > 1: whichever path a spelling takes (the op, or the fused GEMM with batched norm/RoPE), the generated code runs
-    and leaves eager's caches."""
+def _matches_eager_through_codegen(eager: torch.nn.Module, kv_write_op: str) -> None:
+    """`dspark_backend` with `kv_write_op` through real Inductor codegen, bf16, T = 1 and T > 1: the compiled copy
+    leaves eager's caches."""
     from dspark_fx import make_backend
 
     torch._dynamo.reset()
-    eager = _build(name, torch.bfloat16)
     compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, backend=make_backend({"kv_write_op": "always"}))
+    compiled = torch.compile(compiled_model, backend=make_backend({"kv_write_op": kv_write_op}))
     with torch.no_grad():
         for seed, tokens in enumerate((1, 9)):
             inputs = _inputs(tokens, torch.bfloat16, seed)
@@ -113,12 +110,18 @@ def test_every_spelling_compiles_through_inductor_codegen(name):
             assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
 
 
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_every_spelling_compiles_through_inductor_codegen(name):
+    """`dspark_backend` with `kv_write_op="always"` through real Inductor codegen (not `aot_eager`), bf16, T = 1 and
+    T > 1: whichever path a spelling takes (the op, or the fused GEMM with batched norm/RoPE), the generated code runs
+    and leaves eager's caches."""
+    _matches_eager_through_codegen(_build(name, torch.bfloat16), "always")
+
+
 def test_never_lowered_batched_rope_leaves_in_the_cache_dtype():
     """Not lowered (`kv_write_op="never"`), the reference spelling's batched norm/RoPE ends in fp32 halves cast to
     bf16 for the cache writes: the pass emits the cast halves' `cat`, so the batched value the writes read is bf16
     (Inductor stores it once, instead of fp32 rows each write casts); the generated code leaves eager's caches."""
-    from dspark_fx import make_backend
-
     torch._dynamo.reset()
     eager = _build("reference", torch.bfloat16)
     capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
@@ -133,6 +136,7 @@ def test_never_lowered_batched_rope_leaves_in_the_cache_dtype():
         while value.target is not torch.ops.aten.select.int:  # the per-branch views of the batched value
             value = value.args[0]
         read.add(value.args[0])
+
     def below_views(value):
         while value.target in (torch.ops.aten.clone.default, torch.ops.aten.view.default):
             value = value.args[0]
@@ -142,15 +146,7 @@ def test_never_lowered_batched_rope_leaves_in_the_cache_dtype():
     cats = [v for v in sources if v.target is torch.ops.aten.cat.default]
     assert cats, [v.format_node() for v in sources]  # K: the RoPE halves' cat (V: the GEMM block)
     assert all(v.meta["val"].dtype == torch.bfloat16 for v in cats), "the batched halves are cast before their cat"
-    torch._dynamo.reset()
-    compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, backend=make_backend({"kv_write_op": "never"}))
-    with torch.no_grad():
-        for seed, tokens in enumerate((1, 9)):
-            inputs = _inputs(tokens, torch.bfloat16, seed)
-            eager(*inputs)
-            compiled(*inputs)
-            assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+    _matches_eager_through_codegen(eager, "never")
 
 
 @pytest.mark.cuda
