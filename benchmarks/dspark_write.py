@@ -6,6 +6,7 @@
     (--configs qwen3-8b hd64 and --tokens 8 64 pick a subset)
     python benchmarks/dspark_write.py --spellings reference sglang hf complex gptj_stack   # the same, per spelling
     python benchmarks/dspark_write.py --breakdown --configs qwen3-8b --tokens 8 64   # GPU: where the time goes
+    (--breakdown dspark never: only those variants; with --spellings: per spelling)
 
 Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
 slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
@@ -47,10 +48,11 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      read from a no-codegen (aot_eager) compile of the same model with the same passes and shapes;
                      below the table, the reason the passes gave for K/V writes they kept off multi_linear_kv_write
 
-`--breakdown` (CUDA): for dspark_backend only, the CUDA-graph replay time per T (as in the table), the kernels of
-that graph with their durations when it is replayed after an L2 flush (as do_bench runs it; torch profiler), and the
-replay times of a graph of one trivial kernel and of the one-launch read in the same harness: replay = kernels + that
-harness cost (the table's header gives it too).
+`--breakdown` (CUDA): per spelling, for torch.compile, hand-stacked torch.compile, dspark_backend and its never-lowered
+fallback, the CUDA-graph replay time per T (as in the table), the kernels of that graph with their durations when it
+is replayed after an L2 flush (as do_bench runs it; torch profiler), and the replay times of a graph of one trivial
+kernel and of the one-launch read in the same harness: replay = kernels + that harness cost (the table's header gives
+it too).
 
 Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, both torch.compile columns and
 dspark_backend are captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this
@@ -557,34 +559,55 @@ def report(
     return "\n".join(lines)
 
 
-def breakdown(label: str, cfg: DraftKVConfig, tokens_list: tuple[int, ...]) -> list[str]:
-    """`--breakdown` lines of one config: replay time, its kernels after an L2 flush, and the harness cost."""
+BREAKDOWN_VARIANTS = {  # `--breakdown` keys
+    "compile": "torch.compile",
+    "hand": "hand-stacked torch.compile",
+    "dspark": "dspark_backend",
+    "never": "dspark_backend, never lowered",
+}
+
+
+def breakdown(
+    label: str, cfg: DraftKVConfig, spelling: str, tokens_list: tuple[int, ...], keys: list[str]
+) -> list[str]:
+    """`--breakdown` lines of one config and spelling: per variant (BREAKDOWN_VARIANTS keys) and T, the replay time
+    and the kernels of that graph after an L2 flush; and the harness cost. The models are built, checked and
+    compiled as the table's are (every variant, in the same order), so they are the table's models."""
     from _read_floor import one_launch_read_us, trivial_replay_us
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_spelling("reference", cfg, "cuda").requires_grad_(False)
-    fn = torch.compile(model, backend=dspark_fx.dspark_backend)
+    torch._dynamo.reset()
+    base = build_spelling(spelling, cfg, "cuda").requires_grad_(False)
+    inputs = {t: make_inputs(cfg, t, "cuda") for t in sorted({PARITY_TOKENS, *tokens_list})}
+    entries = []
+    for variant in VARIANTS:
+        model = copy.deepcopy(base)
+        entries.append(Entry(variant, model, variant.build(model)))
+    check_parity(entries, base, inputs[PARITY_TOKENS], "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
     trivial = trivial_replay_us(BENCH)
     read = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
     lines = [
-        f"{label}: replay of a graph of one trivial kernel {trivial:.1f} µs; of one kernel reading the "
-        f"{kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read:.1f} µs"
+        f"{label}, {spelling} spelling: replay of a graph of one trivial kernel {trivial:.1f} µs; of one kernel "
+        f"reading the {kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read:.1f} µs"
     ]
-    for tokens in tokens_list:
-        replay = graphed(fn, make_inputs(cfg, tokens, "cuda"))
-        total = median_us(replay, "cuda", **BENCH)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                flush.zero_()
-                replay()
-            torch.cuda.synchronize()
-        kernels = [
-            f"{e.key[:60]} {e.device_time_total / e.count:.1f} µs x{e.count // 5}"
-            for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= 5 and "elementwise" not in e.key
-        ]
-        lines.append(f"  T={tokens}: replay {total:.1f} µs; kernels after an L2 flush: " + "; ".join(kernels))
+    names = [BREAKDOWN_VARIANTS[key] for key in keys]
+    for entry in [entry for entry in entries if entry.variant.name in names and not entry.error]:
+        for tokens in tokens_list:
+            replay = prepare(entry, inputs[tokens], "cuda")
+            total = median_us(replay, "cuda", **BENCH)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    flush.zero_()
+                    replay()
+                torch.cuda.synchronize()
+            kernels = [
+                f"{e.key[:70]} {e.device_time_total / e.count:.1f} µs x{e.count // 5}"
+                for e in prof.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= 5 and "elementwise" not in e.key
+            ]
+            lines.append(f"  {entry.variant.name} T={tokens}: replay {total:.1f} µs; kernels: " + "; ".join(kernels))
+            print(lines[-1], flush=True)
     return lines
 
 
@@ -602,9 +625,15 @@ def main() -> None:
         help="draft spellings of benchmarks/_spellings.py, one table per config and spelling (default: reference)",
     )
     parser.add_argument("--out", type=Path, help="write the markdown report here")
-    parser.add_argument("--breakdown", action="store_true", help="CUDA: where dspark_backend's replay time goes")
+    parser.add_argument(
+        "--breakdown",
+        nargs="*",
+        choices=list(BREAKDOWN_VARIANTS),
+        help="CUDA: where the replay time goes, per kernel, for these variants (none named: all of "
+        f"{list(BREAKDOWN_VARIANTS)})",
+    )
     args = parser.parse_args()
-    if args.breakdown and args.device != "cuda":
+    if args.breakdown is not None and args.device != "cuda":
         parser.error("--breakdown profiles CUDA kernels: it needs --device cuda")
     configs = SMALL_CONFIGS if args.small else CONFIGS
     keys = args.configs or list(configs)
@@ -620,12 +649,19 @@ def main() -> None:
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, 64)
     torch.manual_seed(0)
-    if args.breakdown:
+    if args.breakdown is not None:
         with torch.no_grad():
             text = "\n".join(
                 line
                 for key in keys
-                for line in breakdown(configs[key][0], dataclasses.replace(configs[key][1], dtype=dtype), tokens_list)
+                for spelling in args.spellings
+                for line in breakdown(
+                    configs[key][0],
+                    dataclasses.replace(configs[key][1], dtype=dtype),
+                    spelling,
+                    tokens_list,
+                    args.breakdown or list(BREAKDOWN_VARIANTS),
+                )
             )
         print(text)
         if args.out:

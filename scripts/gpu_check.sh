@@ -12,7 +12,10 @@
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the context-KV write of every draft spelling (benchmarks/_spellings.py), Qwen3-8B dims, T 1..4096
 #             (benchmarks/dspark_write.py --spellings ...); no build step needed when the ops are built
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune|write|spellings]
+#   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
+#             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
+#             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
+# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune|write|spellings|profile]
 # (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -72,6 +75,11 @@ case "$what" in
     python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf complex gptj_stack \
       --out "$OUT/dspark_write_spellings.md" 2>&1 | tee "$OUT/dspark_write_spellings.log" || status=1
     ;;
+  profile)
+    TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" python3 benchmarks/dspark_write.py \
+      --configs qwen3-8b --spellings ${PROFILE_SPELLINGS:-reference sglang hf complex} --breakdown ${PROFILE_VARIANTS:-dspark never compile} \
+      --tokens ${PROFILE_TOKENS:-64 4096} --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" || status=1
+    ;;
   tune)
     for src in benchmarks/${TUNE:-*}_tune.cu; do
       name=$(basename "$src" .cu)
@@ -91,7 +99,7 @@ case "$what" in
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|tune|write)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|tune|write|spellings|profile)" >&2
     exit 2
     ;;
 esac

@@ -68,3 +68,21 @@ def eager_and_compiled(
                     )
                 )
     return results
+
+
+def as_fake_cuda(graph: torch.fx.Graph, stride_of=None) -> None:
+    """Make every tensor value of `graph`'s nodes a fake CUDA tensor of the same shape, dtype and strides (or
+    `stride_of(node, value)`), so that a CPU-captured graph goes through the passes as it would on a GPU (no GPU
+    needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    def on_cuda(node: torch.fx.Node, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        stride = stride_of(node, value) if stride_of else value.stride()
+        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device="cuda")
+
+    with FakeTensorMode():
+        for node in graph.nodes:
+            node.meta["val"] = tree_map(lambda v, node=node: on_cuda(node, v), node.meta.get("val"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import draft_inputs, eager_and_compiled, small_config
+from helpers import as_fake_cuda, draft_inputs, eager_and_compiled, small_config
 from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
 
 import custom_ops
@@ -686,9 +686,6 @@ def test_operands_the_op_refuses_keep_todays_path():
 def test_cuda_binding_rules_are_checked_at_compile_time(monkeypatch, norm_stride):
     """The graph of a CPU compile, its values made fake CUDA tensors (no GPU needed): a k_norm weight with stride 2,
     which the CUDA binding refuses, keeps today's path with the binding's reason; a contiguous one lowers."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_map
-
     from dspark_fx.passes import kv_write
     from dspark_fx.passes.horizontal import fuse_kv_branches
 
@@ -700,17 +697,11 @@ def test_cuda_binding_rules_are_checked_at_compile_time(monkeypatch, norm_stride
     graph = capture.before[-1]
     head_dim = small_config().head_dim
 
-    def on_cuda(node, v):
-        if not isinstance(v, torch.Tensor):
-            return v
-        stride = v.stride()
-        if node.op == "placeholder" and tuple(v.shape) == (head_dim,):  # a k_norm weight
-            stride = (norm_stride,)
-        return torch.empty_strided(v.shape, stride, dtype=v.dtype, device="cuda")
+    def norm_strided(node, v):
+        is_norm_weight = node.op == "placeholder" and tuple(v.shape) == (head_dim,)
+        return (norm_stride,) if is_norm_weight else v.stride()
 
-    with FakeTensorMode():
-        for node in graph.nodes:
-            node.meta["val"] = tree_map(lambda v, node=node: on_cuda(node, v), node.meta.get("val"))
+    as_fake_cuda(graph, norm_strided)
     report = fuse_kv_branches(graph, ALWAYS, None)
     if norm_stride == 1:
         assert len(report.kv_writes) == 1, str(report)

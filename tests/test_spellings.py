@@ -10,6 +10,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 
@@ -147,6 +148,95 @@ def test_never_lowered_batched_rope_leaves_in_the_cache_dtype():
     assert cats, [v.format_node() for v in sources]  # K: the RoPE halves' cat (V: the GEMM block)
     assert all(v.meta["val"].dtype == torch.bfloat16 for v in cats), "the batched halves are cast before their cat"
     _matches_eager_through_codegen(eager, "never")
+
+
+def _never_lowered(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, object]:
+    """The passes with `kv_write_op="never"` on a copy of a pre-pass graph: (the graph after, the report)."""
+    from dspark_fx.passes.horizontal import fuse_kv_branches
+
+    graph = copy.deepcopy(graph)
+    return graph, fuse_kv_branches(graph, DsparkConfig(kv_write_op="never"), None)
+
+
+@pytest.fixture
+def builds_cuda_library(monkeypatch):
+    """As on a machine that builds the dspark CUDA library (fake CUDA graphs route GEMMs through its ops)."""
+    import custom_ops
+
+    monkeypatch.setattr(custom_ops._build, "cuda_library_problem", lambda: "")
+
+
+@pytest.mark.usefixtures("builds_cuda_library")
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_never_lowered_writes_keep_per_branch_norm_and_rope_on_cuda(name):
+    """Not lowered, each spelling's K/V GEMMs still fuse into one `multi_linear`. On CPU the branches' norm/RoPE run
+    batched; on CUDA (the same graph, its values fake CUDA tensors) each branch keeps its own ops, which Inductor
+    fuses into the branch's cache write, and the report says why."""
+    from dspark_fx.passes.batch_group import WRITTEN_PER_BRANCH
+
+    torch._dynamo.reset()
+    capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
+    with torch.no_grad():
+        torch.compile(_build(name, torch.bfloat16), backend=capture)(*_inputs(7, torch.bfloat16, 0))
+    before = capture.before[0]
+    on_cpu, cpu_report = _never_lowered(before)
+    helpers.as_fake_cuda(before)
+    on_cuda, cuda_report = _never_lowered(before)
+    for graph in (on_cpu, on_cuda):
+        assert op_counts(graph)["dspark.multi_linear"] == 1 and not op_counts(graph)[OP]
+    (cpu_group,), (cuda_group,) = cpu_report.groups, cuda_report.groups
+    assert cpu_group.classes and not cuda_group.classes, f"CPU:\n{cpu_report}\nCUDA:\n{cuda_report}"
+    assert {u.reason for u in cuda_group.unbatched} == {WRITTEN_PER_BRANCH}, str(cuda_report)
+    assert len(cuda_group.unbatched) == len(cuda_group.branches)
+    norms = [op_counts(g)["aten.rsqrt"] + op_counts(g)["aten._fused_rms_norm"] for g in (on_cpu, on_cuda)]
+    assert norms == [1, CFG.num_layers], norms
+
+
+@pytest.mark.usefixtures("builds_cuda_library")
+def test_batched_values_read_by_more_than_cache_writes_stay_batched_on_cuda():
+    """On CUDA only classes whose values all leave into cache writes keep per-branch ops: normed projections that
+    the model returns still run batched."""
+
+    class TwoNormedProjections(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return tuple(torch.nn.functional.rms_norm(p(x).view(-1, 2, 16), (16,), eps=1e-6) for p in (self.a, self.b))
+
+    torch._dynamo.reset()
+    capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
+    with torch.no_grad():
+        torch.compile(TwoNormedProjections().to(torch.bfloat16), backend=capture)(torch.randn(5, 64).bfloat16())
+    before = capture.before[0]
+    helpers.as_fake_cuda(before)
+    _, report = _never_lowered(before)
+    (group,) = report.groups
+    assert len(group.classes) == 1 and not group.unbatched, str(report)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_never_lowered_spellings_match_eager_through_codegen_on_cuda(name):
+    """`kv_write_op="never"` on CUDA through real Inductor codegen: the fused GEMM with per-branch norm/RoPE leaves
+    eager's caches, bf16, T = 1 and T > 1, and no branch runs batched."""
+    from dspark_fx.passes.batch_group import WRITTEN_PER_BRANCH
+
+    torch._dynamo.reset()
+    eager = _build(name, torch.bfloat16).to("cuda")
+    compiled_model = copy.deepcopy(eager)
+    capture = CaptureBackend(DsparkConfig(kv_write_op="never"), inner="inductor")
+    compiled = torch.compile(compiled_model, backend=capture)
+    with torch.no_grad():
+        for seed, tokens in enumerate((1, 9, 17)):
+            inputs = [t.to("cuda") for t in _inputs(tokens, torch.bfloat16, seed)]
+            eager(*inputs)
+            compiled(*inputs)
+            assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+    for report in capture.reports:
+        (group,) = report.groups
+        assert not group.classes and {u.reason for u in group.unbatched} == {WRITTEN_PER_BRANCH}, str(report)
 
 
 @pytest.mark.cuda
