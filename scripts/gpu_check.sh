@@ -11,7 +11,7 @@
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the context-KV write of every draft spelling (benchmarks/_spellings.py), Qwen3-8B dims, T 1..4096
-#             (benchmarks/dspark_write.py --spellings ...); no build step needed when the ops are built
+#             (benchmarks/dspark_write.py --spellings ... --rounds 2); no build step needed when the ops are built
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -72,7 +72,7 @@ case "$what" in
       -o /tmp/kv_write_tune && /tmp/kv_write_tune; } 2>&1 | tee "$OUT/kv_write_tune.log" || status=1
     ;;
   spellings)
-    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf complex gptj_stack \
+    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf complex gptj_stack --rounds 2 \
       --out "$OUT/dspark_write_spellings.md" 2>&1 | tee "$OUT/dspark_write_spellings.log" || status=1
     ;;
   profile)
