@@ -163,8 +163,8 @@ extern "C" void emu_store(const float* kv, const uint8_t* plan, const float* w, 
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return compile_emulation(tmp_path_factory.mktemp("dsv4_emu"), SHIM, DRIVER, "dsv4emu")
+def emu(emulation_cache):
+    return compile_emulation(emulation_cache, SHIM, DRIVER, "dsv4emu")
 
 
 i64, i32 = ctypes.c_int64, ctypes.c_int

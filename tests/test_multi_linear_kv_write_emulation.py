@@ -212,8 +212,8 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("kv_write_emu"), DRIVER, "kvemu")
+def emu(emulation_cache):
+    return build(emulation_cache, DRIVER, "kvemu")
 
 
 @dataclass(frozen=True)
