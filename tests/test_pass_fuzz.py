@@ -4,7 +4,7 @@ pass against eager — outputs and cache buffers at T = 1, 5 and 9, and again af
     DSPARK_FUZZ_MODELS=1000 pytest tests/test_pass_fuzz.py    # more models (default 50, seeds 0..49)
     DSPARK_FUZZ_SEED=5000                                       # another seed range
     DSPARK_FUZZ_INNER=inductor                                  # Inductor codegen instead of eager ATen (slow)
-    DSPARK_FUZZ_KIND_MODELS=100                                 # more models of each case kind (default 16)
+    DSPARK_FUZZ_KIND_MODELS=100                                 # more models of each case kind (default 8)
     python tests/fuzz_models.py 17                              # the spec of a failing seed
 
 The pass must never change a result, never fail a compile that would work without it, and never fall back for
@@ -166,7 +166,7 @@ def test_kv_writes_through_casts_match_eager(seed):
 
 # Case kinds (`fuzz_models.CASE_KINDS`): the models of the first KIND_MODELS seeds with a composed user pass that
 # writes through `.out` ops into fresh buffers, or with a custom op reading branch values as dense memory.
-KIND_MODELS = int(os.environ.get("DSPARK_FUZZ_KIND_MODELS", "16"))
+KIND_MODELS = int(os.environ.get("DSPARK_FUZZ_KIND_MODELS", "8"))
 KIND_SEEDS = range(FIRST_SEED, FIRST_SEED + KIND_MODELS)
 
 
