@@ -465,22 +465,23 @@ def test_fused_kernel_without_norm_or_rope(emu):
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "rot", "neox", "variant"),
+    ("head_dim", "rot", "neox", "variant", "two_tiles"),
     [
-        (64, 64, True, 1),
-        (64, 24, False, 0),
-        (128, 128, False, 1),
-        (128, 44, True, 0),
-        (128, 44, False, 2),
-        (64, 24, True, 3),
+        (64, 64, True, 1, 11),
+        (64, 24, False, 0, 16),
+        (128, 128, False, 1, 11),
+        (128, 44, True, 0, 16),
+        (128, 44, False, 2, 11),
+        (64, 24, True, 3, 16),
     ],
 )
-def test_stream_kernel(emu, head_dim, rot, neox, variant):
+def test_stream_kernel(emu, head_dim, rot, neox, variant, two_tiles):
     """The streaming kernel: one head per CTA, the weights through the mbarrier ring, every compiled variant (chunk
     order rotated by head or not). K = 2104 is 2 whole chunks of 1024 columns and a ragged one of 56, so most
     consumer warps get no live column of the last chunk and most of its ring row is never copied; full and partial
-    rotary, both RoPE styles; 1, 11 and 16 tokens (one and two token tiles)."""
-    for tokens in (1, 11, 16):
+    rotary, both RoPE styles; 1 token (one token tile) and `two_tiles` tokens (two token tiles: 11, the second
+    partial, or 16)."""
+    for tokens in (1, two_tiles):
         spec = Spec(tokens=tokens, hidden=2104, head_dim=head_dim, rot=rot, neox=neox)
         _check(emu, spec, kernel="stream", variant=variant, seed=tokens)
 
