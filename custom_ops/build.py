@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the ninja / nvcc command lines")
     args = parser.parse_args(argv)
     try:
-        path = _build.load(verbose=args.verbose)
+        path = _build.load(verbose=args.verbose, ahead_of_time=True)
     except _build.BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,21 @@
-"""Shared pytest setup: CUDA-marked tests skip cleanly on machines without a GPU."""
+"""Shared pytest setup: CUDA-marked tests skip cleanly on machines without a GPU; xdist workers share the cores
+(torch's threads and Inductor's compile workers: the cores over the workers); the kernel emulations are built into
+pytest's cache folder (`emulation_cache`)."""
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        torch._inductor.config.compile_threads = threads
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -11,3 +25,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def emulation_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where `emulation_build.compile_emulation` keeps the libraries it builds: pytest's cache folder (shared by the
+    xdist workers and kept across runs), a temporary folder where the cache plugin is off (`-p no:cacheprovider`)."""
+    cache = getattr(request.config, "cache", None)
+    return cache.mkdir("kernel_emulation") if cache is not None else tmp_path_factory.mktemp("kernel_emulation")

@@ -1,9 +1,12 @@
-"""Test fixtures shared by the fusion tests: small reference drafts and their inputs."""
+"""Test fixtures shared by the fusion tests: small reference drafts and their inputs; `quick_first`, the quick
+tier's share of a parametrized test."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
+import pytest
 import torch
 
 from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter
@@ -86,3 +89,20 @@ def as_fake_cuda(graph: torch.fx.Graph, stride_of=None) -> None:
     with FakeTensorMode():
         for node in graph.nodes:
             node.meta["val"] = tree_map(lambda v, node=node: on_cuda(node, v), node.meta.get("val"))
+
+
+PARAM = type(pytest.param(None))
+
+
+def quick_first(n: int, params: Iterable) -> list:
+    """The values of a `parametrize` (`pytest.param`s, or plain values of one argument) with all but the first `n`
+    marked `slow`: the quick tier (`-m "not slow"`) runs the first `n`, the full run every one."""
+    out = []
+    for i, p in enumerate(params):
+        if i < n:
+            out.append(p)
+        elif isinstance(p, PARAM):
+            out.append(pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow)))
+        else:
+            out.append(pytest.param(p, marks=pytest.mark.slow))
+    return out

@@ -245,6 +245,6 @@ inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a),
 }
 
 
-def build(root: Path, driver: str, name: str) -> ctypes.CDLL:
+def build(cache: Path, driver: str, name: str) -> ctypes.CDLL:
     """Compile `driver` (C++ including the kernel headers, and the benchmarks' experimental ones) against the shim."""
-    return compile_emulation(root, SHIM, driver, name, ["-DDSPARK_KERNEL_EMULATION", f"-I{BENCHMARKS}"])
+    return compile_emulation(cache, SHIM, driver, name, ["-DDSPARK_KERNEL_EMULATION", f"-I{BENCHMARKS}"])

@@ -1,7 +1,8 @@
 """The dspark_fx rewrites emit a dspark op for CUDA tensors only where the dspark CUDA library is loaded or can be
 built (`custom_ops._build.cuda_library_problem`): CUDA torch, a CUDA device, nvcc and ninja. Elsewhere the first
 call of the rewritten graph would raise `BuildError`; instead the GEMMs stay as they are and the report names what
-is missing. No GPU needed: the toolchain is simulated with monkeypatch, the graphs hold fake CUDA tensors."""
+is missing. A build says so on stderr, before it starts and when it is done. No GPU needed: the toolchain and the
+build are simulated with monkeypatch, the graphs hold fake CUDA tensors."""
 
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import cpp_extension
 
-from custom_ops import _build
+from custom_ops import _build, build
 from dspark_fx import DsparkConfig
 from dspark_fx.passes import gemm_branches, kv_write
 from dspark_fx.passes.horizontal import fuse_kv_branches
@@ -112,3 +113,36 @@ def test_kv_write_auto_names_the_missing_library(toolchain, missing):
         _clear_probes()
         reason = kv_write.kernel_mismatch(x, 16, caches)
     assert UNAVAILABLE in reason and why in reason, reason
+
+
+def test_a_build_says_so_on_stderr_before_it_starts_and_when_it_is_done(toolchain, tmp_path, capsys):
+    """The first CUDA call's build: one line before the compiler starts (what it builds, about how long, the command
+    that builds ahead of time), one when it is done (the path). A library already built loads silently. The
+    `python -m custom_ops.build` command: the same two lines, without the hint, and the path on stdout."""
+    toolchain.setenv("DSPARK_OPS_CACHE_DIR", str(tmp_path))
+    toolchain.setattr(_build.checks, "attach_native", lambda path: None)
+    before_build = []
+
+    def compile_library(name: str, build_directory: str, **kwargs) -> None:
+        before_build.append(capsys.readouterr().err)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    toolchain.setattr(cpp_extension, "load", compile_library)
+    path = _build.load()
+    assert path == _build.library_path() and path.parent.parent == tmp_path
+    (start,) = before_build
+    assert start.startswith("custom_ops: building the dspark CUDA kernels on first use (") and start.count("\n") == 1
+    assert _build.BUILD_TIME in start and "`python -m custom_ops.build` builds them ahead of time" in start, start
+    assert capsys.readouterr().err == f"custom_ops: built the dspark CUDA kernels in 0 s: {path}\n"
+
+    toolchain.setattr(_build, "_loaded", None)  # another process: the library is built (ninja finds nothing to do)
+    assert _build.load() == path and before_build[1:] == [""]
+    assert capsys.readouterr().err == ""
+
+    path.unlink()
+    toolchain.setattr(_build, "_loaded", None)
+    assert build.main([]) == 0
+    (start,) = before_build[2:]
+    assert start.startswith("custom_ops: building the dspark CUDA kernels (") and "custom_ops.build" not in start
+    assert _build.BUILD_TIME in start and start.count("\n") == 1
+    assert capsys.readouterr() == (f"{path}\n", f"custom_ops: built the dspark CUDA kernels in 0 s: {path}\n")

@@ -163,8 +163,8 @@ extern "C" void emu_store(const float* kv, const uint8_t* plan, const float* w, 
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return compile_emulation(tmp_path_factory.mktemp("dsv4_emu"), SHIM, DRIVER, "dsv4emu")
+def emu(emulation_cache):
+    return compile_emulation(emulation_cache, SHIM, DRIVER, "dsv4emu")
 
 
 i64, i32 = ctypes.c_int64, ctypes.c_int
@@ -398,7 +398,7 @@ def _check_online_planners(emu, seq, ext, rid, n, check) -> None:
         _expect_problem(problems, reported)
 
 
-@pytest.mark.parametrize("batch", [0, 3, 1100])
+@pytest.mark.parametrize("batch", [0, 3, pytest.param(1100, marks=pytest.mark.slow)])
 def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     """Random batches whose positions partly run past the page table (rows skipped, the first one reported)."""
     g = torch.Generator().manual_seed(batch)
@@ -417,6 +417,7 @@ def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     _check_online_planners(emu, seq, ext, rid, n, check)
 
 
+@pytest.mark.slow
 def test_emulated_planners_skip_and_report_out_of_range_values(emu):
     """The kernels skip exactly the rows the reference skips and report the problem the CPU path raises."""
     ranks = []

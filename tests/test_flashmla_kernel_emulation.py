@@ -119,8 +119,8 @@ class _IndexerArgs(ctypes.Structure):
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return compile_emulation(tmp_path_factory.mktemp("flashmla_emu"), SHIM, DRIVER, "flashmlaemu")
+def emu(emulation_cache):
+    return compile_emulation(emulation_cache, SHIM, DRIVER, "flashmlaemu")
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -19,6 +19,8 @@ from dspark_fx.passes.kv_write import KV_WRITE
 from dspark_fx.reference_draft import DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
+pytestmark = pytest.mark.slow
+
 ALWAYS = DsparkConfig(kv_write_op="always")
 OP = "dspark.multi_linear_kv_write"
 prims = torch.ops.prims

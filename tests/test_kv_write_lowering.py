@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import as_fake_cuda, draft_inputs, eager_and_compiled, small_config
+from helpers import as_fake_cuda, draft_inputs, eager_and_compiled, quick_first, small_config
 from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
 
 import custom_ops
@@ -68,7 +68,9 @@ def _assert_lowered(capture, layers: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("options", REFERENCE_VARIANTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "options", quick_first(1, REFERENCE_VARIANTS), ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
 def test_reference_draft_writes_become_one_op(options, dtype):
     torch._dynamo.reset()
     cfg = small_config(dtype=dtype, **options)
@@ -112,7 +114,7 @@ def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("write", HF_WRITES)
+@pytest.mark.parametrize("write", quick_first(1, HF_WRITES))
 def test_hf_style_writers_become_one_op(write, dtype):
     """HF cos/sin [T, head_dim] computed per call from `inv_freq` and the positions (duplicated halves, model
     dtype): the op gets the `inv_freq` buffer and the positions themselves (its frequencies form)."""
@@ -144,8 +146,15 @@ def test_hf_angles_at_shifted_positions_get_rows_built_in_the_graph():
 
 @pytest.mark.parametrize(
     "options",
-    [dict(norm="plain"), dict(norm=None), dict(rotary_dim=8), dict(norm="plain", rotary_dim=8, eps=1e-5)],
-    ids=["weightless-norm", "no-norm", "partial-rotary", "weightless-partial-eps"],
+    quick_first(
+        2,
+        [
+            pytest.param(dict(norm="plain"), id="weightless-norm"),
+            pytest.param(dict(norm=None), id="no-norm"),
+            pytest.param(dict(rotary_dim=8), id="partial-rotary"),
+            pytest.param(dict(norm="plain", rotary_dim=8, eps=1e-5), id="weightless-partial-eps"),
+        ],
+    ),
 )
 def test_hf_style_norm_and_rope_variants_map_onto_op_arguments(options):
     capture = _hf_run(HFStyleKVWriter("index_copy", **options), torch.float32)
@@ -442,6 +451,7 @@ def test_draft_step_context_kv_read_by_attention_keeps_todays_path():
     assert why.startswith("target_hidden:") and "also read by" in why
 
 
+@pytest.mark.slow
 def test_inductor_runs_the_op_in_place():
     """Real Inductor codegen: the op mutates the cache buffers in place (no clone, no missed reinplacing), the
     symbolic graph serves new token counts, and an in-place weight update is seen."""
@@ -578,7 +588,7 @@ def _cast_run(model, dtype):
     return capture, model.caches()
 
 
-@pytest.mark.parametrize("where", ["k", "heads", "v"])
+@pytest.mark.parametrize("where", quick_first(1, ["k", "heads", "v"]))
 def test_fp8_fake_quantized_branch_keeps_todays_path(where):
     """`k.to(float8_e4m3fn).to(bfloat16)` rounds K to fp8 in eager; the op would not: not lowered, the cast named."""
     capture, _ = _cast_run(_CastWriter(_round_trip(torch.float8_e4m3fn), where), torch.bfloat16)
@@ -586,7 +596,7 @@ def test_fp8_fake_quantized_branch_keeps_todays_path(where):
     assert "casts torch.bfloat16 to torch.float8_e4m3fn, a rounding the op does not make" in why, why
 
 
-@pytest.mark.parametrize("where", ["heads", "v"])
+@pytest.mark.parametrize("where", quick_first(1, ["heads", "v"]))
 def test_fp16_round_trip_that_overflows_keeps_eagers_non_finite_values(where):
     """bf16 -> fp16 -> bf16 of values beyond fp16's range gives inf (and NaN after the norm) in eager; the op
     computes in fp32 and would write finite values: not lowered, and the caches hold what eager holds."""
@@ -603,15 +613,17 @@ def test_narrowing_round_trip_in_an_fp32_model_keeps_todays_path():
 
 @pytest.mark.parametrize(
     ("dtype", "cast"),
-    [
-        (torch.bfloat16, _round_trip(torch.float32)),  # bf16 -> fp32 -> bf16: rounds nothing
-        (torch.bfloat16, _round_trip(torch.float32, torch.float64)),
-        (torch.float16, _round_trip(torch.float32)),
-        (torch.float32, _round_trip(torch.float64)),
-    ],
-    ids=["bf16-fp32", "bf16-fp32-fp64", "fp16-fp32", "fp32-fp64"],
+    quick_first(
+        1,
+        [
+            pytest.param(torch.bfloat16, _round_trip(torch.float32), id="bf16-fp32"),  # rounds nothing
+            pytest.param(torch.bfloat16, _round_trip(torch.float32, torch.float64), id="bf16-fp32-fp64"),
+            pytest.param(torch.float16, _round_trip(torch.float32), id="fp16-fp32"),
+            pytest.param(torch.float32, _round_trip(torch.float64), id="fp32-fp64"),
+        ],
+    ),
 )
-@pytest.mark.parametrize("where", ["k", "heads", "v"])
+@pytest.mark.parametrize("where", quick_first(1, ["k", "heads", "v"]))
 def test_widening_casts_still_lower(dtype, cast, where):
     capture, _ = _cast_run(_CastWriter(cast, where), dtype)
     _assert_lowered(capture, 4)
@@ -712,7 +724,9 @@ def test_cuda_binding_rules_are_checked_at_compile_time(monkeypatch, norm_stride
 
 
 @pytest.mark.parametrize("tokens", [24, 32, 64], ids=["T24", "T32-kv-width", "T64-hidden"])
-@pytest.mark.parametrize("options", REFERENCE_VARIANTS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "options", quick_first(1, REFERENCE_VARIANTS[:4]), ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
 def test_static_token_counts_lower_and_are_checked_at_a_few_tokens(monkeypatch, options, tokens):
     """A static T (a first compile, `dynamic=False`) lowers like a symbolic one, and its numeric self-check evaluates
     3 tokens, not T (T = 4096 would take seconds and gigabytes in fp64), also where T equals another size of the

@@ -96,8 +96,8 @@ extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, i
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    emu = build(tmp_path_factory.mktemp("multi_linear_emu"), DRIVER, "mlemu")
+def emu(emulation_cache):
+    emu = build(emulation_cache, DRIVER, "mlemu")
     emu.emu_auto_split.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     emu.emu_default_variant.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return emu

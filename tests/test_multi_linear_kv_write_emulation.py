@@ -212,8 +212,8 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("kv_write_emu"), DRIVER, "kvemu")
+def emu(emulation_cache):
+    return build(emulation_cache, DRIVER, "kvemu")
 
 
 @dataclass(frozen=True)
@@ -464,27 +464,30 @@ def test_fused_kernel_without_norm_or_rope(emu):
     _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="fused")
 
 
+@pytest.mark.slow  # seconds per case: the quick tier runs the stream kernel in the smaller tests below
 @pytest.mark.parametrize(
-    ("head_dim", "rot", "neox", "variant"),
+    ("head_dim", "rot", "neox", "variant", "two_tiles"),
     [
-        (64, 64, True, 1),
-        (64, 24, False, 0),
-        (128, 128, False, 1),
-        (128, 44, True, 0),
-        (128, 44, False, 2),
-        (64, 24, True, 3),
+        (64, 64, True, 1, 11),
+        (64, 24, False, 0, 16),
+        (128, 128, False, 1, 11),
+        (128, 44, True, 0, 16),
+        (128, 44, False, 2, 11),
+        (64, 24, True, 3, 16),
     ],
 )
-def test_stream_kernel(emu, head_dim, rot, neox, variant):
+def test_stream_kernel(emu, head_dim, rot, neox, variant, two_tiles):
     """The streaming kernel: one head per CTA, the weights through the mbarrier ring, every compiled variant (chunk
     order rotated by head or not). K = 2104 is 2 whole chunks of 1024 columns and a ragged one of 56, so most
     consumer warps get no live column of the last chunk and most of its ring row is never copied; full and partial
-    rotary, both RoPE styles; 1, 11 and 16 tokens (one and two token tiles)."""
-    for tokens in (1, 11, 16):
+    rotary, both RoPE styles; 1 token (one token tile) and `two_tiles` tokens (two token tiles: 11, the second
+    partial, or 16)."""
+    for tokens in (1, two_tiles):
         spec = Spec(tokens=tokens, hidden=2104, head_dim=head_dim, rot=rot, neox=neox)
         _check(emu, spec, kernel="stream", variant=variant, seed=tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("split", "hidden", "variant"), [(2, 2104, 1), (3, 1040, 0)])
 def test_stream_kernel_cluster_split_commit_fp16(emu, split, hidden, variant):
     """K chunks split over a cluster, the partial tiles summed through distributed shared memory: 3 chunks of 1024

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,13 @@ def _corpus() -> dict[Path, str]:
 
 def test_every_top_level_function_and_class_of_dspark_fx_is_used():
     texts = _corpus()
+    words = Counter(word for text in texts.values() for word in re.findall(r"\w+", text))  # whole words
     dead = []
     for path in sorted((ROOT / "dspark_fx").rglob("*.py")):
         for node in ast.parse(texts[path]).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("__"):
-                word = re.compile(rf"\b{re.escape(node.name)}\b")
-                if sum(len(word.findall(text)) for text in texts.values()) <= 1:  # only its definition
-                    dead.append(f"{path.relative_to(ROOT)}: {node.name}")
+            is_def = isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("__")
+            if is_def and words[node.name] <= 1:  # only its definition
+                dead.append(f"{path.relative_to(ROOT)}: {node.name}")
     assert not dead, f"defined but never used: {dead}"
 
 

@@ -5,7 +5,10 @@ K/V heads; with `kv_write_op="always"` one `multi_linear_kv_write`), the caches 
 unsharded draft before and after in-place weight updates, Dynamo compiles one graph without breaks, and the
 collectives of the post-pass graph are those of the graph before it, in the same order."""
 
+import pytest
 from tp_cases import CFG, KINDS, spawn
+
+pytestmark = pytest.mark.slow  # gloo ranks in processes of their own
 
 LAYERS = CFG.num_layers
 # what the pass does on every rank, by kind, with kv_write_op="always" (counters["dspark_fx"])
