@@ -219,17 +219,13 @@ def test_batched_values_read_by_more_than_cache_writes_stay_batched_on_cuda():
     assert len(group.classes) == 1 and not group.unbatched, str(report)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", spellings.SPELLINGS)
-def test_never_lowered_spellings_match_eager_through_codegen_on_cuda(name):
-    """`kv_write_op="never"` on CUDA through real Inductor codegen: the fused GEMM with per-branch norm/RoPE leaves
-    eager's caches, bf16, T = 1 and T > 1, and no branch runs batched."""
-    from dspark_fx.passes.batch_group import WRITTEN_PER_BRANCH
-
+def _matches_eager_on_cuda(name: str, config: DsparkConfig) -> CaptureBackend:
+    """The spelling on CUDA through real Inductor codegen with `config`, bf16, T = 1 and T > 1: the compiled copy
+    leaves eager's caches. Returns the capture (graphs and reports)."""
     torch._dynamo.reset()
     eager = _build(name, torch.bfloat16).to("cuda")
     compiled_model = copy.deepcopy(eager)
-    capture = CaptureBackend(DsparkConfig(kv_write_op="never"), inner="inductor")
+    capture = CaptureBackend(config, inner="inductor")
     compiled = torch.compile(compiled_model, backend=capture)
     with torch.no_grad():
         for seed, tokens in enumerate((1, 9, 17)):
@@ -237,6 +233,17 @@ def test_never_lowered_spellings_match_eager_through_codegen_on_cuda(name):
             eager(*inputs)
             compiled(*inputs)
             assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+    return capture
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", spellings.SPELLINGS)
+def test_never_lowered_spellings_match_eager_through_codegen_on_cuda(name):
+    """`kv_write_op="never"` on CUDA through real Inductor codegen: the fused GEMM with per-branch norm/RoPE leaves
+    eager's caches, bf16, T = 1 and T > 1, and no branch runs batched."""
+    from dspark_fx.passes.batch_group import WRITTEN_PER_BRANCH
+
+    capture = _matches_eager_on_cuda(name, DsparkConfig(kv_write_op="never"))
     for report in capture.reports:
         (group,) = report.groups
         assert not group.classes and {u.reason for u in group.unbatched} == {WRITTEN_PER_BRANCH}, str(report)
@@ -247,16 +254,6 @@ def test_never_lowered_spellings_match_eager_through_codegen_on_cuda(name):
 def test_every_spelling_lowers_on_cuda_with_auto(name):
     """On CUDA, the default `kv_write_op="auto"` through real Inductor codegen: every spelling becomes one
     `multi_linear_kv_write` (the op's CUDA kernel) and leaves eager's caches, bf16, T = 1 and T > 1."""
-    torch._dynamo.reset()
-    eager = _build(name, torch.bfloat16).to("cuda")
-    compiled_model = copy.deepcopy(eager)
-    capture = CaptureBackend(DsparkConfig(), inner="inductor")
-    compiled = torch.compile(compiled_model, backend=capture)
-    with torch.no_grad():
-        for seed, tokens in enumerate((1, 9, 17)):
-            inputs = [t.to("cuda") for t in _inputs(tokens, torch.bfloat16, seed)]
-            eager(*inputs)
-            compiled(*inputs)
-            assert_close_for_dtype(_caches(compiled_model), _caches(eager), torch.bfloat16)
+    capture = _matches_eager_on_cuda(name, DsparkConfig())
     lowered = [op_counts(graph)[OP] for graph in capture.after]
     assert lowered == [1] * len(capture.after), f"{name} is not lowered on CUDA:\n{capture.report}"
