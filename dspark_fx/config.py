@@ -24,6 +24,11 @@ class DsparkConfig:
     through `dspark::multi_linear` with one weight. On CUDA the op takes its small-T kernel where that beats cuBLAS
     (up to 8 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
     BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
+    `max_fused_rows`: on CUDA, the most rows (tokens) at which GEMMs sharing an activation fuse into one
+    `multi_linear`; above, the per-layer GEMMs stay (each output is read by its norm/RoPE/write while it is still in
+    L2: faster from about 1024 tokens on an H200, see BENCHMARKS.md). The KV-write lowering is not limited (faster
+    at every measured T). A symbolic row count is guarded: a dynamic-shape model compiles at most one graph per
+    side of the limit, the second when a call first crosses it.
     `kv_write_op`: lower N layers' K/V cache writes from one activation (projection, k_norm, RoPE, write) to one
     `dspark::multi_linear_kv_write` (`passes/kv_write.py`). "auto": where the op's CUDA kernel runs (CUDA tensors,
     bf16/fp16, K % 8 == 0, head_dim % 8 == 0 and <= 256, caches with unit inner stride and 16-byte aligned rows);
@@ -37,6 +42,7 @@ class DsparkConfig:
     min_branches: int = 2
     max_leaf_numel: int = 1 << 16
     skinny_linears: bool = True
+    max_fused_rows: int = 512
     kv_write_op: str = "auto"
 
     def __post_init__(self) -> None:
@@ -49,6 +55,8 @@ class DsparkConfig:
             raise ValueError(f"DsparkConfig.min_branches must be >= 2, got {self.min_branches}")
         if self.max_leaf_numel < 1:
             raise ValueError(f"DsparkConfig.max_leaf_numel must be >= 1, got {self.max_leaf_numel}")
+        if self.max_fused_rows < 1:
+            raise ValueError(f"DsparkConfig.max_fused_rows must be >= 1, got {self.max_fused_rows}")
 
         if self.kv_write_op not in KV_WRITE_MODES:
             raise ValueError(f"DsparkConfig.kv_write_op must be one of {KV_WRITE_MODES}, got {self.kv_write_op!r}")

@@ -41,6 +41,7 @@ REJECTION_KINDS = (
     ("output is read through", "storage_layout"),
     ("operands carry no tensor metadata", "no_metadata"),
     ("fewer than min_branches", "below_min_branches"),  # "N fusable GEMM(s) on x, fewer than min_branches"
+    ("rows above max_fused_rows", "above_max_fused_rows"),
 )
 
 

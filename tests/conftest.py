@@ -33,3 +33,11 @@ def emulation_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     xdist workers and kept across runs), a temporary folder where the cache plugin is off (`-p no:cacheprovider`)."""
     cache = getattr(request.config, "cache", None)
     return cache.mkdir("kernel_emulation") if cache is not None else tmp_path_factory.mktemp("kernel_emulation")
+
+
+@pytest.fixture
+def builds_cuda_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine that builds the dspark CUDA library (fake CUDA graphs route GEMMs through its ops)."""
+    import custom_ops
+
+    monkeypatch.setattr(custom_ops._build, "cuda_library_problem", lambda: "")

@@ -161,14 +161,6 @@ def _never_lowered(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, object]:
     return graph, fuse_kv_branches(graph, DsparkConfig(kv_write_op="never"), None)
 
 
-@pytest.fixture
-def builds_cuda_library(monkeypatch):
-    """As on a machine that builds the dspark CUDA library (fake CUDA graphs route GEMMs through its ops)."""
-    import custom_ops
-
-    monkeypatch.setattr(custom_ops._build, "cuda_library_problem", lambda: "")
-
-
 @pytest.mark.usefixtures("builds_cuda_library")
 @pytest.mark.parametrize("name", spellings.SPELLINGS)
 def test_never_lowered_writes_keep_per_branch_norm_and_rope_on_cuda(name):

@@ -20,20 +20,22 @@ of all layers by one `dspark::multi_linear_kv_write` (`DsparkConfig.kv_write_op`
 the op has its kernel; see that module); the GEMMs it does not take are fused as below.
 
 This module only drives the steps: normalize (CSE, `normalize`) → GEMMs on frozen weights (Inductor freezing) in
-the unfrozen shape (`frozen`) → lower cache writes (`kv_write`) → find the GEMMs
-grouped by activation (`gemm_branches`) → for each group: rewrite its GEMMs into one multi-linear (`gemm_branches`),
-then batch the per-branch regions (`batch_group`: regions of `branch_regions`, classes of identical branches of
-`branch_classes`, batched ops of each class by `batch_class` with the rules of `batching`/`batch_rules`) → the views
-below a fused GEMM become reshapes (its column blocks and branch slices have other strides) → consumers that
-read memory (custom ops, the outputs) get the eager strides back (`layouts`) → the report. Anything
-that does not fit is left as it was and reported; an unexpected error while batching a class leaves that class
-unbatched (reported, and logged as a warning), never a failed compile.
+the unfrozen shape (`frozen`) → lower cache writes (`kv_write`) → find the GEMMs grouped by activation
+(`gemm_branches`) → for each group (on CUDA only up to `DsparkConfig.max_fused_rows` rows, a symbolic count
+guarded, so a dynamic model compiles one graph per side of the limit): rewrite its GEMMs into one multi-linear
+(`gemm_branches`), then batch the per-branch regions (`batch_group`: regions of `branch_regions`, classes of
+identical branches of `branch_classes`, batched ops of each class by `batch_class` with the rules of
+`batching`/`batch_rules`) → the views below a fused GEMM become reshapes (its column blocks and branch slices have
+other strides) → consumers that read memory (custom ops, the outputs) get the eager strides back (`layouts`) → the
+report. Anything that does not fit is left as it was and reported; an unexpected error while batching a class
+leaves that class unbatched (reported, and logged as a warning), never a failed compile.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches, kv_write
@@ -44,6 +46,9 @@ from dspark_fx.passes.layouts import EagerLayouts
 from dspark_fx.passes.names import Namer
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
 from dspark_fx.report import FusionReport, GroupReport, KVKept, KVKeptReason, Rejection
+
+# Devices on which a GEMM group fuses only up to `DsparkConfig.max_fused_rows` rows (measured on an H200).
+ROW_LIMITED_DEVICES = ("cuda",)
 
 
 def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
@@ -59,7 +64,14 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     report.rejected += scan.rejected
     for group in scan.groups:
         group = gemm_branches.refresh_activation(group)
-        if len(group.branches) >= config.min_branches:
+        if len(group.branches) >= config.min_branches and _too_many_rows(group, config):
+            rows = tensor_val(group.activation).shape[0]
+            why = (
+                f"rows above max_fused_rows (this graph is for {rows} > {config.max_fused_rows} rows) on CUDA: the "
+                "per-layer GEMMs stay, each output read by its consumers while it is in L2 (faster at these sizes)"
+            )
+            report.rejected.extend(Rejection(b.describe(names), why) for b in group.branches)
+        elif len(group.branches) >= config.min_branches:
             report.groups.append(_fuse_group(graph, group, config, names))
         elif len(group.branches) == 1 and config.skinny_linears:
             (branch,) = group.branches
@@ -107,6 +119,16 @@ def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
         "no write to lower; compile under torch.no_grad() or torch.inference_mode()"
     )
     return [KVKept("", KVKeptReason.TRAINING_GRAPH, detail)]
+
+
+def _too_many_rows(group: gemm_branches.GemmGroup, config: DsparkConfig) -> bool:
+    """Whether a GEMM group on a CUDA activation has more rows than `config.max_fused_rows`. A symbolic row count
+    is guarded (Dynamo keeps the graph for the side of the limit it was compiled for and compiles the other side's
+    once, when a call crosses it); a data-dependent one counts as within the limit."""
+    value = tensor_val(group.activation)
+    if value.device.type not in ROW_LIMITED_DEVICES:
+        return False
+    return not guard_or_true(value.shape[0] <= config.max_fused_rows)
 
 
 def _fuse_group(graph: fx.Graph, group: gemm_branches.GemmGroup, config: DsparkConfig, names: Namer) -> GroupReport:
