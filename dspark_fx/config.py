@@ -25,10 +25,10 @@ class DsparkConfig:
     (up to 8 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
     BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
     `max_fused_rows`: on CUDA, the most rows (tokens) at which GEMMs sharing an activation fuse into one
-    `multi_linear`; above, the per-layer GEMMs stay (each output is read by its norm/RoPE/write while it is still in
-    L2: faster from about 1024 tokens on an H200, see BENCHMARKS.md). The KV-write lowering is not limited (faster
-    at every measured T). A symbolic row count is guarded: a dynamic-shape model compiles at most one graph per
-    side of the limit, the second when a call first crosses it.
+    `multi_linear`; above, the per-layer GEMMs stay (measured faster from about 1024 tokens on an H200, likely as
+    each output can still be in L2 when its norm/RoPE/write reads it; BENCHMARKS.md). The KV-write lowering is not
+    limited (faster at every measured T). A symbolic row count is guarded: a dynamic-shape model compiles at most
+    one graph per side of the limit, the second when a call first crosses it.
     `kv_write_op`: lower N layers' K/V cache writes from one activation (projection, k_norm, RoPE, write) to one
     `dspark::multi_linear_kv_write` (`passes/kv_write.py`). "auto": where the op's CUDA kernel runs (CUDA tensors,
     bf16/fp16, K % 8 == 0, head_dim % 8 == 0 and <= 256, caches with unit inner stride and 16-byte aligned rows);

@@ -68,7 +68,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
             rows = tensor_val(group.activation).shape[0]
             why = (
                 f"rows above max_fused_rows (this graph is for {rows} > {config.max_fused_rows} rows) on CUDA: the "
-                "per-layer GEMMs stay, each output read by its consumers while it is in L2 (faster at these sizes)"
+                "per-layer GEMMs stay (measured faster than one fused GEMM at these sizes)"
             )
             report.rejected.extend(Rejection(b.describe(names), why) for b in group.branches)
         elif len(group.branches) >= config.min_branches:
