@@ -49,6 +49,16 @@ def draft_inputs(cfg: DraftKVConfig, tokens: int, device: str = "cpu", seed: int
     return tuple(a.to(device) for a in args)
 
 
+def poison_caches(model: torch.nn.Module, seed: int = 7) -> None:
+    """Fill every K/V cache of `model` (its `caches()`) with random values: slots a write does not address must
+    keep them."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for k_cache, v_cache in model.caches():
+            k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+            v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+
+
 def eager_and_compiled(
     cfg: DraftKVConfig, backend, tokens_list=(7,), device: str = "cpu", compile_kwargs=None, model_factory=None
 ):

@@ -12,35 +12,25 @@ import torch
 from dspark_fx import DsparkConfig
 from dspark_fx.passes import horizontal
 from dspark_fx.passes.horizontal import fuse_kv_branches
-from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter
+from dspark_fx.reference_draft import DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
-CFG = DraftKVConfig(
-    num_layers=3, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, num_slots=1024, max_position=64, eps=1e-5
-)
+CFG = helpers.small_config(num_slots=1024, max_position=64, eps=1e-5)
 NEVER = DsparkConfig(kv_write_op="never", max_fused_rows=6)
 
 
 def _draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> DraftKVWriter:
     """The reference draft's writer, its caches poisoned with random values (slots not written must keep them)."""
     model = DraftKVWriter(dataclasses.replace(CFG, dtype=dtype), device).requires_grad_(False)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for k_cache, v_cache in model.caches():
-            k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
-            v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    helpers.poison_caches(model)
     return model
 
 
 def _inputs(
     tokens: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32, dynamic: bool = True
-) -> list[torch.Tensor]:
-    """ctx, positions, distinct slots; the token dim marked dynamic (or not)."""
-    gen = torch.Generator().manual_seed(seed)
-    ctx = torch.randn(tokens, CFG.hidden, generator=gen).to(dtype)
-    positions = torch.randint(0, CFG.max_position, (tokens,), generator=gen)
-    slots = torch.randperm(CFG.num_slots, generator=gen)[:tokens]
-    inputs = [t.to(device) for t in (ctx, positions, slots)]
+) -> tuple[torch.Tensor, ...]:
+    """`helpers.draft_inputs` (ctx, positions, distinct slots), the token dim marked dynamic (or not)."""
+    inputs = helpers.draft_inputs(dataclasses.replace(CFG, dtype=dtype), tokens, device, seed)
     for t in inputs if dynamic else ():
         torch._dynamo.maybe_mark_dynamic(t, 0)
     return inputs

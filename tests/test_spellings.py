@@ -41,11 +41,7 @@ def _inputs(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, t
 def _build(name: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
     """The spelling's writer, its caches poisoned with random values (slots not written must keep them)."""
     model = spellings.build_spelling(name, dataclasses.replace(CFG, dtype=dtype, **overrides))
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for k_cache, v_cache in model.caches():
-            k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
-            v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    helpers.poison_caches(model)
     return model.requires_grad_(False)
 
 

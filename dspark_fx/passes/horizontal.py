@@ -64,15 +64,12 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     report.rejected += scan.rejected
     for group in scan.groups:
         group = gemm_branches.refresh_activation(group)
-        if len(group.branches) >= config.min_branches and _too_many_rows(group, config):
-            rows = tensor_val(group.activation).shape[0]
-            why = (
-                f"rows above max_fused_rows (this graph is for {rows} > {config.max_fused_rows} rows) on CUDA: the "
-                "per-layer GEMMs stay (measured faster than one fused GEMM at these sizes)"
-            )
-            report.rejected.extend(Rejection(b.describe(names), why) for b in group.branches)
-        elif len(group.branches) >= config.min_branches:
-            report.groups.append(_fuse_group(graph, group, config, names))
+        if len(group.branches) >= config.min_branches:
+            too_many_rows = _above_row_limit(group, config)
+            if too_many_rows:
+                report.rejected.extend(Rejection(b.describe(names), too_many_rows) for b in group.branches)
+            else:
+                report.groups.append(_fuse_group(graph, group, config, names))
         elif len(group.branches) == 1 and config.skinny_linears:
             (branch,) = group.branches
             gemm_branches.narrow_to_used_columns(branch)
@@ -121,14 +118,19 @@ def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
     return [KVKept("", KVKeptReason.TRAINING_GRAPH, detail)]
 
 
-def _too_many_rows(group: gemm_branches.GemmGroup, config: DsparkConfig) -> bool:
-    """Whether a GEMM group on a CUDA activation has more rows than `config.max_fused_rows`. A symbolic row count
-    is guarded (Dynamo keeps the graph for the side of the limit it was compiled for and compiles the other side's
-    once, when a call crosses it); a data-dependent one counts as within the limit."""
+def _above_row_limit(group: gemm_branches.GemmGroup, config: DsparkConfig) -> str:
+    """Why a GEMM group on a CUDA activation with more rows than `config.max_fused_rows` is not fused, or "" for
+    any other group. A symbolic row count is guarded (Dynamo keeps the graph for the side of the limit it was
+    compiled for and compiles the other side's once, when a call crosses it); a data-dependent one counts as within
+    the limit."""
     value = tensor_val(group.activation)
-    if value.device.type not in ROW_LIMITED_DEVICES:
-        return False
-    return not guard_or_true(value.shape[0] <= config.max_fused_rows)
+    rows = value.shape[0]
+    if value.device.type not in ROW_LIMITED_DEVICES or guard_or_true(rows <= config.max_fused_rows):
+        return ""
+    return (
+        f"rows above max_fused_rows (this graph is for {rows} > {config.max_fused_rows} rows) on CUDA: the per-layer "
+        "GEMMs stay (measured faster than one fused GEMM at these sizes)"
+    )
 
 
 def _fuse_group(graph: fx.Graph, group: gemm_branches.GemmGroup, config: DsparkConfig, names: Namer) -> GroupReport:
