@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,3 +35,34 @@ def median_us(fn: Callable[[], object], device: str, warmup: int = 25, rep: int 
         fn()
         times.append(time.perf_counter() - start)
     return 1e6 * statistics.median(times)
+
+
+def interleaved_median_us(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[float]:
+    """Median µs per call of each of `calls`, sampled interleaved so that they share the machine's state: every
+    round times each call once, in an order shuffled per round (seeded; so no call always follows the same one),
+    after one untimed round. On CUDA each call runs after an L2 flush (as do_bench does) between two CUDA events; on CPU
+    the wall clock of each call. Slow drifts (clocks, temperature, other load) then move every call alike, so two
+    calls that launch the same kernels read the same median."""
+    order = random.Random(0)
+    if device == "cuda":
+        flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+        events = [[] for _ in calls]
+        for r in range(rounds + 1):
+            for i in order.sample(range(len(calls)), len(calls)):
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                calls[i]()
+                end.record()
+                if r:
+                    events[i].append((start, end))
+            torch.cuda.synchronize()
+        return [1e3 * statistics.median(s.elapsed_time(e) for s, e in pairs) for pairs in events]
+    times = [[] for _ in calls]
+    for r in range(rounds + 1):
+        for i in order.sample(range(len(calls)), len(calls)):
+            start = time.perf_counter()
+            calls[i]()
+            if r:
+                times[i].append(time.perf_counter() - start)
+    return [1e6 * statistics.median(t) for t in times]

@@ -4,8 +4,8 @@
     python benchmarks/dspark_write.py --small                   # GPU check: tiny dims, bf16, T in {1, 8}
     python benchmarks/dspark_write.py --device cpu --small      # CPU check: tiny dims, fp32, T in {1, 8}
     (--configs qwen3-8b hd64 and --tokens 8 64 pick a subset)
-    python benchmarks/dspark_write.py --spellings reference sglang hf complex gptj_stack   # the same, per spelling
-    (--rounds 2: every row timed twice, in rotated variant order; a cell is the lower median)
+    python benchmarks/dspark_write.py --spellings reference sglang hf complex gptj_stack   # the same, per spelling,
+    all spellings timed together, with a table of the spellings side by side
     python benchmarks/dspark_write.py --breakdown --configs qwen3-8b --tokens 8 64   # GPU: where the time goes
     (--breakdown dspark never: only those variants; with --spellings: per spelling)
 
@@ -18,7 +18,9 @@ T in {1, 8, 64, 512, 4096}.
 
 Spellings (`--spellings`, default `reference` only): the same draft written the ways models are written, from
 `benchmarks/_spellings.py` (reference = `DraftKVWriter` as above; sglang, hf, complex, gptj_stack: see that module);
-one table per config and spelling, all columns measured on that spelling's module.
+one table per config and spelling, all columns measured on that spelling's module, every spelling's cells of a row
+timed in one interleave; with the reference among several, a first table per config gives, per T and spelling,
+dspark_backend ÷ the reference spelling's dspark_backend and dspark_backend (lowered, never lowered) ÷ torch.compile.
 
 One table per config, one row per T. A time cell is µs per call and, in brackets, time ÷ the torch.compile cell
 of the same row (below 1.00x: faster than torch.compile). Columns:
@@ -55,18 +57,23 @@ is replayed after an L2 flush (as do_bench runs it; torch profiler), and the rep
 kernel and of the one-launch read in the same harness: replay = kernels + that harness cost (the table's header gives
 it too).
 
-Timing: medians of `triton.testing.do_bench`. Eager per-layer, stacked eager, both torch.compile columns and
-dspark_backend are captured per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this
-path). The RO callables replay their own CUDA graph trees, which cannot be captured inside another graph: they are
-timed as called after warm-up calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc
-into the graphs' static inputs; one more call per T checks that it replays a CUDA graph (cells marked † where not).
-Each compiled variant is compiled once per config with T marked dynamic (one graph for all T > 1, one for T = 1).
-Before timing, every variant's cache writes at T = 8, run as timed (graph replay, RO call), are checked against
-eager per-layer (max |error| / max |eager| <= 2e-2 in bf16, 1e-5 in fp32); a variant that disagrees is printed and
-its cells are marked ✗. `--device cpu` times wall clock without CUDA graphs and skips the RO variants.
-`--rounds R` (default 1) times every row's variants R times, each round starting one variant later (so no variant is
-always timed right after the same one), and a cell is the lowest of its R medians; the report gives, per table, the
-largest spread (highest ÷ lowest median) seen for one cell.
+Timing: CUDA events around each call, after an L2 flush (as `triton.testing.do_bench` times), interleaved: per row
+(one T), every cell of the config (every variant of every spelling) is prepared, then `--rounds` rounds (default
+100; CPU 10) each time every cell once, in an order shuffled per round; a cell is its median. Slow drifts of
+clocks and temperature so move every cell alike, and the spellings' tables are timed together. A control cell times
+the row's torch.compile graph captured a second time: its ratio to the first (column `control`) is what two identical
+graphs read in that row. Eager per-layer, stacked eager, both torch.compile columns and dspark_backend are captured
+per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables replay
+their own CUDA graph trees, which cannot be captured inside another graph: they are timed as called after warm-up
+calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc into the graphs' static inputs;
+one more call per T checks that it replays a CUDA graph (cells marked † where not).
+Each compiled variant is compiled once per config with T marked dynamic, then called once at every T from the largest
+down: each graph (one for T = 1, one for T > 1, and for dspark_backend on CUDA one above `max_fused_rows` rows) is
+compiled, and its Inductor kernels tuned, at the largest T it serves, so two variants' graphs that hold the same ops
+are compiled and tuned alike. Before timing, every variant's cache writes at T = 8, run as timed (graph replay, RO
+call), are checked against eager per-layer (max |error| / max |eager| <= 2e-2 in bf16, 1e-5 in fp32); a variant that
+disagrees is printed and its cells are marked ✗. `--device cpu` times wall clock without CUDA graphs and skips the
+RO variants. `--variants compile dspark never` times only those columns (torch.compile always).
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ from unittest import mock
 
 import torch
 from _spellings import SPELLINGS, SpellingModel, build_spelling
-from _timing import graphed, median_us
+from _timing import graphed, interleaved_median_us, median_us
 
 import dspark_fx
 from dspark_fx.reference_draft import DraftKVConfig, apply_rope
@@ -155,23 +162,31 @@ class HandStacked(torch.nn.Module):
 
 @dataclass(frozen=True)
 class Variant:
+    key: str  # its name for `--variants`
     name: str
     build: Callable[[SpellingModel], Callable]  # the callable under test, from the model copy it writes with
     reduce_overhead: bool = False  # runs its own CUDA graph trees: timed as called, CUDA only
 
 
 VARIANTS = (
-    Variant("eager per-layer", lambda model: model),
-    Variant("stacked eager", HandStacked),
-    Variant("torch.compile", torch.compile),
-    Variant("hand-stacked torch.compile", lambda model: torch.compile(HandStacked(model))),
-    Variant("torch.compile RO", functools.partial(torch.compile, mode="reduce-overhead"), reduce_overhead=True),
-    Variant("dspark_backend", functools.partial(torch.compile, backend=dspark_fx.dspark_backend)),
+    Variant("eager", "eager per-layer", lambda model: model),
+    Variant("stacked", "stacked eager", HandStacked),
+    Variant("compile", "torch.compile", torch.compile),
+    Variant("hand", "hand-stacked torch.compile", lambda model: torch.compile(HandStacked(model))),
     Variant(
+        "compile_ro",
+        "torch.compile RO",
+        functools.partial(torch.compile, mode="reduce-overhead"),
+        reduce_overhead=True,
+    ),
+    Variant("dspark", "dspark_backend", functools.partial(torch.compile, backend=dspark_fx.dspark_backend)),
+    Variant(
+        "never",
         "dspark_backend, never lowered",
         functools.partial(torch.compile, backend=dspark_fx.make_backend({"kv_write_op": "never"})),
     ),
     Variant(
+        "dspark_ro",
         "dspark_backend RO",
         functools.partial(torch.compile, backend=dspark_fx.dspark_backend, mode="reduce-overhead"),
         reduce_overhead=True,
@@ -204,18 +219,20 @@ class Row:
     floor_bound: str
     path: str
     times: dict[str, float | str] = field(default_factory=dict)  # µs, or why there is no time
+    control: float = float("nan")  # torch.compile captured twice in the same interleave: second ÷ first
 
 
 @dataclass
 class ConfigRun:
     label: str
+    spelling: str
     cfg: DraftKVConfig
     rows: list[Row]
     entries: list[Entry]
     read_us: float | None  # the one-launch read of the K/V weight bytes (CUDA only)
     kept: list[str]  # why the dspark passes kept K/V writes off multi_linear_kv_write
-    rounds: int = 1  # timing rounds per row (--rounds)
-    spread: float = 1.0  # the largest highest ÷ lowest median of one cell over the rounds
+    paths: dict[int, str]  # per T, the op the dspark passes lowered the K/V group to
+    rounds: int  # interleaved timing rounds per row (--rounds)
 
 
 def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -293,13 +310,14 @@ class PathProbe:
 
 
 def dspark_paths(base: SpellingModel, inputs: dict[int, tuple]) -> tuple[dict[int, str], list[str]]:
-    """Per T, the op the dspark passes lowered the K/V group to, compiled as the timed models are (T = 8 first); and
-    the reasons given for K/V writes kept off `multi_linear_kv_write` (the first write's, per graph)."""
+    """Per T, the op the dspark passes lowered the K/V group to, compiled as the timed models are (`first_calls`:
+    the largest T first); and the reasons given for K/V writes kept off `multi_linear_kv_write` (the first write's,
+    per graph)."""
     probe = PathProbe()
     model = torch.compile(copy.deepcopy(base), backend=probe)
     paths = {}
     with torch.no_grad():
-        for tokens in sorted(inputs, key=lambda t: t != PARITY_TOKENS):
+        for tokens in sorted(inputs, reverse=True):
             probe.seen.clear()
             model(*inputs[tokens])
             paths[tokens] = "/".join(sorted(probe.seen)) or "?"
@@ -386,80 +404,104 @@ def fail(entry: Entry, exc: Exception, where: str) -> None:
     traceback.print_exc()
 
 
-def time_entry(entry: Entry, inputs: tuple, device: str) -> float | str:
-    """µs per call of the entry at these inputs, or why there is none."""
-    if entry.error:
-        return "error"
-    try:
-        call = prepare(entry, inputs, device)
-        us = median_us(call, device, **BENCH)
+def first_calls(entries: list[Entry], inputs: dict[int, tuple]) -> None:
+    """Call every compiled entry once at each T, from the largest T down: each Dynamo graph is compiled at the
+    largest T it serves (its shape hint) and Inductor tunes its kernels' launch configurations at that first call,
+    so graphs that hold the same ops, in two variants, are compiled and tuned alike."""
+    for entry in entries:
+        if "eager" in entry.variant.name:
+            continue
+        try:
+            with compile_counts() as counts:
+                for tokens in sorted(inputs, reverse=True):
+                    entry.fn(*inputs[tokens])
+            entry.graphs += counts["frames"]
+        except Exception as exc:
+            fail(entry, exc, "first calls")
+
+
+def time_row(entries: list[Entry], inputs: tuple, device: str, rounds: int) -> tuple[list[float | str], float]:
+    """Per entry, µs per call at these inputs (or why there is none), all entries sampled together
+    (`interleaved_median_us`); and the control: the first BASELINE entry captured and timed a second time, in the
+    same interleave, ÷ its first time (what two identical graphs read here; NaN without a baseline)."""
+    calls, timed = [], []
+    for i, entry in enumerate(entries):
+        if entry.error:
+            continue
+        try:
+            calls.append(prepare(entry, inputs, device))
+            timed.append(i)
+        except Exception as exc:
+            fail(entry, exc, f"T={inputs[0].shape[0]}")
+    baseline = next((i for i in timed if entries[i].variant.name == BASELINE), None)
+    if baseline is not None:
+        calls.append(prepare(entries[baseline], inputs, device))
+    medians = interleaved_median_us(calls, device, rounds)
+    times: list[float | str] = ["error"] * len(entries)
+    for i, call, us in zip(timed, calls, medians, strict=False):  # the control's call and median come last
+        times[i] = us
+        entry = entries[i]
         if device == "cuda" and entry.variant.reduce_overhead and not launched_cuda_graph(call):
             entry.no_cuda_graph = True
             print(f"  {entry.variant.name} T={inputs[0].shape[0]}: ran without a CUDA graph launch", flush=True)
-        return us
-    except Exception as exc:
-        fail(entry, exc, f"T={inputs[0].shape[0]}")
-        return "error"
+    return times, float("nan") if baseline is None else medians[-1] / medians[timed.index(baseline)]
 
 
 def run_config(
     label: str,
     cfg: DraftKVConfig,
-    spelling: str,
+    spellings: list[str],
     tokens_list: tuple[int, ...],
     device: str,
-    ceilings,
-    rounds: int = 1,
-) -> ConfigRun:
-    if spelling != "reference":
-        label = f"{label}, {spelling} spelling"
+    ceilings: tuple[float, float],
+    variants: tuple[Variant, ...],
+    rounds: int,
+) -> list[ConfigRun]:
+    """One table per spelling; every row's cells of all spellings and variants are timed together, interleaved."""
     print(f"{label}: {cfg}", flush=True)
     torch._dynamo.reset()
-    base = build_spelling(spelling, cfg, device).requires_grad_(False)
     inputs = {t: make_inputs(cfg, t, device) for t in sorted({PARITY_TOKENS, *tokens_list})}
-    paths, kept = dspark_paths(base, inputs)
-    print(f"  dspark path per T: {paths}; K/V writes kept: {kept}", flush=True)
-    entries = []
-    for variant in VARIANTS:
-        if device == "cuda" or not variant.reduce_overhead:
-            model = copy.deepcopy(base)
-            entries.append(Entry(variant, model, variant.build(model)))
-    by_name = {entry.variant.name: entry for entry in entries}
-    rows = []
-    spread = 1.0
+    runs = []
     with torch.no_grad():
-        check_parity(entries, base, inputs[PARITY_TOKENS], device)
+        for spelling in spellings:
+            base = build_spelling(spelling, cfg, device).requires_grad_(False)
+            paths, kept = dspark_paths(base, inputs)
+            print(f"  {spelling}: dspark path per T: {paths}; K/V writes kept: {kept}", flush=True)
+            entries = []
+            for variant in variants:
+                if device == "cuda" or not variant.reduce_overhead:
+                    model = copy.deepcopy(base)
+                    entries.append(Entry(variant, model, variant.build(model)))
+            first_calls(entries, inputs)
+            check_parity(entries, base, inputs[PARITY_TOKENS], device)
+            title = label if spelling == "reference" else f"{label}, {spelling} spelling"
+            runs.append(ConfigRun(title, spelling, cfg, [], entries, None, kept, paths, rounds))
+            del base
         for tokens in tokens_list:
-            row = Row(tokens, *floor_us(cfg, tokens, *ceilings), paths[tokens])
-            samples = {entry.variant.name: [] for entry in entries}
-            for r in range(rounds):
-                shift = r % len(entries)
-                for entry in entries[shift:] + entries[:shift]:
-                    samples[entry.variant.name].append(time_entry(entry, inputs[tokens], device))
-            for variant in VARIANTS:
-                times = samples.get(variant.name)
-                if times is None:
-                    row.times[variant.name] = "n/a (cpu)"
-                elif all(isinstance(t, float) for t in times):
-                    row.times[variant.name] = min(times)
-                    spread = max(spread, max(times) / min(times))
-                else:
-                    row.times[variant.name] = next(t for t in times if isinstance(t, str))
-            rows.append(row)
-            print(f"  T={tokens} µs:", {k: v if isinstance(v, str) else round(v, 1) for k, v in row.times.items()})
-    for entry in entries:  # the models and their graphs go before the next config
-        entry.fn = entry.model = None
-    del base, inputs, by_name
+            entries = [entry for run in runs for entry in run.entries]
+            times, control = time_row(entries, inputs[tokens], device, rounds)
+            for run in runs:
+                row = Row(tokens, *floor_us(cfg, tokens, *ceilings), run.paths[tokens], control=control)
+                row.times = {variant.name: "n/a (cpu)" for variant in variants}
+                row.times |= {entry.variant.name: times.pop(0) for entry in run.entries}
+                run.rows.append(row)
+                shown = {k: v if isinstance(v, str) else round(v, 1) for k, v in row.times.items()}
+                print(f"  {run.spelling} T={tokens} µs: {shown}; control {control:.3f}", flush=True)
+    for run in runs:  # the models and their graphs go before the next config
+        for entry in run.entries:
+            entry.fn = entry.model = None
+    del inputs
     torch._dynamo.reset()
     gc.collect()
-    read_us = None
     if device == "cuda":
         torch.cuda.empty_cache()
         from _read_floor import one_launch_read_us
 
         read_us = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
         print(f"  one-launch read of {kv_weight_bytes(cfg) / 1e6:.3g} MB: {read_us:.1f} µs", flush=True)
-    return ConfigRun(label, cfg, rows, entries, read_us, kept, rounds, spread)
+        for run in runs:
+            run.read_us = read_us
+    return runs
 
 
 def cell(times: dict[str, float | str], name: str, entry: Entry | None) -> str:
@@ -476,9 +518,14 @@ def cell(times: dict[str, float | str], name: str, entry: Entry | None) -> str:
     return text
 
 
-def config_table(run: ConfigRun) -> list[str]:
+def _ratio(times: dict[str, float | str], name: str, by: str) -> str:
+    value, base = times.get(name), times.get(by)
+    return f"{value / base:.2f}x" if isinstance(value, float) and isinstance(base, float) else "—"
+
+
+def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
     cfg = run.cfg
-    names = [v.name for v in VARIANTS]
+    names = [v.name for v in variants]
     entries = {e.variant.name: e for e in run.entries}
     columns = [
         "T",
@@ -488,6 +535,7 @@ def config_table(run: ConfigRun) -> list[str]:
         *(f"{name} ÷ floor" for name in FLOOR_RATIOS),
         "dspark_backend ÷ hand-stacked",
         f"{READ_RATIO} ÷ read",
+        "control",
         "dspark path",
     ]
     lines = [
@@ -501,11 +549,10 @@ def config_table(run: ConfigRun) -> list[str]:
     for row in run.rows:
         cells = [cell(row.times, name, entries.get(name)) for name in names]
         ratios = [
-            f"{row.times[n] / row.floor_us:.2f}x" if isinstance(row.times[n], float) else "—" for n in FLOOR_RATIOS
+            f"{row.times[n] / row.floor_us:.2f}x" if isinstance(row.times.get(n), float) else "—" for n in FLOOR_RATIOS
         ]
-        ours, hand = (row.times[name] for name in HAND_RATIO)
-        ratios.append(f"{ours / hand:.2f}x" if isinstance(ours, float) and isinstance(hand, float) else "—")
-        dspark = row.times[READ_RATIO]
+        ratios.append(_ratio(row.times, *HAND_RATIO))
+        dspark = row.times.get(READ_RATIO)
         if run.read_us is None:
             read, by_read = "n/a (cpu)", "—"
         else:
@@ -514,7 +561,9 @@ def config_table(run: ConfigRun) -> list[str]:
             by_read = f"{dspark / run.read_us:.2f}x" if isinstance(dspark, float) and copy_bound else "—"
         floor = f"{row.floor_us:.1f} ({row.floor_bound})"
         lines.append(
-            f"| {row.tokens} | {floor} | {read} | " + " | ".join([*cells, *ratios, by_read]) + f" | {row.path} |"
+            f"| {row.tokens} | {floor} | {read} | "
+            + " | ".join([*cells, *ratios, by_read, f"{row.control:.3f}x"])
+            + f" | {row.path} |"
         )
     lines.append("")
     for entry in run.entries:
@@ -525,30 +574,55 @@ def config_table(run: ConfigRun) -> list[str]:
         if entry.no_cuda_graph:
             lines.append("  - †: at least one call launched no CUDA graph (Inductor skipped them: see the log)")
     lines += [f"- dspark path: K/V writes kept off multi_linear_kv_write: {why}" for why in run.kept]
-    if run.rounds > 1:
-        lines.append(
-            f"- {run.rounds} timing rounds per row, each cell the lowest median; the largest spread of one cell "
-            f"(highest ÷ lowest median): {run.spread:.2f}x"
-        )
+    return [*lines, ""]
+
+
+def spellings_table(runs: list[ConfigRun]) -> list[str]:
+    """Per T and spelling, from the rows timed together: dspark_backend ÷ the reference spelling's dspark_backend,
+    and dspark_backend (lowered, and never lowered) ÷ the spelling's own torch.compile."""
+    reference = next(run for run in runs if run.spelling == "reference")
+    lines = [
+        f"### {reference.label}: the spellings side by side (the same interleaved rows as the tables below)",
+        "",
+        "| T | spelling | dspark path | dspark_backend ÷ reference spelling's | dspark_backend ÷ torch.compile | "
+        "never lowered ÷ torch.compile | control |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, ref_row in enumerate(reference.rows):
+        for run in runs:
+            row = run.rows[i]
+            ours, ref = row.times.get("dspark_backend"), ref_row.times.get("dspark_backend")
+            by_ref = f"{ours / ref:.2f}x" if isinstance(ours, float) and isinstance(ref, float) else "—"
+            lines.append(
+                f"| {row.tokens} | {run.spelling} | {row.path} | {by_ref} | "
+                f"{_ratio(row.times, 'dspark_backend', BASELINE)} | "
+                f"{_ratio(row.times, 'dspark_backend, never lowered', BASELINE)} | {row.control:.3f}x |"
+            )
     return [*lines, ""]
 
 
 def report(
-    runs: list[ConfigRun], device: str, ceilings: tuple[float, float], dtype: torch.dtype, harness_us: float | None
+    runs: list[list[ConfigRun]],
+    variants: tuple[Variant, ...],
+    device: str,
+    ceilings: tuple[float, float],
+    dtype: torch.dtype,
+    harness_us: float | None,
 ) -> str:
+    """The markdown report; `runs`: per config, its tables (one per spelling, timed together)."""
     bandwidth, gemm_rate = ceilings
     if device == "cuda":
         import triton
 
         where = f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
         timing = (
-            "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), medians of "
-            f"triton.testing.do_bench (warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms); a graph of one trivial "
-            f"kernel replays in {harness_us:.1f} µs here"
+            "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), after an L2 flush, between CUDA "
+            f"events; per row, the medians of {runs[0][0].rounds} interleaved rounds over every cell of the row's "
+            f"config (every spelling's); a graph of one trivial kernel replays in {harness_us:.1f} µs here"
         )
     else:
         where = f"CPU {platform.machine()}, torch {torch.__version__}"
-        timing = "wall clock, no CUDA graphs (RO columns n/a)"
+        timing = f"wall clock, no CUDA graphs (RO columns n/a), medians of {runs[0][0].rounds} interleaved rounds"
     command = f"{Path(sys.executable).name} {shlex.join(sys.argv)}"
     lines = [
         "## Draft context-KV write (`benchmarks/dspark_write.py`)",
@@ -577,29 +651,32 @@ def report(
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor); below a table, the reason the "
         "passes gave for K/V writes they kept off multi_linear_kv_write. Tables of a spelling other than `reference` "
         "(`--spellings`) time that spelling's module of `benchmarks/_spellings.py` in every column.",
-        "- Every compiled variant is compiled once per config with T marked dynamic (one graph for T > 1, one for "
-        f"T = 1). Before timing, each variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against "
-        "eager per-layer. ✗: failed that check. †: an RO call that launched no CUDA graph. n/a (cpu): "
-        "reduce-overhead needs CUDA graphs.",
+        "- Every compiled variant is compiled once per config with T marked dynamic, then called once at every T "
+        "from the largest down, so each of its graphs (one for T = 1, one for T > 1, and for dspark_backend on "
+        f"CUDA one above `max_fused_rows`) is compiled and tuned at the largest T it serves. Before timing, each "
+        f"variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against eager per-layer. ✗: "
+        "failed that check. †: an RO call that launched no CUDA graph. n/a (cpu): reduce-overhead needs CUDA graphs.",
+        "- control: the row's torch.compile (of the first table) captured a second time and timed in the same "
+        "interleave, ÷ its first capture: what two identical graphs read in this row.",
+        "- With several spellings, a first table puts them side by side: per T, dspark_backend ÷ the reference "
+        "spelling's dspark_backend, and dspark_backend, lowered and never lowered, ÷ that spelling's torch.compile.",
         "",
     ]
-    for run in runs:
-        lines += config_table(run)
+    for config_runs in runs:
+        if len(config_runs) > 1 and any(run.spelling == "reference" for run in config_runs):
+            lines += spellings_table(config_runs)
+        for run in config_runs:
+            lines += config_table(run, variants)
     return "\n".join(lines)
 
 
-BREAKDOWN_VARIANTS = {  # `--breakdown` keys
-    "compile": "torch.compile",
-    "hand": "hand-stacked torch.compile",
-    "dspark": "dspark_backend",
-    "never": "dspark_backend, never lowered",
-}
+BREAKDOWN_KEYS = ("compile", "hand", "dspark", "never")  # the variants `--breakdown` can profile
 
 
 def breakdown(
     label: str, cfg: DraftKVConfig, spelling: str, tokens_list: tuple[int, ...], keys: list[str]
 ) -> list[str]:
-    """`--breakdown` lines of one config and spelling: per variant (BREAKDOWN_VARIANTS keys) and T, the replay time
+    """`--breakdown` lines of one config and spelling: per variant (BREAKDOWN_KEYS) and T, the replay time
     and the kernels of that graph after an L2 flush; and the harness cost. The models are built, checked and
     compiled as the table's are (every variant, in the same order), so they are the table's models."""
     from _read_floor import one_launch_read_us, trivial_replay_us
@@ -612,6 +689,7 @@ def breakdown(
     for variant in VARIANTS:
         model = copy.deepcopy(base)
         entries.append(Entry(variant, model, variant.build(model)))
+    first_calls(entries, inputs)
     check_parity(entries, base, inputs[PARITY_TOKENS], "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
     trivial = trivial_replay_us(BENCH)
@@ -620,8 +698,7 @@ def breakdown(
         f"{label}, {spelling} spelling: replay of a graph of one trivial kernel {trivial:.1f} µs; of one kernel "
         f"reading the {kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read:.1f} µs"
     ]
-    names = [BREAKDOWN_VARIANTS[key] for key in keys]
-    for entry in [entry for entry in entries if entry.variant.name in names and not entry.error]:
+    for entry in [entry for entry in entries if entry.variant.key in keys and not entry.error]:
         for tokens in tokens_list:
             replay = prepare(entry, inputs[tokens], "cuda")
             total = median_us(replay, "cuda", **BENCH)
@@ -654,17 +731,29 @@ def main() -> None:
         help="draft spellings of benchmarks/_spellings.py, one table per config and spelling (default: reference)",
     )
     parser.add_argument("--out", type=Path, help="write the markdown report here")
-    parser.add_argument("--rounds", type=int, default=1, help="timing rounds per row; a cell is the lowest median")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=[variant.key for variant in VARIANTS],
+        help=f"the columns to time (default: all; {BASELINE}, the baseline, always)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved timing rounds per row; a cell is the median (default: 100, CPU 10)"
+    )
     parser.add_argument(
         "--breakdown",
         nargs="*",
-        choices=list(BREAKDOWN_VARIANTS),
-        help="CUDA: where the replay time goes, per kernel, for these variants (none named: all of "
-        f"{list(BREAKDOWN_VARIANTS)})",
+        choices=BREAKDOWN_KEYS,
+        help=f"CUDA: where the replay time goes, per kernel, for these variants (none named: all of {BREAKDOWN_KEYS})",
     )
     args = parser.parse_args()
     if args.breakdown is not None and args.device != "cuda":
         parser.error("--breakdown profiles CUDA kernels: it needs --device cuda")
+    chosen = set(args.variants or [variant.key for variant in VARIANTS])
+    variants = tuple(variant for variant in VARIANTS if variant.key in chosen or variant.name == BASELINE)
+    rounds = args.rounds or (100 if args.device == "cuda" else 10)
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
     configs = SMALL_CONFIGS if args.small else CONFIGS
     keys = args.configs or list(configs)
     unknown = set(keys) - set(configs)
@@ -690,7 +779,7 @@ def main() -> None:
                     dataclasses.replace(configs[key][1], dtype=dtype),
                     spelling,
                     tokens_list,
-                    args.breakdown or list(BREAKDOWN_VARIANTS),
+                    args.breakdown or list(BREAKDOWN_KEYS),
                 )
             )
         print(text)
@@ -707,11 +796,10 @@ def main() -> None:
     runs = []
     for key in keys:
         label, cfg = configs[key]
-        for spelling in args.spellings:
-            cfg_run = dataclasses.replace(cfg, dtype=dtype)
-            runs.append(run_config(label, cfg_run, spelling, tokens_list, args.device, ceilings, args.rounds))
-            print(f"{runs[-1].label} done at {time.perf_counter() - start:.0f} s", flush=True)
-    text = report(runs, args.device, ceilings, dtype, harness_us)
+        cfg_run = dataclasses.replace(cfg, dtype=dtype)
+        runs.append(run_config(label, cfg_run, args.spellings, tokens_list, args.device, ceilings, variants, rounds))
+        print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
+    text = report(runs, variants, args.device, ceilings, dtype, harness_us)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

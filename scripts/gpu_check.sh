@@ -10,8 +10,9 @@
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
-#   spellings the context-KV write of every draft spelling (benchmarks/_spellings.py), Qwen3-8B dims, T 1..4096
-#             (benchmarks/dspark_write.py --spellings ... --rounds 2); no build step needed when the ops are built
+#   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
+#             together, Qwen3-8B dims, T 1..4096, the columns torch.compile, hand-stacked, dspark_backend and never
+#             lowered (benchmarks/dspark_write.py --spellings ... --variants ...)
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -27,7 +28,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 } 2>&1 | tee "$OUT/env.txt"
 status=0
-if [ "$what" != bench ] && [ "$what" != tune ] && [ "$what" != spellings ]; then
+if [ "$what" != bench ] && [ "$what" != tune ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
 fi
 case "$what" in
@@ -72,7 +73,8 @@ case "$what" in
       -o /tmp/kv_write_tune && /tmp/kv_write_tune; } 2>&1 | tee "$OUT/kv_write_tune.log" || status=1
     ;;
   spellings)
-    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf complex gptj_stack --rounds 2 \
+    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf complex gptj_stack \
+      --variants compile hand dspark never --tokens 1 8 64 512 1024 4096 \
       --out "$OUT/dspark_write_spellings.md" 2>&1 | tee "$OUT/dspark_write_spellings.log" || status=1
     ;;
   profile)

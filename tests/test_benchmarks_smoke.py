@@ -40,11 +40,18 @@ def test_dspark_write_small_cpu(tmp_path):
         *("--configs", "small-hd16", "--spellings", "reference", "hf", "--tokens", "8"),
     )
     titles = [line for line in report.splitlines() if line.startswith("### ")]
-    assert [t.split(":")[0] for t in titles] == ["### small, head_dim 16", "### small, head_dim 16, hf spelling"]
-    header = next(line for line in report.splitlines() if line.startswith("| T |"))
-    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert [t.split(":")[0] for t in titles] == ["### small, head_dim 16"] * 2 + ["### small, head_dim 16, hf spelling"]
+    assert "the spellings side by side" in titles[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in report.splitlines() if line.startswith("| ")]
-    rows = [row for row in rows if row[0].isdigit()]
+    side_by_side = [row for row in rows if len(row) == 7 and row[0].isdigit()]
+    assert [row[:2] for row in side_by_side] == [["8", "reference"], ["8", "hf"]]
+    assert side_by_side[0][3] == "1.00x", side_by_side  # the reference spelling ÷ itself
+    for row in side_by_side:
+        assert all(re.fullmatch(r"\d+\.\d\dx", cell) for cell in row[3:6]), row
+        assert re.fullmatch(r"\d+\.\d{3}x", row[6]), f"control: {row[6]!r}"
+    header = next(line for line in report.splitlines() if line.startswith("| T | floor"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = [row for row in rows if len(row) == len(columns) and row[0].isdigit()]
     assert [row[0] for row in rows] == ["8"] * 2
     for row in rows:
         cells = dict(zip(columns, row, strict=True))
