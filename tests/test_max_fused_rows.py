@@ -50,14 +50,16 @@ def _captured(tokens: int, dtype: torch.dtype = torch.float32) -> torch.fx.Graph
 @pytest.mark.parametrize("tokens", [6, 7])
 def test_groups_above_the_limit_keep_their_gemms_on_cuda_only(tokens, fake_cuda):
     """At 6 rows (the limit) the K/V GEMMs fuse; at 7 they stay per layer on CUDA, each rejected with its reason,
-    and fuse on CPU."""
+    in the graph as it came (Inductor then generates torch.compile's own kernels), and fuse on CPU."""
     graph = _captured(tokens)
     if fake_cuda:
         helpers.as_fake_cuda(graph)
+    before = str(graph)
     report = fuse_kv_branches(graph, NEVER, None)
     counts = op_counts(graph)
     if fake_cuda and tokens > NEVER.max_fused_rows:
         assert not report.groups and counts["dspark.multi_linear"] == 0 and counts["aten.mm"] == CFG.num_layers
+        assert str(graph) == before, "nothing rewritten: the graph must come back as it came, not even normalized"
         assert [r.kind for r in report.rejected] == ["above_max_fused_rows"] * CFG.num_layers, str(report)
         assert report.rejected[0].reason.startswith("rows above max_fused_rows (this graph is for 7 > 6 rows)")
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any
 
@@ -151,3 +152,25 @@ def source_line(node: fx.Node) -> str | None:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{where}:{line}: {code}"
     return None
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` (its nodes' meta shared shallowly, as `node_copy` does)."""
+    new = fx.Graph()
+    output = new.graph_copy(graph, {})
+    new.output(output).meta = copy.copy(graph.output_node().meta)
+    return new
+
+
+def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Make `graph` hold the nodes of `snapshot` (a `copy_graph` of it) again, in place: the object the caller
+    (Inductor) holds stays the same; names, placeholder targets, node meta and the order of the nodes are the
+    snapshot's. FX keeps an erased node's name taken; the names are released in its namespace (a private attribute:
+    where a torch version lacks it, the restored nodes get suffixed names, which changes nothing that runs)."""
+    for node in list(reversed(graph.nodes)):
+        graph.erase_node(node)
+    used_names = getattr(getattr(graph, "_graph_namespace", None), "_used_names", None)
+    if isinstance(used_names, set):
+        used_names.difference_update(node.name for node in snapshot.nodes)
+    output = graph.graph_copy(snapshot, {})
+    graph.output(output).meta = copy.copy(snapshot.output_node().meta)

@@ -27,7 +27,8 @@ guarded, so a dynamic model compiles one graph per side of the limit): rewrite i
 identical branches of `branch_classes`, batched ops of each class by `batch_class` with the rules of
 `batching`/`batch_rules`) → the views below a fused GEMM become reshapes (its column blocks and branch slices have
 other strides) → consumers that read memory (custom ops, the outputs) get the eager strides back (`layouts`) → the
-report. Anything that does not fit is left as it was and reported; an unexpected error while batching a class
+report. Anything that does not fit is left as it was and reported, and a graph in which nothing is rewritten is
+handed back exactly as it came (not even normalized); an unexpected error while batching a class
 leaves that class unbatched (reported, and logged as a warning), never a failed compile.
 """
 
@@ -41,7 +42,7 @@ from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import branch_regions, gemm_branches, kv_write
 from dspark_fx.passes.batch_group import batch_group
 from dspark_fx.passes.frozen import expose_frozen_weights
-from dspark_fx.passes.graph_utils import aten, tensor_val, views_to_reshapes
+from dspark_fx.passes.graph_utils import aten, copy_graph, restore_graph, tensor_val, views_to_reshapes
 from dspark_fx.passes.layouts import EagerLayouts
 from dspark_fx.passes.names import Namer
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
@@ -53,6 +54,7 @@ ROW_LIMITED_DEVICES = ("cuda",)
 
 def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
     report = FusionReport()
+    snapshot = copy_graph(graph)
     names = Namer(graph, input_names)
     eager_layouts = EagerLayouts(graph)
     eliminate_common_subexpressions(graph)
@@ -85,6 +87,8 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
         eager_layouts.restore(graph)
         stable_topological_sort(graph)
         graph.lint()
+    else:  # nothing rewritten: the graph as it came (the normalization alone can change Inductor's kernels)
+        restore_graph(graph, snapshot)
     return report
 
 

@@ -24,6 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 import custom_ops.linear.multi_linear
 import custom_ops.linear.multi_linear_kv_write
 from dspark_fx.config import DsparkConfig, as_config
+from dspark_fx.passes.graph_utils import copy_graph
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.report import FusionReport, count
 
@@ -61,7 +62,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
                 user_pass(graph, is_inference=is_inference)
             else:
                 user_pass(graph)
-        before = _copy(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
+        before = copy_graph(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
         report = FusionReport()
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
@@ -74,7 +75,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         if before is not None:
             log.debug("dspark_fx graph diff:\n%s", graph_diff(before, graph))
             if self.observer is not None:
-                self.observer(before, _copy(graph), report)
+                self.observer(before, copy_graph(graph), report)
 
     def uuid(self) -> bytes | None:
         extra = self.config.to_json()
@@ -94,13 +95,6 @@ def _user_passes(user_pass: UserPasses | None) -> tuple[Callable[..., None], ...
         if not callable(p):
             raise TypeError(f"post_grad_custom_post_pass: expected a pass (a callable), got {type(p).__name__}")
     return passes
-
-
-def _copy(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    output = new.graph_copy(graph, {})
-    new.output(output)
-    return new
 
 
 def graph_diff(before: fx.Graph, after: fx.Graph) -> str:
