@@ -678,7 +678,8 @@ def breakdown(
 ) -> list[str]:
     """`--breakdown` lines of one config and spelling: per variant (BREAKDOWN_KEYS) and T, the replay time
     and the kernels of that graph after an L2 flush; and the harness cost. The models are built, checked and
-    compiled as the table's are (every variant, in the same order), so they are the table's models."""
+    compiled as the table's are (`first_calls`, then the parity check), so they are the table's models; only the
+    profiled variants are built (the parity check compares against the eager base model)."""
     from _read_floor import one_launch_read_us, trivial_replay_us
     from torch.profiler import ProfilerActivity, profile
 
@@ -687,8 +688,9 @@ def breakdown(
     inputs = {t: make_inputs(cfg, t, "cuda") for t in sorted({PARITY_TOKENS, *tokens_list})}
     entries = []
     for variant in VARIANTS:
-        model = copy.deepcopy(base)
-        entries.append(Entry(variant, model, variant.build(model)))
+        if variant.key in keys:
+            model = copy.deepcopy(base)
+            entries.append(Entry(variant, model, variant.build(model)))
     first_calls(entries, inputs)
     check_parity(entries, base, inputs[PARITY_TOKENS], "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
@@ -698,7 +700,7 @@ def breakdown(
         f"{label}, {spelling} spelling: replay of a graph of one trivial kernel {trivial:.1f} µs; of one kernel "
         f"reading the {kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read:.1f} µs"
     ]
-    for entry in [entry for entry in entries if entry.variant.key in keys and not entry.error]:
+    for entry in [entry for entry in entries if not entry.error]:
         for tokens in tokens_list:
             replay = prepare(entry, inputs[tokens], "cuda")
             total = median_us(replay, "cuda", **BENCH)
