@@ -1,7 +1,8 @@
 """dspark::multi_linear on CUDA: the small-T kernel and the cuBLAS path against an fp64 formula, every kernel variant
-and split, layouts (row slices, empty ranges, weight views, strided and misaligned activations), adjacent weights,
-more weights than one launch holds, CUDA graphs (every output element rewritten on replay, in-place weight updates
-seen), torch.compile with a symbolic T, concurrent streams, opcheck and the argument errors of the CPU path."""
+and split, layouts (row slices, empty ranges, weight views, strided and misaligned activations), adjacent weights
+(merged, except where that would split one batched GEMM), more weights than one launch holds, CUDA graphs (every
+output element rewritten on replay, in-place weight updates seen), torch.compile with a symbolic T, concurrent
+streams, opcheck and the argument errors of the CPU path."""
 
 from __future__ import annotations
 
@@ -351,6 +352,24 @@ def test_adjacent_weights_merge(tokens):
         torch.testing.assert_close(merged_out, separate_out, rtol=1e-2, atol=1e-2)
         merged = _cuda_kernels(lambda: op(x, weights, starts, counts, biases))
         assert merged < _cuda_kernels(lambda: op(x, separate[0], starts, counts, separate[1]))
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_partly_adjacent_weights_of_one_shape_stay_one_batched_gemm(tokens):
+    """Ten [96, 256] weights, two pairs of them back to back in memory (where an allocator happened to put them):
+    merging the pairs would leave runs of two shapes, two batched GEMMs; the op runs the ten as given in one batched
+    GEMM, the kernels it launches when no weight is adjacent to another."""
+    gen = torch.Generator().manual_seed(tokens)
+    packed = [torch.randn(192, 256, generator=gen).to(torch.bfloat16).cuda() for _ in range(2)]
+    others = [_apart(torch.randn(96, 256, generator=gen).to(torch.bfloat16).cuda()) for _ in range(6)]
+    weights = [packed[0][:96], packed[0][96:], *others[:3], packed[1][:96], packed[1][96:], *others[3:]]
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
+    args = (x, weights, [0] * 10, [96] * 10, [None] * 10)
+    separate = (x, [_apart(w) for w in weights], *args[2:])
+    names = _kernel_names(lambda: op(*args))
+    assert sum("fill_pointer_table" in n for n in names) == 1, names
+    assert _cuda_kernels(lambda: op(*args)) == _cuda_kernels(lambda: op(*separate)), names
+    _check(op(*args), fp64_formula(*args))
 
 
 @pytest.mark.parametrize("tokens", [4, 64, 100])

@@ -173,6 +173,30 @@ bool batches_every_run(const at::Tensor& x, const std::vector<Run>& runs) {
   return batched == runs.size();
 }
 
+// GEMM launches of the cuBLAS path over `runs`: one per kMaxSegments runs of a batched shape, one per other run.
+size_t cublas_launches(const at::Tensor& x, const std::vector<Run>& runs) {
+  std::vector<Run> single;
+  size_t launches = 0;
+  for (const auto& [shape, group] : batches(x, runs, &single)) {
+    launches += group.size() < 2 ? 1 : (group.size() + kMaxSegments - 1) / kMaxSegments;
+  }
+  return launches + single.size();
+}
+
+// The row ranges the cuBLAS path runs: `merged` (collect_runs: adjacent ranges merged, fewer and larger GEMMs), or
+// the ranges as given where those take fewer launches. Which weights lie back to back is up to the allocator, and
+// merging some of them leaves runs of several shapes, a GEMM each, where the given ranges of one shape are one
+// batched GEMM (H200, K/V of 5 layers as 10 [1024, 4096] weights at 64 tokens, some adjacent: 3 GEMMs and a
+// split-K reduction, 50.8 us per write, against one batched GEMM, 40.7 us): the path must not depend on it.
+std::vector<Run> cublas_runs(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts,
+                             at::IntArrayRef counts, const Biases& biases, std::vector<Run> merged) {
+  size_t ranges = 0;
+  for (const int64_t c : counts) ranges += c > 0 ? 1 : 0;
+  if (merged.size() <= 1 || merged.size() == ranges) return merged;  // all in one GEMM, or nothing merged
+  std::vector<Run> given = collect_runs(x, weights, starts, counts, biases, /*merge=*/false);
+  return cublas_launches(x, given) < cublas_launches(x, merged) ? given : merged;
+}
+
 // `runs` (all of one shape, 2..kMaxSegments of them) as one batched GEMM into their column blocks of `out`.
 void gemm_batched(const at::Tensor& x, const std::vector<const Run*>& runs, at::Tensor& out) {
   const int count = static_cast<int>(runs.size());
@@ -296,12 +320,14 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
   if (out.numel() == 0) return out;
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
+  const std::vector<Run> gemm_runs = cublas_runs(x, weights, row_starts, row_counts, biases, runs);
   const int64_t rows = out.size(1);
-  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, [&] { return batches_every_run(x, runs); }) &&
+  const auto all_batched = [&] { return batches_every_run(x, gemm_runs); };
+  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
       kernel_blocker(x, runs) == nullptr) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
-    cublas_path(x, weights, row_starts, biases, runs, out, /*batched=*/true);
+    cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
   }
   return out;
 }
@@ -313,7 +339,9 @@ at::Tensor multi_linear_cublas(const at::Tensor& x, at::TensorList weights, at::
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
   if (out.numel() == 0) return out;
-  cublas_path(x, weights, row_starts, biases, collect_runs(x, weights, row_starts, row_counts, biases), out, batched);
+  std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
+  if (batched) runs = cublas_runs(x, weights, row_starts, row_counts, biases, std::move(runs));
+  cublas_path(x, weights, row_starts, biases, runs, out, batched);
   return out;
 }
 

@@ -69,17 +69,17 @@ inline bool continues(const Run& run, const Run& next, int64_t esize) {
          (run.bias_stride == next.bias_stride && run.bias + run.rows * run.bias_stride * esize == next.bias);
 }
 
-// The non-empty row ranges in output order, adjacent ones merged (a loader that allocated the weights back to back,
-// or views of one packed tensor, gives one run: one GEMM / one kernel segment).
+// The non-empty row ranges in output order, adjacent ones merged unless `merge` is false (a loader that allocated the
+// weights back to back, or views of one packed tensor, gives one run: one GEMM / one kernel segment).
 inline std::vector<Run> collect_runs(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts,
-                              at::IntArrayRef counts, const Biases& biases) {
+                              at::IntArrayRef counts, const Biases& biases, bool merge = true) {
   const int64_t esize = static_cast<int64_t>(x.element_size());
   std::vector<Run> runs;
   int64_t col = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     if (counts[i] == 0) continue;
     const Run r = run_of(weights[i], biases.get(i), starts[i], counts[i], col, static_cast<int64_t>(i));
-    if (!runs.empty() && continues(runs.back(), r, esize)) {
+    if (merge && !runs.empty() && continues(runs.back(), r, esize)) {
       runs.back().rows += r.rows;
       runs.back().source = -1;
     } else {
