@@ -44,25 +44,33 @@ def interleaved_median_us(calls: Sequence[Callable[[], object]], device: str, ro
     the wall clock of each call. Slow drifts (clocks, temperature, other load) then move every call alike, so two
     calls that launch the same kernels read the same median."""
     order = random.Random(0)
-    if device == "cuda":
-        flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-        events = [[] for _ in calls]
-        for r in range(rounds + 1):
-            for i in order.sample(range(len(calls)), len(calls)):
-                flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                calls[i]()
-                end.record()
-                if r:
-                    events[i].append((start, end))
-            torch.cuda.synchronize()
-        return [1e3 * statistics.median(s.elapsed_time(e) for s, e in pairs) for pairs in events]
-    times = [[] for _ in calls]
+    cuda = device == "cuda"
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if cuda else None
+    samples = [[] for _ in calls]
     for r in range(rounds + 1):
         for i in order.sample(range(len(calls)), len(calls)):
-            start = time.perf_counter()
-            calls[i]()
+            sample = _cuda_sample(calls[i], flush) if cuda else _cpu_sample(calls[i])
             if r:
-                times[i].append(time.perf_counter() - start)
-    return [1e6 * statistics.median(t) for t in times]
+                samples[i].append(sample)
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return [1e3 * statistics.median(start.elapsed_time(end) for start, end in s) for s in samples]
+    return [1e6 * statistics.median(s) for s in samples]
+
+
+def _cuda_sample(call: Callable[[], object], flush: torch.Tensor) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """`call()` after an L2 flush, between two recorded CUDA events (read them after a synchronize)."""
+    flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    return start, end
+
+
+def _cpu_sample(call: Callable[[], object]) -> float:
+    """Seconds of wall clock of `call()`."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
