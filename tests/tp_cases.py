@@ -11,8 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +39,20 @@ PRELOAD = [
 
 def spawn(world_size: int, out: Path, kinds: tuple[str, ...], explain_too: bool) -> dict[int, dict[str, Any]]:
     """Run `check_rank` on `world_size` gloo ranks; returns each rank's summary (rank -> kind -> facts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # the ranks fork from one server process that imported torch, its compiler and dspark_fx once (this module is
     # not on the server's path: it imports what this module imports)
     multiprocessing.set_forkserver_preload(PRELOAD)
-    args = (world_size, port, str(out), kinds, explain_too)
+    args = (world_size, str(out), kinds, explain_too)
     mp.start_processes(_entry, args=args, nprocs=world_size, start_method="forkserver")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)}
 
 
-def _entry(rank: int, world_size: int, port: int, out: str, kinds: tuple[str, ...], explain_too: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world_size: int, out: str, kinds: tuple[str, ...], explain_too: bool) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    # the rendezvous is a file in `out`: no port picked here that another test process could take first
+    store = f"file://{Path(out) / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         summary = {kind: check_rank(rank, world_size, kind, explain_too) for kind in kinds}
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(summary))
