@@ -21,9 +21,10 @@ class DsparkConfig:
     `min_branches`: smallest group worth fusing.
     `max_leaf_numel`: largest per-branch tensor (e.g. a norm weight) that may be stacked per call.
     `skinny_linears`: also route a GEMM that has no partner on its activation (a draft's o_proj, down_proj, fc)
-    through `dspark::multi_linear` with one weight. On CUDA the op takes its small-T kernel where that beats cuBLAS
-    (up to 8 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096], [4096, 12288], see
-    BENCHMARKS.md) and cuBLAS otherwise, so the switch never makes a GEMM slower; on CPU it is the same `mm`.
+    through `dspark::multi_linear` with one weight, on CUDA only. There the op takes its small-T kernel where that
+    beats cuBLAS (up to 8 tokens for single weights, measured on an H200 for [4096, 4096], [1024, 4096],
+    [4096, 12288], see BENCHMARKS.md) and cuBLAS otherwise. On other devices a lone GEMM stays Inductor's: the op's
+    reference is slower there (BENCHMARKS.md, "Lone linears").
     `max_fused_rows`: on CUDA, the most rows (tokens) at which GEMMs sharing an activation fuse into one
     `multi_linear`; above, the per-layer GEMMs stay (measured faster from about 1024 tokens on an H200, likely as
     each output can still be in L2 when its norm/RoPE/write reads it; BENCHMARKS.md). The KV-write lowering is not

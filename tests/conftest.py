@@ -36,6 +36,15 @@ def emulation_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 
 @pytest.fixture
+def lone_gemms_routed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on CUDA, lone GEMMs (`skinny_linears`) go through `dspark::multi_linear` on CPU too: the routing's rewrite,
+    counters and report, tested where the op is its reference."""
+    from dspark_fx.passes import horizontal
+
+    monkeypatch.setattr(horizontal, "LONE_GEMM_DEVICES", ("cuda", "cpu"))
+
+
+@pytest.fixture
 def builds_cuda_library(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a machine that builds the dspark CUDA library (fake CUDA graphs route GEMMs through its ops)."""
     import custom_ops

@@ -77,3 +77,14 @@ def test_dspark_write_small_cpu(tmp_path):
     kept = [line for line in report.splitlines() if line.startswith("- dspark path: K/V writes kept off")]
     assert len(kept) == 2 and all("the tensors are on cpu" in line for line in kept), "\n".join(kept)  # CUDA only
     assert "  - error:" not in report
+
+
+def test_lone_linears_small_cpu(tmp_path):
+    """The lone-linears table: a row per T with a time per variant and the ratios to torch.compile."""
+    report = _run_benchmark("lone_linears.py", tmp_path / "lone_linears.md")
+    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "64"], report
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        assert all(re.fullmatch(r"\d+\.\d", c) for c in cells[1:4]), row  # torch.compile and the two dspark columns
+        assert all(re.fullmatch(r"\d+\.\d\dx", c) for c in cells[4:]) and len(cells) == 6, row

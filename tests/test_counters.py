@@ -11,14 +11,14 @@ from torch import nn
 from dspark_fx import DsparkConfig
 from dspark_fx.passes import gemm_branches
 from dspark_fx.report import Rejection
-from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
 counters = torch._dynamo.utils.counters
 
 
 class _Mixed(nn.Module):
     """Three normed projections of x (one fused, batched group), a dequantized GEMM on x (rejected) and a lone
-    GEMM on x2 (routed through multi_linear with skinny linears, else rejected: fewer than min_branches)."""
+    GEMM on x2 (routed through multi_linear with skinny linears on CUDA, else rejected: fewer than min_branches)."""
 
     def __init__(self, width: int = 16):
         super().__init__()
@@ -34,6 +34,7 @@ class _Mixed(nn.Module):
         return normed, dequantized, self.lone(x2)
 
 
+@pytest.mark.usefixtures("lone_gemms_routed_on_cpu")
 @pytest.mark.parametrize("skinny", [True, False])
 def test_counters_count_fused_groups_branches_and_rejections_by_reason(skinny):
     torch._dynamo.reset()
@@ -55,6 +56,20 @@ def test_counters_count_fused_groups_branches_and_rejections_by_reason(skinny):
     assert {k: counters["dspark_fx"][k] for k in expected} == expected, dict(counters["dspark_fx"])
     assert sum(v for k, v in counters["dspark_fx"].items() if k.startswith("rejected_")) == expected["rejected"]
     assert [r.kind for r in capture.report.rejected] == ["weight_computed"] + ([] if skinny else ["below_min_branches"])
+
+
+def test_lone_gemms_stay_inductors_on_cpu():
+    """With the default `skinny_linears=True`, a lone GEMM on a CPU activation is not routed (the op's reference is
+    slower than Inductor's addmm there): it stays an `mm`, counted as below min_branches."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, x, x2 = _Mixed(), torch.randn(5, 16), torch.randn(5, 16)
+    capture = CaptureBackend()
+    with torch.no_grad():
+        assert_close_for_dtype(torch.compile(model, backend=capture)(x, x2), model(x, x2))
+    assert counters["dspark_fx"]["lone_gemms_routed"] == 0 and not capture.report.routed
+    assert counters["dspark_fx"]["rejected_below_min_branches"] == 1
+    assert op_counts(capture.after[-1])["aten.mm"] == 2  # the lone and the dequantized GEMM
 
 
 def _reason_prefixes() -> list[str]:

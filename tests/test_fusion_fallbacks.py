@@ -99,10 +99,11 @@ class _TwoInputs(nn.Module):
         return normed[0], dependent, normed[2], self.b(x2)
 
 
+@pytest.mark.usefixtures("lone_gemms_routed_on_cpu")
 @pytest.mark.parametrize("skinny", [True, False])
 def test_dependent_branches_and_different_inputs(skinny):
     """The three GEMMs on x fuse; the lone GEMM on x2 is routed through multi_linear on its own (skinny linears,
-    the default) or, with the switch off, stays an `mm` with the reason in the report."""
+    the default, routed as on CUDA) or, with the switch off, stays an `mm` with the reason in the report."""
     torch._dynamo.reset()
     model = _TwoInputs()
     x, x2 = torch.randn(5, 32), torch.randn(5, 32)
@@ -168,6 +169,7 @@ class _Chained(nn.Module):
         return self.b(h), self.c(h), self.a2(x)
 
 
+@pytest.mark.usefixtures("lone_gemms_routed_on_cpu")
 @pytest.mark.parametrize("skinny", [True, False])
 def test_a_group_whose_activation_is_the_output_of_another_fused_gemm(skinny):
     """The group on `a(x)` is rewritten after the group on x replaced `a`'s GEMM: it reads `a`'s column block."""

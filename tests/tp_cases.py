@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspark_fx import DsparkConfig, explain
+from dspark_fx.passes import horizontal
 from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.reference_tp_draft import HandShardedDraft, TPDraft, TPDraftConfig, parallelize, rank_heads
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts
@@ -49,6 +50,7 @@ def spawn(world_size: int, out: Path, kinds: tuple[str, ...], explain_too: bool)
 
 def _entry(rank: int, world_size: int, out: str, kinds: tuple[str, ...], explain_too: bool) -> None:
     torch.set_num_threads(1)
+    horizontal.LONE_GEMM_DEVICES = ("cuda", "cpu")  # as on CUDA: the row-parallel GEMMs routed next to the all-reduces
     timeout = datetime.timedelta(seconds=120)
     # the rendezvous is a file in `out`: no port picked here that another test process could take first
     store = f"file://{Path(out) / 'rendezvous'}"

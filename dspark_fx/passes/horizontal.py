@@ -50,6 +50,11 @@ from dspark_fx.report import FusionReport, GroupReport, KVKept, KVKeptReason, Re
 
 # Devices on which a GEMM group fuses only up to `DsparkConfig.max_fused_rows` rows (measured on an H200).
 ROW_LIMITED_DEVICES = ("cuda",)
+# Devices on which a lone GEMM (`DsparkConfig.skinny_linears`) goes through `dspark::multi_linear`: where the op has a
+# small-T kernel that beats cuBLAS and takes cuBLAS otherwise. Elsewhere the op is its reference, slower than the
+# `addmm` Inductor emits and opaque to its fusions (CPU, a 256 -> 512 -> 256 MLP: 1.80x torch.compile's time at
+# T = 1, 1.37x at T = 64 when routed; BENCHMARKS.md, benchmarks/lone_linears.py).
+LONE_GEMM_DEVICES = ("cuda",)
 
 
 def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
@@ -72,7 +77,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
                 report.rejected.extend(Rejection(b.describe(names), too_many_rows) for b in group.branches)
             else:
                 report.groups.append(_fuse_group(graph, group, config, names))
-        elif len(group.branches) == 1 and config.skinny_linears:
+        elif len(group.branches) == 1 and config.skinny_linears and _routes_lone_gemms(group):
             (branch,) = group.branches
             gemm_branches.narrow_to_used_columns(branch)
             report.routed.append(f"{branch.describe(names)} on {names.of(group.activation)}")
@@ -120,6 +125,11 @@ def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
         "no write to lower; compile under torch.no_grad() or torch.inference_mode()"
     )
     return [KVKept("", KVKeptReason.TRAINING_GRAPH, detail)]
+
+
+def _routes_lone_gemms(group: gemm_branches.GemmGroup) -> bool:
+    """Whether a lone GEMM on this group's activation goes through the op (`LONE_GEMM_DEVICES`)."""
+    return tensor_val(group.activation).device.type in LONE_GEMM_DEVICES
 
 
 def _above_row_limit(group: gemm_branches.GemmGroup, config: DsparkConfig) -> str:
