@@ -36,6 +36,10 @@ class DsparkConfig:
     "always": wherever the graph computes the op's formula (on CPU the op is its fp32 reference: for tests); "never":
     off. The op computes in fp32 and rounds once, so a lowered model matches eager to the dtype's tolerance. It is a
     step of the horizontal fusion (`horizontal_fusion=False` turns it off too).
+    `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles
+    `inv_freq @ position_ids`) as a broadcast multiply, the same bits, which Inductor fuses into its readers
+    (`passes/outer_products.py`; on CUDA Inductor otherwise keeps a GEMM whose output its RoPE kernels read
+    transposed: BENCHMARKS.md, "HF RoPE angles").
     """
 
     horizontal_fusion: bool = True
@@ -45,6 +49,7 @@ class DsparkConfig:
     skinny_linears: bool = True
     max_fused_rows: int = 512
     kv_write_op: str = "auto"
+    outer_products: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -116,6 +116,7 @@ class FusionReport:
     routed: list[str] = field(default_factory=list)  # lone GEMMs routed through multi_linear (skinny linears)
     kv_writes: list[KVWriteReport] = field(default_factory=list)  # cache writes lowered to multi_linear_kv_write
     kv_kept: list[KVKept] = field(default_factory=list)  # cache writes of projections left on today's path, and why
+    outer_products: list[str] = field(default_factory=list)  # one-element-wide matmuls computed as multiplies
 
     @property
     def n_groups(self) -> int:
@@ -131,6 +132,7 @@ class FusionReport:
         self.routed += other.routed
         self.kv_writes += other.kv_writes
         self.kv_kept += other.kv_kept
+        self.outer_products += other.outer_products
 
     def __str__(self) -> str:
         lines = [f"dspark_fx horizontal fusion: {self.n_groups} fused GEMM group(s)"]
@@ -159,6 +161,9 @@ class FusionReport:
         if self.routed:
             lines.append("  lone GEMMs routed through multi_linear (small-T kernel on CUDA where it beats cuBLAS):")
             lines += [f"    {r}" for r in self.routed]
+        if self.outer_products:
+            lines.append("  outer products (matmuls over one element) computed as broadcast multiplies:")
+            lines += [f"    {p}" for p in self.outer_products]
         if self.rejected:
             lines.append("  not fused:")
             lines += [f"    {r.node}: {r.reason}" for r in self.rejected]
@@ -177,6 +182,7 @@ def count(report: FusionReport) -> None:
     group["lone_gemms_routed"] += len(report.routed)
     group["kv_writes_lowered"] += len(report.kv_writes)
     group["kv_writes_kept"] += len(report.kv_kept)
+    group["outer_products_multiplied"] += len(report.outer_products)
     for kept in report.kv_kept:
         group[f"kv_kept_{kept.reason.name.lower()}"] += 1
     for rejection in report.rejected:

@@ -26,6 +26,7 @@ import custom_ops.linear.multi_linear_kv_write
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.graph_utils import copy_graph
 from dspark_fx.passes.horizontal import fuse_kv_branches
+from dspark_fx.passes.outer_products import multiply_outer_products
 from dspark_fx.report import FusionReport, count
 
 log = logging.getLogger("dspark_fx")  # DSPARK_FX_LOG=info|debug sets it up (dspark_fx/__init__.py)
@@ -64,11 +65,13 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
                 user_pass(graph)
         before = copy_graph(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
         report = FusionReport()
+        outer_products = multiply_outer_products(graph) if self.config.outer_products else []
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
+        report.outer_products = outer_products
         self.reports.append(report)
         count(report)
-        if report.groups or report.kv_writes or report.kv_kept:
+        if report.groups or report.kv_writes or report.kv_kept or report.outer_products:
             log.info("%s", report)
         elif report.rejected:
             log.info("dspark_fx: nothing fused; %d GEMM(s) rejected: %s", len(report.rejected), report.rejected)
