@@ -34,8 +34,9 @@ class DsparkConfig:
     `dspark::multi_linear_kv_write` (`passes/kv_write.py`). "auto": where the op's CUDA kernel runs (CUDA tensors,
     bf16/fp16, K % 8 == 0, head_dim % 8 == 0 and <= 256, caches with unit inner stride and 16-byte aligned rows);
     "always": wherever the graph computes the op's formula (on CPU the op is its fp32 reference: for tests); "never":
-    off. The op computes in fp32 and rounds once, so a lowered model matches eager to the dtype's tolerance. It is a
-    step of the horizontal fusion (`horizontal_fusion=False` turns it off too).
+    off. The op computes in fp32 and rounds K at most twice (docs/ops.md, "Numerics"), so a lowered model matches
+    eager to the dtype's tolerance, not bit for bit. It is a step of the horizontal fusion (`horizontal_fusion=False`
+    turns it off too).
     `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles
     `inv_freq @ position_ids`) as a broadcast multiply, the same bits, which Inductor fuses into its readers
     (`passes/outer_products.py`; on CUDA Inductor otherwise keeps a GEMM whose output its RoPE kernels read

@@ -8,7 +8,8 @@ What a DSpark/DFlash draft does for every layer from the same `ctx` hidden state
     k_i = RoPE(k_i, cos_sin_caches[i][positions], is_neox)                 if cos_sin_caches is not empty
     k_caches[i][loc[t]] = k_i[t];  v_caches[i][loc[t]] = v_i[t]             for every written token t
 
-All math is fp32 from the inputs (GEMM accumulation, norm, rotation); K and V are rounded once, when stored.
+All math is fp32 from the inputs (GEMM accumulation, norm, rotation); V is rounded once, when stored, and K once on
+CPU and on CUDA's fused path (T <= 16), twice on CUDA's GEMM path (docs/ops.md, "Numerics").
 
 | arg              | shape / type               | dtype          | mut | meaning                                       |
 |------------------|----------------------------|----------------|-----|-----------------------------------------------|
