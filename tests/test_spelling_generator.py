@@ -1,14 +1,16 @@
 """Generated spellings of the draft context-K/V write (`tests/spelling_generator.py`) against the KV-write lowering.
 
 Positives: every seed's writer leaves the fp64 formula of `dspark::multi_linear_kv_write` in eager; compiled with
-`kv_write_op="always"` (`dynamic=True`) its writes of all layers become one op and the caches stay eager's for T > 1,
-also after an in-place update of a K weight, and for T = 1 (a graph of its own) on every 4th seed, which draw every
-value of every axis: every 5th seed through Inductor codegen, the others through `aot_eager`. Near misses: one
+`kv_write_op="always"` its writes of all layers become one op and the caches stay eager's for T > 1, also after an
+in-place update of a K weight; every 4th seed (those seeds draw every value of every axis) is compiled with
+`dynamic=True` and run at T = 1 too (a graph of its own), the others with static shapes. Every 5th seed goes through
+Inductor codegen, the others through `aot_eager`. Near misses: one
 change away from a positive and not the op's formula, they must keep today's path (with a reason in the report) and
 eager's caches.
 
-`DSPARK_SPELLINGS=N` sets the number of seeds (default 200), `DSPARK_SPELLINGS_T1_EVERY=k` compiles T = 1 on every
-k-th seed (default 4: T = 1 is a graph of its own, one more compile per model; 1 compiles it for every model).
+`DSPARK_SPELLINGS=N` sets the number of seeds (default 200), `DSPARK_SPELLINGS_T1_EVERY=k` compiles dynamic shapes
+and T = 1 on every k-th seed (default 4: a dynamic graph and the T = 1 graph take about three times a static
+graph's compile; 1 does it for every model).
 """
 
 import copy
@@ -33,6 +35,7 @@ AOT_EAGER_SEEDS = [p for p in SEEDS if p not in INDUCTOR_SEEDS]
 ONE_TOKEN_SEEDS = range(0, N, int(os.environ.get("DSPARK_SPELLINGS_T1_EVERY", 4)))  # compiled at T = 1 too
 NEAR_MISSES = pytest.mark.parametrize("name", gen.NEAR_MISSES)
 TOKENS = (6, 1, 4)  # T > 1 (commit: [2, 3] slots), T = 1, another T > 1 for the call after the weight update
+STATIC_TOKENS = (6, 6)  # static shapes: the same T before and after the weight update
 
 
 def _max_error(model: gen.GeneratedWriter, caches: list[torch.Tensor], index: slice = slice(None)) -> float:
@@ -47,21 +50,20 @@ def _eager(model: gen.GeneratedWriter, inputs: tuple) -> None:
 def _compiled_matches_eager(
     spec: gen.Spec, backend, update_weights: bool, device: str = "cpu", one_token: bool = True
 ) -> None:
-    """Compile a copy of the writer (`dynamic=True`), run both at each of `TOKENS` (T = 1 only if `one_token`) and
-    compare the caches (poisoned: slots not written must keep their random values); before the last call, update a K
-    weight in place in both (the compiled model must see it)."""
+    """Compile a copy of the writer, run both at each T and compare the caches (poisoned: slots not written must
+    keep their random values); before the last call, update a K weight in place in both (the compiled model must
+    see it). With `one_token`: `dynamic=True` at T = `TOKENS` (T = 1 a graph of its own); without: static shapes,
+    T = 6 twice (one graph, compiled in about half the time of a dynamic one)."""
     eager = gen.build(spec).to(device)
     model = copy.deepcopy(eager)
-    compiled = torch.compile(model, backend=backend, dynamic=True)
+    compiled = torch.compile(model, backend=backend, dynamic=one_token)
     with torch._dynamo.config.patch(specialize_float=True):  # eps a constant, not a graph input, under dynamic=True
-        _run_steps(spec, eager, model, compiled, update_weights, one_token)
+        _run_steps(spec, eager, model, compiled, update_weights, TOKENS if one_token else STATIC_TOKENS)
 
 
-def _run_steps(spec: gen.Spec, eager, model, compiled, update_weights: bool, one_token: bool) -> None:
-    for step, tokens in enumerate(TOKENS):
-        if tokens == 1 and not one_token:
-            continue
-        if step == 2 and update_weights:
+def _run_steps(spec: gen.Spec, eager, model, compiled, update_weights: bool, tokens_per_call: tuple) -> None:
+    for step, tokens in enumerate(tokens_per_call):
+        if step == len(tokens_per_call) - 1 and update_weights:
             with torch.no_grad():
                 for m in (eager, model):
                     w, rows = m.layers[-1].k_weight()
@@ -101,9 +103,9 @@ def test_eager_writes_the_ops_formula(seed):
 
 @pytest.mark.parametrize("seed", quick_first(4, AOT_EAGER_SEEDS))
 def test_compiled_lowers_and_matches_eager(seed):
-    """`kv_write_op="always"`, `aot_eager`: parity with eager at T > 1 (T = 1 too on every 4th seed) and after an
-    in-place K weight update; then every compiled graph holds one `multi_linear_kv_write` of all layers (the report's
-    reasons otherwise)."""
+    """`kv_write_op="always"`, `aot_eager`: parity with eager at T > 1 (T = 1 and dynamic shapes too on every 4th
+    seed) and after an in-place K weight update; then every compiled graph holds one `multi_linear_kv_write` of all
+    layers (the report's reasons otherwise)."""
     torch._dynamo.reset()
     spec = gen.generate(seed)
     capture = CaptureBackend(DsparkConfig(kv_write_op="always"))
@@ -115,8 +117,8 @@ def test_compiled_lowers_and_matches_eager(seed):
 @pytest.mark.parametrize("seed", INDUCTOR_SEEDS)
 def test_inductor_codegen_lowers_and_matches_eager(seed):
     """The same through real Inductor codegen (`kv_write_op="always"`, the op's CPU reference as an extern kernel):
-    the generated code leaves eager's caches at T > 1 (T = 1 too on every 4th seed) and after an in-place K weight
-    update, and every graph Inductor compiled holds one `multi_linear_kv_write` of all layers."""
+    the generated code leaves eager's caches at T > 1 (T = 1 and dynamic shapes too on every 4th seed) and after an
+    in-place K weight update, and every graph Inductor compiled holds one `multi_linear_kv_write` of all layers."""
     torch._dynamo.reset()
     spec = gen.generate(seed)
     capture = CaptureBackend(DsparkConfig(kv_write_op="always"), inner="inductor")
