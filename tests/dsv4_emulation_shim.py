@@ -1,15 +1,19 @@
 """The CUDA built-ins the DeepSeek-V4 (and FlashMLA-write) kernel headers use, as host C++ headers (file name ->
-text): one OS thread per CUDA thread, barriers for `__syncthreads` and warp shuffles, bf16 / e4m3 conversions
-with round-to-nearest-even. Used by tests/test_dsv4_kernel_emulation.py and tests/test_flashmla_kernel_emulation.py.
+text): one fiber per CUDA thread (`emulation_fibers.py`), barriers for `__syncthreads` and warp shuffles, bf16 /
+e4m3 conversions with round-to-nearest-even. Used by tests/test_dsv4_kernel_emulation.py and
+tests/test_flashmla_kernel_emulation.py.
 """
 
 from __future__ import annotations
 
+from emulation_fibers import FIBERS_H
+
 SHIM = {
+    "emu_fibers.h": FIBERS_H,
     "cuda_runtime.h": r"""
 #pragma once
+#include "emu_fibers.h"
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,10 +30,22 @@ struct uint4 { uint32_t x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
 struct Dim { unsigned x = 0; };
-inline thread_local Dim threadIdx, blockIdx, gridDim;
-inline thread_local std::barrier<>* g_block = nullptr;
-inline thread_local std::barrier<>* g_warp = nullptr;
-inline thread_local double* g_lanes = nullptr;
+// Per emulated thread (a fiber's, emu_fibers.h), reached through the names CUDA code and the drivers use.
+struct EmuLocals {
+  Dim thread_idx, block_idx, grid_dim;
+  EmuBarrier* block = nullptr;
+  EmuBarrier* warp = nullptr;
+  double* lanes = nullptr;
+};
+inline EmuLocals& emu_locals() { return emu_locals_of<EmuLocals>(); }
+#define threadIdx (emu_locals().thread_idx)
+#define blockIdx (emu_locals().block_idx)
+#define gridDim (emu_locals().grid_dim)
+#define g_block (emu_locals().block)
+#define g_warp (emu_locals().warp)
+#define g_lanes (emu_locals().lanes)
+template <typename Body>
+void emu_launch_threads(size_t count, Body body) { emu_launch<EmuLocals>(count, body); }
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }

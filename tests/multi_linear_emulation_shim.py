@@ -1,11 +1,12 @@
 """Host emulation of the multi_linear CUDA kernels (torch-free headers compiled with g++ and
-`DSPARK_KERNEL_EMULATION`): one OS thread per CUDA thread, barriers for `__syncthreads`, `__syncwarp`, named
-barriers and the cluster barrier, distributed shared memory as an array of the cluster's CTA buffers (poisoned with
-NaN bytes), cp.async copies that land only at the wait covering their group, mbarriers as a locked table of phase
-counters (bulk copies landing late and out of order, each on a thread of its own), warp shuffles through a per-warp
-exchange row, and `mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes'
-fragments with the PTX ISA's fragment tables (written here independently of the kernel). Used by
-tests/test_multi_linear_emulation.py and tests/test_multi_linear_kv_write_emulation.py.
+`DSPARK_KERNEL_EMULATION`): one fiber per CUDA thread (`emulation_fibers.py`), barriers for `__syncthreads`,
+`__syncwarp`, named barriers and the cluster barrier, distributed shared memory as an array of the cluster's CTA
+buffers (poisoned with NaN bytes), cp.async copies that land only at the wait covering their group, mbarriers as a
+locked table of phase counters (bulk copies landing late and out of order, each on an OS thread of its own; a
+waiting fiber yields until its phase completes), warp shuffles through a per-warp exchange row, and
+`mma.sync.m16n8k16` as a warp-collective exchange that rebuilds A and B from the 32 lanes' fragments with the PTX
+ISA's fragment tables (written here independently of the kernel). Used by tests/test_multi_linear_emulation.py and
+tests/test_multi_linear_kv_write_emulation.py.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import ctypes
 from pathlib import Path
 
 from emulation_build import compile_emulation
+from emulation_fibers import FIBERS_H
 
 # Headers of the benchmark programs (experimental/...: kernels no op uses yet), included as "experimental/..."
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 SHIM = {
+    "emu_fibers.h": FIBERS_H,
     "cuda_runtime.h": r"""
 #pragma once
+#include "emu_fibers.h"
 #include <atomic>
-#include <barrier>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -46,21 +48,39 @@ inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return
 struct uint2 { uint32_t x, y; };
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local Dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 // Where an emulated CUDA thread lives: its CTA's barrier, named barriers (id 1..) and shared memory, its warp's
 // barrier and fragment exchange, its cluster's barrier and CTA buffers.
 struct EmuThread {
-  std::barrier<>* block;
-  std::barrier<>* const* named;
-  std::barrier<>* warp;
-  std::barrier<>* cluster;
+  EmuBarrier* block;
+  EmuBarrier* const* named;
+  EmuBarrier* warp;
+  EmuBarrier* cluster;
   uint32_t (*lanes)[6];
   float* smem;
   float* const* cluster_smem;
   unsigned id, rank, size;
 };
-inline thread_local EmuThread emu;
+// cp.async: a copy reads its source when issued and lands in shared memory only when a wait of its thread covers its
+// group (a copy never committed never lands), so a read of a stage before its wait reads what the stage held before.
+struct EmuCopy { void* dst; unsigned char bytes[16]; int size; };
+// Per emulated thread (a fiber's, emu_fibers.h), reached through the names CUDA code uses.
+struct EmuLocals {
+  Dim3 thread_idx, block_idx, block_dim, grid_dim;
+  EmuThread thread;
+  std::vector<EmuCopy> open_copies;
+  std::deque<std::vector<EmuCopy>> copy_groups;
+};
+inline EmuLocals& emu_locals() { return emu_locals_of<EmuLocals>(); }
+#define threadIdx (emu_locals().thread_idx)
+#define blockIdx (emu_locals().block_idx)
+#define blockDim (emu_locals().block_dim)
+#define gridDim (emu_locals().grid_dim)
+#define emu (emu_locals().thread)
+#define emu_open_copies (emu_locals().open_copies)
+#define emu_copy_groups (emu_locals().copy_groups)
+template <typename Body>
+void emu_launch_threads(size_t count, Body body) { emu_launch<EmuLocals>(count, body); }
 
 inline void __syncthreads() { emu.block->arrive_and_wait(); }
 inline void __syncwarp() { emu.warp->arrive_and_wait(); }
@@ -83,11 +103,6 @@ inline float __shfl_xor_sync(unsigned, float v, int mask, int width = 32) {
   const int lane = threadIdx.x & 31, src = lane ^ mask;
   return emu_shuffle(v, (src ^ lane) < width ? src : lane);
 }
-// cp.async: a copy reads its source when issued and lands in shared memory only when a wait of its thread covers its
-// group (a copy never committed never lands), so a read of a stage before its wait reads what the stage held before.
-struct EmuCopy { void* dst; unsigned char bytes[16]; int size; };
-inline thread_local std::vector<EmuCopy> emu_open_copies;
-inline thread_local std::deque<std::vector<EmuCopy>> emu_copy_groups;
 inline void emu_copy_async(void* dst, const void* src, int size, bool live) {
   EmuCopy c{dst, {}, size};
   if (live) std::memcpy(c.bytes, src, size);
@@ -122,13 +137,12 @@ inline const float* emu_cluster_peer(const float* local, unsigned rank) {
 // the GPU, and a kernel that reads a stage before its barrier says so reads poison.
 struct EmuMbar { int count, pending; int64_t tx; unsigned phase; };
 inline std::mutex emu_mbar_lock;
-inline std::condition_variable emu_mbar_changed;
 inline std::map<const void*, EmuMbar> emu_mbars;
 inline void emu_mbar_settle(EmuMbar& b) {
   if (b.pending == 0 && b.tx == 0) {
     b.phase += 1;
     b.pending = b.count;
-    emu_mbar_changed.notify_all();
+    emu_progress.fetch_add(1);
   }
 }
 inline void emu_mbar_init(uint64_t* bar, int count) {
@@ -144,8 +158,13 @@ inline void emu_mbar_arrive(uint64_t* bar, uint32_t bytes) {
   emu_mbar_settle(b);
 }
 inline void emu_mbar_wait(uint64_t* bar, uint32_t parity) {
-  std::unique_lock<std::mutex> lock(emu_mbar_lock);
-  emu_mbar_changed.wait(lock, [&] { return (emu_mbars.at(bar).phase & 1u) != parity; });
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(emu_mbar_lock);
+      if ((emu_mbars.at(bar).phase & 1u) != parity) return;
+    }
+    emu_yield();
+  }
 }
 inline std::atomic<uint32_t> emu_copy_count{0};
 inline void emu_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {

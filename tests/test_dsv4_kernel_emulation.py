@@ -1,7 +1,7 @@
 """The DeepSeek-V4 compression CUDA kernels, compiled for the host and checked on CPU.
 
 The kernel headers (`custom_ops/csrc/dsv4/dsv4_compress*_kernels.cuh`) are plain CUDA without torch. Here they are
-compiled with g++ against a small shim of the CUDA built-ins they use (one OS thread per CUDA thread, barriers
+compiled with g++ against a small shim of the CUDA built-ins they use (one fiber per CUDA thread, barriers
 for `__syncthreads` and warp shuffles, bf16 / e4m3 conversions with round-to-nearest-even) and run on CPU
 tensors. This checks the kernels' indexing, plan handling and write/compress ordering on machines without a GPU:
 the planners must write the composite planners' bytes, compression must reproduce the fp64 whole-sequence ground
@@ -44,12 +44,11 @@ from custom_ops.dsv4.store import compress_norm_rope_store
 DRIVER = r"""
 #include "dsv4/dsv4_compress_plan_kernels.cuh"
 #include "dsv4/dsv4_compress_store_kernels.cuh"
-#include <thread>
 #include <type_traits>
 #include <vector>
 using namespace dspark::dsv4;
 
-// Runs `blocks` blocks one after the other, each with `threads` OS threads (or sequentially if `serial`).
+// Runs `blocks` blocks one after the other, each with `threads` fibers (or sequentially if `serial`).
 template <typename F>
 static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
   for (int64_t b = 0; b < blocks; ++b) {
@@ -57,19 +56,15 @@ static void launch(int64_t blocks, int threads, bool serial, F&& kernel) {
       for (int t = 0; t < threads; ++t) { gridDim.x = blocks; blockIdx.x = b; threadIdx.x = t; kernel(); }
       continue;
     }
-    std::barrier<> block(threads);
-    std::vector<std::barrier<>*> warps;
+    EmuBarrier block(threads);
+    std::vector<std::unique_ptr<EmuBarrier>> warps;
     std::vector<double> lanes(threads);
-    for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        gridDim.x = blocks; blockIdx.x = b; threadIdx.x = t;
-        g_block = &block; g_warp = warps[t / 32]; g_lanes = &lanes[t / 32 * 32];
-        kernel();
-      });
-    for (auto& th : pool) th.join();
-    for (auto* w : warps) delete w;
+    for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<EmuBarrier>(32));
+    emu_launch_threads(size_t(threads), [&](size_t t) {
+      gridDim.x = blocks; blockIdx.x = b; threadIdx.x = t;
+      g_block = &block; g_warp = warps[t / 32].get(); g_lanes = &lanes[t / 32 * 32];
+      kernel();
+    });
   }
 }
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -30,27 +30,22 @@ from flashmla_cases import (
 
 DRIVER = r"""
 #include "flashmla/flashmla_writes_kernels.cuh"
-#include <thread>
 #include <vector>
 using namespace dspark;
 
-// Blocks one after the other; each block's threads as OS threads, one barrier per warp for the shuffles.
+// Blocks one after the other; each block's threads as fibers, one barrier per warp for the shuffles.
 template <typename F>
 static void launch(int64_t rows, F&& kernel) {
   for (int64_t b = 0; b < (rows + kWarpsPerBlock - 1) / kWarpsPerBlock; ++b) {
-    std::barrier<> block(kThreads);
-    std::vector<std::barrier<>*> warps;
+    EmuBarrier block(kThreads);
+    std::vector<std::unique_ptr<EmuBarrier>> warps;
     std::vector<double> lanes(kThreads);
-    for (int w = 0; w < kWarpsPerBlock; ++w) warps.push_back(new std::barrier<>(32));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < kThreads; ++t)
-      pool.emplace_back([&, t] {
-        blockIdx.x = b; threadIdx.x = t;
-        g_block = &block; g_warp = warps[t / 32]; g_lanes = &lanes[t / 32 * 32];
-        kernel();
-      });
-    for (auto& th : pool) th.join();
-    for (auto* w : warps) delete w;
+    for (int w = 0; w < kWarpsPerBlock; ++w) warps.push_back(std::make_unique<EmuBarrier>(32));
+    emu_launch_threads(size_t(kThreads), [&](size_t t) {
+      blockIdx.x = b; threadIdx.x = t;
+      g_block = &block; g_warp = warps[t / 32].get(); g_lanes = &lanes[t / 32 * 32];
+      kernel();
+    });
   }
 }
 

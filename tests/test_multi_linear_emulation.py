@@ -1,7 +1,7 @@
 """The multi_linear CUDA kernel, compiled for the host and checked on CPU against an fp64 formula.
 
 `custom_ops/csrc/linear/multi_linear_kernels.cuh` is plain CUDA without torch. Here it is compiled with g++ against the
-host shim of tests/multi_linear_emulation_shim.py (one OS thread per CUDA thread, `mma.sync` rebuilt from the PTX
+host shim of tests/multi_linear_emulation_shim.py (one fiber per CUDA thread, `mma.sync` rebuilt from the PTX
 fragment tables). This checks the K permutation, the fragment use, the work split over warps and cluster CTAs, the
 ragged last step, the segment lookup, biases and which outputs are written, for every compiled variant, on
 machines without a GPU. The GPU's own numerics are checked by tests/test_multi_linear_cuda.py. Skipped without a
@@ -22,7 +22,6 @@ from custom_ops import _build
 DRIVER = r"""
 #include "linear/multi_linear_kernels.cuh"
 #include <memory>
-#include <thread>
 #include <vector>
 using namespace dspark::mlinear;
 
@@ -36,36 +35,31 @@ static void run(const Params& p, int variant, int split) {
   const size_t smem_floats = smem_bytes(v, token_tiles(p.tokens)) / 4;
   const KernelFn kernel = kernel_for<T>(variant, p.tokens);
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    std::barrier<> cluster(threads * split);
-    std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars, named;
-    std::vector<std::barrier<>*> named_ptrs;
+    EmuBarrier cluster(threads * split);
+    std::vector<std::unique_ptr<EmuBarrier>> blocks, warp_bars, named;
+    std::vector<EmuBarrier*> named_ptrs;
     std::vector<std::vector<float>> smem(split, std::vector<float>(smem_floats, NAN));
     std::vector<float*> smem_ptrs;
     std::vector<uint32_t> lanes(size_t(split) * warps * 32 * 6);
     for (int r = 0; r < split; ++r) {
       smem_ptrs.push_back(smem[r].data());
-      blocks.push_back(std::make_unique<std::barrier<>>(threads));
-      for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+      blocks.push_back(std::make_unique<EmuBarrier>(threads));
+      for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<EmuBarrier>(32));
       for (int g = 0; g < v.k_warps; ++g) {  // the kernel's k-group barriers: ids 1..WK of WR warps each
-        named.push_back(std::make_unique<std::barrier<>>(32 * v.row_warps));
+        named.push_back(std::make_unique<EmuBarrier>(32 * v.row_warps));
         named_ptrs.push_back(named.back().get());
       }
     }
-    std::vector<std::thread> pool;
-    for (int r = 0; r < split; ++r) {
-      for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([&, r, t] {
-          threadIdx.x = t;
-          blockIdx.x = unsigned(tile * split + r);
-          const int w = r * warps + t / 32;
-          emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * v.k_warps, warp_bars[w].get(), &cluster,
-                          reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
-                          smem_ptrs.data(), unsigned(tile), unsigned(r), unsigned(split)};
-          kernel(p);
-        });
-      }
-    }
-    for (auto& th : pool) th.join();
+    emu_launch_threads(size_t(split) * threads, [&](size_t i) {
+      const int r = int(i) / threads, t = int(i) % threads;
+      threadIdx.x = t;
+      blockIdx.x = unsigned(tile * split + r);
+      const int w = r * warps + t / 32;
+      emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * v.k_warps, warp_bars[w].get(), &cluster,
+                      reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
+                      smem_ptrs.data(), unsigned(tile), unsigned(r), unsigned(split)};
+      kernel(p);
+    });
   }
 }
 

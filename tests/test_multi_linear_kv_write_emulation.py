@@ -1,7 +1,7 @@
 """The multi_linear_kv_write CUDA kernels, compiled for the host and checked on CPU against the op's reference.
 
 `custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh` is plain CUDA without torch; here it is compiled with g++
-against the shim of tests/multi_linear_emulation_shim.py (one OS thread per CUDA thread, warp shuffles and
+against the shim of tests/multi_linear_emulation_shim.py (one fiber per CUDA thread, warp shuffles and
 barriers emulated). Both kernels of the op run: the fused one (the multi-weight GEMM with the norm/RoPE/cache-write
 epilogue, head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim
 multiple of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
@@ -25,7 +25,6 @@ from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_refere
 DRIVER = r"""
 #include "experimental/kv_write_stream_kernel.cuh"
 #include <memory>
-#include <thread>
 #include <vector>
 using namespace dspark::mlinear;
 
@@ -35,38 +34,33 @@ static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, i
                      int k_warps, size_t smem_bytes) {
   const int warps = threads / 32;
   for (int64_t c = 0; c < clusters; ++c) {
-    std::barrier<> cluster(threads * split);
-    std::vector<std::unique_ptr<std::barrier<>>> blocks, warp_bars, named;
-    std::vector<std::barrier<>*> named_ptrs;
+    EmuBarrier cluster(threads * split);
+    std::vector<std::unique_ptr<EmuBarrier>> blocks, warp_bars, named;
+    std::vector<EmuBarrier*> named_ptrs;
     std::vector<std::vector<float>> smem(split, std::vector<float>(smem_bytes / 4 + 16, NAN));
     std::vector<float*> smem_ptrs;
     std::vector<uint32_t> lanes(size_t(split) * warps * 32 * 6);
     for (int r = 0; r < split; ++r) {
       smem_ptrs.push_back(smem[r].data());
-      blocks.push_back(std::make_unique<std::barrier<>>(threads));
-      for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+      blocks.push_back(std::make_unique<EmuBarrier>(threads));
+      for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<EmuBarrier>(32));
       for (int g = 0; g < k_warps; ++g) {
-        named.push_back(std::make_unique<std::barrier<>>(32 * row_warps));
+        named.push_back(std::make_unique<EmuBarrier>(32 * row_warps));
         named_ptrs.push_back(named.back().get());
       }
     }
-    std::vector<std::thread> pool;
-    for (int r = 0; r < split; ++r) {
-      for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([&, r, t] {
-          threadIdx.x = t;
-          blockIdx.x = unsigned(c * split + r);
-          blockDim.x = unsigned(threads);
-          gridDim.x = unsigned(clusters * split);
-          const int w = r * warps + t / 32;
-          emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * k_warps, warp_bars[w].get(), &cluster,
-                          reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
-                          smem_ptrs.data(), unsigned(c), unsigned(r), unsigned(split)};
-          kernel(args);
-        });
-      }
-    }
-    for (auto& th : pool) th.join();
+    emu_launch_threads(size_t(split) * threads, [&](size_t i) {
+      const int r = int(i) / threads, t = int(i) % threads;
+      threadIdx.x = t;
+      blockIdx.x = unsigned(c * split + r);
+      blockDim.x = unsigned(threads);
+      gridDim.x = unsigned(clusters * split);
+      const int w = r * warps + t / 32;
+      emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * k_warps, warp_bars[w].get(), &cluster,
+                      reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
+                      smem_ptrs.data(), unsigned(c), unsigned(r), unsigned(split)};
+      kernel(args);
+    });
   }
 }
 
