@@ -88,3 +88,14 @@ def test_lone_linears_small_cpu(tmp_path):
         cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
         assert all(re.fullmatch(r"\d+\.\d", c) for c in cells[1:4]), row  # torch.compile and the two dspark columns
         assert all(re.fullmatch(r"\d+\.\d\dx", c) for c in cells[4:]) and len(cells) == 6, row
+
+
+def test_host_cost_small_cpu(tmp_path):
+    """The host-cost table: a row per layer count with host and wall µs per call (device µs only on CUDA)."""
+    report = _run_benchmark("host_cost.py", tmp_path / "host_cost.md")
+    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["5", "32"], report
+    for row in rows:
+        _, host, device, wall = (cell.strip() for cell in row.strip().strip("|").split("|"))
+        assert re.fullmatch(r"\d+\.\d", host) and re.fullmatch(r"\d+\.\d", wall) and device == "—", row
+        assert float(host) > 0 and float(wall) >= float(host), row
