@@ -122,6 +122,7 @@ class Angles(torch.nn.Module):
         return hf_emb(self.inv_freq, positions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
 def test_through_inductor_codegen_with_the_backend(enabled):
     """`dspark_backend` with Inductor codegen on CPU, T = 1 and T > 1: the angles have the bits of eager's; no
