@@ -22,6 +22,7 @@ import torch
 from _timing import median_us
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
+from dspark_fx.reference_draft import rope_cos_sin_table
 
 
 def make_call(layers: int, hidden: int, kv_heads: int, head_dim: int, tokens: int, device: str, dtype: torch.dtype):
@@ -32,9 +33,7 @@ def make_call(layers: int, hidden: int, kv_heads: int, head_dim: int, tokens: in
     k_weights = [make(kv, hidden) for _ in range(layers)]
     v_weights = [make(kv, hidden) for _ in range(layers)]
     norms = [(1 + torch.rand(head_dim, generator=gen)).to(device, dtype) for _ in range(layers)]
-    inv_freq = 1e6 ** -(torch.arange(0, head_dim, 2) / head_dim)
-    angles = torch.arange(4096)[:, None] * inv_freq
-    table = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    table = rope_cos_sin_table(4096, head_dim, 1e6).to(device)
     slots = 64
     k_caches = [torch.zeros(slots, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(layers)]
     v_caches = [torch.zeros(slots, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(layers)]

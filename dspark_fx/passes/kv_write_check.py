@@ -9,9 +9,9 @@ the lowering passes to the op, and compares. Anything beyond fp64 round-off mean
 The evaluation holds every float value in fp64. A value of the model dtype (the activation's and caches'), or of a
 dtype that represents every model-dtype value (fp32 in a bf16 model), is exact there: the op computes in fp32 and
 rounds when it stores (on CUDA's GEMM path also before the norm), within the tolerance it documents against
-eager's per-step rounding. A value of any
-other float dtype (fp8, fp16 in a bf16 model, bf16 in an fp32 model) is rounded through that dtype, as eager rounds
-it; the op does not, so a cast the proof wrongly left out shows as a difference of that dtype's precision.
+eager's per-step rounding. A value of any other float dtype (fp8, fp16 in a bf16 model, bf16 in an fp32 model) is
+rounded through that dtype, as eager rounds it; the op does not, so a cast the proof wrongly left out shows as a
+difference of that dtype's precision.
 
 Sizes: the token count T is evaluated at 3 tokens. A symbolic T is bound to 3 (other symbols take their current
 values). A static T above `STATIC_AS_IS` (a prefill graph of 4096 tokens would take seconds and gigabytes in fp64)
