@@ -62,7 +62,11 @@ def poison_caches(model: torch.nn.Module, seed: int = 7) -> None:
 def eager_and_compiled(
     cfg: DraftKVConfig, backend, tokens_list=(7,), device: str = "cpu", compile_kwargs=None, model_factory=None
 ):
-    """Run the same draft eagerly and compiled on fresh inputs; returns [(eager_state, compiled_state), ...]."""
+    """Run the same draft eagerly and compiled on fresh inputs; returns [(eager_state, compiled_state), ...].
+
+    With several token counts, the first call's tensors have their token dim marked dynamic: one symbolic graph
+    serves every count (a static graph for the first and a symbolic one for the next would compile the same model
+    twice; static graphs are the generator's and the `dynamic=False` tests')."""
     eager = (model_factory or DraftKVWriter)(cfg, device)
     compiled_module = copy.deepcopy(eager)
     compiled = torch.compile(compiled_module, backend=backend, **(compile_kwargs or {}))
@@ -70,6 +74,8 @@ def eager_and_compiled(
     with torch.no_grad():
         for i, tokens in enumerate(tokens_list):
             args = draft_inputs(cfg, tokens, device, seed=i + 1)
+            if i == 0 and len(set(tokens_list)) > 1 and not any(isinstance(a, int) for a in args):
+                mark_tokens_dynamic(args)  # (a first slot as an int recompiles when it changes: no gain there)
             out_e, out_c = eager(*args), compiled(*args)
             if cfg.write == "return":
                 results.append((out_e, out_c))
@@ -81,6 +87,13 @@ def eager_and_compiled(
                     )
                 )
     return results
+
+
+def mark_tokens_dynamic(args: Iterable) -> None:
+    """Mark dim 0 (the tokens, or the verify windows) of every tensor in `args` as maybe dynamic for Dynamo."""
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim():
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def as_fake_cuda(graph: torch.fx.Graph, stride_of=None) -> None:
