@@ -41,6 +41,10 @@ from custom_ops.dsv4 import plan as cp
 from custom_ops.dsv4.common import read_compress_plan, read_decode_plan
 from custom_ops.dsv4.store import compress_norm_rope_store
 
+pytestmark = (
+    pytest.mark.slow
+)  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
+
 DRIVER = r"""
 #include "dsv4/dsv4_compress_plan_kernels.cuh"
 #include "dsv4/dsv4_compress_store_kernels.cuh"
@@ -393,7 +397,7 @@ def _check_online_planners(emu, seq, ext, rid, n, check) -> None:
         _expect_problem(problems, reported)
 
 
-@pytest.mark.parametrize("batch", [0, 3, pytest.param(1100, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [0, 3, 1100])
 def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     """Random batches whose positions partly run past the page table (rows skipped, the first one reported)."""
     g = torch.Generator().manual_seed(batch)
@@ -412,7 +416,6 @@ def test_emulated_planner_kernels_write_the_reference_bytes(emu, batch):
     _check_online_planners(emu, seq, ext, rid, n, check)
 
 
-@pytest.mark.slow
 def test_emulated_planners_skip_and_report_out_of_range_values(emu):
     """The kernels skip exactly the rows the reference skips and report the problem the CPU path raises."""
     ranks = []

@@ -28,6 +28,10 @@ from flashmla_cases import (
     _unused_slot,
 )
 
+pytestmark = (
+    pytest.mark.slow
+)  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
+
 DRIVER = r"""
 #include "flashmla/flashmla_writes_kernels.cuh"
 #include <vector>

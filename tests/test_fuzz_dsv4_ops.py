@@ -32,6 +32,8 @@ from custom_ops.dsv4.common import read_compress_plan
 from custom_ops.dsv4.compressor import CompressOutput, DSV4Compressor, PagedAddressing, compress_sequence
 from custom_ops.dsv4.store import cache_page_bytes
 
+pytestmark = pytest.mark.slow  # hypothesis scenarios through every op of the family
+
 SLOTS = 1024  # cache slots (pages * page_size)
 BAD_PREFILL = ("rid_capacity", "rid_wrap", "ext_sum", "seq_short", "table", "slot", "huge_slot")
 BAD_DECODE = ("rid_capacity", "rid_wrap", "table", "slot", "huge_slot")

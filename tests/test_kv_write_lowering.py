@@ -66,7 +66,7 @@ def _assert_lowered(capture, layers: int) -> None:
         assert all(c.op == "placeholder" for c in args[12] + args[13])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", quick_first(1, [torch.float32, torch.bfloat16]), ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "options", quick_first(1, REFERENCE_VARIANTS), ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
 )
@@ -114,7 +114,7 @@ def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64):
     return capture
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", quick_first(1, [torch.float32, torch.bfloat16]), ids=["fp32", "bf16"])
 @pytest.mark.parametrize("write", quick_first(1, HF_WRITES))
 def test_hf_style_writers_become_one_op(write, dtype):
     """HF cos/sin [T, head_dim] computed per call from `inv_freq` and the positions (duplicated halves, model
@@ -132,6 +132,7 @@ def test_hf_style_writers_become_one_op(write, dtype):
     assert "inverse frequencies inv_freq (cos/sin computed in the op) at positions" in str(capture.report)
 
 
+@pytest.mark.slow
 def test_hf_angles_at_shifted_positions_get_rows_built_in_the_graph():
     """Angles at `positions + 3`: no tensor holds the op's positions, so the op gets the model's cos/sin as `[T, R]`
     fp32 rows built in the graph, read at arange(T)."""
@@ -148,10 +149,10 @@ def test_hf_angles_at_shifted_positions_get_rows_built_in_the_graph():
 @pytest.mark.parametrize(
     "options",
     quick_first(
-        2,
+        1,
         [
-            pytest.param(dict(norm="plain"), id="weightless-norm"),
             pytest.param(dict(norm=None), id="no-norm"),
+            pytest.param(dict(norm="plain"), id="weightless-norm"),
             pytest.param(dict(rotary_dim=8), id="partial-rotary"),
             pytest.param(dict(norm="plain", rotary_dim=8, eps=1e-5), id="weightless-partial-eps"),
         ],
@@ -355,6 +356,7 @@ def test_head_layouts_differing_across_layers_keep_todays_path():
     assert "the caches or heads differ across layers" in _kept(capture)
 
 
+@pytest.mark.slow
 def test_norm_on_some_layers_only_keeps_todays_path():
     model = HFStyleKVWriter("index_put")
     model.layers[2].k_norm = None
@@ -372,6 +374,7 @@ class _VOnlyLayer(HFStyleKVWriter):
             getattr(self, f"v_cache_{i}")[loc] = v
 
 
+@pytest.mark.slow
 def test_v_only_layer_keeps_todays_path():
     capture = _hf_run(_VOnlyLayer("index_put"), torch.float32)
     assert "3 normed/rotated (K) and 4 plain (V) cache writes" in _kept(capture)
@@ -390,6 +393,7 @@ class _UnequalHalves(HFStyleKVWriter):
             getattr(self, f"v_cache_{i}")[loc] = v
 
 
+@pytest.mark.slow
 def test_cos_sin_halves_not_provably_equal_keep_todays_path():
     capture = _hf_run(_UnequalHalves("index_put"), torch.float32)
     assert "elements (0, 8) do not take the same cos factor" in _kept(capture)
@@ -413,6 +417,7 @@ def test_explain_reports_the_lowering():
     assert "kv_write_op='auto' lowers only where the op's CUDA kernel runs: the tensors are on cpu" in text
 
 
+@pytest.mark.slow
 def test_draft_step_context_kv_read_by_attention_keeps_todays_path():
     """The DFlash-like draft of benchmarks/draft_step.py, its context K/V also written to per-layer caches: the
     attention reads them too, so the op (which returns nothing) cannot replace them."""
@@ -475,6 +480,7 @@ def test_inductor_runs_the_op_in_place():
     assert len(capture.reports) == 2 and all(len(r.kv_writes) == 1 for r in capture.reports)
 
 
+@pytest.mark.slow
 def test_one_token_broadcast_to_several_slots_keeps_eager_semantics():
     """`cache[loc] = k` with one token and several slots writes that token everywhere in eager; the lowered graph
     assumes one slot per token (a guard), so such a call compiles a graph that keeps today's path."""
@@ -597,7 +603,8 @@ def test_fp8_fake_quantized_branch_keeps_todays_path(where):
     assert "casts torch.bfloat16 to torch.float8_e4m3fn, a rounding the op does not make" in why, why
 
 
-@pytest.mark.parametrize("where", quick_first(1, ["heads", "v"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["heads", "v"])
 def test_fp16_round_trip_that_overflows_keeps_eagers_non_finite_values(where):
     """bf16 -> fp16 -> bf16 of values beyond fp16's range gives inf (and NaN after the norm) in eager; the op
     computes in fp32 and would write finite values: not lowered, and the caches hold what eager holds."""
@@ -606,25 +613,24 @@ def test_fp16_round_trip_that_overflows_keeps_eagers_non_finite_values(where):
     assert "casts torch.bfloat16 to torch.float16" in _kept(capture)
 
 
+@pytest.mark.slow
 def test_narrowing_round_trip_in_an_fp32_model_keeps_todays_path():
     """fp32 -> bf16 -> fp32 in an fp32 model rounds to bf16 (not the model dtype): not lowered."""
     capture, _ = _cast_run(_CastWriter(_round_trip(torch.bfloat16), "heads"), torch.float32)
     assert "casts torch.float32 to torch.bfloat16" in _kept(capture)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "cast"),
-    quick_first(
-        1,
-        [
-            pytest.param(torch.bfloat16, _round_trip(torch.float32), id="bf16-fp32"),  # rounds nothing
-            pytest.param(torch.bfloat16, _round_trip(torch.float32, torch.float64), id="bf16-fp32-fp64"),
-            pytest.param(torch.float16, _round_trip(torch.float32), id="fp16-fp32"),
-            pytest.param(torch.float32, _round_trip(torch.float64), id="fp32-fp64"),
-        ],
-    ),
+    [
+        pytest.param(torch.bfloat16, _round_trip(torch.float32), id="bf16-fp32"),  # rounds nothing
+        pytest.param(torch.bfloat16, _round_trip(torch.float32, torch.float64), id="bf16-fp32-fp64"),
+        pytest.param(torch.float16, _round_trip(torch.float32), id="fp16-fp32"),
+        pytest.param(torch.float32, _round_trip(torch.float64), id="fp32-fp64"),
+    ],
 )
-@pytest.mark.parametrize("where", quick_first(1, ["k", "heads", "v"]))
+@pytest.mark.parametrize("where", ["k", "heads", "v"])
 def test_widening_casts_still_lower(dtype, cast, where):
     capture, _ = _cast_run(_CastWriter(cast, where), dtype)
     _assert_lowered(capture, 4)

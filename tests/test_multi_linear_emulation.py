@@ -19,6 +19,10 @@ from multi_linear_emulation_shim import build
 
 from custom_ops import _build
 
+pytestmark = (
+    pytest.mark.slow
+)  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
+
 DRIVER = r"""
 #include "linear/multi_linear_kernels.cuh"
 #include <memory>

@@ -22,6 +22,10 @@ from multi_linear_emulation_shim import build
 
 from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference, rotary_dim, table_form
 
+pytestmark = (
+    pytest.mark.slow
+)  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
+
 DRIVER = r"""
 #include "experimental/kv_write_stream_kernel.cuh"
 #include <memory>
@@ -458,7 +462,6 @@ def test_fused_kernel_without_norm_or_rope(emu):
     _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="fused")
 
 
-@pytest.mark.slow  # seconds per case: the quick tier runs the stream kernel in the smaller tests below
 @pytest.mark.parametrize(
     ("head_dim", "rot", "neox", "variant", "two_tiles"),
     [
@@ -481,7 +484,6 @@ def test_stream_kernel(emu, head_dim, rot, neox, variant, two_tiles):
         _check(emu, spec, kernel="stream", variant=variant, seed=tokens)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("split", "hidden", "variant"), [(2, 2104, 1), (3, 1040, 0)])
 def test_stream_kernel_cluster_split_commit_fp16(emu, split, hidden, variant):
     """K chunks split over a cluster, the partial tiles summed through distributed shared memory: 3 chunks of 1024

@@ -90,6 +90,7 @@ def test_a_tested_torch_does_not_warn(monkeypatch, version):
         _torch_range.warn_if_untested_torch()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["dspark_fx", "custom_ops"])
 def test_import_warns_with_an_untested_torch(module):
     code = f"import torch; torch.__version__ = '2.10.0'; import {module}"

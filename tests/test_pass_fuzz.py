@@ -111,7 +111,7 @@ def _record_signal(signal: dict[str, tuple[float, int]], tokens: int, outputs: o
         signal[name] = max(old_peak, peak), max(old_size, t.numel())
 
 
-@pytest.mark.parametrize("seed", quick_first(5, SEEDS))
+@pytest.mark.parametrize("seed", quick_first(2, SEEDS))
 def test_compiled_model_matches_eager(seed):
     outcome = run_case(seed)
     bugs = [why for why in outcome.reasons if "unexpected" in why or RULE_CHECK in why]
@@ -142,7 +142,7 @@ CAST_SEEDS = range(FIRST_SEED, FIRST_SEED + max(8, N_MODELS // 4))
 ROUNDING = ("fp8", "fp16", "bf16")  # casts that round where the op would not: never lowered
 
 
-@pytest.mark.parametrize("seed", quick_first(2, CAST_SEEDS))
+@pytest.mark.parametrize("seed", quick_first(1, CAST_SEEDS))
 def test_kv_writes_through_casts_match_eager(seed):
     """A fake quantization or a dtype round trip in the K/V branch, with the lowering forced on CPU
     (`kv_write_op="always"`): the caches match eager (NaN and inf where eager has them), lowered or not, and a
