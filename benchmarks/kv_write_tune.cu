@@ -1,7 +1,9 @@
 // The fused write of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the op's fused tile
-// (multi_linear_kernel with KvWriteEpilogue, cp.async per lane) against every variant and cluster split of the
-// experimental streaming kernel (bulk copies, experimental/kv_write_stream_kernel.cuh), on the draft configs of
-// benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern from the math.
+// (multi_linear_kernel with KvWriteEpilogue, cp.async per lane; also in clusters of 2 and 4) against leaner tiles of
+// the same kernel (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8: BENCHMARKS.md, "Lean fused tiles in clusters")
+// and every variant and cluster split of the experimental streaming kernel (bulk copies,
+// experimental/kv_write_stream_kernel.cuh), on the draft configs of benchmarks/dspark_write.py; and reads of the same
+// weights that separate the memory pattern from the math.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
 //        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [profile [config [T [all]]]]
@@ -226,12 +228,42 @@ Candidate op_candidate(int64_t heads, int split) {
           heads * split, cta_threads(v), smem, split};
 }
 
+// A leaner fused tile: the op's tile of one head with WK k-warps (of V row warps) and D stages, in clusters of
+// `split`: smaller CTAs, several per SM, so that a split grid covers every SM in one wave.
+template <int V, int NT, int WK, int D>
+Candidate lean_candidate(int64_t heads, int split) {
+  constexpr Variant v{2, V, WK, D};
+  const int smem = smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT);
+  char name[96];
+  std::snprintf(name, sizeof(name), "lean tile %dx%d warps, %d stages (%d KB) split %d", V, WK, D, smem / 1024, split);
+  return {name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>,
+          heads * split, cta_threads(v), smem, split};
+}
+
+template <int V, int NT>
+void lean_candidates(std::vector<Candidate>& out, int64_t heads) {
+  for (int split : {1, 2, 4, 8}) {
+    out.push_back(lean_candidate<V, NT, 1, 4>(heads, split));
+    out.push_back(lean_candidate<V, NT, 1, 8>(heads, split));
+    out.push_back(lean_candidate<V, NT, 2, 4>(heads, split));
+    out.push_back(lean_candidate<V, NT, 2, 8>(heads, split));
+  }
+}
+
 template <int V>
 std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms) {
   std::vector<Candidate> out;
   const int nt = token_tiles(tokens);
   const int split = auto_split(fused_variant(V), heads * 32 * V, k, sms);
   out.push_back(nt == 1 ? op_candidate<V, 1>(heads, split) : op_candidate<V, 2>(heads, split));
+  for (int s : {2, 4}) {
+    if (s != split) out.push_back(nt == 1 ? op_candidate<V, 1>(heads, s) : op_candidate<V, 2>(heads, s));
+  }
+  if (nt == 1) {
+    lean_candidates<V, 1>(out, heads);
+  } else {
+    lean_candidates<V, 2>(out, heads);
+  }
   for (int s = 0; s < kNumStreamVariants; ++s) {
     const StreamVariant v = kStreamVariants[s];
     for (int split : {1, 2}) {
