@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <map>
 #include <optional>
 #include <utility>
 #include <string>
@@ -56,7 +55,7 @@ bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, AllBatched&& all_ba
 // ------------------------------------------------------------------------------------------------ checks
 
 void check_weight(const at::Tensor& x, const at::Tensor& w, size_t i, int64_t start, int64_t count) {
-  const std::string name = "multi_linear: weights[" + num(i) + "]";
+  const Indexed name{"multi_linear: weights", "", i};
   TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), name, " must be [R, ", num(x.size(1)), "] (x is ",
                     shape_of(x.sizes()), "), got ", shape_of(w.sizes()));
   TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), name, " dtype ", dtype_of(w.scalar_type()),
@@ -69,7 +68,7 @@ void check_weight(const at::Tensor& x, const at::Tensor& w, size_t i, int64_t st
 }
 
 void check_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, size_t i) {
-  const std::string name = "multi_linear: biases[" + num(i) + "]";
+  const Indexed name{"multi_linear: biases", "", i};
   TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == w.size(0), name, " must be [", num(w.size(0)),
                     "] (one entry per row of weights[", num(i), "]), got ", shape_of(b.sizes()));
   TORCH_CHECK_TYPE(b.scalar_type() == x.scalar_type(), name, " dtype ", dtype_of(b.scalar_type()),
@@ -146,17 +145,22 @@ bool batchable(const at::Tensor& x, const Run& r, int64_t out_ld) {
 }
 
 using Shape = std::pair<int64_t, int64_t>;  // (rows, row stride): runs of one shape share a batched GEMM
+// Runs by shape, in increasing shape order (a call has a few shapes: a sorted vector, no tree per call).
+using ShapeGroups = std::vector<std::pair<Shape, std::vector<const Run*>>>;
 
 // The batchable runs by shape (none above kBatchedMaxTokens tokens, nor when x and its contiguous copy would both be
 // misaligned); `single` gets the others.
-std::map<Shape, std::vector<const Run*>> batches(const at::Tensor& x, const std::vector<Run>& runs,
-                                                 std::vector<Run>* single) {
-  std::map<Shape, std::vector<const Run*>> shapes;
+ShapeGroups batches(const at::Tensor& x, const std::vector<Run>& runs, std::vector<Run>* single) {
+  ShapeGroups shapes;
   const bool batching = x.size(0) <= kBatchedMaxTokens && (x_batch_ready(x) || x.size(1) % 8 == 0);
   const int64_t out_ld = runs.empty() ? 0 : runs.back().col + runs.back().rows;  // the output's columns
   for (const Run& r : runs) {
     if (batching && batchable(x, r, out_ld)) {
-      shapes[{r.rows, r.weight_stride}].push_back(&r);
+      const Shape shape{r.rows, r.weight_stride};
+      auto at = std::lower_bound(shapes.begin(), shapes.end(), shape,
+                                 [](const auto& group, const Shape& s) { return group.first < s; });
+      if (at == shapes.end() || at->first != shape) at = shapes.insert(at, {shape, {}});
+      at->second.push_back(&r);
     } else if (single != nullptr) {
       single->push_back(r);
     }
@@ -235,7 +239,7 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
     run_cublas(x, weights, starts, biases, runs, out);
     return;
   }
-  const std::map<Shape, std::vector<const Run*>> shapes = batches(x, runs, &single);
+  const ShapeGroups shapes = batches(x, runs, &single);
   // x for the batched GEMMs (x_batch_ready), else a copy: clone, since contiguous() keeps a misaligned contiguous x.
   at::Tensor xb;
   for (const auto& [shape, group] : shapes) {

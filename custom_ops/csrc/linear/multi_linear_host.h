@@ -7,8 +7,12 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <map>
+#include <mutex>
 #include <optional>
+#include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "linear/multi_linear_kernels.cuh"
@@ -25,6 +29,17 @@ inline std::string shape_of(c10::IntArrayRef sizes) {  // as Python prints tuple
 }
 
 inline std::string dtype_of(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+// An argument's name with its index, e.g. `k_weights[3]`: nothing is formatted unless a check fails (the TORCH_CHECK
+// macros build their message only then), so a call that passes its checks builds no strings.
+struct Indexed {
+  const char* head;
+  const char* tail;
+  size_t index;
+};
+inline std::ostream& operator<<(std::ostream& out, const Indexed& a) {
+  return out << a.head << a.tail << "[" << a.index << "]";
+}
 
 // ------------------------------------------------------------------------------------------------ runs
 
@@ -163,6 +178,18 @@ inline bool syncs_on(const at::Device& device) {
                      device_attribute(cudaDevAttrComputeCapabilityMinor, device));
 }
 
+// Lets `kernel` launch with `smem` bytes of dynamic shared memory on `device` (above the default 48 KB it must opt
+// in): cudaFuncSetAttribute once per kernel, device and larger size, not on every launch.
+inline void allow_smem(const void* kernel, int smem, c10::DeviceIndex device) {
+  static std::mutex lock;
+  static std::map<std::pair<const void*, c10::DeviceIndex>, int> allowed;  // the largest size set so far
+  const std::lock_guard<std::mutex> guard(lock);
+  int& size = allowed[{kernel, device}];
+  if (smem <= size) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  size = smem;
+}
+
 // Where the GPU runs the sm_90a code (syncs_on): programmatic dependent launch and a cluster of `split` CTAs per tile,
 // also for split 1, so the kernel's cluster registers always describe a real cluster launch. Elsewhere a plain launch
 // of one CTA per tile (split must be 1): the kernel's PTX there has no cluster and no dependency wait.
@@ -178,9 +205,7 @@ inline void launch(void (*kernel)(Args), const Args& p, int64_t blocks, int thre
   attrs[1].val.clusterDim.x = static_cast<unsigned>(split);
   attrs[1].val.clusterDim.y = 1;
   attrs[1].val.clusterDim.z = 1;
-  if (smem > 48 * 1024) {  // above the default limit the kernel must opt in (per kernel, cheap, not a stream op)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
+  if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem, device.index());
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));

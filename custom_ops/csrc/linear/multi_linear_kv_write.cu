@@ -40,7 +40,8 @@ using OptionalList = c10::List<std::optional<at::Tensor>>;
 
 // ------------------------------------------------------------------------------------------------ checks
 
-void check_device(const std::string& name, const at::Tensor& t, const at::Tensor& x) {
+template <typename Name>
+void check_device(const Name& name, const at::Tensor& t, const at::Tensor& x) {
   TORCH_CHECK_VALUE(t.device() == x.device(), kOp, name, " is on ", t.device().str(), ", x is on ", x.device().str());
 }
 
@@ -50,7 +51,7 @@ void check_projection(const at::Tensor& x, const char* kind, TensorList weights,
                       const OptionalList& biases, int64_t kv) {
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    const std::string name = std::string(kind) + "_weights[" + num(i) + "]";
+    const Indexed name{kind, "_weights", i};
     TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), kOp, name, " must be [R, ", num(x.size(1)),
                       "] (x is ", shape_of(x.sizes()), "), got ", shape_of(w.sizes()));
     TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), kOp, name, " dtype ", dtype_of(w.scalar_type()),
@@ -62,7 +63,7 @@ void check_projection(const at::Tensor& x, const char* kind, TensorList weights,
                       num(kv), ")");
     const std::optional<at::Tensor> b = biases.get(i);
     if (!b.has_value()) continue;
-    const std::string bias = std::string(kind) + "_biases[" + num(i) + "]";
+    const Indexed bias{kind, "_biases", i};
     TORCH_CHECK_VALUE(b->dim() == 1 && b->size(0) == w.size(0), kOp, bias, " must be [", num(w.size(0)),
                       "] (one entry per row of ", name, "), got ", shape_of(b->sizes()));
     TORCH_CHECK_TYPE(b->scalar_type() == x.scalar_type(), kOp, bias, " dtype ", dtype_of(b->scalar_type()),
@@ -79,7 +80,7 @@ void check_norm(const at::Tensor& x, const OptionalList& weights, at::ArrayRef<d
   for (size_t i = 0; i < weights.size(); ++i) {
     const std::optional<at::Tensor> w = weights.get(i);
     if (!w.has_value()) continue;
-    const std::string name = "k_norm_weights[" + num(i) + "]";
+    const Indexed name{"k_norm_weights", "", i};
     TORCH_CHECK_VALUE(!eps.empty(), kOp, name,
                       " is given but k_norm_eps is empty (no norm): pass None, or one eps per layer");
     TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == head_dim, kOp, name, " must be [", num(head_dim),
@@ -117,7 +118,7 @@ void check_rope(const at::Tensor& x, TensorList tables, const at::Tensor& positi
   check_device("positions", positions, x);
   for (size_t i = 0; i < tables.size(); ++i) {
     const at::Tensor& c = tables[i];
-    const std::string name = "cos_sin_caches[" + num(i) + "]";
+    const Indexed name{"cos_sin_caches", "", i};
     const int form = table_form_of(c);
     TORCH_CHECK_VALUE(form >= 0, kOp, name,
                       " must be [P, R] (cos | sin halves), [P, R/2, 2] (cos, sin pairs) or [R/2] (inverse "
@@ -195,7 +196,7 @@ void check_caches(const at::Tensor& x, TensorList k_caches, TensorList v_caches,
     TensorList caches = kind[0] == 'k' ? k_caches : v_caches;
     for (size_t i = 0; i < caches.size(); ++i) {
       const at::Tensor& c = caches[i];
-      const std::string name = std::string(kind) + "_caches[" + num(i) + "]";
+      const Indexed name{kind, "_caches", i};
       TORCH_CHECK_VALUE(c.dim() == 3 && c.size(1) == heads && c.size(2) == head_dim && c.sizes() == shape, kOp, name,
                         " must be [S, ", num(heads), ", ", num(head_dim), "] with the slots of k_caches[0] ",
                         shape_of(shape), ", got ", shape_of(c.sizes()));
@@ -226,6 +227,41 @@ void check_locations(const at::Tensor& x, const at::Tensor& loc, const std::opti
   TORCH_CHECK_TYPE(is_index(*commit), kOp, "commit_lens must be int32 or int64, got ",
                    dtype_of(commit->scalar_type()));
   check_device("commit_lens", *commit, x);
+}
+
+// Whether some cache's bytes and another cache's or an input's bytes lie in one address range: a sort and a sweep
+// over [first byte, last byte] of every tensor, O(n log n). No overlap: no two of them share memory (tensors of
+// different allocations never overlap). An overlap is only a maybe (the K and V halves of an interleaved buffer
+// overlap as ranges, not as elements): check_aliasing decides, and names the pair.
+bool caches_may_alias(const std::vector<const at::Tensor*>& caches, const std::vector<const at::Tensor*>& inputs) {
+  struct Range {
+    uintptr_t first, last;
+    bool cache;
+  };
+  std::vector<Range> ranges;
+  ranges.reserve(caches.size() + inputs.size());
+  const auto add = [&](const at::Tensor& t, bool cache) {
+    if (t.numel() == 0) return;
+    int64_t span = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
+    const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    ranges.push_back({first, first + static_cast<uintptr_t>((span + 1) * t.element_size()) - 1, cache});
+  };
+  for (const at::Tensor* t : caches) add(*t, true);
+  for (const at::Tensor* t : inputs) add(*t, false);
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.first < b.first; });
+  uintptr_t last_any = 0, last_cache = 0;
+  bool any = false, any_cache = false;
+  for (const Range& r : ranges) {
+    if ((any && r.cache && r.first <= last_any) || (any_cache && r.first <= last_cache)) return true;
+    last_any = any ? std::max(last_any, r.last) : r.last;
+    any = true;
+    if (r.cache) {
+      last_cache = any_cache ? std::max(last_cache, r.last) : r.last;
+      any_cache = true;
+    }
+  }
+  return false;
 }
 
 struct Named {
@@ -297,6 +333,22 @@ void check_args(const Call& c) {
   check_rope(c.x, c.tables, c.positions, c.head_dim);
   check_caches(c.x, c.k_caches, c.v_caches, c.heads, c.head_dim);
   check_locations(c.x, c.loc, c.commit);
+  std::vector<const at::Tensor*> cache_list, input_list{&c.x, &c.positions, &c.loc};
+  for (const at::Tensor& t : c.k_caches) cache_list.push_back(&t);
+  for (const at::Tensor& t : c.v_caches) cache_list.push_back(&t);
+  for (const at::Tensor& t : c.k_weights) input_list.push_back(&t);
+  for (const at::Tensor& t : c.v_weights) input_list.push_back(&t);
+  for (const at::Tensor& t : c.tables) input_list.push_back(&t);
+  std::vector<at::Tensor> optional_inputs;  // the given biases, norm weights and commit_lens, kept alive here
+  for (const OptionalList* list : {&c.k_biases, &c.v_biases, &c.norm_weights}) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      const std::optional<at::Tensor> t = list->get(i);
+      if (t.has_value()) optional_inputs.push_back(*t);
+    }
+  }
+  if (c.commit.has_value()) optional_inputs.push_back(*c.commit);
+  for (const at::Tensor& t : optional_inputs) input_list.push_back(&t);
+  if (!caches_may_alias(cache_list, input_list)) return;
   std::vector<Named> caches, inputs{{"x", c.x}};
   for (size_t i = 0; i < n; ++i) caches.push_back({"k_caches[" + num(i) + "]", c.k_caches[i]});
   for (size_t i = 0; i < n; ++i) caches.push_back({"v_caches[" + num(i) + "]", c.v_caches[i]});
