@@ -49,8 +49,8 @@ def test_context_kv_of_all_layers_fuse_into_one_multi_linear():
     assert len(capture.report.routed) == 2 * LAYERS
     assert after["aten.rsqrt"] == before["aten.rsqrt"] - (LAYERS - 1)  # the context k_norms run once
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_context_lengths_share_one_symbolic_graph():
     model, compiled, capture = _eager_and_compiled()
     with compile_counts() as counts, torch.no_grad():

@@ -5,12 +5,13 @@ The models (`HFStyleDraft`, `HFStyleKVWriter`) are in tests/hf_models.py.
 
 import pytest
 import torch
+from helpers import quick_first
 from hf_models import HFStyleDraft
 
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", quick_first(1, [torch.float32, torch.bfloat16]), ids=["fp32", "bf16"])
 def test_hf_style_draft_fuses(dtype):
     torch._dynamo.reset()
     model = HFStyleDraft().to(dtype)

@@ -20,8 +20,8 @@ from dspark_fx.testing import CaptureBackend, compile_counts
 counters = torch._dynamo.utils.counters
 ATEN_NODE = re.compile(r"(add)?mm(_\d+)?|primals_\d+|arg\d+_\d+")
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_explain_does_not_recompile_models_compiled_before():
     """Model A (compiled) and model B (explained) share their forward code: explaining B must leave A's compiled
     code, and Dynamo's cache entries on that forward, as they were."""

@@ -31,7 +31,7 @@ def _gemms(graph) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("options", quick_first(2, MATRIX), ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("options", quick_first(1, MATRIX), ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_parity_and_graph_diff(options, dtype):
     torch._dynamo.reset()
     cfg = small_config(dtype=dtype, **options)

@@ -595,7 +595,8 @@ def _cast_run(model, dtype):
     return capture, model.caches()
 
 
-@pytest.mark.parametrize("where", quick_first(1, ["k", "heads", "v"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["k", "heads", "v"])
 def test_fp8_fake_quantized_branch_keeps_todays_path(where):
     """`k.to(float8_e4m3fn).to(bfloat16)` rounds K to fp8 in eager; the op would not: not lowered, the cast named."""
     capture, _ = _cast_run(_CastWriter(_round_trip(torch.float8_e4m3fn), where), torch.bfloat16)
@@ -658,6 +659,7 @@ def test_numeric_self_check_refuses_a_wrong_eps(monkeypatch):
     assert "differs from the op's formula" in why
 
 
+@pytest.mark.slow
 def test_numeric_self_check_refuses_a_wrong_rope_style(monkeypatch):
     from dspark_fx.passes import kv_write
 
