@@ -72,7 +72,9 @@ class CaptureBackend:
 
     `inner="aot_eager"` (default) executes the rewritten ATen graph eagerly (fast CPU tests, no codegen);
     `inner="inductor"` compiles it for real, with Inductor's FX graph and AOTAutograd caches off for these compiles:
-    a cache hit would skip the passes, and there would be nothing to record.
+    a cache hit would skip the passes, and there would be nothing to record. Inductor's cache of compiled kernels
+    stays on (it is keyed by a kernel's source, after the passes ran): a kernel another compile already built is
+    loaded, not built again.
     """
 
     def __init__(self, config: DsparkConfig | Mapping[str, Any] | None = None, inner: str = "aot_eager") -> None:
@@ -83,7 +85,10 @@ class CaptureBackend:
         self._backend = make_backend(config, inner=inner, observer=self._observe)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        with torch._inductor.config.patch(force_disable_caches=True):
+        with (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
             return self._backend(gm, example_inputs, **kwargs)
 
     def _observe(self, before: fx.Graph, after: fx.Graph, report: FusionReport) -> None:

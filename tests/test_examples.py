@@ -34,7 +34,10 @@ def test_tp_example_runs_under_torchrun_on_two_cpu_ranks():
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",  # each rank's pass runs: a cache hit would skip it
+        # each rank's pass runs (a graph from the FX graph or AOTAutograd cache would skip it); the ranks share
+        # Inductor's cache of compiled kernels (both build the same ones: one builds, the other loads)
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
     }
     out = _torchrun(run, env)
