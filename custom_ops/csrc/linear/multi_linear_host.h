@@ -30,16 +30,19 @@ inline std::string shape_of(c10::IntArrayRef sizes) {  // as Python prints tuple
 
 inline std::string dtype_of(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
-// An argument's name with its index, e.g. `k_weights[3]`: nothing is formatted unless a check fails (the TORCH_CHECK
-// macros build their message only then), so a call that passes its checks builds no strings. The index goes through
-// std::to_string, never streamed as a number (common/error_format.h says why).
+// An argument's name with its index, e.g. `k_weights[3]` (or without one, e.g. `positions`: index kNoIndex): nothing
+// is formatted unless a check fails (the TORCH_CHECK macros build their message only then), so a call that passes its
+// checks builds no strings. The index goes through std::to_string, never streamed as a number (common/error_format.h
+// says why).
 struct Indexed {
+  static constexpr size_t kNoIndex = static_cast<size_t>(-1);
   const char* head;
-  const char* tail;
-  size_t index;
+  const char* tail = "";
+  size_t index = kNoIndex;
 };
 inline std::ostream& operator<<(std::ostream& out, const Indexed& a) {
-  return out << a.head << a.tail << "[" + std::to_string(a.index) + "]";
+  out << a.head << a.tail;
+  return a.index == Indexed::kNoIndex ? out : out << "[" + std::to_string(a.index) + "]";
 }
 
 // ------------------------------------------------------------------------------------------------ runs

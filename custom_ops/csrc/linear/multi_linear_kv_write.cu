@@ -229,11 +229,17 @@ void check_locations(const at::Tensor& x, const at::Tensor& loc, const std::opti
   check_device("commit_lens", *commit, x);
 }
 
+// A tensor argument and its name (formatted only for an error message).
+struct Named {
+  Indexed name;
+  at::Tensor tensor;
+};
+
 // Whether some cache's bytes and another cache's or an input's bytes lie in one address range: a sort and a sweep
 // over [first byte, last byte] of every tensor, O(n log n). No overlap: no two of them share memory (tensors of
 // different allocations never overlap). An overlap is only a maybe (the K and V halves of an interleaved buffer
 // overlap as ranges, not as elements): check_aliasing decides, and names the pair.
-bool caches_may_alias(const std::vector<const at::Tensor*>& caches, const std::vector<const at::Tensor*>& inputs) {
+bool caches_may_alias(const std::vector<Named>& caches, const std::vector<Named>& inputs) {
   struct Range {
     uintptr_t first, last;
     bool cache;
@@ -247,8 +253,8 @@ bool caches_may_alias(const std::vector<const at::Tensor*>& caches, const std::v
     const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
     ranges.push_back({first, first + static_cast<uintptr_t>((span + 1) * t.element_size()) - 1, cache});
   };
-  for (const at::Tensor* t : caches) add(*t, true);
-  for (const at::Tensor* t : inputs) add(*t, false);
+  for (const Named& t : caches) add(t.tensor, true);
+  for (const Named& t : inputs) add(t.tensor, false);
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.first < b.first; });
   uintptr_t last_any = 0, last_cache = 0;
   bool any = false, any_cache = false;
@@ -263,11 +269,6 @@ bool caches_may_alias(const std::vector<const at::Tensor*>& caches, const std::v
   }
   return false;
 }
-
-struct Named {
-  std::string name;
-  at::Tensor tensor;
-};
 
 void check_aliasing(const std::vector<Named>& caches, const std::vector<Named>& inputs) {
   for (size_t j = 0; j < caches.size(); ++j) {
@@ -333,38 +334,22 @@ void check_args(const Call& c) {
   check_rope(c.x, c.tables, c.positions, c.head_dim);
   check_caches(c.x, c.k_caches, c.v_caches, c.heads, c.head_dim);
   check_locations(c.x, c.loc, c.commit);
-  std::vector<const at::Tensor*> cache_list, input_list{&c.x, &c.positions, &c.loc};
-  for (const at::Tensor& t : c.k_caches) cache_list.push_back(&t);
-  for (const at::Tensor& t : c.v_caches) cache_list.push_back(&t);
-  for (const at::Tensor& t : c.k_weights) input_list.push_back(&t);
-  for (const at::Tensor& t : c.v_weights) input_list.push_back(&t);
-  for (const at::Tensor& t : c.tables) input_list.push_back(&t);
-  std::vector<at::Tensor> optional_inputs;  // the given biases, norm weights and commit_lens, kept alive here
-  for (const OptionalList* list : {&c.k_biases, &c.v_biases, &c.norm_weights}) {
-    for (size_t i = 0; i < list->size(); ++i) {
-      const std::optional<at::Tensor> t = list->get(i);
-      if (t.has_value()) optional_inputs.push_back(*t);
-    }
-  }
-  if (c.commit.has_value()) optional_inputs.push_back(*c.commit);
-  for (const at::Tensor& t : optional_inputs) input_list.push_back(&t);
-  if (!caches_may_alias(cache_list, input_list)) return;
-  std::vector<Named> caches, inputs{{"x", c.x}};
-  for (size_t i = 0; i < n; ++i) caches.push_back({"k_caches[" + num(i) + "]", c.k_caches[i]});
-  for (size_t i = 0; i < n; ++i) caches.push_back({"v_caches[" + num(i) + "]", c.v_caches[i]});
-  for (size_t i = 0; i < n; ++i) inputs.push_back({"k_weights[" + num(i) + "]", c.k_weights[i]});
-  for (size_t i = 0; i < n; ++i) inputs.push_back({"v_weights[" + num(i) + "]", c.v_weights[i]});
-  const auto add_optional = [&](const std::string& name, const std::optional<at::Tensor>& t) {
+  std::vector<Named> caches, inputs{{{"x"}, c.x}};
+  for (size_t i = 0; i < n; ++i) caches.push_back({{"k_caches", "", i}, c.k_caches[i]});
+  for (size_t i = 0; i < n; ++i) caches.push_back({{"v_caches", "", i}, c.v_caches[i]});
+  for (size_t i = 0; i < n; ++i) inputs.push_back({{"k_weights", "", i}, c.k_weights[i]});
+  for (size_t i = 0; i < n; ++i) inputs.push_back({{"v_weights", "", i}, c.v_weights[i]});
+  const auto add_optional = [&](const Indexed& name, const std::optional<at::Tensor>& t) {
     if (t.has_value()) inputs.push_back({name, *t});
   };
-  for (size_t i = 0; i < n; ++i) add_optional("k_biases[" + num(i) + "]", c.k_biases.get(i));
-  for (size_t i = 0; i < n; ++i) add_optional("v_biases[" + num(i) + "]", c.v_biases.get(i));
-  for (size_t i = 0; i < n; ++i) add_optional("k_norm_weights[" + num(i) + "]", c.norm_weights.get(i));
-  for (size_t i = 0; i < c.tables.size(); ++i) inputs.push_back({"cos_sin_caches[" + num(i) + "]", c.tables[i]});
-  inputs.push_back({"positions", c.positions});
-  inputs.push_back({"cache_loc", c.loc});
-  add_optional("commit_lens", c.commit);
-  check_aliasing(caches, inputs);
+  for (size_t i = 0; i < n; ++i) add_optional({"k_biases", "", i}, c.k_biases.get(i));
+  for (size_t i = 0; i < n; ++i) add_optional({"v_biases", "", i}, c.v_biases.get(i));
+  for (size_t i = 0; i < n; ++i) add_optional({"k_norm_weights", "", i}, c.norm_weights.get(i));
+  for (size_t i = 0; i < c.tables.size(); ++i) inputs.push_back({{"cos_sin_caches", "", i}, c.tables[i]});
+  inputs.push_back({{"positions"}, c.positions});
+  inputs.push_back({{"cache_loc"}, c.loc});
+  add_optional({"commit_lens"}, c.commit);
+  if (caches_may_alias(caches, inputs)) check_aliasing(caches, inputs);
 }
 
 // What the CUDA kernels need beyond the structural rules; ValueError / TypeError naming the argument.
