@@ -1,11 +1,15 @@
-"""A one-launch read of a given number of bytes (the fastest of a few kernel shapes), timed as the benchmarks time
-a write: a CUDA-graph replay after an L2 flush, the replay's own cost included.
+"""A one-launch read of a given number of bytes, timed as the benchmarks time a write: a CUDA-graph replay after an
+L2 flush, the replay's own cost included. The readers: a few shapes of one Triton kernel that only loads the bytes,
+and cuBLAS multiplying one token by the bytes as one concatenated bf16 weight (what a hand-stacked model's GEMM
+reads); the fastest counts.
 
 Not a benchmark itself (scripts/gpu_check.sh skips `_*.py`); CUDA only (Triton, imported here and nowhere on CPU).
 A write that reads B bytes of weights in one launch pays what one launch that only reads them pays, and more.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,7 +32,34 @@ def _read_words(src, out, words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     tl.store(out + program, tl.sum(acc, axis=0))
 
 
-def one_launch_read_us(n_bytes: int, bench: dict[str, int]) -> float:
+class Read(NamedTuple):
+    us: float  # median µs of the fastest reader
+    reader: str  # which one
+
+
+def one_launch_read(n_bytes: int, k: int, bench: dict[str, int]) -> Read:
+    """The fastest of the Triton shapes (`triton_read_us`) and cuBLAS on one concatenated weight (`cublas_read_us`)
+    reading `n_bytes`, as weight rows of `k` bf16 elements for cuBLAS."""
+    triton_us, cublas_us = triton_read_us(n_bytes, bench), cublas_read_us(n_bytes, k, bench)
+    if cublas_us < triton_us:
+        return Read(cublas_us, "cuBLAS, one token x the concatenated weight")
+    return Read(triton_us, "Triton load kernel")
+
+
+def cublas_read_us(n_bytes: int, k: int, bench: dict[str, int]) -> float:
+    """Median µs of `torch.mm` of one bf16 token [1, k] by a random bf16 weight of n_bytes / (2 k) rows (transposed
+    view, as `F.linear` reads it), captured alone in a CUDA graph and timed by replay with `median_us(**bench)`."""
+    rows = n_bytes // (2 * k)
+    weight = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, rows, dtype=torch.bfloat16, device="cuda")
+    replay = graphed(lambda: torch.mm(x, weight.t(), out=out), ())
+    us = median_us(replay, "cuda", **bench)
+    torch.testing.assert_close(out.float(), (x.float() @ weight.float().t()), rtol=2e-2, atol=2e-2 * k**0.5)
+    return us
+
+
+def triton_read_us(n_bytes: int, bench: dict[str, int]) -> float:
     """Median µs of the fastest of SHAPES reading `n_bytes` (rounded up to 16) of one random buffer, each launch
     captured alone in a CUDA graph and timed by replay with `median_us(**bench)`."""
     words = -(-n_bytes // 16) * 4

@@ -26,9 +26,10 @@ One table per config, one row per T. A time cell is µs per call and, in bracket
 of the same row (below 1.00x: faster than torch.compile). Columns:
   floor µs           max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), both measured in the same run
                      (which one binds in brackets); reading ctx and writing the caches are not counted
-  one-launch read µs CUDA: the fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes
-                     (one buffer of that size), timed as the other cells (graph replay after an L2 flush): what
-                     one launch that reads the weights and does nothing else measures here
+  one-launch read µs CUDA: the fastest reader of the K/V weight bytes, timed as the other cells (graph replay after
+                     an L2 flush): a few shapes of one Triton kernel that only loads them (one buffer of that
+                     size), and cuBLAS multiplying one token by them as one concatenated weight; what one launch
+                     that reads the weights measures here (the reader is named below the table)
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
                      k_norm, one RoPE, per-layer writes
@@ -233,6 +234,7 @@ class ConfigRun:
     kept: list[str]  # why the dspark passes kept K/V writes off multi_linear_kv_write
     paths: dict[int, str]  # per T, the op the dspark passes lowered the K/V group to
     rounds: int  # interleaved timing rounds per row (--rounds)
+    reader: str = ""  # the reader that measured read_us (CUDA only)
 
 
 def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -495,12 +497,12 @@ def run_config(
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-        from _read_floor import one_launch_read_us
+        from _read_floor import one_launch_read
 
-        read_us = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
-        print(f"  one-launch read of {kv_weight_bytes(cfg) / 1e6:.3g} MB: {read_us:.1f} µs", flush=True)
+        read = one_launch_read(kv_weight_bytes(cfg), cfg.hidden, BENCH)
+        print(f"  one-launch read of {kv_weight_bytes(cfg) / 1e6:.3g} MB: {read.us:.1f} µs ({read.reader})", flush=True)
         for run in runs:
-            run.read_us = read_us
+            run.read_us, run.reader = read.us, read.reader
     return runs
 
 
@@ -574,6 +576,8 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
         if entry.no_cuda_graph:
             lines.append("  - †: at least one call launched no CUDA graph (Inductor skipped them: see the log)")
     lines += [f"- dspark path: K/V writes kept off multi_linear_kv_write: {why}" for why in run.kept]
+    if run.reader:
+        lines.append(f"- one-launch read: {run.reader}")
     return [*lines, ""]
 
 
@@ -644,8 +648,9 @@ def report(
         '`torch.compile(model, backend=dspark_fx.dspark_backend, mode="reduce-overhead")`.',
         "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
         "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
-        "fastest of a few shapes of one Triton kernel that only reads the K/V weight bytes, timed as the cells "
-        "(graph replay after an L2 flush): what one launch that reads the weights and nothing else measures here; "
+        "fastest reader of the K/V weight bytes, timed as the cells (graph replay after an L2 flush): a few shapes "
+        "of one Triton kernel that only loads them, and cuBLAS multiplying one token by them as one concatenated "
+        "weight (the reader of each table is named below it); what one launch that reads the weights measures here; "
         "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor); below a table, the reason the "
@@ -680,7 +685,7 @@ def breakdown(
     and the kernels of that graph after an L2 flush; and the harness cost. The models are built, checked and
     compiled as the table's are (`first_calls`, then the parity check), so they are the table's models; only the
     profiled variants are built (the parity check compares against the eager base model)."""
-    from _read_floor import one_launch_read_us, trivial_replay_us
+    from _read_floor import one_launch_read, trivial_replay_us
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
@@ -695,10 +700,10 @@ def breakdown(
     check_parity(entries, base, inputs[PARITY_TOKENS], "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
     trivial = trivial_replay_us(BENCH)
-    read = one_launch_read_us(kv_weight_bytes(cfg), BENCH)
+    read = one_launch_read(kv_weight_bytes(cfg), cfg.hidden, BENCH)
     lines = [
-        f"{label}, {spelling} spelling: replay of a graph of one trivial kernel {trivial:.1f} µs; of one kernel "
-        f"reading the {kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read:.1f} µs"
+        f"{label}, {spelling} spelling: replay of a graph of one trivial kernel {trivial:.1f} µs; of the fastest "
+        f"one-launch read of the {kv_weight_bytes(cfg) / 1e6:.3g} MB of K/V weights {read.us:.1f} µs ({read.reader})"
     ]
     for entry in [entry for entry in entries if not entry.error]:
         for tokens in tokens_list:
