@@ -1,7 +1,7 @@
 """A one-launch read of a given number of bytes, timed as the benchmarks time a write: a CUDA-graph replay after an
 L2 flush, the replay's own cost included. The readers: a few shapes of one Triton kernel that only loads the bytes,
-and cuBLAS multiplying one token by the bytes as one concatenated bf16 weight (what a hand-stacked model's GEMM
-reads); the fastest counts.
+and cuBLAS multiplying 1, 8 or 16 tokens by the bytes as one concatenated bf16 weight (what a hand-stacked model's
+GEMM reads); the fastest counts.
 
 Not a benchmark itself (scripts/gpu_check.sh skips `_*.py`); CUDA only (Triton, imported here and nowhere on CPU).
 A write that reads B bytes of weights in one launch pays what one launch that only reads them pays, and more.
@@ -37,22 +37,29 @@ class Read(NamedTuple):
     reader: str  # which one
 
 
+# Token counts at which cuBLAS multiplies the concatenated weight; cuBLAS picks a different kernel for each.
+CUBLAS_TOKENS = (1, 8, 16)
+
+
 def one_launch_read(n_bytes: int, k: int, bench: dict[str, int]) -> Read:
-    """The fastest of the Triton shapes (`triton_read_us`) and cuBLAS on one concatenated weight (`cublas_read_us`)
-    reading `n_bytes`, as weight rows of `k` bf16 elements for cuBLAS."""
-    triton_us, cublas_us = triton_read_us(n_bytes, bench), cublas_read_us(n_bytes, k, bench)
-    if cublas_us < triton_us:
-        return Read(cublas_us, "cuBLAS, one token x the concatenated weight")
-    return Read(triton_us, "Triton load kernel")
+    """The fastest of the Triton shapes (`triton_read_us`) and cuBLAS on one concatenated weight at each of
+    CUBLAS_TOKENS (`cublas_read_us`) reading `n_bytes`, as weight rows of `k` bf16 elements for cuBLAS."""
+    best = Read(triton_read_us(n_bytes, bench), "Triton load kernel")
+    for tokens in CUBLAS_TOKENS:
+        us = cublas_read_us(n_bytes, k, tokens, bench)
+        if us < best.us:
+            best = Read(us, f"cuBLAS, {tokens} token{'s' if tokens > 1 else ''} x the concatenated weight")
+    return best
 
 
-def cublas_read_us(n_bytes: int, k: int, bench: dict[str, int]) -> float:
-    """Median µs of `torch.mm` of one bf16 token [1, k] by a random bf16 weight of n_bytes / (2 k) rows (transposed
-    view, as `F.linear` reads it), captured alone in a CUDA graph and timed by replay with `median_us(**bench)`."""
+def cublas_read_us(n_bytes: int, k: int, tokens: int, bench: dict[str, int]) -> float:
+    """Median µs of `torch.mm` of `tokens` bf16 rows [tokens, k] by a random bf16 weight of n_bytes / (2 k) rows
+    (transposed view, as `F.linear` reads it), captured alone in a CUDA graph and timed by replay with
+    `median_us(**bench)`."""
     rows = n_bytes // (2 * k)
     weight = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(1, rows, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(tokens, k, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(tokens, rows, dtype=torch.bfloat16, device="cuda")
     replay = graphed(lambda: torch.mm(x, weight.t(), out=out), ())
     us = median_us(replay, "cuda", **bench)
     torch.testing.assert_close(out.float(), (x.float() @ weight.float().t()), rtol=2e-2, atol=2e-2 * k**0.5)

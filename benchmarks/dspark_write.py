@@ -28,7 +28,7 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      (which one binds in brackets); reading ctx and writing the caches are not counted
   one-launch read µs CUDA: the fastest reader of the K/V weight bytes, timed as the other cells (graph replay after
                      an L2 flush): a few shapes of one Triton kernel that only loads them (one buffer of that
-                     size), and cuBLAS multiplying one token by them as one concatenated weight; what one launch
+                     size), and cuBLAS multiplying 1, 8 or 16 tokens by them as one concatenated weight; what one launch
                      that reads the weights measures here (the reader is named below the table)
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
@@ -62,8 +62,9 @@ Timing: CUDA events around each call, after an L2 flush (as `triton.testing.do_b
 (one T), every cell of the config (every variant of every spelling) is prepared, then `--rounds` rounds (default
 100; CPU 10) each time every cell once, in an order shuffled per round; a cell is its median. Slow drifts of
 clocks and temperature so move every cell alike, and the spellings' tables are timed together. A control cell times
-the row's torch.compile graph captured a second time: its ratio to the first (column `control`) is what two identical
-graphs read in that row. Eager per-layer, stacked eager, both torch.compile columns and dspark_backend are captured
+a second copy of the first spelling's model under plain torch.compile, compiled on its own: its ratio to the first
+(column `control`) is what two compiles of the same code read in that row, weights, caches and graphs placed
+elsewhere in memory. Eager per-layer, stacked eager, both torch.compile columns and dspark_backend are captured
 per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables replay
 their own CUDA graph trees, which cannot be captured inside another graph: they are timed as called after warm-up
 calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc into the graphs' static inputs;
@@ -194,6 +195,7 @@ VARIANTS = (
     ),
 )
 BASELINE = "torch.compile"
+CONTROL = Variant("control", "torch.compile, second copy", torch.compile)
 FLOOR_RATIOS = ("dspark_backend", "dspark_backend RO")
 READ_RATIO = "dspark_backend"
 HAND_RATIO = ("dspark_backend", "hand-stacked torch.compile")
@@ -220,7 +222,7 @@ class Row:
     floor_bound: str
     path: str
     times: dict[str, float | str] = field(default_factory=dict)  # µs, or why there is no time
-    control: float = float("nan")  # torch.compile captured twice in the same interleave: second ÷ first
+    control: float = float("nan")  # a second torch.compile copy ÷ the first, timed in the same interleave
 
 
 @dataclass
@@ -422,10 +424,13 @@ def first_calls(entries: list[Entry], inputs: dict[int, tuple]) -> None:
             fail(entry, exc, "first calls")
 
 
-def time_row(entries: list[Entry], inputs: tuple, device: str, rounds: int) -> tuple[list[float | str], float]:
+def time_row(
+    entries: list[Entry], control: Entry | None, inputs: tuple, device: str, rounds: int
+) -> tuple[list[float | str], float]:
     """Per entry, µs per call at these inputs (or why there is none), all entries sampled together
-    (`interleaved_median_us`); and the control: the first BASELINE entry captured and timed a second time, in the
-    same interleave, ÷ its first time (what two identical graphs read here; NaN without a baseline)."""
+    (`interleaved_median_us`); and the control: `control` (a second copy compiled as the first BASELINE entry),
+    timed in the same interleave, ÷ that entry's time (what two compiles of the same code read here; NaN without
+    a baseline or a control)."""
     calls, timed = [], []
     for i, entry in enumerate(entries):
         if entry.error:
@@ -436,8 +441,12 @@ def time_row(entries: list[Entry], inputs: tuple, device: str, rounds: int) -> t
         except Exception as exc:
             fail(entry, exc, f"T={inputs[0].shape[0]}")
     baseline = next((i for i in timed if entries[i].variant.name == BASELINE), None)
-    if baseline is not None:
-        calls.append(prepare(entries[baseline], inputs, device))
+    if baseline is not None and control is not None and not control.error:
+        try:
+            calls.append(prepare(control, inputs, device))
+        except Exception as exc:
+            fail(control, exc, f"T={inputs[0].shape[0]}")
+    with_control = len(calls) > len(timed)
     medians = interleaved_median_us(calls, device, rounds)
     times: list[float | str] = ["error"] * len(entries)
     for i, call, us in zip(timed, calls, medians, strict=False):  # the control's call and median come last
@@ -446,7 +455,7 @@ def time_row(entries: list[Entry], inputs: tuple, device: str, rounds: int) -> t
         if device == "cuda" and entry.variant.reduce_overhead and not launched_cuda_graph(call):
             entry.no_cuda_graph = True
             print(f"  {entry.variant.name} T={inputs[0].shape[0]}: ran without a CUDA graph launch", flush=True)
-    return times, float("nan") if baseline is None else medians[-1] / medians[timed.index(baseline)]
+    return times, medians[-1] / medians[timed.index(baseline)] if with_control else float("nan")
 
 
 def run_config(
@@ -464,6 +473,7 @@ def run_config(
     torch._dynamo.reset()
     inputs = {t: make_inputs(cfg, t, device) for t in sorted({PARITY_TOKENS, *tokens_list})}
     runs = []
+    control = None  # a second torch.compile copy of the first spelling's model (time_row)
     with torch.no_grad():
         for spelling in spellings:
             base = build_spelling(spelling, cfg, device).requires_grad_(False)
@@ -474,24 +484,29 @@ def run_config(
                 if device == "cuda" or not variant.reduce_overhead:
                     model = copy.deepcopy(base)
                     entries.append(Entry(variant, model, variant.build(model)))
-            first_calls(entries, inputs)
-            check_parity(entries, base, inputs[PARITY_TOKENS], device)
+            if control is None:
+                model = copy.deepcopy(base)
+                control = Entry(CONTROL, model, CONTROL.build(model))
+                entries_checked = [*entries, control]
+            else:
+                entries_checked = entries
+            first_calls(entries_checked, inputs)
+            check_parity(entries_checked, base, inputs[PARITY_TOKENS], device)
             title = label if spelling == "reference" else f"{label}, {spelling} spelling"
             runs.append(ConfigRun(title, spelling, cfg, [], entries, None, kept, paths, rounds))
             del base
         for tokens in tokens_list:
             entries = [entry for run in runs for entry in run.entries]
-            times, control = time_row(entries, inputs[tokens], device, rounds)
+            times, ratio = time_row(entries, control, inputs[tokens], device, rounds)
             for run in runs:
-                row = Row(tokens, *floor_us(cfg, tokens, *ceilings), run.paths[tokens], control=control)
+                row = Row(tokens, *floor_us(cfg, tokens, *ceilings), run.paths[tokens], control=ratio)
                 row.times = {variant.name: "n/a (cpu)" for variant in variants}
                 row.times |= {entry.variant.name: times.pop(0) for entry in run.entries}
                 run.rows.append(row)
                 shown = {k: v if isinstance(v, str) else round(v, 1) for k, v in row.times.items()}
-                print(f"  {run.spelling} T={tokens} µs: {shown}; control {control:.3f}", flush=True)
-    for run in runs:  # the models and their graphs go before the next config
-        for entry in run.entries:
-            entry.fn = entry.model = None
+                print(f"  {run.spelling} T={tokens} µs: {shown}; control {ratio:.3f}", flush=True)
+    for entry in [entry for run in runs for entry in run.entries] + ([control] if control else []):
+        entry.fn = entry.model = None  # the models and their graphs go before the next config
     del inputs
     torch._dynamo.reset()
     gc.collect()
@@ -649,8 +664,9 @@ def report(
         "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
         "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
         "fastest reader of the K/V weight bytes, timed as the cells (graph replay after an L2 flush): a few shapes "
-        "of one Triton kernel that only loads them, and cuBLAS multiplying one token by them as one concatenated "
-        "weight (the reader of each table is named below it); what one launch that reads the weights measures here; "
+        "of one Triton kernel that only loads them, and cuBLAS multiplying 1, 8 or 16 tokens by them as one "
+        "concatenated weight (the reader of each table is named below it); what one launch that reads the weights "
+        "measures here; "
         "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor); below a table, the reason the "
@@ -661,8 +677,9 @@ def report(
         f"CUDA one above `max_fused_rows`) is compiled and tuned at the largest T it serves. Before timing, each "
         f"variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against eager per-layer. ✗: "
         "failed that check. †: an RO call that launched no CUDA graph. n/a (cpu): reduce-overhead needs CUDA graphs.",
-        "- control: the row's torch.compile (of the first table) captured a second time and timed in the same "
-        "interleave, ÷ its first capture: what two identical graphs read in this row.",
+        "- control: a second copy of the first table's model under plain torch.compile, compiled on its own and "
+        "timed in the same interleave, ÷ the torch.compile cell: what two compiles of the same code, placed "
+        "elsewhere in memory, read in this row.",
         "- With several spellings, a first table puts them side by side: per T, dspark_backend ÷ the reference "
         "spelling's dspark_backend, and dspark_backend, lowered and never lowered, ÷ that spelling's torch.compile.",
         "",
