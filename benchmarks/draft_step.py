@@ -14,6 +14,13 @@ shapes switch to at the second T anyway). Parity with eager is checked first; th
 `torch.cuda.CUDAGraph` and timed by replay (medians of `triton.testing.do_bench`). The floor is the step's weight
 bytes (each weight read once) / the copy bandwidth measured in the same run.
 
+Below the step table, per T and compiled variant, the step's GEMMs (`gemm_profile`): every GEMM op the compiled code
+calls (`aten::mm`, `aten::addmm`, `dspark::multi_linear`) in `PROFILED_CALLS` profiled calls of the compiled model
+(outside a CUDA graph; the GPU's kernel times do not depend on it), grouped by shape: calls per step, kernels per
+call, µs per call (on CUDA the kernel time of the op and what it calls; on CPU its wall time) and its weight bytes ÷
+the copy bandwidth ÷ that time (`% of copy`: 100 % is a GEMM that reads its weights at the copy rate). Under the
+table: the kernels launched per step, all of them and the GEMMs'.
+
     python benchmarks/draft_step.py --out BENCH.md          # GPU: Qwen3-8B draft dims, bf16
     python benchmarks/draft_step.py --device cpu --small    # CPU check: tiny dims, fp32, wall-clock times
 """
@@ -24,7 +31,7 @@ import argparse
 import copy
 import platform
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -55,6 +62,7 @@ SMALL = DraftConfig(num_layers=3, hidden=64, num_heads=4, num_kv_heads=2, head_d
 BLOCK = 16
 CONTEXTS = (16, 512)
 GEMM_OPS = ("aten.mm", "aten.addmm", "dspark.multi_linear")
+PROFILED_CALLS = 5  # calls of a compiled model that `gemm_profile` profiles
 
 
 class RMSNorm(nn.Module):
@@ -199,6 +207,109 @@ def _group_kind(group) -> str:
     return f"{len(group.branches)} {'/'.join(projections)}{source}"
 
 
+@dataclass
+class GemmFamily:
+    """The calls of one GEMM shape in a step (`gemm_profile`): `rows x k -> columns` (one entry per weight block)."""
+
+    op: str
+    rows: int
+    k: int
+    columns: tuple[int, ...]
+    projections: str  # the model's nn.Linear names with those shapes
+    calls: int = 0  # in all profiled calls
+    kernels: int = 0  # launched by those calls
+    us: float = 0.0  # kernel time (CUDA) or wall time (CPU) of those calls
+
+    def weight_bytes(self, itemsize: int) -> int:
+        return sum(self.columns) * self.k * itemsize
+
+
+def _gemm_shape(event) -> tuple[int, int, tuple[int, ...]]:
+    """`(rows, k, columns)` of a profiled GEMM op event (recorded with `record_shapes=True`)."""
+    if event.name == "dspark::multi_linear":  # (x [T, K], weights, row_starts, row_counts, biases)
+        rows, k = event.input_shapes[0]
+        return rows, k, tuple(event.concrete_inputs[3])
+    x, weight = event.input_shapes[:2] if event.name == "aten::mm" else event.input_shapes[1:3]
+    return x[0], x[1], (weight[1],)
+
+
+def _subtree(event) -> list:
+    return [event, *(e for child in event.cpu_children for e in _subtree(child))]
+
+
+def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list[GemmFamily], int, int]:
+    """The GEMM families of `PROFILED_CALLS` calls of `fn(*inputs)` (after 3 warm-up calls), and the kernels launched
+    per call: all, and the GEMM ops' (0 on CPU). A GEMM op inside another (the aten::mm calls of a
+    multi_linear) counts as part of the outer one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names = defaultdict(set)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            names[(module.in_features, module.out_features)].add(name.rsplit(".", 1)[-1])
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*inputs)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities, record_shapes=True) as prof:
+            for _ in range(PROFILED_CALLS):
+                fn(*inputs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+    gemm_names = {"aten::mm", "aten::addmm", "dspark::multi_linear"}
+    families: dict[tuple, GemmFamily] = {}
+    all_kernels = gemm_kernels = 0
+    for event in prof.events():
+        all_kernels += len(event.kernels)
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = parent.name in gemm_names, parent.cpu_parent
+        if event.name not in gemm_names or nested:
+            continue
+        rows, k, columns = _gemm_shape(event)
+        projections = "/".join(sorted({n for c in columns for n in names.get((k, c), {"?"})}))
+        family = families.setdefault(
+            (event.name, rows, k, columns), GemmFamily(event.name, rows, k, columns, projections)
+        )
+        kernels = [kernel for e in _subtree(event) for kernel in e.kernels]
+        family.calls += 1
+        family.kernels += len(kernels)
+        family.us += sum(kernel.duration for kernel in kernels) if device == "cuda" else event.cpu_time_total
+        gemm_kernels += len(kernels)
+    return list(families.values()), all_kernels // PROFILED_CALLS, gemm_kernels // PROFILED_CALLS
+
+
+def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, itemsize: int, device: str) -> list[str]:
+    """Markdown lines of one `gemm_profile`: one row per GEMM family, then the launches per step."""
+    families, kernels, gemm_kernels = profiled
+    time_kind = "kernel µs" if device == "cuda" else "wall µs"
+    lines = [
+        f"{name}, T = {ctx_len}: the step's GEMMs",
+        "",
+        f"| GEMM (rows x K -> columns) | nn.Linear | op | per step | kernels per call | {time_kind} per call | "
+        "MB | % of copy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    total_us = 0.0
+    for f in sorted(families, key=lambda f: -f.us):
+        per_call = f.us / f.calls
+        total_us += f.us / PROFILED_CALLS
+        columns = "+".join(map(str, f.columns)) if len(set(f.columns)) > 1 else f"{len(f.columns)} x {f.columns[0]}"
+        columns = columns.removeprefix("1 x ")
+        copy_us = 1e6 * f.weight_bytes(itemsize) / bandwidth
+        lines.append(
+            f"| {f.rows} x {f.k} -> {columns} | {f.projections} | {f.op} | {f.calls // PROFILED_CALLS} | "
+            f"{f'{f.kernels / f.calls:.1f}' if device == 'cuda' else '-'} | {per_call:.1f} | "
+            f"{f.weight_bytes(itemsize) / 1e6:.1f} | "
+            f"{100 * copy_us / per_call:.0f} % |"
+        )
+    launches = (
+        f"; kernels launched per step: {kernels}, {gemm_kernels} of them by the GEMMs" if device == "cuda" else ""
+    )
+    lines += ["", f"GEMM time per step: {total_us:.1f} µs{launches}.", ""]
+    return lines
+
+
 def assert_parity(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> str:
     """fp32: element-wise `assert_close_for_dtype`. bf16: the relative RMS error within the bf16 tolerance (2e-2).
     Element-wise, 2e-2 is too tight for a whole bf16 model: Inductor vs eager on this draft differ by ~0.7% RMS,
@@ -241,7 +352,7 @@ def main() -> None:
     }
     weight_bytes = sum(p.numel() * p.element_size() for p in eager.parameters())
     floor_us = 1e6 * weight_bytes / bandwidth
-    rows = []
+    rows, gemm_lines = [], []
     with torch.no_grad():
         for ctx_len, step_inputs in inputs.items():
             expected = eager(*step_inputs)
@@ -258,6 +369,10 @@ def main() -> None:
                 times[name] = median_us(step, device)
             rows.append((ctx_len, times))
             print(f"T={ctx_len} µs:", {k: round(v, 1) for k, v in times.items()}, flush=True)
+            for name in ("torch.compile", "dspark_backend"):
+                profiled = gemm_profile(variants[name], step_inputs, eager, device)
+                gemm_lines += gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
+                print("\n".join(gemm_lines[-len(profiled[0]) - 7 :]), flush=True)
     where = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else f"CPU {platform.machine()}"
     timing = "CUDA-graph replay" if device == "cuda" else "wall clock, no CUDA graph"
     lines = [
@@ -274,7 +389,7 @@ def main() -> None:
     for ctx_len, times in rows:
         cells = [f"{t:.1f} ({t / times['torch.compile']:.2f}x, {t / floor_us:.2f}x)" for t in times.values()]
         lines.append(f"| {ctx_len} | {floor_us:.1f} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    table = "\n".join([*lines, "", *gemm_lines])
     print(table)
     if args.out:
         args.out.write_text(table + "\n")

@@ -59,3 +59,28 @@ def test_context_lengths_share_one_symbolic_graph():
             assert_close_for_dtype(compiled(*inputs), model(*inputs))
     assert counts["frames"] <= 2, f"compiled {counts['frames']} graphs for 4 context lengths"
     capture.assert_fused(n_groups=1 + 2 * LAYERS)
+
+
+def test_gemm_profile_reads_every_weight_once_per_step():
+    """`gemm_profile` (the benchmark's per-GEMM table) on the passes' graph without codegen: one family for the
+    context K/V of all layers, and, summed over the families, every nn.Linear weight read once per step (k_proj and
+    v_proj twice: for the context and for the block)."""
+    model, compiled, _ = _eager_and_compiled()
+    ctx_len = 9
+    families, kernels, gemm_kernels = draft_step.gemm_profile(compiled, _inputs(ctx_len), model, "cpu")
+    assert kernels == gemm_kernels == 0  # no CUDA kernels on CPU
+    calls = draft_step.PROFILED_CALLS
+    assert all(f.calls % calls == 0 and f.us > 0 for f in families), families
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    block_kv = sum((layer.k_proj.weight.numel() + layer.v_proj.weight.numel()) * 4 for layer in model.layers)
+    assert sum(f.weight_bytes(4) * f.calls // calls for f in families) == weights + block_kv  # k/v: context, block
+    kv = CFG.num_kv_heads * CFG.head_dim
+    (context,) = [f for f in families if f.rows == ctx_len]
+    assert (context.op, context.columns, context.projections) == (
+        "dspark::multi_linear",
+        (kv,) * 2 * LAYERS,
+        "k_proj/v_proj",
+    )
+    assert context.calls == calls
+    lines = draft_step.gemm_table("dspark_backend", ctx_len, (families, 0, 0), 1e9, 4, "cpu")
+    assert sum(line.startswith("| ") for line in lines) == 1 + len(families)  # the header, one row per family
