@@ -17,12 +17,20 @@ bound, not an option, since it needs a second copy of the weights).
 
     python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
+    python benchmarks/multi_linear.py --placement --out placement.md  # where the weights lie, M >= 512
 
 `--sweep` times every compiled kernel variant (`custom_ops.linear.multi_linear.kernel_variants()`) with every
 cluster split (0 = the automatic one) on every group and M in {1, 8, 16, 32, 64} through
 `dspark::_multi_linear_variant`, refuses to time a variant whose output differs from cuBLAS (prints the error
 instead), and prints the best variant per shape, then the best variant per token tile summed over the groups (what
 `default_variant` should pick).
+
+`--placement` times the op on ten K/V weights of [1024, 4096] (five layers' separate k_proj/v_proj) placed three ways,
+at M in {512, 1024, 2048, 4096}: each weight apart (ten row ranges, ten GEMMs), adjacent in pairs (k and v of a layer
+back to back: five ranges of 2048 rows) and all adjacent (views of one buffer: one range of 10240 rows). The op merges
+adjacent ranges, so these are the GEMMs it runs for the same model depending on where the allocator put the weights.
+Next to them: one `bmm` of the ten weights stacked (a copy; cuBLAS's strided batched GEMM: what one batched launch
+over the ten ranges reads) and cuBLAS concat.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ GROUPS: dict[str, list[tuple[int, int]]] = {
 TOKENS = (1, 8, 16, 64, 128, 512)
 SWEEP_TOKENS = (1, 8, 16, 32, 64)
 SWEEP_SPLITS = (0, 1, 2, 4, 8)
+PLACEMENT_TOKENS = (512, 1024, 2048, 4096)
+PLACEMENT_SHAPE = (10, 1024, 4096)  # weights, rows each, K
+PLACEMENTS = ("apart", "pairs", "adjacent")
 DTYPE = torch.bfloat16
 MAX_REL_ERROR = 1e-2
 
@@ -95,6 +106,16 @@ def separate_weight(rows: int, k: int) -> torch.Tensor:
     """A random [rows, k] weight followed by a 4 KiB gap, so no other weight starts where it ends."""
     storage = torch.randn(rows * k + 2048, device="cuda", dtype=DTYPE)
     return storage[: rows * k].view(rows, k)
+
+
+def placed_weights(placement: str, count: int, rows: int, k: int) -> list[torch.Tensor]:
+    """`count` random [rows, k] weights: each followed by a gap ("apart"), back to back in pairs with a gap after each
+    pair ("pairs"), or all back to back in one buffer ("adjacent")."""
+    per_buffer = {"apart": 1, "pairs": 2, "adjacent": count}[placement]
+    weights = []
+    for _ in range(count // per_buffer):
+        weights += separate_weight(per_buffer * rows, k).split(rows)
+    return weights
 
 
 def copy_bandwidth() -> float:
@@ -194,6 +215,50 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
+def placement_table(l2_bytes: int, bandwidth: float) -> str:
+    """`--placement`: per M, the op on the same ten weights placed apart, in pairs and adjacent (`placed_weights`),
+    one bmm of them stacked, and cuBLAS on the concatenated copy; µs per call (time ÷ the weights-apart time)."""
+    count, rows, k = PLACEMENT_SHAPE
+    groups = {}
+    for placement in PLACEMENTS:
+        n = max(2, math.ceil(3 * l2_bytes / (count * rows * k * DTYPE.itemsize)))
+        copies = [placed_weights(placement, count, rows, k) for _ in range(n)]
+        groups[placement] = Group(placement, [rows] * count, k, copies, [torch.cat(ws) for ws in copies])
+    stacked = [torch.stack(ws) for ws in groups["apart"].copies]  # [count, rows, k]
+    names = [
+        *(f"op, weights {p.replace('pairs', 'in pairs')}" for p in PLACEMENTS),
+        "bmm, stacked copy",
+        "cuBLAS concat",
+    ]
+    references = [*PLACEMENTS, "apart", "apart"]  # the group whose concatenated copy checks each column
+    lines = [
+        f"{count} weights of [{rows}, {k}]: µs per call (÷ op, weights apart)",
+        "",
+        "| M | floor µs | " + " | ".join(names) + " |",
+        "|---:|---:|" + "---:|" * len(names),
+    ]
+    for tokens in PLACEMENT_TOKENS:
+        x = torch.randn(tokens, k, device="cuda", dtype=DTYPE)
+        apart = groups["apart"]
+        floor = apart.bytes_moved(tokens) / bandwidth * 1e6
+        calls = [op_call(groups[p], x) for p in PLACEMENTS]
+        calls += [lambda i, x=x: torch.matmul(x, stacked[i].transpose(1, 2)), concat_call(apart, x)]
+        times = []
+        for name, call, reference in zip(names, calls, references, strict=True):
+            out = call(0)
+            if out.dim() == 3:  # bmm: [count, tokens, rows] -> [tokens, count * rows]
+                out = out.transpose(0, 1).reshape(tokens, count * rows)
+            ref = torch.mm(x, groups[reference].concatenated[0].t())
+            err = rel_error(out, ref)
+            if err > MAX_REL_ERROR:
+                raise AssertionError(f"--placement {name}, M = {tokens}: relative error {err:.2e}")
+            times.append(us_per_call(call, len(apart.copies), warmup=25, rep=100))
+        cells = [f"{t:.1f} ({t / times[0]:.2f}x)" for t in times]
+        lines.append(f"| {tokens} | {floor:.1f} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 @dataclass
 class SweepShape:
     """Every correct (variant, split) of one (group, M) with its µs, and the rows it adds to the full table."""
@@ -259,18 +324,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
     parser.add_argument("--sweep", action="store_true", help="time every kernel variant and split (M <= 64)")
+    parser.add_argument("--placement", action="store_true", help="the op on weights placed apart or adjacent")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()
-    groups = [Group.make(name, shapes, props.L2_cache_size) for name, shapes in GROUPS.items()]
+    groups = [] if args.placement else [Group.make(name, s, props.L2_cache_size) for name, s in GROUPS.items()]
     header = (
         f"GPU {props.name}, torch {torch.__version__}; copy rate {bandwidth / 1e12:.2f} TB/s (read + write); "
         f"bf16; CUDA-graph replay over L2-cold weight copies"
     )
     print(header, flush=True)
     with torch.no_grad():
-        body = sweep(groups, bandwidth) if args.sweep else main_table(groups, bandwidth)
+        if args.placement:
+            body = placement_table(props.L2_cache_size, bandwidth)
+        else:
+            body = sweep(groups, bandwidth) if args.sweep else main_table(groups, bandwidth)
     text = header + "\n\n" + body + "\n"
     print(text)
     if args.out:

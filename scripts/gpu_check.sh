@@ -7,6 +7,8 @@
 #             (every tensor its own allocation; SANITIZE_ONLY=GROUP: one group of its calls); each tool's summary
 #             goes to $OUT/sanitize.txt, then what racecheck says of scripts/racecheck_subset_barrier.cu
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
+#   placement the op on ten K/V weights placed apart, in pairs or adjacent, M >= 512 (benchmarks/multi_linear.py
+#             --placement)
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
@@ -16,7 +18,8 @@
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
-# Usage on the GPU machine: bash scripts/gpu_check.sh [tests|bench|all|sanitize|sweep|tune|write|spellings|profile]
+# Usage on the GPU machine: bash scripts/gpu_check.sh
+#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|profile]
 # (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -64,6 +67,10 @@ case "$what" in
     python3 benchmarks/multi_linear.py --sweep --out "$OUT/multi_linear_sweep.md" 2>&1 |
       tee "$OUT/multi_linear_sweep.log" || status=1
     ;;
+  placement)
+    python3 benchmarks/multi_linear.py --placement --out "$OUT/multi_linear_placement.md" 2>&1 |
+      tee "$OUT/multi_linear_placement.log" || status=1
+    ;;
   write)
     python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
     python3 benchmarks/dspark_write.py --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
@@ -101,7 +108,7 @@ case "$what" in
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|tune|write|spellings|profile)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|profile)" >&2
     exit 2
     ;;
 esac
