@@ -61,6 +61,7 @@ def test_context_lengths_share_one_symbolic_graph():
     capture.assert_fused(n_groups=1 + 2 * LAYERS)
 
 
+@pytest.mark.slow
 def test_gemm_profile_reads_every_weight_once_per_step():
     """`gemm_profile` (the benchmark's per-GEMM table) on the passes' graph without codegen: one family for the
     context K/V of all layers, and, summed over the families, every nn.Linear weight read once per step (k_proj and
