@@ -256,7 +256,7 @@ def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list
                 fn(*inputs)
             if device == "cuda":
                 torch.cuda.synchronize()
-    gemm_names = {"aten::mm", "aten::addmm", "dspark::multi_linear"}
+    gemm_names = {op.replace(".", "::") for op in GEMM_OPS}  # as the profiler names them
     families: dict[tuple, GemmFamily] = {}
     all_kernels = gemm_kernels = 0
     for event in prof.events():
@@ -294,8 +294,10 @@ def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, items
     for f in sorted(families, key=lambda f: -f.us):
         per_call = f.us / f.calls
         total_us += f.us / PROFILED_CALLS
-        columns = "+".join(map(str, f.columns)) if len(set(f.columns)) > 1 else f"{len(f.columns)} x {f.columns[0]}"
-        columns = columns.removeprefix("1 x ")
+        if len(f.columns) == 1 or len(set(f.columns)) > 1:
+            columns = "+".join(map(str, f.columns))
+        else:
+            columns = f"{len(f.columns)} x {f.columns[0]}"
         copy_us = 1e6 * f.weight_bytes(itemsize) / bandwidth
         lines.append(
             f"| {f.rows} x {f.k} -> {columns} | {f.projections} | {f.op} | {f.calls // PROFILED_CALLS} | "
@@ -371,8 +373,9 @@ def main() -> None:
             print(f"T={ctx_len} µs:", {k: round(v, 1) for k, v in times.items()}, flush=True)
             for name in ("torch.compile", "dspark_backend"):
                 profiled = gemm_profile(variants[name], step_inputs, eager, device)
-                gemm_lines += gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
-                print("\n".join(gemm_lines[-len(profiled[0]) - 7 :]), flush=True)
+                table = gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
+                gemm_lines += table
+                print("\n".join(table), flush=True)
     where = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else f"CPU {platform.machine()}"
     timing = "CUDA-graph replay" if device == "cuda" else "wall clock, no CUDA graph"
     lines = [

@@ -239,6 +239,12 @@ class ConfigRun:
     reader: str = ""  # the reader that measured read_us (CUDA only)
 
 
+def make_entry(variant: Variant, base: SpellingModel) -> Entry:
+    """`variant` built on a copy of `base` (the copy whose caches it writes)."""
+    model = copy.deepcopy(base)
+    return Entry(variant, model, variant.build(model))
+
+
 def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Tensor, ...]:
     """`(ctx [T, hidden], positions [T] int64, cache_loc [T] int64 distinct)`, T marked dynamic for Dynamo."""
     gen = torch.Generator().manual_seed(tokens)
@@ -479,19 +485,13 @@ def run_config(
             base = build_spelling(spelling, cfg, device).requires_grad_(False)
             paths, kept = dspark_paths(base, inputs)
             print(f"  {spelling}: dspark path per T: {paths}; K/V writes kept: {kept}", flush=True)
-            entries = []
-            for variant in variants:
-                if device == "cuda" or not variant.reduce_overhead:
-                    model = copy.deepcopy(base)
-                    entries.append(Entry(variant, model, variant.build(model)))
+            entries = [make_entry(v, base) for v in variants if device == "cuda" or not v.reduce_overhead]
+            checked = entries
             if control is None:
-                model = copy.deepcopy(base)
-                control = Entry(CONTROL, model, CONTROL.build(model))
-                entries_checked = [*entries, control]
-            else:
-                entries_checked = entries
-            first_calls(entries_checked, inputs)
-            check_parity(entries_checked, base, inputs[PARITY_TOKENS], device)
+                control = make_entry(CONTROL, base)
+                checked = [*entries, control]
+            first_calls(checked, inputs)
+            check_parity(checked, base, inputs[PARITY_TOKENS], device)
             title = label if spelling == "reference" else f"{label}, {spelling} spelling"
             runs.append(ConfigRun(title, spelling, cfg, [], entries, None, kept, paths, rounds))
             del base
@@ -708,11 +708,7 @@ def breakdown(
     torch._dynamo.reset()
     base = build_spelling(spelling, cfg, "cuda").requires_grad_(False)
     inputs = {t: make_inputs(cfg, t, "cuda") for t in sorted({PARITY_TOKENS, *tokens_list})}
-    entries = []
-    for variant in VARIANTS:
-        if variant.key in keys:
-            model = copy.deepcopy(base)
-            entries.append(Entry(variant, model, variant.build(model)))
+    entries = [make_entry(variant, base) for variant in VARIANTS if variant.key in keys]
     first_calls(entries, inputs)
     check_parity(entries, base, inputs[PARITY_TOKENS], "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call

@@ -87,11 +87,20 @@ class Group:
     concatenated: list[torch.Tensor]
 
     @classmethod
-    def make(cls, name: str, shapes: list[tuple[int, int]], l2_bytes: int) -> Group:
+    def make(
+        cls,
+        name: str,
+        shapes: list[tuple[int, int]],
+        l2_bytes: int,
+        weights: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> Group:
+        """Enough copies of the weights of `shapes` for 3x the L2, each made by `weights` (default: every weight
+        apart, `separate_weight`)."""
         k = shapes[0][1]
         weight_bytes = sum(r * k for r, _ in shapes) * DTYPE.itemsize
         n = max(2, math.ceil(3 * l2_bytes / weight_bytes))
-        copies = [[separate_weight(r, k) for r, _ in shapes] for _ in range(n)]
+        weights = weights or (lambda: [separate_weight(r, k) for r, _ in shapes])
+        copies = [weights() for _ in range(n)]
         return cls(name, [r for r, _ in shapes], k, copies, [torch.cat(ws) for ws in copies])
 
     def args(self, x: torch.Tensor, i: int) -> tuple:
@@ -219,11 +228,10 @@ def placement_table(l2_bytes: int, bandwidth: float) -> str:
     """`--placement`: per M, the op on the same ten weights placed apart, in pairs and adjacent (`placed_weights`),
     one bmm of them stacked, and cuBLAS on the concatenated copy; µs per call (time ÷ the weights-apart time)."""
     count, rows, k = PLACEMENT_SHAPE
-    groups = {}
-    for placement in PLACEMENTS:
-        n = max(2, math.ceil(3 * l2_bytes / (count * rows * k * DTYPE.itemsize)))
-        copies = [placed_weights(placement, count, rows, k) for _ in range(n)]
-        groups[placement] = Group(placement, [rows] * count, k, copies, [torch.cat(ws) for ws in copies])
+    groups = {
+        p: Group.make(p, [(rows, k)] * count, l2_bytes, lambda p=p: placed_weights(p, count, rows, k))
+        for p in PLACEMENTS
+    }
     stacked = [torch.stack(ws) for ws in groups["apart"].copies]  # [count, rows, k]
     names = [
         *(f"op, weights {p.replace('pairs', 'in pairs')}" for p in PLACEMENTS),
