@@ -26,11 +26,11 @@ instead), and prints the best variant per shape, then the best variant per token
 `default_variant` should pick).
 
 `--placement` times the op on ten K/V weights of [1024, 4096] (five layers' separate k_proj/v_proj) placed three ways,
-at M in {512, 1024, 2048, 4096}: each weight apart (ten row ranges, ten GEMMs), adjacent in pairs (k and v of a layer
-back to back: five ranges of 2048 rows) and all adjacent (views of one buffer: one range of 10240 rows). The op merges
-adjacent ranges, so these are the GEMMs it runs for the same model depending on where the allocator put the weights.
-Next to them: one `bmm` of the ten weights stacked (a copy; cuBLAS's strided batched GEMM: what one batched launch
-over the ten ranges reads) and cuBLAS concat.
+at M in {512, 1024, 2048, 4096}: each weight apart (ten row ranges), adjacent in pairs (k and v of a layer back to
+back: five ranges of 2048 rows once merged) and all adjacent (views of one buffer: one range of 10240 rows). Next to
+the op: one GEMM per merged range on each placement (`_multi_linear_cublas(..., batched=False)`: what the op ran above
+512 tokens before it batched there, so the GEMMs followed where the allocator put the weights), one `bmm` of the ten
+weights stacked (a copy; cuBLAS's strided batched GEMM) and cuBLAS concat.
 """
 
 from __future__ import annotations
@@ -175,6 +175,10 @@ def batched_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]
     return lambda i: cublas_op(*group.args(x, i), True)
 
 
+def per_range_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    return lambda i: cublas_op(*group.args(x, i), False)
+
+
 METHODS = {
     "op": op_call,
     "kernel": kernel_call,
@@ -184,9 +188,9 @@ METHODS = {
 }
 
 
-def cublas_path(tokens: int, rows: list[int]) -> str:
+def cublas_path(rows: list[int]) -> str:
     """What the op's cuBLAS path runs for separate weights of these row counts."""
-    return "cuBLAS batched" if cublas_batches(tokens, rows) else "cuBLAS"
+    return "cuBLAS batched" if cublas_batches(rows) else "cuBLAS"
 
 
 def main_table(groups: list[Group], bandwidth: float) -> str:
@@ -217,7 +221,7 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
                 f"{times[base] / times['op']:.2f}x" if {"op", base} <= times.keys() else "-"
                 for base in ("cuBLAS per weight", "cuBLAS concat")
             ]
-            path = "kernel" if uses_kernel(tokens, group.rows) else cublas_path(tokens, group.rows)
+            path = "kernel" if uses_kernel(tokens, group.rows) else cublas_path(group.rows)
             row = f"| {group.name} | {tokens} | {path} | {floor:.1f} | " + " | ".join(cells + ratios) + " |"
             print(row, flush=True)
             lines.append(row)
@@ -225,8 +229,9 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
 
 
 def placement_table(l2_bytes: int, bandwidth: float) -> str:
-    """`--placement`: per M, the op on the same ten weights placed apart, in pairs and adjacent (`placed_weights`),
-    one bmm of them stacked, and cuBLAS on the concatenated copy; µs per call (time ÷ the weights-apart time)."""
+    """`--placement`: per M, the op and one GEMM per merged range on the same ten weights placed apart, in pairs and
+    adjacent (`placed_weights`), one bmm of them stacked, and cuBLAS on the concatenated copy; µs per call (time ÷
+    the op's time on the weights apart)."""
     count, rows, k = PLACEMENT_SHAPE
     groups = {
         p: Group.make(p, [(rows, k)] * count, l2_bytes, lambda p=p: placed_weights(p, count, rows, k))
@@ -234,11 +239,11 @@ def placement_table(l2_bytes: int, bandwidth: float) -> str:
     }
     stacked = [torch.stack(ws) for ws in groups["apart"].copies]  # [count, rows, k]
     names = [
-        *(f"op, weights {p.replace('pairs', 'in pairs')}" for p in PLACEMENTS),
+        *(f"{how}, weights {p.replace('pairs', 'in pairs')}" for how in ("op", "GEMM per range") for p in PLACEMENTS),
         "bmm, stacked copy",
         "cuBLAS concat",
     ]
-    references = [*PLACEMENTS, "apart", "apart"]  # the group whose concatenated copy checks each column
+    references = [*PLACEMENTS, *PLACEMENTS, "apart", "apart"]  # the group whose concatenated copy checks each column
     lines = [
         f"{count} weights of [{rows}, {k}]: µs per call (÷ op, weights apart)",
         "",
@@ -249,7 +254,7 @@ def placement_table(l2_bytes: int, bandwidth: float) -> str:
         x = torch.randn(tokens, k, device="cuda", dtype=DTYPE)
         apart = groups["apart"]
         floor = apart.bytes_moved(tokens) / bandwidth * 1e6
-        calls = [op_call(groups[p], x) for p in PLACEMENTS]
+        calls = [op_call(groups[p], x) for p in PLACEMENTS] + [per_range_call(groups[p], x) for p in PLACEMENTS]
         calls += [lambda i, x=x: torch.matmul(x, stacked[i].transpose(1, 2)), concat_call(apart, x)]
         times = []
         for name, call, reference in zip(names, calls, references, strict=True):

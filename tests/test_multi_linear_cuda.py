@@ -14,7 +14,6 @@ import custom_ops  # noqa: F401
 from custom_ops import _build
 from custom_ops.linear.multi_linear import (
     _check_args,
-    batched_max_tokens,
     cublas_batches,
     kernel_token_threshold,
     kernel_variants,
@@ -188,7 +187,7 @@ def _same_shape_case(tokens, *, dtype=torch.bfloat16, seed=0, x_stride_pad=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 7, 33, 64, 200])
+@pytest.mark.parametrize("tokens", [1, 7, 33, 64, 200, 600])
 def test_batched_cublas_matches_fp64(tokens, dtype):
     """Row ranges of one shape in one batched GEMM (the op's cuBLAS path, and forced at any T): the same result as
     one GEMM per range, every output column written (the output comes from NaN-filled freed memory)."""
@@ -226,7 +225,7 @@ def test_batched_cublas_with_a_misaligned_activation(tokens, layout):
         wide[:, 1 : 1 + k] = x
         moved = wide[:, 1 : 1 + k]
         assert moved.data_ptr() % 16 == 2
-    assert not uses_kernel(tokens, counts) and cublas_batches(tokens, counts)
+    assert not uses_kernel(tokens, counts) and cublas_batches(counts)
     ref = fp64_formula(x, weights, starts, counts, biases)
     _check(op(moved, weights, starts, counts, biases), ref)
     _check(torch.ops.dspark._multi_linear_cublas(moved, weights, starts, counts, biases, True), ref)
@@ -253,7 +252,7 @@ def test_batched_cublas_with_misaligned_weights_and_output_columns(tokens):
     assert not any(
         "fill_pointer_table" in n for n in _kernel_names(lambda: torch.ops.dspark._multi_linear_cublas(*split, True))
     )
-    assert not cublas_batches(tokens, [3, 64, 64, 64, 5])
+    assert not cublas_batches([3, 64, 64, 64, 5])
 
 
 def test_batched_cublas_fewer_kernels_and_more_ranges_than_one_batch():
@@ -302,15 +301,15 @@ def _kernel_names(fn) -> set[str]:
     [(8, [256] * 4), (16, [256] * 4), (16, [512, 128, 128]), (16, [128, 256]), (40, [128, 256]), (40, [256] * 4)],
 )
 def test_the_path_the_rule_names_runs(tokens, counts):
-    """The kernel, a batched GEMM (its pointer-table kernel) or neither, as `uses_kernel` / `cublas_batches` say; above
-    the batching limit ranges of one shape get one GEMM each."""
+    """The kernel, a batched GEMM (its pointer-table kernel) or neither, as `uses_kernel` / `cublas_batches` say;
+    ranges of one shape are batched at every T (600 here)."""
     args = _case(tokens, 256, counts, seed=tokens, pad_rows=1, bias=(False,))
     names = _kernel_names(lambda: op(*args))
     kernel = uses_kernel(tokens, counts)
     assert any("multi_linear_kernel" in n for n in names) == kernel
-    assert any("fill_pointer_table" in n for n in names) == (not kernel and cublas_batches(tokens, counts))
-    many = _case(batched_max_tokens() + 1, 64, [32] * 3, seed=1, pad_rows=1, bias=(False,))
-    assert not any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*many)))
+    assert any("fill_pointer_table" in n for n in names) == (not kernel and cublas_batches(counts))
+    many = _case(600, 64, [32] * 3, seed=1, pad_rows=1, bias=(False,))
+    assert any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*many)))
     _check(op(*many), fp64_formula(*many))
 
 

@@ -62,7 +62,7 @@ HEAD_DIM_64 = Spec(
     bias=(True, False, True),
     weight_layout="row-strided",
 )
-# 513: above kBatchedMaxTokens (csrc/linear/multi_linear.cu) dspark::multi_linear runs one GEMM per layer
+# 513: odd and above 512, a GEMM tile tail in every batched K/V GEMM of dspark::multi_linear
 TOKENS = (1, 7, 8, 16, 17, 64, 65, 512, 513)
 FUSED_MAX_TOKENS = 16  # kFusedMaxTokens in csrc/linear/multi_linear_kv_write.cu
 WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 512: 16, 513: 19}  # a [T / W, W] split of each T

@@ -27,8 +27,8 @@ Which path runs:
 |        |                                                           | `mm`/`addmm` per other row range (b)           |
 
 (a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
-that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. (c) up to 512
-tokens, bf16/fp16 row ranges without bias that share their row count and row stride are one `cublasGemmBatchedEx`
+that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. (c) at every T,
+bf16/fp16 row ranges without bias that share their row count and row stride are one `cublasGemmBatchedEx`
 (one launch for the group instead of one GEMM each: the DSpark KV group of 5 layers at 64 tokens takes 29 instead
 of 53 µs); its per-GEMM pointers are written to a small device tensor by a one-block kernel from a by-value kernel
 parameter, so there is still no host sync and no state between calls. cuBLAS cannot check pointers it reads from
@@ -37,7 +37,7 @@ start 16-byte aligned with row strides of a multiple of 8 elements (a row count 
 is not a multiple of 8 keeps it out), and the batched GEMMs read `x` only if it is aligned so too, else a contiguous
 copy (none when K % 8 != 0: then nothing is batched). The rule is `kernel_pays` in
 `csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
-`cublas_batches(tokens, row_counts)` evaluate it. The kernel itself handles up to 64 tokens
+`cublas_batches(row_counts)` evaluate it. The kernel itself handles up to 64 tokens
 (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS path, batched or one GEMM
 per range.
 
@@ -202,31 +202,26 @@ def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
-    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs), int(_all_batched(tokens, runs))))
+    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs), int(_all_batched(runs))))
 
 
-def batched_max_tokens() -> int:
-    """Largest token count for which the CUDA op's cuBLAS path batches row ranges of one shape into one GEMM."""
-    return int(_native().dspark_multi_linear_batched_max_tokens())
-
-
-def _batchable(tokens: int, runs: Sequence[int]) -> list[int]:
-    """The row counts of the non-empty ranges `runs` that the cuBLAS path may batch: none above the batching limit
-    or when the output's width is not a multiple of 8, else those whose output column block starts at a multiple of 8
-    (16-byte aligned for bf16/fp16)."""
-    if tokens > batched_max_tokens() or sum(runs) % 8:
+def _batchable(runs: Sequence[int]) -> list[int]:
+    """The row counts of the non-empty ranges `runs` that the cuBLAS path may batch: none when the output's width is
+    not a multiple of 8, else those whose output column block starts at a multiple of 8 (16-byte aligned for
+    bf16/fp16)."""
+    if sum(runs) % 8:
         return []
     return [c for c, col in zip(runs, itertools.accumulate(runs, initial=0), strict=False) if col % 8 == 0]
 
 
-def _all_batched(tokens: int, runs: Sequence[int]) -> bool:
-    batchable = _batchable(tokens, runs)
+def _all_batched(runs: Sequence[int]) -> bool:
+    batchable = _batchable(runs)
     return len(batchable) == len(runs) and all(batchable.count(c) >= 2 for c in batchable)
 
 
-def cublas_batches(tokens: int, row_counts: Sequence[int]) -> bool:
+def cublas_batches(row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op's cuBLAS path batches some of these row ranges (same assumptions as `uses_kernel`)."""
-    batchable = _batchable(tokens, [c for c in row_counts if c > 0])
+    batchable = _batchable([c for c in row_counts if c > 0])
     return any(batchable.count(c) >= 2 for c in batchable)
 
 

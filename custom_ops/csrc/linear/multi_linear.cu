@@ -38,11 +38,6 @@ constexpr int64_t kGroupTokenThreshold = 32;
 constexpr int64_t kGroupMaxMeanRows = 4096;
 static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");
 
-// Up to this many tokens cuBLAS batches row ranges of one shape (KV of 5 layers at 64 tokens: 29.2 vs 53.0 us per
-// weight, at 512: 69.3 vs 86.7). Beyond, every GEMM alone fills the GPU and is compute-bound; the batched GEMM
-// measured slower there (the DSpark write at 4096 tokens: 570.8 vs 550.2 us).
-constexpr int64_t kBatchedMaxTokens = 512;
-
 // Whether a call with `tokens` rows of x over `runs` row ranges (after merging adjacent ones) of `rows` rows in all
 // takes the kernel; `all_batched()`: the cuBLAS path would batch every range (see batches_every_run), asked only when
 // the answer matters (8 < tokens <= 32, several ranges), so a decode call does not group its ranges by shape.
@@ -148,11 +143,14 @@ using Shape = std::pair<int64_t, int64_t>;  // (rows, row stride): runs of one s
 // Runs by shape, in increasing shape order (a call has a few shapes: a sorted vector, no tree per call).
 using ShapeGroups = std::vector<std::pair<Shape, std::vector<const Run*>>>;
 
-// The batchable runs by shape (none above kBatchedMaxTokens tokens, nor when x and its contiguous copy would both be
-// misaligned); `single` gets the others.
+// The batchable runs by shape (none when x and its contiguous copy would both be misaligned); `single` gets the
+// others. cuBLAS batches row ranges of one shape at every T: the KV group of 5 layers at 64 tokens took 29.2 us
+// batched against 53.0 per weight, and ten [1024, 4096] weights placed apart took 129.5 us batched against 157.2 at
+// 1024 tokens, 257.4 against 271.0 at 2048 and 513.4 against 508.1 at 4096 (H200, BENCHMARKS.md "Batched at every
+// T"): a GEMM of 1024 rows fills the GPU only from about 4096 tokens, and there the batched one ties.
 ShapeGroups batches(const at::Tensor& x, const std::vector<Run>& runs, std::vector<Run>* single) {
   ShapeGroups shapes;
-  const bool batching = x.size(0) <= kBatchedMaxTokens && (x_batch_ready(x) || x.size(1) % 8 == 0);
+  const bool batching = x_batch_ready(x) || x.size(1) % 8 == 0;
   const int64_t out_ld = runs.empty() ? 0 : runs.back().col + runs.back().rows;  // the output's columns
   for (const Run& r : runs) {
     if (batching && batchable(x, r, out_ld)) {
@@ -177,28 +175,31 @@ bool batches_every_run(const at::Tensor& x, const std::vector<Run>& runs) {
   return batched == runs.size();
 }
 
-// GEMM launches of the cuBLAS path over `runs`: one per kMaxSegments runs of a batched shape, one per other run.
+// Kernel launches of the cuBLAS path over `runs`: two (the pointer table, the GEMM) per kMaxSegments runs of a
+// batched shape, one per other run.
 size_t cublas_launches(const at::Tensor& x, const std::vector<Run>& runs) {
   std::vector<Run> single;
   size_t launches = 0;
   for (const auto& [shape, group] : batches(x, runs, &single)) {
-    launches += group.size() < 2 ? 1 : (group.size() + kMaxSegments - 1) / kMaxSegments;
+    launches += group.size() < 2 ? 1 : 2 * ((group.size() + kMaxSegments - 1) / kMaxSegments);
   }
   return launches + single.size();
 }
 
-// The row ranges the cuBLAS path runs: `merged` (collect_runs: adjacent ranges merged, fewer and larger GEMMs), or
-// the ranges as given where those take fewer launches. Which weights lie back to back is up to the allocator, and
+// The row ranges the cuBLAS path runs: `merged` (collect_runs: adjacent ranges merged, fewer and larger GEMMs) where
+// those take fewer launches, else the ranges as given. Which weights lie back to back is up to the allocator, and
 // merging some of them leaves runs of several shapes, a GEMM each, where the given ranges of one shape are one
 // batched GEMM (H200, K/V of 5 layers as 10 [1024, 4096] weights at 64 tokens, some adjacent: 3 GEMMs and a
-// split-K reduction, 50.8 us per write, against one batched GEMM, 40.7 us): the path must not depend on it.
+// split-K reduction, 50.8 us per write, against one batched GEMM, 40.7 us): the path must not depend on it. On a tie
+// (k and v of each layer adjacent: five batched ranges or ten) the given ones, so that only weights that all lie back
+// to back (one GEMM) change the GEMM's shape.
 std::vector<Run> cublas_runs(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts,
                              at::IntArrayRef counts, const Biases& biases, std::vector<Run> merged) {
   size_t ranges = 0;
   for (const int64_t c : counts) ranges += c > 0 ? 1 : 0;
   if (merged.size() <= 1 || merged.size() == ranges) return merged;  // all in one GEMM, or nothing merged
   std::vector<Run> given = collect_runs(x, weights, starts, counts, biases, /*merge=*/false);
-  return cublas_launches(x, given) < cublas_launches(x, merged) ? given : merged;
+  return cublas_launches(x, merged) < cublas_launches(x, given) ? merged : given;
 }
 
 // `runs` (all of one shape, 2..kMaxSegments of them) as one batched GEMM into their column blocks of `out`.
@@ -229,7 +230,7 @@ void gemm_batched(const at::Tensor& x, const std::vector<const Run*>& runs, at::
       CUBLAS_GEMM_DEFAULT));
 }
 
-// The cuBLAS path: up to kBatchedMaxTokens tokens, runs of one shape (batchable) in one batched GEMM per
+// The cuBLAS path: runs of one shape (batchable) in one batched GEMM per
 // kMaxSegments of them; every other run as its own mm / addmm. batched = false: one GEMM per run (the debug op
 // compares the two).
 void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts, const Biases& biases,
@@ -389,10 +390,6 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
                                                                                       int64_t rows, int all_batched) {
   return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
-}
-
-extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_batched_max_tokens() {
-  return static_cast<int>(dspark::mlinear::kBatchedMaxTokens);
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {
