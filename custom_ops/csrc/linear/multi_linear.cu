@@ -145,9 +145,10 @@ using ShapeGroups = std::vector<std::pair<Shape, std::vector<const Run*>>>;
 
 // The batchable runs by shape (none when x and its contiguous copy would both be misaligned); `single` gets the
 // others. cuBLAS batches row ranges of one shape at every T: the KV group of 5 layers at 64 tokens took 29.2 us
-// batched against 53.0 per weight, and ten [1024, 4096] weights placed apart took 129.5 us batched against 157.2 at
-// 1024 tokens, 257.4 against 271.0 at 2048 and 513.4 against 508.1 at 4096 (H200, BENCHMARKS.md "Batched at every
-// T"): a GEMM of 1024 rows fills the GPU only from about 4096 tokens, and there the batched one ties.
+// batched against 53.0 per weight, and ten [1024, 4096] weights placed apart took 66.8 us batched against 102.3 one
+// GEMM each at 512 tokens, 134.0 against 157.1 at 1024, 260.4 against 265.8 at 2048 and 520.7 against 503.0 at 4096
+// (H200, BENCHMARKS.md "Batched at every T"): a GEMM of 1024 rows fills the GPU only from about 4096 tokens, and
+// there the batched one is within 4 %, while the time no longer depends on which weights lie back to back.
 ShapeGroups batches(const at::Tensor& x, const std::vector<Run>& runs, std::vector<Run>* single) {
   ShapeGroups shapes;
   const bool batching = x_batch_ready(x) || x.size(1) % 8 == 0;
