@@ -1,7 +1,7 @@
 """dspark::multi_linear at decode sizes: the op's default dispatch, per-weight cuBLAS, cuBLAS on a concatenated copy.
 
 Groups (bf16, no bias): the fused draft KV group 5 x [2048, 4096], q/k/v [4096 | 1024 | 1024, 4096], gate/up
-2 x [12288, 4096], single [4096, 4096], [1024, 4096] and [4096, 12288] (K = 12288); M (tokens) in
+2 x [12288, 4096], single [4096, 4096], [1024, 4096], [4096, 12288] (K = 12288) and [12288, 4096]; M (tokens) in
 {1, 8, 16, 64, 128, 512}. Each weight is its own tensor with a gap after it, as in a model (weights that lie back to
 back in memory would be merged into one row range by the op). Every variant is captured in a CUDA graph that calls
 it once on each of several copies of the group's weights (enough copies for 3x the L2, so the L2 never serves the
@@ -11,9 +11,10 @@ copies. "% copy" is (weights + x + out bytes) / time over a large device-to-devi
 concatenated copy first.
 
 Columns: op (the default dispatch; "path" names what it ran), kernel (`_multi_linear_variant` with the default tile,
-M <= 64), cuBLAS batched (`_multi_linear_cublas(..., batched=True)`: row ranges of one shape in one
-`cublasGemmBatchedEx`), cuBLAS per weight (one `mm` per weight), cuBLAS concat (one `mm` on a concatenated copy: a
-bound, not an option, since it needs a second copy of the weights).
+M <= 64), cuBLAS batched (`_multi_linear_cublas(..., batched=True)`, the op's cuBLAS path: row ranges cut into
+row blocks of one height in one `cublasGemmBatchedEx`, or ranges of one shape batched whole, and a single range of
+>= 4096 rows at M <= 64 as a strided batched GEMM of row blocks), cuBLAS per weight (one `mm` per weight), cuBLAS
+concat (one `mm` on a concatenated copy: a bound, not an option, since it needs a second copy of the weights).
 
     python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
@@ -60,6 +61,7 @@ GROUPS: dict[str, list[tuple[int, int]]] = {
     "[4096,4096]": [(4096, 4096)],
     "[1024,4096]": [(1024, 4096)],
     "[4096,12288]": [(4096, 12288)],
+    "[12288,4096]": [(12288, 4096)],
 }
 TOKENS = (1, 8, 16, 64, 128, 512)
 SWEEP_TOKENS = (1, 8, 16, 32, 64)

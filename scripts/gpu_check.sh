@@ -90,9 +90,12 @@ case "$what" in
       --tokens ${PROFILE_TOKENS:-64 4096} --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" || status=1
     ;;
   tune)
+    # cuBLAS from the CUDA wheels torch depends on (benchmarks/cublas_grouped_tune.cu)
+    cu=$(python3 -c 'import nvidia.cu13; print(list(nvidia.cu13.__path__)[0])')
     for src in benchmarks/${TUNE:-*}_tune.cu; do
       name=$(basename "$src" .cu)
-      { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc "$src" -o "/tmp/$name" &&
+      { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I"$cu/include" "$src" \
+        -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -Xlinker -rpath="$cu/lib" &&
         "/tmp/$name"; } 2>&1 | tee "$OUT/$name.log" || status=1
     done
     ;;

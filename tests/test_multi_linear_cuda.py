@@ -270,8 +270,71 @@ def test_batched_cublas_fewer_kernels_and_more_ranges_than_one_batch():
     )
 
 
-def test_batched_cublas_in_a_cuda_graph_sees_new_inputs_and_weight_updates():
-    args = _same_shape_case(64, seed=5)
+def _blocks_case(tokens, counts, *, dtype=torch.bfloat16, seed=0):
+    """Separate weights without bias, K = 64, row stride 72 (16-byte aligned rows): the cuBLAS path can batch them."""
+    return _case(tokens, 64, counts, dtype=dtype, seed=seed, bias=(False,), pad_rows=1, pad_k=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [16, 40, 600])
+def test_ranges_of_several_shapes_are_one_batched_gemm_of_row_blocks(tokens, dtype):
+    """Row counts with a gcd of >= 256 (q/k/v-like 1024 + 256 + 256, and 768 + 256 + 512) are cut into row blocks
+    of one height: one batched GEMM, one pointer table, for ranges of three shapes that were a GEMM each (or a GEMM
+    and a batched one) before. A gcd below 256 (1024 + 200 + 256: 8) is not."""
+    for counts in ([1024, 256, 256], [768, 256, 512]):
+        args = _blocks_case(tokens, counts, dtype=dtype, seed=tokens + counts[0])
+        assert cublas_batches(counts) and not uses_kernel(tokens, counts)
+        names = _kernel_names(lambda a=args: op(*a))
+        assert sum("fill_pointer_table" in n for n in names) == 1, names
+        ref = fp64_formula(*args)
+        torch.full((tokens * 4000 + 1024,), float("nan"), device="cuda", dtype=dtype)  # freed, reused below
+        _check(op(*args), ref)
+        _check(torch.ops.dspark._multi_linear_cublas(*args, True), ref)
+    assert not cublas_batches([1024, 200, 256])
+    args = _blocks_case(tokens, [1024, 200, 256], dtype=dtype, seed=tokens)
+    assert not any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*args)))
+    _check(op(*args), fp64_formula(*args))
+
+
+def test_row_blocks_of_more_ranges_than_one_table():
+    """70 ranges of 2048 and 256 rows in turn: blocks of 256, two batched GEMMs (64 ranges = 288 blocks, more than
+    the table kernel's threads, and 6 ranges = 27 blocks), each with its pointer table."""
+    counts = [2048 if i % 2 == 0 else 256 for i in range(70)]
+    args = _blocks_case(40, counts, seed=7)
+    names = _kernel_names(lambda: op(*args))
+    assert sum("fill_pointer_table" in n for n in names) == 1  # one kernel name, launched twice
+    assert _cuda_kernels(lambda: op(*args)) < 10
+    _check(op(*args), fp64_formula(*args))
+
+
+@pytest.mark.parametrize("misaligned_x", [False, True])
+@pytest.mark.parametrize("tokens", [1, 9, 64, 65])
+def test_a_single_tall_weight_in_row_blocks(tokens, misaligned_x):
+    """A single range of >= 4096 rows without bias, up to 64 tokens: one strided batched GEMM of row blocks (4096:
+    two blocks of 2048; 6144: four of 1536), no pointer table, also at decode sizes (not the kernel); from 65 tokens
+    one GEMM; a row count that gives no block height (4104) takes the kernel up to 8 tokens, else one GEMM. All match
+    the fp64 formula and the GEMM per range, also when x is not 16-byte aligned (the batched GEMMs read an aligned
+    copy)."""
+    for rows in (4096, 6144, 4104):
+        x, weights, starts, counts, biases = _blocks_case(tokens, [rows], seed=rows + tokens)
+        if misaligned_x:
+            x = _one_element_in(x)
+        args = (x, weights, starts, counts, biases)
+        kernel = rows == 4104 and tokens <= kernel_token_threshold()
+        assert uses_kernel(tokens, counts) == kernel and not cublas_batches(counts)
+        assert any("multi_linear_kernel" in n for n in _kernel_names(lambda a=args: op(*a))) == kernel
+        assert not any("fill_pointer_table" in n for n in _kernel_names(lambda a=args: op(*a)))
+        ref = fp64_formula(*args)
+        _check(op(*args), ref)
+        _check(torch.ops.dspark._multi_linear_cublas(*args, False), ref)
+
+
+@pytest.mark.parametrize("case", ["one shape", "row blocks", "one tall weight"])
+def test_batched_cublas_in_a_cuda_graph_sees_new_inputs_and_weight_updates(case):
+    if case == "one shape":
+        args = _same_shape_case(64, seed=5)
+    else:
+        args = _blocks_case(64, [1024, 256, 512] if case == "row blocks" else [4096], seed=5)
     x, weights = args[0], args[1]
     op(*args)
     graph = torch.cuda.CUDAGraph()
@@ -282,7 +345,7 @@ def test_batched_cublas_in_a_cuda_graph_sees_new_inputs_and_weight_updates():
         if step == 2:
             with torch.no_grad():
                 weights[0].mul_(-2)
-                weights[4].add_(1)
+                weights[-1].add_(1)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -298,7 +361,16 @@ def _kernel_names(fn) -> set[str]:
 
 @pytest.mark.parametrize(
     ("tokens", "counts"),
-    [(8, [256] * 4), (16, [256] * 4), (16, [512, 128, 128]), (16, [128, 256]), (40, [128, 256]), (40, [256] * 4)],
+    [
+        (8, [256] * 4),
+        (16, [256] * 4),
+        (16, [512, 128, 128]),
+        (16, [128, 256]),
+        (40, [128, 256]),
+        (40, [256] * 4),
+        (8, [1024, 256, 256]),
+        (16, [1024, 256, 256]),
+    ],
 )
 def test_the_path_the_rule_names_runs(tokens, counts):
     """The kernel, a batched GEMM (its pointer-table kernel) or neither, as `uses_kernel` / `cublas_batches` say;

@@ -22,24 +22,30 @@ Which path runs:
 | CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
 | CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 8,    | the kernel, one launch per 64 row ranges       |
 |        | or T <= 32 for >= 2 row ranges of <= 4096 rows on average |                                                |
-|        | unless cuBLAS can batch all of them (c)                   |                                                |
-| CUDA   | otherwise (fp32, larger T, other K, other layouts)        | cuBLAS: one batched GEMM per shape (c), one    |
-|        |                                                           | `mm`/`addmm` per other row range (b)           |
+|        | unless cuBLAS can batch all of them (c); never a single   |                                                |
+|        | range that cuBLAS cuts into row blocks (d)                |                                                |
+| CUDA   | otherwise (fp32, larger T, other K, other layouts)        | cuBLAS: batched GEMMs (c), strided row blocks  |
+|        |                                                           | (d), one `mm`/`addmm` per other row range (b)  |
 
 (a) every used weight row range has unit inner stride and 16-byte aligned rows (a weight view with any row stride
 that keeps rows 16-byte aligned qualifies). (b) written straight into its column block of the output. (c) at every T,
-bf16/fp16 row ranges without bias that share their row count and row stride are one `cublasGemmBatchedEx`
-(one launch for the group instead of one GEMM each: the DSpark KV group of 5 layers at 64 tokens takes 29 instead
-of 53 µs); its per-GEMM pointers are written to a small device tensor by a one-block kernel from a by-value kernel
-parameter, so there is still no host sync and no state between calls. cuBLAS cannot check pointers it reads from
+bf16/fp16 row ranges without bias that share their row stride and whose row counts have a gcd of >= 256 (halved
+while above 2048) are cut into row blocks of that height, all in one `cublasGemmBatchedEx` (q/k/v of
+[4096 | 1024 | 1024] rows: six blocks of 1024, 20.1 µs at 16 tokens, where a GEMM for q and a batched one for k and
+v took 25 µs); where the gcd is smaller, ranges that share their row count are batched whole (the DSpark KV group
+of 5 layers at 64 tokens takes 29 instead of 53 µs one GEMM each). The per-GEMM pointers are written to a small
+device tensor by a one-block kernel from a by-value kernel parameter, so there is still no host sync and no state
+between calls. (d) a single such range of >= 4096 rows at T <= 64 is one strided batched GEMM of row blocks (no
+pointer table): cuBLAS's tiles for one GEMM of a few thousand rows leave bandwidth unused ([4096, 12288] at 16
+tokens: 32.8 against 34.2 µs). cuBLAS cannot check pointers it reads from
 device memory and assumes them aligned, so a range is batched only if its weight rows and its output column block
 start 16-byte aligned with row strides of a multiple of 8 elements (a row count before it or an output width that
 is not a multiple of 8 keeps it out), and the batched GEMMs read `x` only if it is aligned so too, else a contiguous
 copy (none when K % 8 != 0: then nothing is batched). The rule is `kernel_pays` in
 `csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
-`cublas_batches(row_counts)` evaluate it. The kernel itself handles up to 64 tokens
-(`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS path, batched or one GEMM
-per range.
+`cublas_batches(row_counts)` (whether a batched GEMM with a pointer table runs) evaluate it. The kernel itself
+handles up to 64 tokens (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS
+path, batched or one GEMM per range.
 
 On CUDA, consecutive row ranges that lie back to back in memory (weight `i + 1`'s first used row right after weight
 `i`'s last, same row stride, biases both absent or also back to back) are treated as one range: one GEMM over the
@@ -67,6 +73,7 @@ automatic; above 1 only on sm_90), for any T up to 64, and raises `ValueError` w
 
 import ctypes
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -189,8 +196,9 @@ def _native() -> ctypes.CDLL:
 
 
 def kernel_token_threshold() -> int:
-    """Largest token count (rows of `x`) for which the CUDA op runs the kernel for any group (builds the library if
-    needed); see `uses_kernel` for the groups that take it up to 32 tokens."""
+    """Largest token count (rows of `x`) for which the CUDA op runs the kernel for any group but a single range that
+    cuBLAS cuts into row blocks (builds the library if needed); see `uses_kernel` for the groups that take it up to
+    32 tokens."""
     return int(_native().dspark_multi_linear_token_threshold())
 
 
@@ -202,7 +210,16 @@ def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
-    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs), int(_all_batched(runs))))
+    batched = _in_strided_blocks(tokens, runs) if len(runs) == 1 else _all_batched(runs)
+    return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs), int(batched)))
+
+
+def _in_strided_blocks(tokens: int, runs: Sequence[int]) -> bool:
+    """Whether a single range is cut into row blocks (one strided batched GEMM) at `tokens` tokens."""
+    lib = _native()
+    lib.dspark_multi_linear_strided_block.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.dspark_multi_linear_strided_block.restype = ctypes.c_int64
+    return bool(_batchable(runs)) and lib.dspark_multi_linear_strided_block(tokens, runs[0]) > 0
 
 
 def _batchable(runs: Sequence[int]) -> list[int]:
@@ -214,15 +231,26 @@ def _batchable(runs: Sequence[int]) -> list[int]:
     return [c for c, col in zip(runs, itertools.accumulate(runs, initial=0), strict=False) if col % 8 == 0]
 
 
+def _in_blocks(batchable: Sequence[int]) -> bool:
+    """Whether the batchable ranges (one row stride) form one batched GEMM of row blocks (the C rule, `block_rows`)."""
+    lib = _native()
+    lib.dspark_multi_linear_block_rows.argtypes = [ctypes.c_int64]
+    lib.dspark_multi_linear_block_rows.restype = ctypes.c_int64
+    return len(batchable) >= 2 and lib.dspark_multi_linear_block_rows(math.gcd(*batchable)) > 0
+
+
 def _all_batched(runs: Sequence[int]) -> bool:
     batchable = _batchable(runs)
-    return len(batchable) == len(runs) and all(batchable.count(c) >= 2 for c in batchable)
+    if len(batchable) != len(runs):
+        return False
+    return _in_blocks(batchable) or all(batchable.count(c) >= 2 for c in batchable)
 
 
 def cublas_batches(row_counts: Sequence[int]) -> bool:
-    """Whether the CUDA op's cuBLAS path batches some of these row ranges (same assumptions as `uses_kernel`)."""
+    """Whether the CUDA op's cuBLAS path runs a batched GEMM with a pointer table for some of these row ranges (same
+    assumptions as `uses_kernel`): ranges cut into row blocks of one height, or ranges of one shape."""
     batchable = _batchable([c for c in row_counts if c > 0])
-    return any(batchable.count(c) >= 2 for c in batchable)
+    return _in_blocks(batchable) or any(batchable.count(c) >= 2 for c in batchable)
 
 
 def kernel_variants() -> list[KernelVariant]:

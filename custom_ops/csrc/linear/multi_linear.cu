@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <string>
@@ -39,10 +40,14 @@ constexpr int64_t kGroupMaxMeanRows = 4096;
 static_assert(kGroupTokenThreshold <= kMaxTokens, "the kernel handles at most kMaxTokens tokens");
 
 // Whether a call with `tokens` rows of x over `runs` row ranges (after merging adjacent ones) of `rows` rows in all
-// takes the kernel; `all_batched()`: the cuBLAS path would batch every range (see batches_every_run), asked only when
-// the answer matters (8 < tokens <= 32, several ranges), so a decode call does not group its ranges by shape.
+// takes the kernel; `all_batched()`: the cuBLAS path would batch every range (see batches_every_run; a single range:
+// cut into row blocks, see strided_block), asked only when the answer matters (a single range, or 8 < tokens <= 32
+// and several ranges), so a decode call does not group its ranges by shape. A single range that cuBLAS cuts into
+// row blocks takes cuBLAS at every T: 32.6-32.8 us against 34.1-34.5 for the kernel for [4096, 12288] at 1-8 tokens,
+// within 1 % of it for [4096, 4096] and [12288, 4096] (H200, BENCHMARKS.md "Row blocks").
 template <typename AllBatched>
 bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, AllBatched&& all_batched) {
+  if (runs == 1 && all_batched()) return false;
   if (tokens <= kTokenThreshold) return true;
   return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs && !all_batched();
 }
@@ -97,23 +102,53 @@ void check_args(const at::Tensor& x, at::TensorList weights, at::IntArrayRef sta
 
 // ------------------------------------------------------------------------------------------------ batched cuBLAS
 
-// Runs of one shape (rows, row stride, no bias) are one cublasGemmBatchedEx instead of one GEMM each: one launch (and
-// one split-K reduction) for the whole group, its tiles filling the GPU together. cuBLAS reads the per-GEMM pointers
-// from device memory; fill_pointer_table writes them there from its by-value parameter (no host-to-device copy, no
-// sync, nothing kept between calls: capturable, and a CUDA graph replays the pointers it captured).
+// Batched cuBLAS. cuBLAS picks its tiles per GEMM shape, and for a decode-sized T its tiles of one GEMM of a few
+// thousand rows leave much of the H200's bandwidth unused; one batched GEMM over equal row blocks fills it (the batch is
+// one more grid dimension). So the cuBLAS path cuts the row ranges it can batch into blocks of one height: the gcd of
+// their row counts, halved while above kMaxBlockRows, and only if that is at least kMinBlockRows (else ranges of one
+// shape are batched whole, as before, and the others take a GEMM each). Measured on the H200 (bf16, K = 4096,
+// CUDA-graph replay, L2-cold weights; benchmarks/cublas_paths_tune.cu, BENCHMARKS.md "Row blocks"): q/k/v of
+// [4096|1024|1024] rows in blocks of 1024 took 17.8 us at 16 tokens against 25.4 for a GEMM for q and a batched one for
+// k and v (0.70-0.77x up to 128 tokens, within 2-9 % of one GEMM on a concatenated copy); a single [4096, 12288] weight
+// in blocks of 2048 took 29.0 us at 8 tokens against 32.4 as one GEMM.
+constexpr int64_t kMinBlockRows = 256;
+constexpr int64_t kMaxBlockRows = 2048;
+// A single row range (nothing to batch it with) is cut into blocks, a strided batched GEMM with no pointer table, if
+// it has at least kStridedMinRows rows and T <= kStridedMaxTokens: from 128 tokens on its blocks were 1-6 % slower than
+// one GEMM ([4096, 4096] and [4096, 12288]).
+constexpr int64_t kStridedMinRows = 4096;
+constexpr int64_t kStridedMaxTokens = 64;
+
+// The block height for row ranges whose row counts have gcd `rows_gcd` (0: they are not cut into blocks). A multiple
+// of 8, so that every block's output columns stay 16-byte aligned (see batch_aligned).
+int64_t block_rows(int64_t rows_gcd) {
+  int64_t block = rows_gcd;
+  while (block > kMaxBlockRows && block % 16 == 0) block /= 2;
+  return block >= kMinBlockRows && block <= kMaxBlockRows && block % 8 == 0 ? block : 0;
+}
+
+// cuBLAS reads the batched GEMM's matrix pointers from device memory; fill_pointer_table writes them there from its
+// by-value parameter (no host-to-device copy, no sync, nothing kept between calls: capturable, and a CUDA graph replays
+// the pointers it captured). Problem p of the batch is block p - first[i] of run i (first[i] <= p < first[i + 1]).
 struct PointerTable {
-  const void* weight[kMaxSegments];  // A of GEMM i: the run's first weight row
-  void* out[kMaxSegments];           // C of GEMM i: the run's column block of out
-  const void* x;                     // B of every GEMM
-  int count;
+  const char* weight[kMaxSegments];  // first row of run i
+  char* out[kMaxSegments];           // run i's column block of out
+  int first[kMaxSegments + 1];       // the run's first problem; first[runs]: the problem count
+  const void* x;                     // B of every problem
+  int64_t weight_step;               // bytes from one block's first weight row to the next one's
+  int64_t out_step;                  // bytes from one block's first output column to the next one's
+  int runs;
 };
 
 __global__ void fill_pointer_table(const __grid_constant__ PointerTable t, const void** table) {
-  const int i = static_cast<int>(threadIdx.x);
-  if (i < t.count) {
-    table[i] = t.weight[i];
-    table[t.count + i] = t.x;
-    table[2 * t.count + i] = t.out[i];
+  const int problems = t.first[t.runs];
+  for (int p = static_cast<int>(threadIdx.x); p < problems; p += static_cast<int>(blockDim.x)) {
+    int r = 0;
+    while (p >= t.first[r + 1]) ++r;
+    const int64_t block = p - t.first[r];
+    table[p] = t.weight[r] + block * t.weight_step;
+    table[problems + p] = t.x;
+    table[2 * problems + p] = t.out[r] + block * t.out_step;
   }
 }
 
@@ -139,61 +174,77 @@ bool batchable(const at::Tensor& x, const Run& r, int64_t out_ld) {
          batch_aligned(r.weight, r.weight_stride, esize) && (r.col * esize) % 16 == 0 && (out_ld * esize) % 16 == 0;
 }
 
-using Shape = std::pair<int64_t, int64_t>;  // (rows, row stride): runs of one shape share a batched GEMM
-// Runs by shape, in increasing shape order (a call has a few shapes: a sorted vector, no tree per call).
-using ShapeGroups = std::vector<std::pair<Shape, std::vector<const Run*>>>;
+// One batched GEMM: runs of one row stride (the GEMM's lda), each cut into blocks of `block` rows (a run's own row
+// count when ranges of one shape are batched whole).
+struct Batch {
+  int64_t block;
+  std::vector<const Run*> runs;
+};
 
-// The batchable runs by shape (none when x and its contiguous copy would both be misaligned); `single` gets the
-// others. cuBLAS batches row ranges of one shape at every T: the KV group of 5 layers at 64 tokens took 29.2 us
-// batched against 53.0 per weight, and ten [1024, 4096] weights placed apart took 66.8 us batched against 102.3 one
-// GEMM each at 512 tokens, 134.0 against 157.1 at 1024, 260.4 against 265.8 at 2048 and 520.7 against 503.0 at 4096
-// (H200, BENCHMARKS.md "Batched at every T"): a GEMM of 1024 rows fills the GPU only from about 4096 tokens, and
-// there the batched one is within 4 %, while the time no longer depends on which weights lie back to back.
-ShapeGroups batches(const at::Tensor& x, const std::vector<Run>& runs, std::vector<Run>* single) {
-  ShapeGroups shapes;
+// The batches of `runs` (none when x and its contiguous copy would both be misaligned); `single` gets the runs left
+// to a GEMM of their own. Batchable runs of one row stride form one batch of row blocks (block_rows of their gcd), or
+// where their gcd is too small, one batch per row count that >= 2 of them share.
+std::vector<Batch> batches(const at::Tensor& x, const std::vector<Run>& runs, std::vector<Run>* single) {
   const bool batching = x_batch_ready(x) || x.size(1) % 8 == 0;
   const int64_t out_ld = runs.empty() ? 0 : runs.back().col + runs.back().rows;  // the output's columns
+  std::vector<std::pair<int64_t, std::vector<const Run*>>> by_stride;  // a call has a few strides: no tree per call
   for (const Run& r : runs) {
     if (batching && batchable(x, r, out_ld)) {
-      const Shape shape{r.rows, r.weight_stride};
-      auto at = std::lower_bound(shapes.begin(), shapes.end(), shape,
-                                 [](const auto& group, const Shape& s) { return group.first < s; });
-      if (at == shapes.end() || at->first != shape) at = shapes.insert(at, {shape, {}});
+      auto at = std::find_if(by_stride.begin(), by_stride.end(), [&](const auto& g) { return g.first == r.weight_stride; });
+      if (at == by_stride.end()) at = by_stride.insert(at, {r.weight_stride, {}});
       at->second.push_back(&r);
     } else if (single != nullptr) {
       single->push_back(r);
     }
   }
-  return shapes;
+  std::vector<Batch> out;
+  for (auto& [stride, group] : by_stride) {
+    int64_t rows_gcd = 0;
+    for (const Run* r : group) rows_gcd = std::gcd(rows_gcd, r->rows);
+    const int64_t block = block_rows(rows_gcd);
+    if (group.size() >= 2 && block > 0) {
+      out.push_back({block, std::move(group)});
+      continue;
+    }
+    std::vector<std::pair<int64_t, std::vector<const Run*>>> by_rows;
+    for (const Run* r : group) {
+      auto at = std::find_if(by_rows.begin(), by_rows.end(), [&](const auto& g) { return g.first == r->rows; });
+      if (at == by_rows.end()) at = by_rows.insert(at, {r->rows, {}});
+      at->second.push_back(r);
+    }
+    for (auto& [rows, same] : by_rows) {
+      if (same.size() >= 2) {
+        out.push_back({rows, std::move(same)});
+      } else if (single != nullptr) {
+        single->push_back(*same[0]);
+      }
+    }
+  }
+  return out;
 }
 
-// Whether the cuBLAS path would put every run into a batched GEMM of >= 2 runs.
+// Whether the cuBLAS path would put every run into a batched GEMM.
 bool batches_every_run(const at::Tensor& x, const std::vector<Run>& runs) {
-  size_t batched = 0;
-  for (const auto& [shape, group] : batches(x, runs, nullptr)) {
-    if (group.size() >= 2) batched += group.size();
-  }
-  return batched == runs.size();
+  std::vector<Run> single;
+  batches(x, runs, &single);
+  return single.empty();
 }
 
 // Kernel launches of the cuBLAS path over `runs`: two (the pointer table, the GEMM) per kMaxSegments runs of a
-// batched shape, one per other run.
+// batch, one per other run.
 size_t cublas_launches(const at::Tensor& x, const std::vector<Run>& runs) {
   std::vector<Run> single;
   size_t launches = 0;
-  for (const auto& [shape, group] : batches(x, runs, &single)) {
-    launches += group.size() < 2 ? 1 : 2 * ((group.size() + kMaxSegments - 1) / kMaxSegments);
-  }
+  for (const Batch& b : batches(x, runs, &single)) launches += 2 * ((b.runs.size() + kMaxSegments - 1) / kMaxSegments);
   return launches + single.size();
 }
 
 // The row ranges the cuBLAS path runs: `merged` (collect_runs: adjacent ranges merged, fewer and larger GEMMs) where
 // those take fewer launches, else the ranges as given. Which weights lie back to back is up to the allocator, and
-// merging some of them leaves runs of several shapes, a GEMM each, where the given ranges of one shape are one
-// batched GEMM (H200, K/V of 5 layers as 10 [1024, 4096] weights at 64 tokens, some adjacent: 3 GEMMs and a
-// split-K reduction, 50.8 us per write, against one batched GEMM, 40.7 us): the path must not depend on it. On a tie
-// (k and v of each layer adjacent: five batched ranges or ten) the given ones, so that only weights that all lie back
-// to back (one GEMM) change the GEMM's shape.
+// merging some of them can leave runs that batch worse than the given ones (H200, K/V of 5 layers as 10 [1024, 4096]
+// weights at 64 tokens, some adjacent: 3 GEMMs and a split-K reduction, 50.8 us per write, against one batched GEMM,
+// 40.7 us): the path must not depend on it. On a tie the given ones, so that only weights that all lie back to back
+// (one GEMM) change the GEMMs.
 std::vector<Run> cublas_runs(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts,
                              at::IntArrayRef counts, const Biases& biases, std::vector<Run> merged) {
   size_t ranges = 0;
@@ -203,65 +254,104 @@ std::vector<Run> cublas_runs(const at::Tensor& x, at::TensorList weights, at::In
   return cublas_launches(x, merged) < cublas_launches(x, given) ? merged : given;
 }
 
-// `runs` (all of one shape, 2..kMaxSegments of them) as one batched GEMM into their column blocks of `out`.
-void gemm_batched(const at::Tensor& x, const std::vector<const Run*>& runs, at::Tensor& out) {
-  const int count = static_cast<int>(runs.size());
+cudaDataType_t cublas_type(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F; }
+
+// `runs` (1..kMaxSegments of one row stride, each a multiple of `block` rows) as one batched GEMM over their row
+// blocks, into their column blocks of `out`. Column-major view: out block^T [block, T] = W block [block, K]
+// (row-major, i.e. op T) x x^T [K, T] (op N).
+void gemm_batched(const at::Tensor& x, const std::vector<const Run*>& runs, int64_t block, at::Tensor& out) {
   const int64_t esize = static_cast<int64_t>(x.element_size());
   PointerTable t{};
-  for (int i = 0; i < count; ++i) {
+  int problems = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
     t.weight[i] = runs[i]->weight;
     t.out[i] = static_cast<char*>(out.data_ptr()) + runs[i]->col * esize;
+    t.first[i] = problems;
+    problems += static_cast<int>(runs[i]->rows / block);
   }
+  t.runs = static_cast<int>(runs.size());
+  t.first[t.runs] = problems;
   t.x = x.data_ptr();
-  t.count = count;
-  const at::Tensor table = at::empty({3 * count}, x.options().dtype(at::kLong));
+  t.weight_step = block * runs[0]->weight_stride * esize;
+  t.out_step = block * esize;
+  const at::Tensor table = at::empty({3 * problems}, x.options().dtype(at::kLong));
   const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const void** pointers = static_cast<const void**>(table.data_ptr());
-  fill_pointer_table<<<1, count, 0, stream>>>(t, pointers);
+  fill_pointer_table<<<1, std::min(problems, 256), 0, stream>>>(t, pointers);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Column-major view: out block^T [rows, T] = W [rows, K] (row-major, i.e. op T) x x^T [K, T] (op N).
-  const cudaDataType_t type = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const cudaDataType_t type = cublas_type(x);
   const float alpha = 1.0f;
   const float beta = 0.0f;
   TORCH_CUDABLAS_CHECK(cublasGemmBatchedEx(
-      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(runs[0]->rows),
+      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(block),
       static_cast<int>(x.size(0)), static_cast<int>(x.size(1)), &alpha, pointers, type,
-      static_cast<int>(runs[0]->weight_stride), pointers + count, type, static_cast<int>(x.stride(0)), &beta,
-      const_cast<void**>(pointers + 2 * count), type, static_cast<int>(out.stride(0)), count, CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT));
+      static_cast<int>(runs[0]->weight_stride), pointers + problems, type, static_cast<int>(x.stride(0)), &beta,
+      const_cast<void**>(pointers + 2 * problems), type, static_cast<int>(out.stride(0)), problems,
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-// The cuBLAS path: runs of one shape (batchable) in one batched GEMM per
-// kMaxSegments of them; every other run as its own mm / addmm. batched = false: one GEMM per run (the debug op
-// compares the two).
+// The block height a single range of `rows` rows is cut into at `tokens` tokens (0: one plain GEMM), given a layout
+// cuBLAS can batch.
+int64_t strided_rows_block(int64_t tokens, int64_t rows) {
+  return tokens <= kStridedMaxTokens && rows >= kStridedMinRows ? block_rows(rows) : 0;
+}
+
+// The block height run `r` (a single run) is cut into for a strided batched GEMM (0: one plain GEMM).
+int64_t strided_block(const at::Tensor& x, const Run& r, int64_t out_ld) {
+  return batchable(x, r, out_ld) ? strided_rows_block(x.size(0), r.rows) : 0;
+}
+
+// A single run cut into blocks of `block` rows: one strided batched GEMM (the blocks are equally spaced, x is shared:
+// stride 0), no pointer table.
+void gemm_strided_blocks(const at::Tensor& x, const Run& r, int64_t block, at::Tensor& out) {
+  const cudaDataType_t type = cublas_type(x);
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  char* c = static_cast<char*>(out.data_ptr()) + r.col * static_cast<int64_t>(x.element_size());
+  TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
+      at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(block),
+      static_cast<int>(x.size(0)), static_cast<int>(x.size(1)), &alpha, r.weight, type,
+      static_cast<int>(r.weight_stride), block * r.weight_stride, x.data_ptr(), type, static_cast<int>(x.stride(0)),
+      0, &beta, c, type, static_cast<int>(out.stride(0)), block, static_cast<int>(r.rows / block),
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// The cuBLAS path: the batches, one batched GEMM per kMaxSegments runs of each; a single run of >= kStridedMinRows
+// rows at T <= kStridedMaxTokens as one strided batched GEMM of row blocks; every other run as its own mm / addmm.
+// batched = false: one GEMM per run (the debug op compares the two).
 void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef starts, const Biases& biases,
                  const std::vector<Run>& runs, at::Tensor& out, bool batched) {
-  std::vector<Run> single;
   if (!batched) {
     run_cublas(x, weights, starts, biases, runs, out);
     return;
   }
-  const ShapeGroups shapes = batches(x, runs, &single);
+  std::vector<Run> single;
+  const std::vector<Batch> groups = batches(x, runs, &single);
+  const int64_t out_ld = out.size(1);
+  std::vector<int64_t> strided(single.size());
+  bool any_strided = false;
+  for (size_t i = 0; i < single.size(); ++i) {
+    strided[i] = strided_block(x, single[i], out_ld);
+    any_strided = any_strided || strided[i] > 0;
+  }
   // x for the batched GEMMs (x_batch_ready), else a copy: clone, since contiguous() keeps a misaligned contiguous x.
   at::Tensor xb;
-  for (const auto& [shape, group] : shapes) {
-    if (group.size() < 2) {
-      single.push_back(*group[0]);
-      continue;
-    }
-    if (!xb.defined()) {
-      xb = x_batch_ready(x) ? x : x.clone(at::MemoryFormat::Contiguous);
-    }
-    for (size_t first = 0; first < group.size(); first += kMaxSegments) {
-      const size_t n = std::min<size_t>(kMaxSegments, group.size() - first);
-      if (n == 1) {
-        single.push_back(*group[first]);
-      } else {
-        gemm_batched(xb, std::vector<const Run*>(group.begin() + first, group.begin() + first + n), out);
-      }
+  if (!groups.empty() || any_strided) xb = x_batch_ready(x) ? x : x.clone(at::MemoryFormat::Contiguous);
+  for (const Batch& b : groups) {
+    for (size_t first = 0; first < b.runs.size(); first += kMaxSegments) {
+      const size_t n = std::min<size_t>(kMaxSegments, b.runs.size() - first);
+      gemm_batched(xb, std::vector<const Run*>(b.runs.begin() + first, b.runs.begin() + first + n), b.block, out);
     }
   }
-  run_cublas(x, weights, starts, biases, single, out);
+  std::vector<Run> plain;
+  for (size_t i = 0; i < single.size(); ++i) {
+    if (strided[i] > 0) {
+      gemm_strided_blocks(xb, single[i], strided[i], out);
+    } else {
+      plain.push_back(single[i]);
+    }
+  }
+  run_cublas(x, weights, starts, biases, plain, out);
 }
 
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
@@ -328,7 +418,9 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   const std::vector<Run> gemm_runs = cublas_runs(x, weights, row_starts, row_counts, biases, runs);
   const int64_t rows = out.size(1);
-  const auto all_batched = [&] { return batches_every_run(x, gemm_runs); };
+  const auto all_batched = [&] {
+    return gemm_runs.size() == 1 ? strided_block(x, gemm_runs[0], rows) > 0 : batches_every_run(x, gemm_runs);
+  };
   if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
       kernel_blocker(x, runs) == nullptr) {
     dispatch_kernel(x, runs, out, -1, 0);
@@ -391,6 +483,18 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
                                                                                       int64_t rows, int all_batched) {
   return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
+}
+
+// The height of the row blocks that the cuBLAS path cuts batchable ranges into when their row counts have gcd
+// `rows_gcd` (0: none; then ranges of one shape are batched whole).
+extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_block_rows(int64_t rows_gcd) {
+  return dspark::mlinear::block_rows(rows_gcd);
+}
+
+// The height of the row blocks a single range of `rows` rows is cut into at `tokens` tokens (0: one plain GEMM).
+extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_strided_block(int64_t tokens,
+                                                                                          int64_t rows) {
+  return dspark::mlinear::strided_rows_block(tokens, rows);
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {
