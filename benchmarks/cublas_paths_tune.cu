@@ -96,8 +96,10 @@ int main() {
   std::printf("copy rate %.2f TB/s (read + write)\n", copy_rate / 1e12);
   const int max_tokens = 2048;
   T* x;
-  CHECK(cudaMalloc(&x, (size_t)max_tokens * 4096 * sizeof(T)));
-  tune::fill_kernel<<<256, 256>>>(x, (int64_t)max_tokens * 4096, 7, 0.25f);
+  int max_k = 0;
+  for (const Group& g : groups) max_k = std::max(max_k, g.k);
+  CHECK(cudaMalloc(&x, (size_t)max_tokens * max_k * sizeof(T)));
+  tune::fill_kernel<<<256, 256>>>(x, (int64_t)max_tokens * max_k, 7, 0.25f);
   const float one = 1.f, zero = 0.f;
 
   for (const Group& g : groups) {
