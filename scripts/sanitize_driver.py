@@ -125,6 +125,13 @@ def multi_linear(gen: torch.Generator) -> None:
         for tokens in (0, 1, 7, 16, 64, 65):
             x = torch.randn(tokens, 320, generator=gen).to(dtype).to(DEV)[:, 32:288]
             torch.ops.dspark.multi_linear(x, weights, [0, 1, 8], [48, 16, 40], biases)
+        # the cuBLAS path's row blocks: ranges of three shapes in one batched GEMM (its pointer-table kernel), and a
+        # single range of 4096 rows in a strided batched GEMM
+        blocks = [torch.randn(rows, 64, generator=gen).to(dtype).to(DEV) for rows in (512, 256, 256, 4096)]
+        for tokens in (1, 16, 65):
+            x = torch.randn(tokens, 64, generator=gen).to(dtype).to(DEV)
+            torch.ops.dspark.multi_linear(x, blocks[:3], [0, 0, 0], [512, 256, 256], [None] * 3)
+            torch.ops.dspark.multi_linear(x, blocks[3:], [0], [4096], [None])
 
 
 def multi_linear_kv_write(gen: torch.Generator) -> None:
