@@ -1,8 +1,9 @@
 // Torch binding of dspark::multi_linear on CUDA: the argument checks of custom_ops/linear/multi_linear.py (same error
 // class, same message), merging of weights that are adjacent in memory, and the choice between the small-T kernel
-// (multi_linear_kernels.cuh) and per-weight cuBLAS GEMMs into the output's column blocks. Also the debug op
-// dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and the tests use it) and the C
-// entry points through which Python reads the variant table and the token threshold.
+// (multi_linear_kernels.cuh) and cuBLAS (batched GEMMs over row blocks, or a GEMM per range) into the output's column
+// blocks. Also the debug ops dspark::_multi_linear_variant (forces a kernel variant and split; the benchmark sweep and
+// the tests use it) and dspark::_multi_linear_cublas, and the C entry points through which Python reads the variant
+// table, the token threshold and the path rules.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
