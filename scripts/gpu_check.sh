@@ -90,7 +90,7 @@ case "$what" in
       --tokens ${PROFILE_TOKENS:-64 4096} --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" || status=1
     ;;
   tune)
-    # cuBLAS from the CUDA wheels torch depends on (benchmarks/cublas_grouped_tune.cu)
+    # cuBLAS from the CUDA wheels torch depends on (benchmarks/cublas_paths_tune.cu)
     cu=$(python3 -c 'import nvidia.cu13; print(list(nvidia.cu13.__path__)[0])')
     for src in benchmarks/${TUNE:-*}_tune.cu; do
       name=$(basename "$src" .cu)

@@ -182,18 +182,25 @@ struct Batch {
   std::vector<const Run*> runs;
 };
 
+// Runs grouped by a key (a row stride, a row count), in first-seen order: a call has a few keys, no tree per call.
+using RunsByKey = std::vector<std::pair<int64_t, std::vector<const Run*>>>;
+
+void add_to_group(RunsByKey& groups, int64_t key, const Run* r) {
+  auto at = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
+  if (at == groups.end()) at = groups.insert(at, {key, {}});
+  at->second.push_back(r);
+}
+
 // The batches of `runs` (none when x and its contiguous copy would both be misaligned); `single` gets the runs left
 // to a GEMM of their own. Batchable runs of one row stride form one batch of row blocks (block_rows of their gcd), or
 // where their gcd is too small, one batch per row count that >= 2 of them share.
 std::vector<Batch> batches(const at::Tensor& x, const std::vector<Run>& runs, std::vector<Run>* single) {
   const bool batching = x_batch_ready(x) || x.size(1) % 8 == 0;
   const int64_t out_ld = runs.empty() ? 0 : runs.back().col + runs.back().rows;  // the output's columns
-  std::vector<std::pair<int64_t, std::vector<const Run*>>> by_stride;  // a call has a few strides: no tree per call
+  RunsByKey by_stride;
   for (const Run& r : runs) {
     if (batching && batchable(x, r, out_ld)) {
-      auto at = std::find_if(by_stride.begin(), by_stride.end(), [&](const auto& g) { return g.first == r.weight_stride; });
-      if (at == by_stride.end()) at = by_stride.insert(at, {r.weight_stride, {}});
-      at->second.push_back(&r);
+      add_to_group(by_stride, r.weight_stride, &r);
     } else if (single != nullptr) {
       single->push_back(r);
     }
@@ -207,12 +214,8 @@ std::vector<Batch> batches(const at::Tensor& x, const std::vector<Run>& runs, st
       out.push_back({block, std::move(group)});
       continue;
     }
-    std::vector<std::pair<int64_t, std::vector<const Run*>>> by_rows;
-    for (const Run* r : group) {
-      auto at = std::find_if(by_rows.begin(), by_rows.end(), [&](const auto& g) { return g.first == r->rows; });
-      if (at == by_rows.end()) at = by_rows.insert(at, {r->rows, {}});
-      at->second.push_back(r);
-    }
+    RunsByKey by_rows;
+    for (const Run* r : group) add_to_group(by_rows, r->rows, r);
     for (auto& [rows, same] : by_rows) {
       if (same.size() >= 2) {
         out.push_back({rows, std::move(same)});
@@ -326,30 +329,28 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
     run_cublas(x, weights, starts, biases, runs, out);
     return;
   }
-  std::vector<Run> single;
-  const std::vector<Batch> groups = batches(x, runs, &single);
-  const int64_t out_ld = out.size(1);
-  std::vector<int64_t> strided(single.size());
-  bool any_strided = false;
-  for (size_t i = 0; i < single.size(); ++i) {
-    strided[i] = strided_block(x, single[i], out_ld);
-    any_strided = any_strided || strided[i] > 0;
-  }
-  // x for the batched GEMMs (x_batch_ready), else a copy: clone, since contiguous() keeps a misaligned contiguous x.
+  // x for the batched GEMMs (x_batch_ready), else a copy made on first use: clone, since contiguous() keeps a
+  // misaligned contiguous x.
   at::Tensor xb;
-  if (!groups.empty() || any_strided) xb = x_batch_ready(x) ? x : x.clone(at::MemoryFormat::Contiguous);
-  for (const Batch& b : groups) {
+  const auto batch_x = [&]() -> const at::Tensor& {
+    if (!xb.defined()) xb = x_batch_ready(x) ? x : x.clone(at::MemoryFormat::Contiguous);
+    return xb;
+  };
+  std::vector<Run> single;
+  for (const Batch& b : batches(x, runs, &single)) {
     for (size_t first = 0; first < b.runs.size(); first += kMaxSegments) {
       const size_t n = std::min<size_t>(kMaxSegments, b.runs.size() - first);
-      gemm_batched(xb, std::vector<const Run*>(b.runs.begin() + first, b.runs.begin() + first + n), b.block, out);
+      gemm_batched(batch_x(), std::vector<const Run*>(b.runs.begin() + first, b.runs.begin() + first + n), b.block,
+                   out);
     }
   }
   std::vector<Run> plain;
-  for (size_t i = 0; i < single.size(); ++i) {
-    if (strided[i] > 0) {
-      gemm_strided_blocks(xb, single[i], strided[i], out);
+  for (const Run& r : single) {
+    const int64_t block = strided_block(x, r, out.size(1));
+    if (block > 0) {
+      gemm_strided_blocks(batch_x(), r, block, out);
     } else {
-      plain.push_back(single[i]);
+      plain.push_back(r);
     }
   }
   run_cublas(x, weights, starts, biases, plain, out);
