@@ -135,14 +135,14 @@ def multi_linear(gen: torch.Generator) -> None:
 
 
 def multi_linear_kv_write(gen: torch.Generator) -> None:
-    """The fused path (T <= 16, head_dim 64 / 128; hidden 64 leaves k-warps without a K step) and the GEMM path
-    with the heads kernel (T > 16, or head_dim 80): neox and GPT-J with partial rotary, a bias, fp32 and bf16 norm
-    weights, 1-D slots and [B, 2] slots with commit lengths, edge slots and positions, both position dtypes, caches
-    with padded rows, x with a row stride."""
+    """The fused path (head_dim 64 / 128): the one-head tile (T <= 16; hidden 64 leaves k-warps without a K step)
+    and the wide tile (17 <= T <= 64); the GEMM path with the heads kernel (T > 64, or head_dim 80): neox and GPT-J
+    with partial rotary, a bias, fp32 and bf16 norm weights, 1-D slots and [B, 2] slots with commit lengths, edge
+    slots and positions, both position dtypes, caches with padded rows, x with a row stride."""
     layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
     short_k = 128 if RACECHECK else 64  # K steps of 32 columns for the fused kernel's 4 k-warps: 4, or 2
     configs = (
-        (64, short_k, 64, True, (0, 1, 7, 16, 17, 40)),
+        (64, short_k, 64, True, (0, 1, 7, 16, 17, 40, 64, 65)),
         (128, 256, 64, False, (5, 33)),
         (80, 256, 40, True, (3, 19)),
     )
