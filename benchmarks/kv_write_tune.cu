@@ -1,17 +1,19 @@
 // The fused write of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the op's fused tile
 // (multi_linear_kernel with KvWriteEpilogue, cp.async per lane; also in clusters of 2 and 4) against leaner tiles of
-// the same kernel (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8: BENCHMARKS.md, "Lean fused tiles in clusters")
-// and every variant and cluster split of the experimental streaming kernel (bulk copies,
-// experimental/kv_write_stream_kernel.cuh), on the draft configs of benchmarks/dspark_write.py; and reads of the same
-// weights that separate the memory pattern from the math.
+// the same kernel (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8: BENCHMARKS.md, "Lean fused tiles in clusters"),
+// every variant and cluster split of the experimental streaming kernel (bulk copies,
+// experimental/kv_write_stream_kernel.cuh), the op's opt-in wide tile (wgmma, 64 tokens per tile) and the
+// experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh; added
+// after the last device session and compiled with nvcc 13.0 for sm_90a, not run yet), on the draft configs of
+// benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern from the math.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
 //        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [profile [config [T [all]]]]
 //
 // (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this). Per config and T in
-// {1, 8, 16}: every candidate's caches are checked three times against the fused tile's (max |difference| of the
-// written rows within 2 % of the largest value, every other cache element bit-identical: "WRONG" otherwise), then
-// timed two ways, median of 7 runs each:
+// {1, 8, 16, 32, 64}: every candidate's caches are checked three times against candidate 0's, the op's fused tile
+// up to 16 tokens and its wide tile above (max |difference| of the written rows within 2 % of the largest value,
+// every other cache element bit-identical: "WRONG" otherwise), then timed two ways, median of 7 runs each:
 //   warm  back-to-back launches (programmatic dependent launch on, as the op launches) over weight copies that add
 //         up to 3x the L2: the per-call cost inside a longer stream of work, e.g. a draft step's CUDA graph;
 //   cold  one launch after an L2 flush, events around it: what a benchmark replaying the write alone sees, launch
@@ -31,10 +33,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "experimental/kv_write_stream_kernel.cuh"
+#include "experimental/kv_write_wide_tma_kernel.cuh"
+#include "linear/multi_linear_kv_write_wide.cuh"
 #include "tune_common.cuh"
 
 using namespace dspark;
@@ -127,10 +132,12 @@ __global__ void tensor_read_kernel(const __grid_constant__ CUtensorMap map, int 
   if (acc == 0x12345678u) *sink = acc;
 }
 
-CUtensorMap weight_map(const T* w, int64_t rows, int k, int box_rows) {
+// The tensor map of a [rows, k] bf16 matrix whose rows are `row_stride` elements apart, in boxes of 64 columns x
+// `box_rows` rows in the 128-byte swizzle (rows and columns past the matrix read as zeros).
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int k, int64_t row_stride, int box_rows) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(k) * sizeof(T)};
+  const cuuint64_t strides[1] = {cuuint64_t(row_stride) * sizeof(T)};
   const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
@@ -140,16 +147,17 @@ CUtensorMap weight_map(const T* w, int64_t rows, int k, int box_rows) {
     if (found != cudaDriverEntryPointSuccess) std::exit(1);
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<T*>(w), dims,
-                                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                            unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", int(r));
     std::exit(1);
   }
   return map;
 }
+
+CUtensorMap weight_map(const T* w, int64_t rows, int k, int box_rows) { return tensor_map_2d(w, rows, k, k, box_rows); }
 
 // The streaming kernel's producer (its exact copy sequence) with a consumer that only waits and frees the slots: the
 // weight traffic of the streaming kernel without its math.
@@ -209,13 +217,17 @@ float cold_us(F&& call, int copies, void* flush, size_t flush_bytes) {
   return tune::median(runs);
 }
 
-// One candidate launch: a name and how to launch it on weight copy i.
+// One candidate: a name and how to launch it with the arguments of a weight copy.
 struct Candidate {
   std::string name;
-  void (*fn)(KvWriteArgs);
-  int64_t blocks;
-  int threads, smem, split;
+  std::function<void(const KvWriteArgs&)> run;
 };
+
+// A candidate that is one launch of `fn` with the op's arguments.
+Candidate plain_candidate(std::string name, void (*fn)(KvWriteArgs), int64_t blocks, int threads, int smem,
+                          int split) {
+  return {std::move(name), [=](const KvWriteArgs& a) { launch(fn, a, blocks, threads, smem, split); }};
+}
 
 // The op's fused tile (fused_variant(V)) in clusters of `split`, as the binding launches it.
 template <int V, int NT>
@@ -224,8 +236,9 @@ Candidate op_candidate(int64_t heads, int split) {
   const int smem = smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT);
   char name[96];
   std::snprintf(name, sizeof(name), "op: fused tile (%d KB) split %d", smem / 1024, split);
-  return {name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>,
-          heads * split, cta_threads(v), smem, split};
+  return plain_candidate(name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages,
+                                                    KvWriteEpilogue<V>>,
+                         heads * split, cta_threads(v), smem, split);
 }
 
 // A leaner fused tile: the op's tile of one head with WK k-warps (of V row warps) and D stages, in clusters of
@@ -236,8 +249,9 @@ Candidate lean_candidate(int64_t heads, int split) {
   const int smem = smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT);
   char name[96];
   std::snprintf(name, sizeof(name), "lean tile %dx%d warps, %d stages (%d KB) split %d", V, WK, D, smem / 1024, split);
-  return {name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>,
-          heads * split, cta_threads(v), smem, split};
+  return plain_candidate(name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages,
+                                                    KvWriteEpilogue<V>>,
+                         heads * split, cta_threads(v), smem, split);
 }
 
 template <int V, int NT>
@@ -250,9 +264,59 @@ void lean_candidates(std::vector<Candidate>& out, int64_t heads) {
   }
 }
 
+// The op's wide tile (opt-in there: DSPARK_KV_WRITE_WIDE_FROM), as the binding launches it.
+template <int V>
+Candidate wide_candidate(int64_t heads) {
+  constexpr int kRows = 32 * V;
+  const int smem = wide_smem_bytes(kRows, KvWriteEpilogue<V>::extra_bytes(kWideTokens));
+  char name[96];
+  std::snprintf(name, sizeof(name), "op: wide tile, cp.async (%d KB)", smem / 1024);
+  return plain_candidate(name, &wide_head_kernel<T, kRows, KvWriteEpilogue<V>>, heads, kWideThreads, smem, 1);
+}
+
+// The experimental wide tile with a producer warp and tensor-map copies, D stages.
+template <int V, int D>
+Candidate wide_tma_candidate(int64_t heads) {
+  constexpr int kRows = 32 * V;
+  using Epilogue = KvWriteEpilogue<V>;
+  const int smem = wide_tma_smem_bytes(kRows, D, Epilogue::extra_bytes(kWideTokens));
+  char name[96];
+  std::snprintf(name, sizeof(name), "wide tile, tensor maps, %d stages (%d KB)", D, smem / 1024);
+  return {name, [=](const KvWriteArgs& a) {
+            WideTmaArgs<Epilogue> t{};
+            t.base = a;
+            const Params& p = a.gemm;
+            t.x_map = tensor_map_2d(p.x, p.tokens, p.k, p.x_stride, kWideTokens);
+            for (int s = 0; s < p.num_segments; ++s) {
+              const int64_t rows = p.segment_end[s] - (s == 0 ? 0 : p.segment_end[s - 1]);
+              t.w_map[s] = tensor_map_2d(p.weight[s], rows, p.k, p.weight_stride[s], kRows);
+            }
+            launch(&wide_tma_kernel<T, kRows, D, Epilogue>, t, heads, kTmaThreads, smem, 1);
+          }};
+}
+
+// Up to 64 tokens: the op's wide tile (the reference above 16 tokens) and the tensor-map one.
+template <int V>
+void wide_candidates(std::vector<Candidate>& out, int64_t heads) {
+  out.push_back(wide_candidate<V>(heads));
+  out.push_back(wide_tma_candidate<V, 4>(heads));
+  if constexpr (V == 4) {
+    out.push_back(wide_tma_candidate<V, 6>(heads));
+    out.push_back(wide_tma_candidate<V, 7>(heads));
+  } else {
+    out.push_back(wide_tma_candidate<V, 5>(heads));
+  }
+}
+
+// Candidate 0 is the reference the others are checked against: the op's fused tile up to 16 tokens, its wide tile
+// above.
 template <int V>
 std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms) {
   std::vector<Candidate> out;
+  if (tokens > 16) {
+    wide_candidates<V>(out, heads);
+    return out;
+  }
   const int nt = token_tiles(tokens);
   const int split = auto_split(fused_variant(V), heads * 32 * V, k, sms);
   out.push_back(nt == 1 ? op_candidate<V, 1>(heads, split) : op_candidate<V, 2>(heads, split));
@@ -272,9 +336,11 @@ std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms) {
       char name[96];
       std::snprintf(name, sizeof(name), "stream v%d (%d cols x %d stages, %s, %d KB) split %d", s, v.cols, v.stages,
                     v.rotate ? "rotated" : "in order", smem / 1024, split);
-      out.push_back({name, stream_kernel_for<T, V>(s, tokens), heads * split, kStreamThreads, smem, split});
+      out.push_back(plain_candidate(name, stream_kernel_for<T, V>(s, tokens), heads * split, kStreamThreads, smem,
+                                    split));
     }
   }
+  wide_candidates<V>(out, heads);
   return out;
 }
 
@@ -385,7 +451,7 @@ int main(int argc, char** argv) {
   uint32_t* sink;
   CHECK(cudaMalloc(&sink, 4));
 
-  const int layers = 5, slots = 8192, max_pos = 4096, max_tokens = 16;
+  const int layers = 5, slots = 8192, max_pos = 4096, max_tokens = 64;
   const DraftConfig configs[] = {{"qwen3-8b", 4096, 8, 128}, {"qwen3-4b", 2560, 8, 128}, {"hd64", 7168, 16, 64}};
   for (const DraftConfig& cfg : configs) {
     if (profile && std::strcmp(cfg.name, profile_config) != 0) continue;
@@ -423,7 +489,7 @@ int main(int argc, char** argv) {
     std::printf("\n## %s: hidden %d, %d kv heads x %d, %d layers: %.1f MB of K/V weights, floor %.1f us; copies %d\n",
                 cfg.name, k, cfg.heads, cfg.head_dim, layers, bytes / 1e6, floor_us, copies);
     if (!profile) measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
-    for (int tokens : {1, 8, 16}) {
+    for (int tokens : {1, 8, 16, 32, 64}) {
       if (profile && tokens != profile_tokens) continue;
       auto args_for = [&](int i) {
         KvWriteArgs a{};
@@ -473,13 +539,13 @@ int main(int argc, char** argv) {
       std::printf("T=%2d\n", tokens);
       for (size_t c = 0; c < cands.size(); ++c) {
         const Candidate& cand = cands[c];
-        if (profile && !profile_all && c > 0) continue;  // candidate 0 is the op's fused tile
+        if (profile && !profile_all && c > 0) continue;  // candidate 0 is the op's fused (or wide) tile
         double err = 0, ref = 0;
         int64_t written = 0, mismatched = 0;
         // three checks per candidate (a race shows in some); each compares every cache element
         for (int trial = 0; trial < (c == 0 || profile ? 1 : 3); ++trial) {
           CHECK(cudaMemset(caches, 0xff, cache_bytes));
-          launch(cand.fn, args_for(0), cand.blocks, cand.threads, cand.smem, cand.split);
+          cand.run(args_for(0));
           CHECK(cudaDeviceSynchronize());
           CHECK(cudaMemcpy(c == 0 ? want.data() : got.data(), caches, cache_bytes, cudaMemcpyDeviceToHost));
           if (c == 0) break;
@@ -499,7 +565,7 @@ int main(int argc, char** argv) {
           }
         }
         const bool ok = c == 0 || (mismatched == 0 && written == int64_t(2) * layers * tokens * kv && err <= 2e-2 * ref);
-        auto call = [&](int i) { launch(cand.fn, args_for(i), cand.blocks, cand.threads, cand.smem, cand.split); };
+        auto call = [&](int i) { cand.run(args_for(i)); };
         if (profile) {
           for (int i = 0; i < 3; ++i) call(i % copies);
           CHECK(cudaDeviceSynchronize());

@@ -9,7 +9,9 @@
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
 #   placement the op on ten K/V weights placed apart, in pairs or adjacent, M >= 512 (benchmarks/multi_linear.py
 #             --placement)
-#   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch)
+#   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch;
+#             each stopped after TUNE_TIMEOUT seconds, default 420: a kernel waiting on an mbarrier that never
+#             completes spins forever)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
@@ -96,7 +98,7 @@ case "$what" in
       name=$(basename "$src" .cu)
       { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I"$cu/include" "$src" \
         -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -Xlinker -rpath="$cu/lib" &&
-        "/tmp/$name"; } 2>&1 | tee "$OUT/$name.log" || status=1
+        timeout "${TUNE_TIMEOUT:-420}" "/tmp/$name"; } 2>&1 | tee "$OUT/$name.log" || status=1
     done
     ;;
   tests | bench | all)

@@ -56,12 +56,39 @@ __device__ __forceinline__ void wide_mma(float (&acc)[kRows / 2], uint64_t a, ui
   }
 }
 
+// The warpgroup's accumulators (wgmma.cuh's layout: tokens as the MMA's rows) into the fp32 tile [kWideTokens][pitch]
+// of the epilogue (`warp`, `lane`: the thread's place in the warpgroup).
+template <int kRows>
+__device__ __forceinline__ void store_accumulators(float* tile, const float (&acc)[kRows / 2], int warp, int lane) {
+  constexpr int kPitch = tile_pitch(kRows);
+  const int token = 16 * warp + lane / 4, column = 2 * (lane % 4);
+#pragma unroll
+  for (int i = 0; i < kRows / 8; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* row = tile + (token + 8 * h) * kPitch + 8 * i + column;
+      row[0] = acc[4 * i + 2 * h];
+      row[1] = acc[4 * i + 2 * h + 1];
+    }
+  }
+}
+
+// The epilogue of a wide tile on its kThreads threads, once the tile is complete and visible.
+template <typename T, int kRows, int kThreads, typename Epilogue>
+__device__ __forceinline__ void finish_wide(const typename Epilogue::Args& args, float* tile, const float* bias,
+                                            const float* extra, int64_t row0, int64_t total_rows) {
+  const int64_t rows_left = total_rows - row0;
+  const int rows = rows_left < kRows ? static_cast<int>(rows_left) : kRows;
+  Epilogue::template finish<T, kRows, kWideTokens, kThreads>(args, tile, bias, extra, row0, rows,
+                                                              ClusterCoord{blockIdx.x, 0, 1});
+}
+
 template <typename T, int kRows, typename Epilogue>
 __global__ void __launch_bounds__(kWideThreads, 1)
     wide_head_kernel(const __grid_constant__ typename Epilogue::Args args) {
 #if DSPARK_WGMMA
   static_assert(kRows == 64 || kRows == 128, "a tile is one head of 64 or 128 rows");
-  constexpr int D = wide_stages(kRows), kStage = wide_stage_bytes(kRows), kPitch = tile_pitch(kRows);
+  constexpr int D = wide_stages(kRows), kStage = wide_stage_bytes(kRows);
   constexpr int kRowGroups = kRows / 16, kTokenGroups = kWideTokens / 16;  // rows per thread: t / 8 + 16 j
   const Params& p = Epilogue::gemm(args);
   const int t = static_cast<int>(threadIdx.x), warp = t / 32, lane = t % 32;
@@ -73,7 +100,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const uint32_t base_addr = static_cast<uint32_t>(__cvta_generic_to_shared(base));
   unsigned char* ring = base + ((1024u - (base_addr & 1023u)) & 1023u);
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  float* tile = reinterpret_cast<float*>(ring);  // after the loop: [kWideTokens][kPitch]
+  float* tile = reinterpret_cast<float*>(ring);  // after the loop: [kWideTokens][tile_pitch(kRows)]
   float* bias = reinterpret_cast<float*>(ring + wide_ring_bytes(kRows));
   float* extra = bias + kRows;
 
@@ -162,21 +189,9 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   pdl_launch_next();
   __syncthreads();  // the ring is drained and no MMA reads it: the tile may overwrite it; the staging is visible
 
-  const int token = 16 * warp + lane / 4, column = 2 * (lane % 4);
-#pragma unroll
-  for (int i = 0; i < kRows / 8; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* row = tile + (token + 8 * h) * kPitch + 8 * i + column;
-      row[0] = acc[4 * i + 2 * h];
-      row[1] = acc[4 * i + 2 * h + 1];
-    }
-  }
+  store_accumulators<kRows>(tile, acc, warp, lane);
   __syncthreads();
-  const int64_t rows_left = total_rows - row0;
-  const int rows = rows_left < kRows ? static_cast<int>(rows_left) : kRows;
-  Epilogue::template finish<T, kRows, kWideTokens, kWideThreads>(args, tile, bias, extra, row0, rows,
-                                                                   ClusterCoord{blockIdx.x, 0, 1});
+  finish_wide<T, kRows, kWideThreads, Epilogue>(args, tile, bias, extra, row0, total_rows);
 #endif
 }
 

@@ -1,0 +1,132 @@
+// EXPERIMENTAL (benchmarks/kv_write_tune.cu only; not in the op). The wide fused tile of dspark::multi_linear_kv_write
+// (custom_ops/csrc/linear/multi_linear_kv_write_wide.cuh: one head by 64 tokens on the warpgroup MMA, the fused
+// epilogue) with its main loop warp-specialized: a producer warp loads each K chunk with two tensor-map copies
+// (cp.async.bulk.tensor, 2-D boxes of 64 columns in the 128-byte swizzle: the activation's [64 tokens] box, whose
+// rows past T the copy engine fills with zeros, and the head's [kRows] box of its weight segment) that complete on the
+// chunk's "full" mbarrier; the consumer warpgroup waits on it, runs the chunk's four MMAs, and each of its warps
+// releases the slot on its "empty" mbarrier once its MMAs of the chunk are done. No CTA barrier and no per-thread copy
+// in the loop: what bounds the op's wide tile (BENCHMARKS.md, "The wide fused tile").
+//
+// Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses.
+#pragma once
+
+#include <cuda.h>
+
+#include "bulk_copy.cuh"
+#include "linear/multi_linear_kv_write_wide.cuh"
+
+namespace dspark {
+namespace mlinear {
+
+constexpr int kTmaConsumerThreads = 128;                       // one warpgroup: warps 0-3
+constexpr int kTmaThreads = kTmaConsumerThreads + 32;          // and the producer warp
+constexpr int kTmaBoxBytesX = kWideTokens * kWideRowBytes;     // the activation box of one chunk
+
+// The launch's argument: the epilogue's (GEMM parameters and cache table) and the tensor maps of the activation
+// ([T, K], boxes of 64 x 64) and of every weight segment ([rows, K] from the segment's first row, boxes of kRows x 64).
+template <typename Epilogue>
+struct WideTmaArgs {
+  typename Epilogue::Args base;
+  CUtensorMap x_map;
+  CUtensorMap w_map[kMaxSegments];
+};
+
+__host__ __device__ constexpr int wide_tma_smem_bytes(int rows, int stages, int extra) {
+  return 1024 + stages * wide_stage_bytes(rows) + 2 * 8 * stages + 4 * rows + extra;
+}
+
+// Loads the 2-D box at (column c0, row r0) of `map` to `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int r0, uint64_t* bar) {
+#if DSPARK_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          smem_address(dst)),
+      "l"(map), "r"(c0), "r"(r0), "r"(smem_address(bar))
+      : "memory");
+#endif
+}
+
+template <typename T, int kRows, int D, typename Epilogue>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    wide_tma_kernel(const __grid_constant__ WideTmaArgs<Epilogue> args) {
+#if DSPARK_WGMMA
+  static_assert(kRows == 64 || kRows == 128, "a tile is one head of 64 or 128 rows");
+  constexpr int kStage = wide_stage_bytes(kRows);
+  const typename Epilogue::Args& base = args.base;
+  const Params& p = Epilogue::gemm(base);
+  const int t = static_cast<int>(threadIdx.x), warp = t / 32, lane = t % 32;
+  const int64_t total_rows = p.segment_end[p.num_segments - 1];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  if (row0 >= total_rows) return;
+
+  unsigned char* raw = reinterpret_cast<unsigned char*>(cta_smem());
+  unsigned char* ring = raw + ((1024u - (smem_address(raw) & 1023u)) & 1023u);
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + D * kStage);
+  uint64_t* empty = full + D;
+  float* bias = reinterpret_cast<float*>(empty + D);
+  float* extra = bias + kRows;
+  float* tile = reinterpret_cast<float*>(ring);  // after the loop: [kWideTokens][tile_pitch(kRows)]
+  const int steps = (p.k + kWideChunk - 1) / kWideChunk;
+  if (t == 0) {
+    for (int d = 0; d < D; ++d) {
+      mbar_init(full + d, 1);
+      mbar_init(empty + d, kTmaConsumerThreads / 32);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  pdl_wait();
+
+  typename Epilogue::Prefetch prefetched{};
+  float acc[kRows / 2];
+#pragma unroll
+  for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
+  if (warp == kTmaConsumerThreads / 32) {
+    if (lane == 0) {  // the producer: chunk s into slot s % D once the slot's previous chunk is released
+      const int segment = find_segment(p, row0);
+      const int first_row = static_cast<int>(row_in_segment(p, segment, row0));
+#pragma unroll 1
+      for (int s = 0; s < steps; ++s) {
+        const int slot = s % D;
+        if (s >= D) mbar_wait(empty + slot, static_cast<uint32_t>((s / D - 1) & 1));
+        mbar_arrive_expect_tx(full + slot, kStage);
+        unsigned char* stage = ring + slot * kStage;
+        tma_load_2d(stage, &args.x_map, s * kWideChunk, 0, full + slot);
+        tma_load_2d(stage + kTmaBoxBytesX, &args.w_map[segment], s * kWideChunk, first_row, full + slot);
+      }
+    }
+  } else {
+    prefetched = Epilogue::template prefetch<T, kWideTokens>(base, row0);
+    for (int r = t; r < kRows; r += kTmaConsumerThreads) {
+      bias[r] = row0 + r < total_rows ? bias_of_row<T>(p, row0 + r) : 0.f;
+    }
+    const uint32_t ring_addr = smem_address(ring);
+#pragma unroll 1
+    for (int s = 0; s < steps; ++s) {
+      mbar_wait(full + s % D, static_cast<uint32_t>((s / D) & 1));
+      if (s == steps / 2) Epilogue::template stage<T, kWideTokens>(base, prefetched, extra, row0);
+      const uint32_t stage = ring_addr + static_cast<uint32_t>((s % D) * kStage);
+      const uint64_t a = swizzle128_descriptor(stage);
+      const uint64_t b = swizzle128_descriptor(stage + kTmaBoxBytesX);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kWideChunk / 16; ++k) wide_mma<T, kRows>(acc, a + 2 * k, b + 2 * k);
+      wgmma_commit();
+      wgmma_wait<1>();  // this warp's MMAs of chunk s - 1 are done: its slot may be refilled
+      if (s >= 1 && lane == 0) mbar_arrive(empty + (s - 1) % D);
+    }
+    wgmma_wait<0>();
+    pin_accumulators(acc);
+    wait_copies<0>();  // the epilogue's staging copies
+  }
+  pdl_launch_next();
+  __syncthreads();  // every chunk consumed, every MMA done: the tile may overwrite the ring; the staging is visible
+
+  if (warp < kTmaConsumerThreads / 32) store_accumulators<kRows>(tile, acc, warp, lane);
+  __syncthreads();
+  finish_wide<T, kRows, kTmaThreads, Epilogue>(base, tile, bias, extra, row0, total_rows);
+#endif
+}
+
+}  // namespace mlinear
+}  // namespace dspark
