@@ -7,7 +7,10 @@
 // releases the slot on its "empty" mbarrier once its MMAs of the chunk are done. No CTA barrier and no per-thread copy
 // in the loop: what bounds the op's wide tile (BENCHMARKS.md, "The wide fused tile").
 //
-// Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses.
+// Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses. Before it can go into
+// the op: the epilogue's `stage` runs on the consumer warpgroup only here, while its frequencies-table loop strides
+// by blockDim.x (the producer warp's share would be skipped; the harness uses halves tables), and the binding would
+// encode a tensor map per weight segment on every call.
 #pragma once
 
 #include <cuda.h>
