@@ -223,7 +223,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("tokens", [8, 40, 65])  # the one-head tile, the wide tile, the GEMM path
+@pytest.mark.parametrize("tokens", [8, 40, 65])  # the one-head tile; the GEMM path or, where it is on, the wide tile
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_and_options(name, tokens):
     base = replace(HEAD_DIM_64, **LAYOUTS[name])
@@ -408,7 +408,7 @@ def test_checking_mode_is_skipped_during_capture():
     [
         _variant(QWEN3_8B, 8, "commit", "neox"),
         _variant(HEAD_DIM_64, 7, "1-D", "gptj"),
-        replace(_variant(QWEN3_8B, 40, "1-D", "gptj"), seed=40),  # the wide tile
+        replace(_variant(QWEN3_8B, 40, "1-D", "gptj"), seed=40),  # the wide tile where it is on
         _variant(HEAD_DIM_64, 513, "commit", "neox"),  # the GEMM path with a GEMM per layer
     ],
 )
