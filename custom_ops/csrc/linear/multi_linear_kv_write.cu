@@ -41,13 +41,21 @@ static_assert(kFusedMaxTokens <= 16, "the fused kernel is compiled for 1 and 2 t
 // DSPARK_KV_WRITE_WIDE_FROM=N (read once per process) gives it the calls of N..kWideTokens tokens (N >= 1) instead of
 // the one-head tile and the GEMM path. Off by default: on the H200 (Qwen3-8B draft dims, CUDA-graph replay of the
 // lowered write, us) it took 38.8 / 39.1 at 1 / 8 tokens against 35.2 / 35.8 for the one-head tile, and 42.3 / 46.7
-// at 32 / 64 against about 40-42 for the GEMM path (docs/ops.md, "The wide fused tile").
+// at 32 / 64 against about 40-42 for the GEMM path (BENCHMARKS.md, "The wide fused tile").
 constexpr int kWideOff = kWideTokens + 1;
 
+// N of DSPARK_KV_WRITE_WIDE_FROM, or kWideOff: unset or empty, or (with a warning) anything but a positive integer.
 int wide_from_tokens() {
   static const int from = [] {
     const char* text = std::getenv("DSPARK_KV_WRITE_WIDE_FROM");
-    return text != nullptr && *text != '\0' ? std::max(1, std::atoi(text)) : kWideOff;
+    if (text == nullptr || *text == '\0') return kWideOff;
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    if (*end != '\0' || value < 1) {
+      TORCH_WARN("DSPARK_KV_WRITE_WIDE_FROM=", text, " is not a positive integer: the wide fused tile stays off");
+      return kWideOff;
+    }
+    return static_cast<int>(std::min<long>(value, kWideOff));
   }();
   return from;
 }
