@@ -3,7 +3,8 @@
 // multi_linear_kv_write_kernels.cuh): projections, k_norm, RoPE and cache writes in one launch for up to 64 tokens.
 // Opt-in (DSPARK_KV_WRITE_WIDE_FROM, multi_linear_kv_write.cu): on the H200 it is still slower than the one-head tile
 // at up to 16 tokens and than the GEMM path at 32 and 64, bound by this single warpgroup's per-step barrier and
-// per-thread copies; a producer warp with bulk copies and mbarriers is the next step.
+// per-thread copies; a producer warp with tensor-map copies and mbarriers is the next step
+// (benchmarks/experimental/kv_write_wide_tma_kernel.cuh).
 //
 // Why a second fused tile: the mma.sync tile of multi_linear_kernels.cuh puts tokens on the MMA's N side (8 per
 // n-tile) and re-reads its weight fragments from shared memory for every n-tile, so its shared-memory traffic
@@ -16,11 +17,12 @@
 // stages filled by cp.async (16 bytes per thread and copy; columns past K and tokens past T zero), each stage
 // [64 tokens][128 B] of the activation then [kRows][128 B] of weights, both in the 128-byte swizzle, D - 2 chunks in
 // flight while the warpgroup multiplies: four m64nNk16 MMAs per chunk (N = kRows), fp32 accumulators in registers,
-// the MMAs of one chunk running while the warpgroup waits for the next. Every thread copies fixed 16-byte columns of fixed rows (thread t: column chunk t % 8 of rows t / 8 +
-// 16 j), so its destinations and their swizzle are computed once. After the loop the accumulators go to the fp32 tile
-// [64][tile_pitch(kRows)] over the drained ring and the epilogue writes each token's head into the caches, as the
-// mma.sync tile's epilogue does (its cluster is one CTA). Programmatic dependent launch as there: the dependency
-// wait before the first read, dependents released after the last copy.
+// the MMAs of one chunk running while the warpgroup waits for the next. Every thread copies fixed 16-byte columns
+// of fixed rows (thread t: column chunk t % 8 of rows t / 8 + 16 j), so its destinations and their swizzle are
+// computed once. After the loop the accumulators go to the fp32 tile [64][tile_pitch(kRows)] over the drained ring
+// and the epilogue writes each token's head into the caches, as the mma.sync tile's epilogue does (its cluster is
+// one CTA). Programmatic dependent launch as there: the dependency wait before the first read, dependents released
+// after the last copy.
 #pragma once
 
 #include "linear/multi_linear_kv_write_kernels.cuh"
