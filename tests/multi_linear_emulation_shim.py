@@ -64,12 +64,18 @@ struct EmuThread {
 // cp.async: a copy reads its source when issued and lands in shared memory only when a wait of its thread covers its
 // group (a copy never committed never lands), so a read of a stage before its wait reads what the stage held before.
 struct EmuCopy { void* dst; unsigned char bytes[16]; int size; };
+// wgmma (linear/wgmma.cuh): an MMA waits in its thread's batch until a wait covers the batch, and reads shared
+// memory only then, so a slot refilled before that wait changes its result. The instructions are .sync: each one
+// waits for every lane of the warp (a warp barrier here).
+struct EmuMma { bool bf16; int n; float* d; uint64_t a, b; int accumulate; };
 // Per emulated thread (a fiber's, emu_fibers.h), reached through the names CUDA code uses.
 struct EmuLocals {
   Dim3 thread_idx, block_idx, block_dim, grid_dim;
   EmuThread thread;
   std::vector<EmuCopy> open_copies;
   std::deque<std::vector<EmuCopy>> copy_groups;
+  std::vector<EmuMma> open_mmas;
+  std::deque<std::vector<EmuMma>> mma_groups;
 };
 inline EmuLocals& emu_locals() { return emu_locals_of<EmuLocals>(); }
 #define threadIdx (emu_locals().thread_idx)
@@ -122,6 +128,12 @@ inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline void emu_group_barrier(int id, int) { emu.named[id - 1]->arrive_and_wait(); }
 inline float* emu_cta_smem() { return emu.smem; }
+// A shared-memory address: the offset in the emulated CTA's buffer (what descriptors and swizzles are computed from).
+inline uint64_t __cvta_generic_to_shared(const void* p) {
+  return uint64_t(static_cast<const char*>(p) - reinterpret_cast<const char*>(emu.smem));
+}
+// The 128-byte swizzle of sm_90 on a shared-memory address: the 16-byte chunk bits 4-6 XOR the 128-byte row bits 7-9.
+inline uint64_t emu_swizzle128(uint64_t address) { return address ^ (((address >> 7) & 7) << 4); }
 inline void emu_cluster_coord(unsigned& id, unsigned& rank, unsigned& size) {
   id = emu.id; rank = emu.rank; size = emu.size;
 }
@@ -229,6 +241,86 @@ inline void emu_mma_16816(bool bf16, float* d, uint32_t a0, uint32_t a1, uint32_
     for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
     d[i] = float(sum);
   }
+}
+// wgmma.mma_async m64nNk16 with both operands K-major in shared memory, 128-byte swizzle (descriptor fields of the PTX
+// ISA: start address >> 4 in bits 0-13, stride byte offset >> 4 in bits 32-45, layout in bits 62-63, 1 = 128-byte
+// swizzle): element (r, k) of an operand at r / 8 * stride + r % 8 * 128 + 2 k past the start, swizzled. Thread t of
+// the warpgroup owns D rows 16 (t / 32 % 4) + t % 32 / 4 (+ 8) and columns 8 i + 2 (t % 4) (+ 1).
+inline float emu_operand(uint64_t desc, int row, int k, bool bf16) {
+  if ((desc >> 62) != 1 || ((desc >> 16) & 0x3FFF) != 1) std::abort();  // only the layout the kernels use
+  const uint64_t start = (desc & 0x3FFF) << 4, stride = ((desc >> 32) & 0x3FFF) << 4;
+  const uint64_t at = emu_swizzle128(start + uint64_t(row / 8) * stride + uint64_t(row % 8) * 128 + 2 * k);
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const char*>(emu.smem) + at, 2);
+  return emu_decode(bits, 0, bf16);
+}
+inline void emu_wgmma(bool bf16, int n, float* d, uint64_t a, uint64_t b, int accumulate) {
+  emu.warp->arrive_and_wait();
+  emu_locals().open_mmas.push_back(EmuMma{bf16, n, d, a, b, accumulate});
+}
+inline void emu_wgmma_commit() {
+  emu.warp->arrive_and_wait();
+  emu_locals().mma_groups.push_back(std::move(emu_locals().open_mmas));
+  emu_locals().open_mmas.clear();
+}
+inline void emu_wgmma_wait(int pending) {
+  auto& groups = emu_locals().mma_groups;
+  const int warp = int(threadIdx.x / 32) % 4, lane = int(threadIdx.x % 32);
+  while (int(groups.size()) > pending) {
+    for (const EmuMma& m : groups.front()) {
+      for (int i = 0; i < m.n / 8; ++i) {
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * warp + lane / 4 + (e >= 2 ? 8 : 0), col = 8 * i + 2 * (lane % 4) + (e & 1);
+          double sum = m.accumulate ? m.d[4 * i + e] : 0.0;
+          for (int k = 0; k < 16; ++k) {
+            sum += double(emu_operand(m.a, row, k, m.bf16)) * emu_operand(m.b, col, k, m.bf16);
+          }
+          m.d[4 * i + e] = float(sum);
+        }
+      }
+    }
+    groups.pop_front();
+  }
+  emu.warp->arrive_and_wait();  // the warp's MMAs are done (their reads too) when any of its lanes goes on
+}
+""",
+    "cuda.h": r"""
+#pragma once
+#include "cuda_runtime.h"
+// A 2-D tensor map as the emulation needs it: [rows, cols] 2-byte elements, rows `stride` bytes apart, boxes of
+// box_rows x box_cols written in the 128-byte swizzle (box_cols * 2 == 128).
+struct alignas(64) CUtensorMap {
+  const void* base;
+  int64_t rows, cols, stride;
+  int box_rows, box_cols;
+};
+// cp.async.bulk.tensor.2d: the box at (column c0, row r0) lands late, on a thread of its own as a bulk copy does,
+// elements past the matrix as zeros, completing the box's bytes on `bar`.
+inline void emu_tma_load_2d(void* dst, const CUtensorMap* map, int c0, int r0, uint64_t* bar) {
+  if (map->box_cols * 2 != 128 || __cvta_generic_to_shared(dst) % 1024 != 0) std::abort();
+  const CUtensorMap m = *map;
+  char* const smem = reinterpret_cast<char*>(emu.smem);
+  const uint64_t at = __cvta_generic_to_shared(dst);
+  uint32_t h = emu_copy_count.fetch_add(1) * 2654435761u;
+  h ^= h >> 15;
+  const auto delay = std::chrono::microseconds(h % 200);
+  std::thread([=] {
+    std::this_thread::sleep_for(delay);
+    for (int r = 0; r < m.box_rows; ++r) {
+      for (int c = 0; c < m.box_cols; ++c) {
+        uint16_t v = 0;
+        const int64_t row = r0 + r, col = c0 + c;
+        if (row < m.rows && col < m.cols) {
+          std::memcpy(&v, static_cast<const char*>(m.base) + row * m.stride + 2 * col, 2);
+        }
+        std::memcpy(smem + emu_swizzle128(at + uint64_t(r) * 128 + 2 * c), &v, 2);
+      }
+    }
+    std::lock_guard<std::mutex> lock(emu_mbar_lock);
+    EmuMbar& b = emu_mbars.at(bar);
+    b.tx -= int64_t(m.box_rows) * m.box_cols * 2;
+    emu_mbar_settle(b);
+  }).detach();
 }
 """,
     "cuda_bf16.h": r"""

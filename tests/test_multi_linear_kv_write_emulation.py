@@ -6,7 +6,9 @@ barriers emulated). Both kernels of the op run: the fused one (the multi-weight 
 epilogue, head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim
 multiple of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
 experimental streaming kernel of benchmarks/experimental/kv_write_stream_kernel.cuh (bulk copies completing on
-mbarriers; no op launches it), so that a fix of it can be checked here first. Every cache byte outside the written
+mbarriers; no op launches it), so that a fix of it can be checked here first, and the warpgroup-MMA tiles: the op's
+opt-in wide tile (linear/multi_linear_kv_write_wide.cuh) and the experimental one with tensor-map copies
+(benchmarks/experimental/kv_write_wide_tma_kernel.cuh). Every cache byte outside the written
 rows must keep its poison; written rows must match the reference within the dtype's rounding. The GPU's own runs are
 tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
 """
@@ -28,6 +30,7 @@ pytestmark = (
 
 DRIVER = r"""
 #include "experimental/kv_write_stream_kernel.cuh"
+#include "experimental/kv_write_wide_tma_kernel.cuh"
 #include <memory>
 #include <vector>
 using namespace dspark::mlinear;
@@ -85,6 +88,31 @@ static void stream(const KvWriteArgs& args, int64_t rows, int split, int variant
                         kStreamThreads, kStreamConsumerWarps, 1, stream_smem_bytes<V>(variant, n_tiles));
 }
 
+// The op's wide tile (one warpgroup per head of kRows rows).
+template <typename T, int kRows>
+static void wide(const KvWriteArgs& args, int64_t rows) {
+  using E = KvWriteEpilogue<kRows / 32>;
+  run_grid<KvWriteArgs>(&wide_head_kernel<T, kRows, E>, args, rows / kRows, 1, kWideThreads, 1, 1,
+                        wide_smem_bytes(kRows, E::extra_bytes(kWideTokens)));
+}
+
+// The experimental wide tile with tensor-map copies (4 stages), its maps made from the GEMM parameters.
+template <typename T, int kRows>
+static void wide_tma(const KvWriteArgs& args, int64_t rows) {
+  using E = KvWriteEpilogue<kRows / 32>;
+  constexpr int kStages = 4;
+  WideTmaArgs<E> t{};
+  t.base = args;
+  const Params& p = args.gemm;
+  t.x_map = CUtensorMap{p.x, p.tokens, p.k, p.x_stride * 2, kWideTokens, kWideChunk};
+  for (int s = 0; s < p.num_segments; ++s) {
+    const int64_t first = s == 0 ? 0 : p.segment_end[s - 1];
+    t.w_map[s] = CUtensorMap{p.weight[s], p.segment_end[s] - first, p.k, p.weight_stride[s] * 2, kRows, kWideChunk};
+  }
+  run_grid<WideTmaArgs<E>>(&wide_tma_kernel<T, kRows, kStages, E>, t, rows / kRows, 1, kTmaThreads, 1, 1,
+                           wide_tma_smem_bytes(kRows, kStages, E::extra_bytes(kWideTokens)));
+}
+
 struct HeadsArgs {
   KvWrite kv;
   const void* projections;
@@ -110,7 +138,11 @@ static void heads(HeadsArgs a) {
 template <typename T>
 static void dispatch(int path, int split, int variant, int grid, const KvWriteArgs& args, const HeadsArgs& h) {
   const int d = args.kv.head_dim;
-  if (path == 2) {
+  if (path == 3 || path == 4) {
+    const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
+    if (d == 64) path == 3 ? wide<T, 64>(args, rows) : wide_tma<T, 64>(args, rows);
+    else path == 3 ? wide<T, 128>(args, rows) : wide_tma<T, 128>(args, rows);
+  } else if (path == 2) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     d == 64 ? stream<T, 2>(args, rows, split, variant) : stream<T, 4>(args, rows, split, variant);
   } else if (path == 1) {
@@ -127,7 +159,8 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
   }
 }
 
-// ints: bf16, path (0 heads, 1 fused tile, 2 streaming), split (fused, streaming) or heads per warp (heads),
+// ints: bf16, path (0 heads, 1 fused tile, 2 streaming, 3 wide tile, 4 wide tile with tensor maps),
+//       split (fused, streaming) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
 extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* const* ptrs, const int64_t* strides,
@@ -293,7 +326,7 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-PATHS = {"heads": 0, "fused": 1, "stream": 2}
+PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4}
 TABLE_FORMS = {"halves": 0, "pairs": 1, "frequencies": 2}  # kHalves, kPairs, kFrequencies of the kernels
 
 
@@ -496,6 +529,33 @@ def test_stream_kernel_cluster_split_commit_fp16(emu, split, hidden, variant):
 def test_stream_kernel_without_norm_or_rope(emu):
     _check(emu, Spec(norm=False), kernel="stream", variant=1)
     _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="stream")
+
+
+@pytest.mark.parametrize("kernel", ["wide", "wide_tma"])
+@pytest.mark.parametrize(
+    ("head_dim", "rot", "neox"), [(64, 64, True), (64, 24, False), (128, 128, True), (128, 44, False)]
+)
+def test_wide_kernels(emu, kernel, head_dim, rot, neox):
+    """The warpgroup-MMA tiles (the op's opt-in wide tile; the experimental one with tensor-map copies): 1, 17 and
+    64 tokens by one head, hidden 600 (ten chunks of 64 columns, the last ragged: every ring slot refilled), full and
+    partial rotary, both RoPE styles. The emulated MMAs read shared memory only when a wait covers them, and the
+    tensor-map copies land late and out of order."""
+    for tokens in (1, 17, 64):
+        spec = Spec(tokens=tokens, hidden=600, head_dim=head_dim, rot=rot, neox=neox, slots=80)
+        _check(emu, spec, kernel=kernel, seed=tokens)
+
+
+@pytest.mark.parametrize("kernel", ["wide", "wide_tma"])
+def test_wide_kernels_commit_fp16_two_heads(emu, kernel):
+    spec = Spec(tokens=12, hidden=200, heads=2, head_dim=64, commit=True, dtype=torch.float16)
+    _check(emu, spec, kernel=kernel)
+
+
+def test_wide_kernel_frequencies_table_without_norm(emu):
+    """The op's wide tile with an inverse-frequencies RoPE table (its factors staged by every thread of the CTA),
+    and without the norm."""
+    _check(emu, Spec(tokens=9, table_form="frequencies", head_dim=128, rot=128), kernel="wide")
+    _check(emu, Spec(tokens=9, norm=False), kernel="wide")
 
 
 @pytest.mark.parametrize("neox", [True, False])

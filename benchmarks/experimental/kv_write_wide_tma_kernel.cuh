@@ -7,7 +7,10 @@
 // releases the slot on its "empty" mbarrier once its MMAs of the chunk are done. No CTA barrier and no per-thread copy
 // in the loop: what bounds the op's wide tile (BENCHMARKS.md, "The wide fused tile").
 //
-// Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses. Before it can go into
+// Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses; the CPU emulation of
+// the kernel tests runs it too (tests/test_multi_linear_kv_write_emulation.py: MMAs reading shared memory only when
+// a wait covers them, tensor-map copies landing late and out of order), which found a fault before any device
+// run: the epilogue's staging copies were never committed to a group, so no wait covered them. Before it can go into
 // the op: the epilogue's `stage` runs on the consumer warpgroup only here, while its frequencies-table loop strides
 // by blockDim.x (the producer warp's share would be skipped; the harness uses halves tables), and the binding would
 // encode a tensor map per weight segment on every call.
@@ -46,13 +49,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
           smem_address(dst)),
       "l"(map), "r"(c0), "r"(r0), "r"(smem_address(bar))
       : "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_tma_load_2d(dst, map, c0, r0, bar);
 #endif
 }
 
 template <typename T, int kRows, int D, typename Epilogue>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     wide_tma_kernel(const __grid_constant__ WideTmaArgs<Epilogue> args) {
-#if DSPARK_WGMMA
+#if DSPARK_WGMMA_CODE
   static_assert(kRows == 64 || kRows == 128, "a tile is one head of 64 or 128 rows");
   constexpr int kStage = wide_stage_bytes(kRows);
   const typename Epilogue::Args& base = args.base;
@@ -63,7 +68,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   if (row0 >= total_rows) return;
 
   unsigned char* raw = reinterpret_cast<unsigned char*>(cta_smem());
-  unsigned char* ring = raw + ((1024u - (smem_address(raw) & 1023u)) & 1023u);
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+  unsigned char* ring = raw + ((1024u - (raw_addr & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + D * kStage);
   uint64_t* empty = full + D;
   float* bias = reinterpret_cast<float*>(empty + D);
@@ -103,7 +109,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     for (int r = t; r < kRows; r += kTmaConsumerThreads) {
       bias[r] = row0 + r < total_rows ? bias_of_row<T>(p, row0 + r) : 0.f;
     }
-    const uint32_t ring_addr = smem_address(ring);
+    const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 #pragma unroll 1
     for (int s = 0; s < steps; ++s) {
       mbar_wait(full + s % D, static_cast<uint32_t>((s / D) & 1));
@@ -120,7 +126,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     wgmma_wait<0>();
     pin_accumulators(acc);
-    wait_copies<0>();  // the epilogue's staging copies
+    commit_copies();  // the epilogue's staging copies: a wait covers only committed groups
+    wait_copies<0>();
   }
   pdl_launch_next();
   __syncthreads();  // every chunk consumed, every MMA done: the tile may overwrite the ring; the staging is visible

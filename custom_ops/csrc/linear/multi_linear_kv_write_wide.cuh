@@ -88,7 +88,7 @@ __device__ __forceinline__ void finish_wide(const typename Epilogue::Args& args,
 template <typename T, int kRows, typename Epilogue>
 __global__ void __launch_bounds__(kWideThreads, 1)
     wide_head_kernel(const __grid_constant__ typename Epilogue::Args args) {
-#if DSPARK_WGMMA
+#if DSPARK_WGMMA_CODE
   static_assert(kRows == 64 || kRows == 128, "a tile is one head of 64 or 128 rows");
   constexpr int D = wide_stages(kRows), kStage = wide_stage_bytes(kRows);
   constexpr int kRowGroups = kRows / 16, kTokenGroups = kWideTokens / 16;  // rows per thread: t / 8 + 16 j

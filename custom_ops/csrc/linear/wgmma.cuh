@@ -28,6 +28,14 @@
 #else
 #define DSPARK_WGMMA 0
 #endif
+// Whether kernels built on these primitives have a body: the sm_90a code, and the host emulation of the kernel tests
+// (DSPARK_KERNEL_EMULATION, tests/multi_linear_emulation_shim.py: emu_wgmma* run the MMAs of a batch when a wait
+// covers it, reading shared memory through the descriptors then).
+#if DSPARK_WGMMA || defined(DSPARK_KERNEL_EMULATION)
+#define DSPARK_WGMMA_CODE 1
+#else
+#define DSPARK_WGMMA_CODE 0
+#endif
 
 namespace dspark {
 namespace mlinear {
@@ -56,6 +64,8 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
 #if DSPARK_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_wgmma_commit();
 #endif
 }
 
@@ -65,14 +75,18 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
 #if DSPARK_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_wgmma_wait(kPending);
 #endif
 }
 
 // Keeps the compiler from moving accesses of the accumulators across the asynchronous MMAs that write them.
 template <int N>
 __device__ __forceinline__ void pin_accumulators(float (&d)[N]) {
+#if DSPARK_WGMMA
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#endif
 }
 
 // One instruction per element type: TYPE is the PTX type name of A and B ("bf16" or "f16").
@@ -118,6 +132,8 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
   } else {
     DSPARK_WGMMA_M64N64K16("f16");
   }
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_wgmma(std::is_same_v<T, __nv_bfloat16>, 64, d, a, b, accumulate);
 #endif
 }
 
@@ -129,6 +145,8 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
   } else {
     DSPARK_WGMMA_M64N128K16("f16");
   }
+#elif defined(DSPARK_KERNEL_EMULATION)
+  emu_wgmma(std::is_same_v<T, __nv_bfloat16>, 128, d, a, b, accumulate);
 #endif
 }
 
