@@ -551,11 +551,12 @@ def test_wide_kernels_commit_fp16_two_heads(emu, kernel):
     _check(emu, spec, kernel=kernel)
 
 
-def test_wide_kernel_frequencies_table_without_norm(emu):
-    """The op's wide tile with an inverse-frequencies RoPE table (its factors staged by every thread of the CTA),
-    and without the norm."""
-    _check(emu, Spec(tokens=9, table_form="frequencies", head_dim=128, rot=128), kernel="wide")
-    _check(emu, Spec(tokens=9, norm=False), kernel="wide")
+@pytest.mark.parametrize("kernel", ["wide", "wide_tma"])
+def test_wide_kernels_frequencies_table_without_norm(emu, kernel):
+    """An inverse-frequencies RoPE table (its factors staged by every thread of the CTA, the producer warp's too),
+    and no norm."""
+    _check(emu, Spec(tokens=9, table_form="frequencies", head_dim=128, rot=128), kernel=kernel)
+    _check(emu, Spec(tokens=9, norm=False), kernel=kernel)
 
 
 @pytest.mark.parametrize("neox", [True, False])

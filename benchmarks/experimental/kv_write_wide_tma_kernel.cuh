@@ -11,9 +11,7 @@
 // the kernel tests runs it too (tests/test_multi_linear_kv_write_emulation.py: MMAs reading shared memory only when
 // a wait covers them, tensor-map copies landing late and out of order), which found a fault before any device
 // run: the epilogue's staging copies were never committed to a group, so no wait covered them. Before it can go into
-// the op: the epilogue's `stage` runs on the consumer warpgroup only here, while its frequencies-table loop strides
-// by blockDim.x (the producer warp's share would be skipped; the harness uses halves tables), and the binding would
-// encode a tensor map per weight segment on every call.
+// the op: the binding would encode a tensor map per weight segment on every call.
 #pragma once
 
 #include <cuda.h>
@@ -86,34 +84,42 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   __syncthreads();
   pdl_wait();
 
-  typename Epilogue::Prefetch prefetched{};
+  // The producer: chunk s into slot s % D, once the slot's previous chunk is released (s >= D). The first D chunks
+  // go out before the epilogue's staging, which every thread of the CTA runs (its loops stride by blockDim.x) while
+  // they land; the rest after it.
+  const bool producer = t == kTmaConsumerThreads;
+  int segment = 0, first_row = 0;
+  auto produce = [&](int s) {
+    const int slot = s % D;
+    if (s >= D) mbar_wait(empty + slot, static_cast<uint32_t>((s / D - 1) & 1));
+    mbar_arrive_expect_tx(full + slot, kStage);
+    unsigned char* stage = ring + slot * kStage;
+    tma_load_2d(stage, &args.x_map, s * kWideChunk, 0, full + slot);
+    tma_load_2d(stage + kTmaBoxBytesX, &args.w_map[segment], s * kWideChunk, first_row, full + slot);
+  };
+  if (producer) {
+    segment = find_segment(p, row0);
+    first_row = static_cast<int>(row_in_segment(p, segment, row0));
+    for (int s = 0; s < D && s < steps; ++s) produce(s);
+  }
+  const typename Epilogue::Prefetch prefetched = Epilogue::template prefetch<T, kWideTokens>(base, row0);
+  for (int r = t; r < kRows; r += kTmaThreads) {
+    bias[r] = row0 + r < total_rows ? bias_of_row<T>(p, row0 + r) : 0.f;
+  }
+  Epilogue::template stage<T, kWideTokens>(base, prefetched, extra, row0);
+  commit_copies();  // the staging copies: a wait covers only committed groups
+
   float acc[kRows / 2];
 #pragma unroll
   for (int i = 0; i < kRows / 2; ++i) acc[i] = 0.f;
-  if (warp == kTmaConsumerThreads / 32) {
-    if (lane == 0) {  // the producer: chunk s into slot s % D once the slot's previous chunk is released
-      const int segment = find_segment(p, row0);
-      const int first_row = static_cast<int>(row_in_segment(p, segment, row0));
+  if (producer) {
 #pragma unroll 1
-      for (int s = 0; s < steps; ++s) {
-        const int slot = s % D;
-        if (s >= D) mbar_wait(empty + slot, static_cast<uint32_t>((s / D - 1) & 1));
-        mbar_arrive_expect_tx(full + slot, kStage);
-        unsigned char* stage = ring + slot * kStage;
-        tma_load_2d(stage, &args.x_map, s * kWideChunk, 0, full + slot);
-        tma_load_2d(stage + kTmaBoxBytesX, &args.w_map[segment], s * kWideChunk, first_row, full + slot);
-      }
-    }
-  } else {
-    prefetched = Epilogue::template prefetch<T, kWideTokens>(base, row0);
-    for (int r = t; r < kRows; r += kTmaConsumerThreads) {
-      bias[r] = row0 + r < total_rows ? bias_of_row<T>(p, row0 + r) : 0.f;
-    }
+    for (int s = D; s < steps; ++s) produce(s);
+  } else if (warp < kTmaConsumerThreads / 32) {
     const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 #pragma unroll 1
     for (int s = 0; s < steps; ++s) {
       mbar_wait(full + s % D, static_cast<uint32_t>((s / D) & 1));
-      if (s == steps / 2) Epilogue::template stage<T, kWideTokens>(base, prefetched, extra, row0);
       const uint32_t stage = ring_addr + static_cast<uint32_t>((s % D) * kStage);
       const uint64_t a = swizzle128_descriptor(stage);
       const uint64_t b = swizzle128_descriptor(stage + kTmaBoxBytesX);
@@ -126,9 +132,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     wgmma_wait<0>();
     pin_accumulators(acc);
-    commit_copies();  // the epilogue's staging copies: a wait covers only committed groups
-    wait_copies<0>();
   }
+  wait_copies<0>();
   pdl_launch_next();
   __syncthreads();  // every chunk consumed, every MMA done: the tile may overwrite the ring; the staging is visible
 
