@@ -179,21 +179,27 @@ inline void emu_mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 inline std::atomic<uint32_t> emu_copy_count{0};
-inline void emu_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
-    std::abort();  // the copy engine's alignment rules
-  }
+// A copy-engine transfer: `land()` writes its `bytes` on a thread of its own after the pseudo-random delay, then the
+// bytes complete on `bar`.
+template <typename Land>
+inline void emu_land_later(uint64_t* bar, int64_t bytes, Land land) {
   uint32_t h = emu_copy_count.fetch_add(1) * 2654435761u;
   h ^= h >> 15;
   const auto delay = std::chrono::microseconds(h % 200);
   std::thread([=] {
     std::this_thread::sleep_for(delay);
-    std::memcpy(dst, src, bytes);
+    land();
     std::lock_guard<std::mutex> lock(emu_mbar_lock);
     EmuMbar& b = emu_mbars.at(bar);
     b.tx -= bytes;
     emu_mbar_settle(b);
   }).detach();
+}
+inline void emu_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    std::abort();  // the copy engine's alignment rules
+  }
+  emu_land_later(bar, bytes, [=] { std::memcpy(dst, src, bytes); });
 }
 
 inline float emu_half_to_float(uint16_t h) {
@@ -294,18 +300,14 @@ struct alignas(64) CUtensorMap {
   int64_t rows, cols, stride;
   int box_rows, box_cols;
 };
-// cp.async.bulk.tensor.2d: the box at (column c0, row r0) lands late, on a thread of its own as a bulk copy does,
-// elements past the matrix as zeros, completing the box's bytes on `bar`.
+// cp.async.bulk.tensor.2d: the box at (column c0, row r0) lands late as a bulk copy does, elements past the matrix as
+// zeros, completing the box's bytes on `bar`.
 inline void emu_tma_load_2d(void* dst, const CUtensorMap* map, int c0, int r0, uint64_t* bar) {
   if (map->box_cols * 2 != 128 || __cvta_generic_to_shared(dst) % 1024 != 0) std::abort();
   const CUtensorMap m = *map;
   char* const smem = reinterpret_cast<char*>(emu.smem);
   const uint64_t at = __cvta_generic_to_shared(dst);
-  uint32_t h = emu_copy_count.fetch_add(1) * 2654435761u;
-  h ^= h >> 15;
-  const auto delay = std::chrono::microseconds(h % 200);
-  std::thread([=] {
-    std::this_thread::sleep_for(delay);
+  emu_land_later(bar, int64_t(m.box_rows) * m.box_cols * 2, [=] {
     for (int r = 0; r < m.box_rows; ++r) {
       for (int c = 0; c < m.box_cols; ++c) {
         uint16_t v = 0;
@@ -316,11 +318,7 @@ inline void emu_tma_load_2d(void* dst, const CUtensorMap* map, int c0, int r0, u
         std::memcpy(smem + emu_swizzle128(at + uint64_t(r) * 128 + 2 * c), &v, 2);
       }
     }
-    std::lock_guard<std::mutex> lock(emu_mbar_lock);
-    EmuMbar& b = emu_mbars.at(bar);
-    b.tx -= int64_t(m.box_rows) * m.box_cols * 2;
-    emu_mbar_settle(b);
-  }).detach();
+  });
 }
 """,
     "cuda_bf16.h": r"""

@@ -69,8 +69,8 @@ HEAD_DIM_64 = Spec(
 # 513: odd and above 512, a GEMM tile tail in every batched K/V GEMM of dspark::multi_linear
 TOKENS = (1, 7, 8, 16, 17, 64, 65, 512, 513)
 # Fused up to here on the H200 (sm_90a), beyond the GEMM path: the one-head tile up to kFusedMaxTokens (16) of
-# csrc/linear/multi_linear_kv_write.cu; in a process with DSPARK_KV_WRITE_WIDE_FROM set (the opt-in wide tile) up to
-# kWideTokens (64), as test_wide_tile runs this file.
+# csrc/linear/multi_linear_kv_write.cu; in a process with DSPARK_KV_WRITE_WIDE_FROM set to 1, as test_wide_tile runs
+# this file (the opt-in wide tile from 1 token), up to kWideTokens (64).
 FUSED_MAX_TOKENS = 64 if os.environ.get("DSPARK_KV_WRITE_WIDE_FROM") else 16
 WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 512: 16, 513: 19}  # a [T / W, W] split of each T
 
