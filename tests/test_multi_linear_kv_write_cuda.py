@@ -181,8 +181,9 @@ def test_wide_tile():
 
 def test_wide_tile_setting_that_is_not_a_positive_integer_warns():
     """DSPARK_KV_WRITE_WIDE_FROM=abc: a warning that names the variable, and the op's default paths (a shape test at
-    8 tokens passes in a process that sets it)."""
-    result = _this_file_in_a_process("abc", f"{__file__}::test_qwen3_8b_shapes[8-1-D-neox]")
+    8 tokens passes in a process that sets it). `-s`: the op warns through c10's handler, which writes to stderr (not
+    through Python's warnings) when called by `torch.ops`, and pytest would keep that stderr to itself."""
+    result = _this_file_in_a_process("abc", "-s", f"{__file__}::test_qwen3_8b_shapes[8-1-D-neox]")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "1 passed" in result.stdout
     assert "DSPARK_KV_WRITE_WIDE_FROM=abc is not a positive integer" in result.stdout + result.stderr

@@ -10,8 +10,9 @@
 // Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses; the CPU emulation of
 // the kernel tests runs it too (tests/test_multi_linear_kv_write_emulation.py: MMAs reading shared memory only when
 // a wait covers them, tensor-map copies landing late and out of order), which found a fault before any device
-// run: the epilogue's staging copies were never committed to a group, so no wait covered them. Before it can go into
-// the op: the binding would encode a tensor map per weight segment on every call.
+// run: the epilogue's staging copies were never committed to a group, so no wait covered them. On the H200 it writes
+// the right values and is not faster than the op's paths where it would replace them (BENCHMARKS.md, "The wide tile
+// with a producer warp and tensor-map copies"), so it stays out of the op.
 #pragma once
 
 #include <cuda.h>
