@@ -7,7 +7,9 @@ and out-of-range slots, positions and request ids (which the kernels must skip),
 (c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores),
 and both paths of the multi-layer K/V write. `--only GROUP` makes one group of calls.
 The script reads no results back: on the H200, initcheck reports PyTorch's own elementwise kernels reading
-outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer.
+outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer. For the same
+reason initcheck reports the heads kernel of the K/V write's GEMM path copying the projections that a cuBLAS GEMM
+wrote: `gpu_check.sh sanitize` counts those reports apart from any other and runs the `torch.mm` control.
 `--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
 a quick check of the driver itself (tests/test_sanitize_driver.py).
 `--racecheck` (what gpu_check.sh passes to racecheck) gives the fused K/V-write launches K = 128 instead of 64. With
