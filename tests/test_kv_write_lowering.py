@@ -540,15 +540,16 @@ def test_auto_lowers_only_where_the_cuda_kernel_runs(monkeypatch, x, head_dim, c
 
 
 class _CastWriter(HFStyleKVWriter):
-    """`HFStyleKVWriter` ("index_put") with `cast` applied at `where`: to K after the heads view ("heads", before the
-    norm), to the K value written ("k") or to V ("v"); the activation is `x * scale`."""
+    """`HFStyleKVWriter` ("index_put") with `cast` applied at `where` (one place or a tuple of them): to K after the
+    heads view ("heads", before the norm), to the K value written ("k") or to V ("v"); the activation is
+    `x * scale`."""
 
     def __init__(self, cast, where, scale=1.0):
         super().__init__("index_put")
-        self.cast, self.where, self.scale = cast, where, scale
+        self.cast, self.where, self.scale = cast, (where,) if isinstance(where, str) else where, scale
 
     def _at(self, where, t):
-        return self.cast(t) if where == self.where else t
+        return self.cast(t) if where in self.where else t
 
     def forward(self, x, positions, loc):
         x = x * self.scale
@@ -631,9 +632,10 @@ def test_narrowing_round_trip_in_an_fp32_model_keeps_todays_path():
         pytest.param(torch.float32, _round_trip(torch.float64), id="fp32-fp64"),
     ],
 )
-@pytest.mark.parametrize("where", ["k", "heads", "v"])
-def test_widening_casts_still_lower(dtype, cast, where):
-    capture, _ = _cast_run(_CastWriter(cast, where), dtype)
+def test_widening_casts_still_lower(dtype, cast):
+    """A cast that rounds nothing, at every place of the branch at once (K after the heads view, the K written and
+    V): lowered. (Each place alone keeps today's path for a rounding cast: the fp8 test above.)"""
+    capture, _ = _cast_run(_CastWriter(cast, ("k", "heads", "v")), dtype)
     _assert_lowered(capture, 4)
 
 
