@@ -8,6 +8,7 @@
     all spellings timed together, with a table of the spellings side by side
     python benchmarks/dspark_write.py --breakdown --configs qwen3-8b --tokens 8 64   # GPU: where the time goes
     (--breakdown dspark never: only those variants; with --spellings: per spelling)
+    python benchmarks/dspark_write.py --tp 2 --configs qwen3-8b --variants compile hand dspark   # 2 GPUs: per rank
 
 Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
 slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
@@ -58,6 +59,13 @@ is replayed after an L2 flush (as do_bench runs it; torch profiler), and the rep
 kernel and of the one-launch read in the same harness: replay = kernels + that harness cost (the table's header gives
 it too).
 
+`--tp N` (tensor parallel): N ranks, one process per GPU (CPU: N processes), each timing its shard of the write:
+with column-parallel K/V projections a rank holds `num_kv_heads / N` K/V heads of every layer (and their caches), so
+its write is the config's write with `num_heads / N` and `num_kv_heads / N` heads; the context K/V write has no
+collective. The ranks run every row at the same time (a barrier before each row; gloo carries only that and the
+results). The report: rank 0's tables, then per config a table of each variant's time on every rank and their
+maximum (a step waits for its slowest rank), dspark_backend's maximum ÷ those of torch.compile and of hand-stacked.
+
 Timing: CUDA events around each call, after an L2 flush (as `triton.testing.do_bench` times), interleaved: per row
 (one T), every cell of the config (every variant of every spelling) is prepared, then `--rounds` rounds (default
 100; CPU 10) each time every cell once, in an order shuffled per round; a cell is its median. Slow drifts of
@@ -86,9 +94,11 @@ import dataclasses
 import datetime
 import functools
 import gc
+import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -473,8 +483,10 @@ def run_config(
     ceilings: tuple[float, float],
     variants: tuple[Variant, ...],
     rounds: int,
+    before_row: Callable[[], object] = lambda: None,
 ) -> list[ConfigRun]:
-    """One table per spelling; every row's cells of all spellings and variants are timed together, interleaved."""
+    """One table per spelling; every row's cells of all spellings and variants are timed together, interleaved;
+    `before_row()` runs before each row is timed (`--tp`: a barrier of the ranks)."""
     print(f"{label}: {cfg}", flush=True)
     torch._dynamo.reset()
     inputs = {t: make_inputs(cfg, t, device) for t in sorted({PARITY_TOKENS, *tokens_list})}
@@ -497,6 +509,7 @@ def run_config(
             del base
         for tokens in tokens_list:
             entries = [entry for run in runs for entry in run.entries]
+            before_row()
             times, ratio = time_row(entries, control, inputs[tokens], device, rounds)
             for run in runs:
                 row = Row(tokens, *floor_us(cfg, tokens, *ceilings), run.paths[tokens], control=ratio)
@@ -737,6 +750,112 @@ def breakdown(
     return lines
 
 
+def raise_recompile_limit() -> None:
+    """Up to 6 compiled callables (the path probe's too) share a writer's `forward` cache: 2 graphs each."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 64)
+
+
+def shard(cfg: DraftKVConfig, tp: int) -> DraftKVConfig:
+    """One rank's K/V write under `tp`-way tensor parallelism (column-parallel K/V projections): the same write with
+    `num_heads / tp` and `num_kv_heads / tp` heads."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp)
+
+
+@dataclass
+class TPRun:
+    """What a rank sends rank 0 of one config's (spelling's) table: its label, and per row T and the times."""
+
+    label: str
+    rows: list[tuple[int, dict[str, float | str]]]
+
+
+def tp_table(
+    label: str, cfg: DraftKVConfig, tp: int, per_rank: list[TPRun], variants: tuple[Variant, ...]
+) -> list[str]:
+    """Per T, each variant's time on every rank and their maximum; dspark_backend's maximum ÷ torch.compile's and
+    ÷ hand-stacked's."""
+    names = [v.name for v in variants]
+    lines = [
+        f"### {label}, tensor parallel {tp}: per rank {cfg.num_kv_heads // tp} of {cfg.num_kv_heads} K/V heads of "
+        f"every layer ({kv_weight_bytes(shard(cfg, tp)) / 1e6:.3g} MB of K/V weights per rank)",
+        "",
+        "µs per call on each rank (rank 0 / rank 1 / ...), and in bold their maximum, which a step waits for.",
+        "",
+        "| T | " + " | ".join(names) + " | dspark_backend ÷ torch.compile | dspark_backend ÷ hand-stacked |",
+        "|---|" + "---|" * (len(names) + 2),
+    ]
+    worst: dict[str, float | str] = {}
+    for i, (tokens, _) in enumerate(per_rank[0].rows):
+        cells = []
+        for name in names:
+            values = [run.rows[i][1].get(name, "—") for run in per_rank]
+            timed = [v for v in values if isinstance(v, float)]
+            worst[name] = max(timed) if len(timed) == len(values) else "—"
+            shown = " / ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in values)
+            cells.append(f"**{worst[name]:.1f}** ({shown})" if isinstance(worst[name], float) else shown)
+        ratios = [_ratio(worst, "dspark_backend", BASELINE), _ratio(worst, *HAND_RATIO)]
+        lines.append(f"| {tokens} | " + " | ".join([*cells, *ratios]) + " |")
+    return [*lines, ""]
+
+
+def tp_rank(rank: int, tp: int, store: str, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
+    """`--tp`: rank `rank` of `tp` (GPU `rank` on CUDA) times its shard of every chosen config with the variants of
+    `keys`; rank 0 writes the report."""
+    variants = tuple(variant for variant in VARIANTS if variant.key in keys)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    raise_recompile_limit()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
+    try:
+        configs = SMALL_CONFIGS if args.small else CONFIGS
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        torch.manual_seed(rank)  # each rank its own weights, as each holds other rows
+        ceilings = measure_ceilings(args.device, dtype)
+        harness_us = None
+        if args.device == "cuda":
+            from _read_floor import trivial_replay_us
+
+            harness_us = trivial_replay_us(BENCH)
+        runs, mine = [], []
+        for key in args.configs:
+            label, cfg = configs[key]
+            rank_cfg = shard(dataclasses.replace(cfg, dtype=dtype), tp)
+            config_runs = run_config(
+                f"{label}, rank {rank} of {tp}", rank_cfg, args.spellings, args.tokens, args.device, ceilings,
+                variants, args.rounds, before_row=torch.distributed.barrier,
+            )  # fmt: skip
+            runs.append(config_runs)
+            mine += [TPRun(run.label, [(row.tokens, row.times) for row in run.rows]) for run in config_runs]
+        gathered: list[list[TPRun] | None] = [None] * tp
+        torch.distributed.all_gather_object(gathered, mine)
+        if rank != 0:
+            return
+        text = report(runs, variants, args.device, ceilings, dtype, harness_us)
+        tables = iter(zip(*gathered, strict=True))
+        for key in args.configs:
+            label, cfg = configs[key]
+            for spelling in args.spellings:
+                title = label if spelling == "reference" else f"{label}, {spelling} spelling"
+                config = dataclasses.replace(cfg, dtype=dtype)
+                text += "\n" + "\n".join(tp_table(title, config, tp, list(next(tables)), variants))
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_tp(args: argparse.Namespace, variants: tuple[Variant, ...]) -> None:
+    """`--tp N`: N rank processes (`tp_rank`), spawned; their rendezvous is a file in a fresh temporary folder."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "rendezvous")
+        keys = tuple(variant.key for variant in variants)  # the variants' builders do not pickle
+        mp.start_processes(tp_rank, args=(args.tp, store, args, keys), nprocs=args.tp, start_method="spawn")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -761,6 +880,11 @@ def main() -> None:
         "--rounds", type=int, help="interleaved timing rounds per row; a cell is the median (default: 100, CPU 10)"
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        help="tensor parallel: N ranks, each timing its shard of the write on its own GPU, all at once (1: one rank)",
+    )
+    parser.add_argument(
         "--breakdown",
         nargs="*",
         choices=BREAKDOWN_KEYS,
@@ -783,10 +907,22 @@ def main() -> None:
     slots = min(configs[key][1].num_slots for key in keys)
     if not all(0 < t <= slots for t in tokens_list):
         parser.error(f"every T must be in [1, {slots}] (distinct cache slots per token)")
+    if args.tp is not None and args.tp < 1:
+        parser.error("--tp must be at least 1")
+    if args.tp is not None:
+        uneven = [key for key in keys if configs[key][1].num_kv_heads % args.tp]
+        if uneven:
+            parser.error(f"--tp {args.tp}: the K/V heads of {uneven} do not split {args.tp} ways")
+        if args.breakdown is not None:
+            parser.error("--breakdown profiles one process: it does not take --tp")
+        gpus = torch.cuda.device_count() if args.device == "cuda" else args.tp
+        if gpus < args.tp:
+            parser.error(f"--tp {args.tp} needs {args.tp} GPUs (one per rank); this machine has {gpus}")
+        args.configs, args.tokens, args.rounds = keys, tokens_list, rounds
+        run_tp(args, variants)
+        return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    # up to 6 compiled callables (the path probe's too) share a writer's `forward` cache: 2 graphs each
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, limit, 64)
+    raise_recompile_limit()
     torch.manual_seed(0)
     if args.breakdown is not None:
         with torch.no_grad():

@@ -68,6 +68,14 @@ def rank_heads(cfg: TPDraftConfig, rank: int, world_size: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
+def output_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|: how the draft step's output is compared. The output is two layers
+    deep, so low-precision rounding placed differently (any compiled code against eager: plain `torch.compile` too)
+    moves its elements by a few units in the last place of its largest values; an elementwise tolerance would fail on
+    the elements near zero. (The caches, one norm and RoPE deep, are compared elementwise.)"""
+    return (actual.double() - expected.double()).abs().max().item() / expected.double().abs().max().item()
+
+
 class _DraftStep(nn.Module, abc.ABC):
     """The draft step both sharding forms run; subclasses say how they project and all-reduce."""
 

@@ -18,11 +18,14 @@
 #   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
 #             together, Qwen3-8B dims, T 1..4096, the columns torch.compile, hand-stacked, dspark_backend and never
 #             lowered (benchmarks/dspark_write.py --spellings ... --variants ...)
+#   tp        tensor parallel over the GPUs of the machine (at most 2): the NCCL tests (tests/test_tensor_parallel.py,
+#             eager and CUDA-graph replay), examples/tp_draft.py under torchrun, and benchmarks/dspark_write.py --tp
+#             (Qwen3-8B dims, each rank's shard); on one GPU the 1-rank forms of all three
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
 # Usage on the GPU machine: bash scripts/gpu_check.sh
-#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|profile]
+#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|profile]
 # (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -107,6 +110,15 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       --variants compile hand dspark never --tokens 1 8 64 512 1024 4096 \
       --out "$OUT/dspark_write_spellings.md" 2>&1 | tee "$OUT/dspark_write_spellings.log" || status=1
     ;;
+  tp)
+    ranks=$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')
+    python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 |
+      tee "$OUT/tp_tests.log" || status=1
+    torchrun --nproc-per-node "$ranks" examples/tp_draft.py 2>&1 | tee "$OUT/tp_draft.log" || status=1
+    python3 benchmarks/dspark_write.py --tp "$ranks" --configs qwen3-8b --variants compile hand dspark \
+      --tokens ${TP_TOKENS:-1 8 64 512 4096} --out "$OUT/dspark_write_tp.md" 2>&1 | tee "$OUT/dspark_write_tp.log" ||
+      status=1
+    ;;
   profile)
     TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" python3 benchmarks/dspark_write.py \
       --configs qwen3-8b --spellings ${PROFILE_SPELLINGS:-reference sglang hf complex} --breakdown ${PROFILE_VARIANTS:-dspark never compile} \
@@ -134,7 +146,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|profile)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|profile)" >&2
     exit 2
     ;;
 esac

@@ -104,3 +104,25 @@ def test_host_cost_small_cpu(tmp_path):
         _, host, device, wall = (cell.strip() for cell in row.strip().strip("|").split("|"))
         assert re.fullmatch(r"\d+\.\d", host) and re.fullmatch(r"\d+\.\d", wall) and device == "—", row
         assert float(host) > 0 and float(wall) >= float(host), row
+
+
+def test_dspark_write_tensor_parallel_small_cpu(tmp_path):
+    """`--tp 2`: two rank processes, each timing its shard (half the K/V heads); the report's TP table has a row per
+    T with each rank's time and the maximum of every variant, and the ratios of the maxima."""
+    report = _run_benchmark(
+        "dspark_write.py",
+        tmp_path / "dspark_write_tp.md",
+        *("--configs", "small-hd16", "--tokens", "8", "--variants", "dspark", "--rounds", "3", "--tp", "2"),
+    )
+    titles = [line for line in report.splitlines() if line.startswith("### ")]
+    assert titles[0].startswith("### small, head_dim 16, rank 0 of 2: 2 layers, hidden 64, 2/1 heads x 16"), titles
+    assert titles[-1].startswith("### small, head_dim 16, tensor parallel 2: per rank 1 of 2 K/V heads"), titles
+    header = next(line for line in report.splitlines() if line.startswith("| T | torch.compile | dspark_backend |"))
+    row = report.splitlines()[report.splitlines().index(header) + 2]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "8" and len(cells) == 5, row
+    for cell in cells[1:3]:  # **max** (rank 0 / rank 1)
+        match = re.fullmatch(r"\*\*(\d+\.\d)\*\* \((\d+\.\d) / (\d+\.\d)\)", cell)
+        assert match and float(match[1]) == max(float(match[2]), float(match[3])), cell
+    assert all(re.fullmatch(r"\d+\.\d\dx", c) for c in cells[3:4]) and cells[4] == "—", row  # no hand-stacked column
+    assert "  - error:" not in report and "WRONG" not in report

@@ -3,10 +3,14 @@
 passes on 2 and 4 gloo ranks (CPU). On every rank the context K/V GEMMs of all layers fuse (one group of the rank's
 K/V heads; with `kv_write_op="always"` one `multi_linear_kv_write`), the caches match the same heads of the
 unsharded draft before and after in-place weight updates, Dynamo compiles one graph without breaks, and the
-collectives of the post-pass graph are those of the graph before it, in the same order."""
+collectives of the post-pass graph are those of the graph before it, in the same order.
+
+On GPUs (`cuda`): the same with NCCL, one rank per GPU, `dspark_backend` as users compile it (Inductor codegen, the
+op's CUDA kernel), eagerly and in CUDA-graph replays; 1 rank needs one GPU, 2 ranks two."""
 
 import pytest
-from tp_cases import CFG, KINDS, spawn
+import torch
+from tp_cases import CFG, KINDS, NCCL_CFG, spawn
 
 pytestmark = pytest.mark.slow  # gloo ranks in processes of their own
 
@@ -66,3 +70,24 @@ def test_two_ranks_fuse_lower_and_match_the_unsharded_draft(tmp_path):
 def test_four_ranks_one_kv_head_each(tmp_path):
     summaries = spawn(4, tmp_path, KINDS, explain_too=False)
     _check_ranks(summaries, 4, KINDS, explained=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nccl_ranks_lower_and_match_eagerly_and_in_cuda_graph_replays(tmp_path, world_size):
+    """Every NCCL rank lowers its K/V writes of all layers to one `multi_linear_kv_write` (the default "auto" on
+    CUDA), keeps its collectives, compiles one graph, and matches the unsharded draft eagerly and in CUDA-graph
+    replays, in-place weight updates included (checked in the rank: `tp_cases.check_rank_nccl`)."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    summaries = spawn(world_size, tmp_path, KINDS, explain_too=False, backend="nccl")
+    for rank, by_kind in summaries.items():
+        for kind in KINDS:
+            facts = by_kind[kind]
+            counts = facts["counters"]
+            want = {"kv_writes_lowered": 1, "kv_writes_kept": 0}
+            assert {k: counts.get(k, 0) for k in want} == want, f"rank {rank} {kind}:\n{facts['report']}"
+            assert facts["frames"] == 1 and facts["graph_breaks"] == 0, f"rank {rank} {kind}: {facts}"
+            if world_size > 1:
+                pairs = ["_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"] * (2 * NCCL_CFG.num_layers)
+                assert facts["collectives"] == pairs, f"rank {rank} {kind}: {facts['collectives']}"

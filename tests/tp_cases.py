@@ -1,9 +1,12 @@
-"""What each rank of the tensor-parallel tests runs (`test_tensor_parallel.py` spawns the ranks; gloo, CPU).
+"""What each rank of the tensor-parallel tests runs (`test_tensor_parallel.py` spawns the ranks: gloo on CPU, or
+NCCL with rank r on GPU r).
 
-`check_rank` compiles one rank's draft step of each sharding kind with the dspark passes (`kv_write_op="always"`:
-the K/V writes lower to the op's CPU reference), checks in the rank what only the graphs show (one graph, the
-collectives in their order, the caches against the same heads of the unsharded draft before and after in-place
-weight updates), and writes what the pass did (counters, report) to `<out>/rank<r>.json` for the test to check.
+`check_rank` (gloo) compiles one rank's draft step of each sharding kind with the dspark passes
+(`kv_write_op="always"`: the K/V writes lower to the op's CPU reference), checks in the rank what only the graphs
+show (one graph, the collectives in their order, the caches against the same heads of the unsharded draft before and
+after in-place weight updates), and writes what the pass did (counters, report) to `<out>/rank<r>.json` for the test
+to check. `check_rank_nccl` does the same on CUDA, bf16, with `dspark_backend` as users compile (Inductor codegen,
+`kv_write_op="auto"`: the CUDA kernel), first called eagerly, then captured in a `torch.cuda.CUDAGraph` and replayed.
 """
 
 from __future__ import annotations
@@ -21,10 +24,21 @@ import torch.multiprocessing as mp
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes import horizontal
 from dspark_fx.passes.graph_utils import op_name
-from dspark_fx.reference_tp_draft import HandShardedDraft, TPDraft, TPDraftConfig, parallelize, rank_heads
-from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts
+from dspark_fx.reference_tp_draft import (
+    HandShardedDraft,
+    TPDraft,
+    TPDraftConfig,
+    output_error,
+    parallelize,
+    rank_heads,
+)
+from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype, compile_counts
 
 CFG = TPDraftConfig()
+# on CUDA: bf16, dims the op's CUDA kernel takes (K a multiple of 8, head_dim 16), 4 K/V heads (2 per rank at 2 ranks)
+NCCL_CFG = TPDraftConfig(
+    hidden=64, num_heads=8, num_kv_heads=4, head_dim=16, intermediate=128, num_slots=64, dtype=torch.bfloat16
+)
 KINDS = ("dtensor", "hand")
 COLLECTIVES = "_c10d_functional."
 PRELOAD = [
@@ -38,49 +52,66 @@ PRELOAD = [
 ]
 
 
-def spawn(world_size: int, out: Path, kinds: tuple[str, ...], explain_too: bool) -> dict[int, dict[str, Any]]:
-    """Run `check_rank` on `world_size` gloo ranks; returns each rank's summary (rank -> kind -> facts)."""
-    # the ranks fork from one server process that imported torch, its compiler and dspark_fx once (this module is
-    # not on the server's path: it imports what this module imports)
+def spawn(
+    world_size: int, out: Path, kinds: tuple[str, ...], explain_too: bool, backend: str = "gloo"
+) -> dict[int, dict[str, Any]]:
+    """Run `check_rank` on `world_size` gloo ranks, or `check_rank_nccl` on `world_size` NCCL ranks (`backend`);
+    returns each rank's summary (rank -> kind -> facts)."""
+    # gloo: the ranks fork from one server process that imported torch, its compiler and dspark_fx once (this module
+    # is not on the server's path: it imports what this module imports); NCCL: fresh processes, since a process
+    # forked from one that initialized CUDA cannot use it
     multiprocessing.set_forkserver_preload(PRELOAD)
-    args = (world_size, str(out), kinds, explain_too)
-    mp.start_processes(_entry, args=args, nprocs=world_size, start_method="forkserver")
+    args = (world_size, str(out), kinds, explain_too, backend)
+    start = "spawn" if backend == "nccl" else "forkserver"
+    mp.start_processes(_entry, args=args, nprocs=world_size, start_method=start)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)}
 
 
-def _entry(rank: int, world_size: int, out: str, kinds: tuple[str, ...], explain_too: bool) -> None:
+def _entry(rank: int, world_size: int, out: str, kinds: tuple[str, ...], explain_too: bool, backend: str) -> None:
     torch.set_num_threads(1)
-    horizontal.LONE_GEMM_DEVICES = ("cuda", "cpu")  # as on CUDA: the row-parallel GEMMs routed next to the all-reduces
     timeout = datetime.timedelta(seconds=120)
     # the rendezvous is a file in `out`: no port picked here that another test process could take first
     store = f"file://{Path(out) / 'rendezvous'}"
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:  # as on CUDA: the row-parallel GEMMs routed next to the all-reduces
+        horizontal.LONE_GEMM_DEVICES = ("cuda", "cpu")
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        summary = {kind: check_rank(rank, world_size, kind, explain_too) for kind in kinds}
+        if backend == "nccl":
+            summary = {kind: check_rank_nccl(rank, world_size, kind) for kind in kinds}
+        else:
+            summary = {kind: check_rank(rank, world_size, kind, explain_too) for kind in kinds}
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()
 
 
-def draft_inputs(cfg: TPDraftConfig, step: int, tokens: int = 5, block: int = 4) -> tuple[torch.Tensor, ...]:
+def draft_inputs(
+    cfg: TPDraftConfig, step: int, tokens: int = 5, block: int = 4, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, ...]:
     """The same inputs on every rank (seeded): ctx, positions, cache_loc, block hidden, block positions."""
     gen = torch.Generator().manual_seed(100 + step)
-    return (
+    inputs = (
         torch.randn(tokens, cfg.hidden, generator=gen).to(cfg.dtype),
         torch.randint(0, cfg.max_position, (tokens,), generator=gen),
         torch.randperm(cfg.num_slots, generator=gen)[:tokens],
         torch.randn(block, cfg.hidden, generator=gen).to(cfg.dtype),
         torch.randint(0, cfg.max_position, (block,), generator=gen),
     )
+    return tuple(t.to(device) for t in inputs)
 
 
-def sharded(kind: str, full: TPDraft, rank: int, world_size: int) -> TPDraft | HandShardedDraft:
-    """This rank's draft of `kind`, with `full`'s weights."""
+def sharded(
+    kind: str, full: TPDraft, rank: int, world_size: int, device: torch.device | str = "cpu"
+) -> TPDraft | HandShardedDraft:
+    """This rank's draft of `kind` on `device`, with `full`'s weights."""
     if kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
-        return parallelize(TPDraft(full.cfg, world_size), init_device_mesh("cpu", (world_size,)))
-    model = HandShardedDraft(full.cfg, rank, world_size, dist.group.WORLD)
+        mesh = init_device_mesh(torch.device(device).type, (world_size,))
+        return parallelize(TPDraft(full.cfg, world_size, device), mesh)
+    model = HandShardedDraft(full.cfg, rank, world_size, dist.group.WORLD, device)
     model.load_(full)
     return model
 
@@ -137,12 +168,18 @@ def check_rank(rank: int, world_size: int, kind: str, explain_too: bool) -> dict
                 assert_close_for_dtype((k, v), (k_full[:, heads], v_full[:, heads]), CFG.dtype)
             if step == 0:
                 update_weights(kind, full, model)
+    return {**facts, **compiled_facts(rank, capture, frames["frames"])}
+
+
+def compiled_facts(rank: int, capture: CaptureBackend, frames: int) -> dict[str, Any]:
+    """What the rank's one compile did (`frames` Dynamo graphs): the pass's counters and report, graph breaks, the
+    collectives after the pass (asserted here to be those before it, in order), GEMMs left and the groups."""
+    counters = torch._dynamo.utils.counters
     (before,), (after,) = capture.before, capture.after
     assert collectives(after) == collectives(before), f"rank {rank}: the pass moved or changed a collective"
     return {
-        **facts,
         "counters": dict(counters["dspark_fx"]),
-        "frames": frames["frames"],
+        "frames": frames,
         "graph_breaks": sum(counters["graph_break"].values()),
         "collectives": [c[0] for c in collectives(after)],
         "gemms_left": sum(op_name(n) in ("aten.mm", "aten.addmm") for n in after.nodes if n.op == "call_function"),
@@ -151,3 +188,59 @@ def check_rank(rank: int, world_size: int, kind: str, explain_too: bool) -> dict
         "routed": capture.report.routed,
         "report": str(capture.report),
     }
+
+
+def check_rank_nccl(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+    """One NCCL rank on GPU `rank`: the draft step of `kind` compiled with the dspark passes as `dspark_backend`
+    runs them (Inductor codegen, `kv_write_op="auto"`), called eagerly twice with an in-place weight update between
+    the calls, then captured in a `torch.cuda.CUDAGraph` (after warm-up calls on a side stream) and replayed twice,
+    the weights updated in place again before the second replay; after every call the output and the rank's caches
+    are those of the unsharded draft (eager, the same GPU) run on the same inputs, which must also see every update.
+    Returns what the pass did and what the graphs hold, as `check_rank` does."""
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    device = torch.device("cuda", rank)
+    cfg = NCCL_CFG
+    full = TPDraft(cfg, device=device)
+    model = sharded(kind, full, rank, world_size, device)
+    heads = rank_heads(cfg, rank, world_size)
+    # Inductor codegen as users compile, its caches off for this compile (a hit would skip the passes)
+    capture = CaptureBackend(inner="inductor")
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+
+    def compare(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], what: str) -> None:
+        expected = full(*inputs)
+        try:
+            error = output_error(out, expected)
+            assert error <= TOLERANCES[cfg.dtype], f"the output differs by {error:.1e} of its largest value"
+            for i, ((k, v), (k_full, v_full)) in enumerate(zip(model.caches(), full.caches(), strict=True)):
+                assert torch.count_nonzero(k), f"layer {i}'s K cache was not written"
+                assert_close_for_dtype((k, v), (k_full[:, heads], v_full[:, heads]), cfg.dtype)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank} {kind}, {what}: {e}") from e
+
+    with compile_counts() as frames, torch.no_grad():
+        for step in range(2):
+            inputs = draft_inputs(cfg, step, device=device)
+            compare(compiled(*inputs), inputs, f"eager call {step}")
+            update_weights(kind, full, model)
+        static = draft_inputs(cfg, 2, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up before capture, as CUDA graphs require (it writes the caches)
+            for _ in range(2):
+                compiled(*static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        full(*static)  # the same writes in the unsharded draft's caches
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(*static)
+        for step in (3, 4):
+            if step == 4:
+                update_weights(kind, full, model)
+            for into, values in zip(static, draft_inputs(cfg, step, device=device), strict=True):
+                into.copy_(values)
+            graph.replay()
+            compare(out, static, f"CUDA-graph replay {step - 2}")
+    return compiled_facts(rank, capture, frames["frames"])
