@@ -59,6 +59,9 @@ is replayed after an L2 flush (as do_bench runs it; torch profiler), and the rep
 kernel and of the one-launch read in the same harness: replay = kernels + that harness cost (the table's header gives
 it too).
 
+`--shard N`: one rank's shard of N-way tensor parallelism timed in this process (on one GPU): the tables of the
+config with `num_heads / N` and `num_kv_heads / N` heads, labelled so (what each rank of `--tp N` times).
+
 `--tp N` (tensor parallel): N ranks, one process per GPU (CPU: N processes), each timing its shard of the write:
 with column-parallel K/V projections a rank holds `num_kv_heads / N` K/V heads of every layer (and their caches), so
 its write is the config's write with `num_heads / N` and `num_kv_heads / N` heads; the context K/V write has no
@@ -885,6 +888,11 @@ def main() -> None:
         help="tensor parallel: N ranks, each timing its shard of the write on its own GPU, all at once (1: one rank)",
     )
     parser.add_argument(
+        "--shard",
+        type=int,
+        help="time one rank's shard of N-way tensor parallelism (1/N of the K/V heads) here, on one GPU",
+    )
+    parser.add_argument(
         "--breakdown",
         nargs="*",
         choices=BREAKDOWN_KEYS,
@@ -907,14 +915,17 @@ def main() -> None:
     slots = min(configs[key][1].num_slots for key in keys)
     if not all(0 < t <= slots for t in tokens_list):
         parser.error(f"every T must be in [1, {slots}] (distinct cache slots per token)")
-    if args.tp is not None and args.tp < 1:
-        parser.error("--tp must be at least 1")
-    if args.tp is not None:
-        uneven = [key for key in keys if configs[key][1].num_kv_heads % args.tp]
+    for flag, ways in (("--tp", args.tp), ("--shard", args.shard)):
+        if ways is not None and ways < 1:
+            parser.error(f"{flag} must be at least 1")
+        uneven = [key for key in keys if ways and configs[key][1].num_kv_heads % ways]
         if uneven:
-            parser.error(f"--tp {args.tp}: the K/V heads of {uneven} do not split {args.tp} ways")
-        if args.breakdown is not None:
-            parser.error("--breakdown profiles one process: it does not take --tp")
+            parser.error(f"{flag} {ways}: the K/V heads of {uneven} do not split {ways} ways")
+    if args.tp is not None and (args.shard or args.breakdown is not None):
+        parser.error("--tp runs one process per rank: it takes neither --shard nor --breakdown")
+    if args.shard and args.breakdown is not None:
+        parser.error("--breakdown profiles the unsharded configs: it does not take --shard")
+    if args.tp is not None:
         gpus = torch.cuda.device_count() if args.device == "cuda" else args.tp
         if gpus < args.tp:
             parser.error(f"--tp {args.tp} needs {args.tp} GPUs (one per rank); this machine has {gpus}")
@@ -953,6 +964,8 @@ def main() -> None:
     for key in keys:
         label, cfg = configs[key]
         cfg_run = dataclasses.replace(cfg, dtype=dtype)
+        if args.shard:
+            label, cfg_run = f"{label}, one rank's shard of {args.shard}", shard(cfg_run, args.shard)
         runs.append(run_config(label, cfg_run, args.spellings, tokens_list, args.device, ceilings, variants, rounds))
         print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
     text = report(runs, variants, args.device, ceilings, dtype, harness_us)

@@ -126,3 +126,18 @@ def test_dspark_write_tensor_parallel_small_cpu(tmp_path):
         assert match and float(match[1]) == max(float(match[2]), float(match[3])), cell
     assert all(re.fullmatch(r"\d+\.\d\dx", c) for c in cells[3:4]) and cells[4] == "—", row  # no hand-stacked column
     assert "  - error:" not in report and "WRONG" not in report
+
+
+def test_dspark_write_one_rank_shard_small_cpu(tmp_path):
+    """`--shard 2`: one rank's shard (half the heads) timed in this process, its tables labelled so."""
+    report = _run_benchmark(
+        "dspark_write.py",
+        tmp_path / "dspark_write_shard.md",
+        *("--configs", "small-hd16", "--tokens", "8", "--variants", "dspark", "--rounds", "1", "--shard", "2"),
+    )
+    titles = [line for line in report.splitlines() if line.startswith("### ")]
+    assert titles == [
+        "### small, head_dim 16, one rank's shard of 2: 2 layers, hidden 64, 2/1 heads x 16, float32, 64 slots; "
+        "K/V weights 0.0164 MB"
+    ], titles
+    assert "  - error:" not in report and "WRONG" not in report
