@@ -788,9 +788,8 @@ def tp_table(
         "| T | " + " | ".join(names) + " | dspark_backend ÷ torch.compile | dspark_backend ÷ hand-stacked |",
         "|---|" + "---|" * (len(names) + 2),
     ]
-    worst: dict[str, float | str] = {}
     for i, (tokens, _) in enumerate(per_rank[0].rows):
-        cells = []
+        cells, worst = [], {}  # worst: per variant, the maximum over the ranks
         for name in names:
             values = [run.rows[i][1].get(name, "—") for run in per_rank]
             timed = [v for v in values if isinstance(v, float)]
