@@ -118,21 +118,38 @@ def test_host_cost_small_cpu(tmp_path):
 
 
 def test_dspark_write_tensor_parallel_small_cpu(tmp_path):
-    """`--tp 2`: two rank processes, each timing its shard (half the K/V heads); the report's TP table has a row per
-    T with each rank's time and the maximum of every variant, and the ratios of the maxima."""
+    """`--tp 1`: a rank process spawned, the row barriers, the gather and the TP table (one rank: two ranks cost a
+    minute of a cold CI run; the table of two is `test_tp_table_takes_the_slowest_rank`)."""
     report = _run_benchmark(
         "dspark_write.py",
         tmp_path / "dspark_write_tp.md",
-        *("--configs", "small-hd16", "--tokens", "8", "--variants", "compile", "--rounds", "3", "--tp", "2"),
-    )  # one variant (torch.compile, always timed): the ranks' machinery is what runs here
+        *("--configs", "small-hd16", "--tokens", "8", "--variants", "compile", "--rounds", "3", "--tp", "1"),
+    )  # one variant (torch.compile, always timed): the rank's machinery is what runs here
     titles = [line for line in report.splitlines() if line.startswith("### ")]
-    assert titles[0].startswith("### small, head_dim 16, rank 0 of 2: 2 layers, hidden 64, 2/1 heads x 16"), titles
-    assert titles[-1].startswith("### small, head_dim 16, tensor parallel 2: per rank 1 of 2 K/V heads"), titles
+    assert titles[0].startswith("### small, head_dim 16, rank 0 of 1: 2 layers, hidden 64, 4/2 heads x 16"), titles
+    assert titles[-1].startswith("### small, head_dim 16, tensor parallel 1: per rank 2 of 2 K/V heads"), titles
     header = next(line for line in report.splitlines() if line.startswith("| T | torch.compile | dspark_backend ÷"))
     row = report.splitlines()[report.splitlines().index(header) + 2]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == "8" and len(cells) == 4, row
-    match = re.fullmatch(r"\*\*(\d+\.\d)\*\* \((\d+\.\d) / (\d+\.\d)\)", cells[1])  # **max** (rank 0 / rank 1)
-    assert match and float(match[1]) == max(float(match[2]), float(match[3])), cells[1]
+    match = re.fullmatch(r"\*\*(\d+\.\d)\*\* \((\d+\.\d)\)", cells[1])  # **max** (rank 0)
+    assert match and match[1] == match[2], cells[1]
     assert cells[2:] == ["—", "—"], row  # no dspark_backend column timed
     assert "  - error:" not in report and "WRONG" not in report
+
+
+def test_tp_table_takes_the_slowest_rank(monkeypatch):
+    """The TP table of two ranks: per variant each rank's time and, in bold, the larger; the ratios of the larger
+    times; a variant a rank could not time shows its reason and no maximum."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "dspark_write.py"))
+    cfg = bench["SMALL_CONFIGS"]["small-hd16"][1]
+    variants = tuple(v for v in bench["VARIANTS"] if v.key in ("compile", "hand", "dspark"))
+    names = ("torch.compile", "hand-stacked torch.compile", "dspark_backend")
+    ranks = [
+        bench["TPRun"]("rank 0", [(8, dict(zip(names, (10.0, 6.0, 4.0), strict=True)))]),
+        bench["TPRun"]("rank 1", [(8, dict(zip(names, (8.0, "error", 5.0), strict=True)))]),
+    ]
+    lines = bench["tp_table"]("small", cfg, 2, ranks, variants)
+    assert lines[0].startswith("### small, tensor parallel 2: per rank 1 of 2 K/V heads"), lines[0]
+    assert lines[-2] == "| 8 | **10.0** (10.0 / 8.0) | 6.0 / error | **5.0** (4.0 / 5.0) | 0.50x | — |", lines[-2]
