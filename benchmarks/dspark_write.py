@@ -753,6 +753,46 @@ def breakdown(
     return lines
 
 
+def run_configs(
+    args: argparse.Namespace,
+    variants: tuple[Variant, ...],
+    dtype: torch.dtype,
+    ways: int,
+    suffix: str,
+    before_row: Callable[[], object] = lambda: None,
+) -> tuple[list[list[ConfigRun]], tuple[float, float], float | None]:
+    """The copy and GEMM ceilings and (CUDA) the harness's cost of a trivial graph replay, then every config of
+    `args.configs` timed (`run_config`), each sharded `ways` ways (`shard`; 1: whole), its label followed by `suffix`
+    (if any); returns the configs' tables, the ceilings and the harness cost."""
+    start = time.perf_counter()
+    ceilings = measure_ceilings(args.device, dtype)
+    harness_us = None
+    if args.device == "cuda":
+        from _read_floor import trivial_replay_us
+
+        harness_us = trivial_replay_us(BENCH)
+    configs = SMALL_CONFIGS if args.small else CONFIGS
+    runs = []
+    for key in args.configs:
+        label, cfg = configs[key]
+        label = f"{label}, {suffix}" if suffix else label
+        cfg_run = shard(dataclasses.replace(cfg, dtype=dtype), ways)
+        runs.append(
+            run_config(
+                label, cfg_run, args.spellings, args.tokens, args.device, ceilings, variants, args.rounds, before_row
+            )
+        )
+        print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
+    return runs, ceilings, harness_us
+
+
+def emit(text: str, out: Path | None) -> None:
+    """Print the report and write it to `out` (if given)."""
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def raise_recompile_limit() -> None:
     """Up to 6 compiled callables (the path probe's too) share a writer's `forward` cache: 2 graphs each."""
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -813,22 +853,10 @@ def tp_rank(rank: int, tp: int, store: str, args: argparse.Namespace, keys: tupl
         configs = SMALL_CONFIGS if args.small else CONFIGS
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
         torch.manual_seed(rank)  # each rank its own weights, as each holds other rows
-        ceilings = measure_ceilings(args.device, dtype)
-        harness_us = None
-        if args.device == "cuda":
-            from _read_floor import trivial_replay_us
-
-            harness_us = trivial_replay_us(BENCH)
-        runs, mine = [], []
-        for key in args.configs:
-            label, cfg = configs[key]
-            rank_cfg = shard(dataclasses.replace(cfg, dtype=dtype), tp)
-            config_runs = run_config(
-                f"{label}, rank {rank} of {tp}", rank_cfg, args.spellings, args.tokens, args.device, ceilings,
-                variants, args.rounds, before_row=torch.distributed.barrier,
-            )  # fmt: skip
-            runs.append(config_runs)
-            mine += [TPRun(run.label, [(row.tokens, row.times) for row in run.rows]) for run in config_runs]
+        runs, ceilings, harness_us = run_configs(
+            args, variants, dtype, tp, f"rank {rank} of {tp}", before_row=torch.distributed.barrier
+        )
+        mine = [TPRun(run.label, [(row.tokens, row.times) for row in run.rows]) for config in runs for run in config]
         gathered: list[list[TPRun] | None] = [None] * tp
         torch.distributed.all_gather_object(gathered, mine)
         if rank != 0:
@@ -841,9 +869,7 @@ def tp_rank(rank: int, tp: int, store: str, args: argparse.Namespace, keys: tupl
                 title = label if spelling == "reference" else f"{label}, {spelling} spelling"
                 config = dataclasses.replace(cfg, dtype=dtype)
                 text += "\n" + "\n".join(tp_table(title, config, tp, list(next(tables)), variants))
-        print(text)
-        if args.out:
-            args.out.write_text(text + "\n")
+        emit(text, args.out)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -924,11 +950,11 @@ def main() -> None:
         parser.error("--tp runs one process per rank: it takes neither --shard nor --breakdown")
     if args.shard and args.breakdown is not None:
         parser.error("--breakdown profiles the unsharded configs: it does not take --shard")
+    args.configs, args.tokens, args.rounds = keys, tokens_list, rounds
     if args.tp is not None:
         gpus = torch.cuda.device_count() if args.device == "cuda" else args.tp
         if gpus < args.tp:
             parser.error(f"--tp {args.tp} needs {args.tp} GPUs (one per rank); this machine has {gpus}")
-        args.configs, args.tokens, args.rounds = keys, tokens_list, rounds
         run_tp(args, variants)
         return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -948,29 +974,11 @@ def main() -> None:
                     args.breakdown or list(BREAKDOWN_KEYS),
                 )
             )
-        print(text)
-        if args.out:
-            args.out.write_text(text + "\n")
+        emit(text, args.out)
         return
-    start = time.perf_counter()
-    ceilings = measure_ceilings(args.device, dtype)
-    harness_us = None
-    if args.device == "cuda":
-        from _read_floor import trivial_replay_us
-
-        harness_us = trivial_replay_us(BENCH)
-    runs = []
-    for key in keys:
-        label, cfg = configs[key]
-        cfg_run = dataclasses.replace(cfg, dtype=dtype)
-        if args.shard:
-            label, cfg_run = f"{label}, one rank's shard of {args.shard}", shard(cfg_run, args.shard)
-        runs.append(run_config(label, cfg_run, args.spellings, tokens_list, args.device, ceilings, variants, rounds))
-        print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
-    text = report(runs, variants, args.device, ceilings, dtype, harness_us)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    suffix = f"one rank's shard of {args.shard}" if args.shard else ""
+    runs, ceilings, harness_us = run_configs(args, variants, dtype, args.shard or 1, suffix)
+    emit(report(runs, variants, args.device, ceilings, dtype, harness_us), args.out)
 
 
 if __name__ == "__main__":
