@@ -128,6 +128,15 @@ def update_weights(kind: str, full: TPDraft, model: TPDraft | HandShardedDraft) 
         model.load_(full)
 
 
+def assert_rank_caches(
+    model: TPDraft | HandShardedDraft, full: TPDraft, heads: slice, dtype: torch.dtype, who: str
+) -> None:
+    """Every layer's K cache of the rank was written, and its K/V caches are the unsharded draft's heads `heads`."""
+    for i, ((k, v), (k_full, v_full)) in enumerate(zip(model.caches(), full.caches(), strict=True)):
+        assert torch.count_nonzero(k), f"{who}: layer {i}'s K cache was not written"
+        assert_close_for_dtype((k, v), (k_full[:, heads], v_full[:, heads]), dtype)
+
+
 def collectives(graph: torch.fx.Graph) -> list[tuple[str, str, list[Any]]]:
     """The graph's collectives in order: op, node name and the arguments that are not nodes (op, group)."""
     return [
@@ -163,9 +172,7 @@ def check_rank(rank: int, world_size: int, kind: str, explain_too: bool) -> dict
             inputs = draft_inputs(CFG, step)
             out, expected = compiled(*inputs), full(*inputs)
             assert_close_for_dtype(out, expected, CFG.dtype)
-            for i, ((k, v), (k_full, v_full)) in enumerate(zip(model.caches(), full.caches(), strict=True)):
-                assert torch.count_nonzero(k), f"rank {rank}: layer {i}'s K cache was not written"
-                assert_close_for_dtype((k, v), (k_full[:, heads], v_full[:, heads]), CFG.dtype)
+            assert_rank_caches(model, full, heads, CFG.dtype, f"rank {rank}")
             if step == 0:
                 update_weights(kind, full, model)
     return {**facts, **compiled_facts(rank, capture, frames["frames"])}
@@ -214,9 +221,7 @@ def check_rank_nccl(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         try:
             error = output_error(out, expected)
             assert error <= TOLERANCES[cfg.dtype], f"the output differs by {error:.1e} of its largest value"
-            for i, ((k, v), (k_full, v_full)) in enumerate(zip(model.caches(), full.caches(), strict=True)):
-                assert torch.count_nonzero(k), f"layer {i}'s K cache was not written"
-                assert_close_for_dtype((k, v), (k_full[:, heads], v_full[:, heads]), cfg.dtype)
+            assert_rank_caches(model, full, heads, cfg.dtype, "the caches")
         except AssertionError as e:
             raise AssertionError(f"rank {rank} {kind}, {what}: {e}") from e
 
