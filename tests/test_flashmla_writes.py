@@ -110,9 +110,9 @@ def test_k_write_matches_fp64_and_layout(page_size, pos_dtype, loc_dtype):
     assert torch.equal(cache[~mask], before[~mask])  # other slots, scale pad byte, page tail, skipped rows
     keep = loc >= 0
     values, scales = _slot_bytes(cache, page_size, loc[keep])
-    nope64, rope64 = _fp64_k_rows(kv[keep], weight, EPS, freqs, pos[keep])
+    nope64, rope64, terms64 = _fp64_k_rows(kv[keep], weight, EPS, freqs, pos[keep])
     _check_nope_bytes(values, scales, nope64)
-    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64, terms64)
     deq = dequantize_flashmla_cache(cache, page_size, loc[keep])
     rel = (deq[:, :448].double() - nope64).abs() / nope64.abs().clamp(min=1e-6)
     assert rel.mean() < 0.03
@@ -132,9 +132,9 @@ def test_k_write_other_dtypes(dtype):
     kv, weight, freqs, pos, loc, cache = _k_inputs(16, dtype=dtype, skip_every=0)
     ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, cache, 64)
     values, scales = _slot_bytes(cache, 64, loc)
-    nope64, rope64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
+    nope64, rope64, terms64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
     _check_nope_bytes(values, scales, nope64)
-    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64, terms64)
 
 
 @pytest.mark.parametrize("b", [0, 1])
@@ -145,8 +145,8 @@ def test_k_write_tiny_batches(b):
     assert int((cache != before).sum()) <= 583 * b
     if b:
         values, _ = _slot_bytes(cache, 64, loc)
-        _, rope64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
-        _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+        _, rope64, terms64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
+        _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64, terms64)
 
 
 def test_k_write_all_rows_skipped_changes_nothing():
@@ -165,7 +165,7 @@ def test_fused_vs_unfused_value_space():
     ops.store_flashmla_cache(normed, loc, cache_unfused, 64)
     a = dequantize_flashmla_cache(cache, 64, loc)
     b = dequantize_flashmla_cache(cache_unfused, 64, loc)
-    nope64, rope64 = _fp64_k_rows(kv, weight, EPS, freqs, pos)
+    nope64, rope64, _ = _fp64_k_rows(kv, weight, EPS, freqs, pos)
     for d, rope_atol in ((a, 1e-5), (b, 2e-2)):  # unfused: rope of bf16-rounded inputs, rounded again
         rel = (d[:, :448].double() - nope64).abs() / nope64.abs().clamp(min=1e-3)
         assert rel.mean() < 0.03

@@ -230,9 +230,9 @@ def _check_written_rows(c: Case, inputs: dict, outputs: dict, valid: torch.Tenso
         assert torch.equal(values[:, 448:], kv[:, 448:].to(torch.bfloat16).contiguous().view(torch.uint8))
         _check_nope_bytes(values, scales, kv[:, :448].double())
         return
-    nope64, rope64 = _fp64_k_rows(kv, inputs["weight"], EPS, inputs["freqs"], positions)
+    nope64, rope64, terms64 = _fp64_k_rows(kv, inputs["weight"], EPS, inputs["freqs"], positions)
     _check_nope_bytes(values, scales, nope64)
-    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64)
+    _check_bf16_close(values[:, 448:].contiguous().view(torch.bfloat16), rope64, terms64)
 
 
 def _check_untouched(c: Case, args: dict, valid: torch.Tensor, whole: torch.Tensor, before: torch.Tensor) -> None:
