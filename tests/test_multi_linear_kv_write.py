@@ -24,9 +24,9 @@ from helpers import draft_inputs, small_config
 from multi_linear_cases import (
     BAD,
     BAD_CASES,
+    CACHE_LAYOUTS,
     CUDA_ONLY,
     CUDA_ONLY_CASES,
-    Case,
     Spec,
     bits,
     cache_bits,
@@ -34,6 +34,7 @@ from multi_linear_cases import (
     fp64_kv,
     make_case,
     poison,
+    run_and_check,
     written_masks,
     written_tokens,
 )
@@ -48,50 +49,6 @@ from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_refere
 from dspark_fx.reference_draft import DraftKVWriter
 
 op = torch.ops.dspark.multi_linear_kv_write
-
-# ---------------------------------------------------------------------------------- cases (tests/multi_linear_cases.py)
-
-
-CACHE_LAYOUTS = ("separate", "padded", "heads-major", "inner-strided", "interleaved", "stacked")
-
-
-# ---------------------------------------------------------------------------------------------- fp64 checks
-
-
-TOLERANCE = {  # (rtol, atol / max |expected|): fp32 math, then one rounding to the cache dtype (half an ulp)
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (2**-8 + 2**-14, 1e-4),
-    torch.float16: (2**-11 + 2**-17, 1e-4),
-}
-
-
-def assert_rows_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol_scale: float) -> None:
-    assert not got.isnan().any(), "a written row still holds poison"
-    if want.numel():
-        atol = atol_scale * want.abs().max().item()
-        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
-
-
-def check_result(case: Case, before: list[torch.Tensor], tolerance=None) -> None:
-    """After the op ran on `case` (caches `before` it: `bits` of the bases): written rows match the fp64 formula,
-    every other byte of the cache buffers is unchanged."""
-    args = case.args
-    written = written_tokens(args)
-    for base, mask, old in zip(case.bases, written_masks(case, written), before, strict=True):
-        assert torch.equal(bits(base)[~mask], old[~mask]), "a byte outside the written rows changed"
-    rtol, atol_scale = tolerance or TOLERANCE[case.spec.dtype]
-    tokens = [t for t, _ in written]
-    slots = torch.tensor([s for _, s in written], dtype=torch.long)
-    for i, (k64, v64) in enumerate(fp64_kv(args)):
-        for cache, want in ((args["k_caches"][i], k64), (args["v_caches"][i], v64)):
-            assert_rows_close(cache.cpu()[slots], want[tokens], rtol, atol_scale)
-
-
-def run_and_check(case: Case) -> None:
-    before = [bits(b) for b in case.bases]
-    case.call()
-    check_result(case, before)
-
 
 # ---------------------------------------------------------------------------------------------- fp64 parity
 
