@@ -481,25 +481,21 @@ def assert_rows_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol_s
         torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
 
 
-def check_result(case: Case, before: list[torch.Tensor], tolerance=None) -> None:
-    """After the op ran on `case` (caches `before` it: `bits` of the bases): written rows match the fp64 formula,
-    every other byte of the cache buffers is unchanged."""
+def run_and_check(case: Case) -> None:
+    """Run the op on `case`: written rows match the fp64 formula, every other byte of the cache buffers is
+    unchanged."""
+    before = [bits(b) for b in case.bases]
+    case.call()
     args = case.args
     written = written_tokens(args)
     for base, mask, old in zip(case.bases, written_masks(case, written), before, strict=True):
         assert torch.equal(bits(base)[~mask], old[~mask]), "a byte outside the written rows changed"
-    rtol, atol_scale = tolerance or TOLERANCE[case.spec.dtype]
+    rtol, atol_scale = TOLERANCE[case.spec.dtype]
     tokens = [t for t, _ in written]
     slots = torch.tensor([s for _, s in written], dtype=torch.long)
     for i, (k64, v64) in enumerate(fp64_kv(args)):
         for cache, want in ((args["k_caches"][i], k64), (args["v_caches"][i], v64)):
             assert_rows_close(cache.cpu()[slots], want[tokens], rtol, atol_scale)
-
-
-def run_and_check(case: Case) -> None:
-    before = [bits(b) for b in case.bases]
-    case.call()
-    check_result(case, before)
 
 
 BAD = Spec(tokens=6, layers=2, hidden=24, rot=8)
