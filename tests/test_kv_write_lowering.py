@@ -7,6 +7,7 @@ graph; what it cannot prove equivalent keeps today's path, with the reason in th
 import copy
 import dataclasses
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from custom_ops.linear.multi_linear_kv_write import rotary_dim
 from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
+from dspark_fx.report import KVKeptReason
 from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
 
 ALWAYS = DsparkConfig(kv_write_op="always")
@@ -91,13 +93,13 @@ def _eps(cfg):
     return [float(torch.tensor(e, dtype=torch.float32)) if cfg.norm == "rms_norm" else e for e in eps]
 
 
-def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64):
+def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64, dynamic=None):
     """Eager vs compiled caches of an HF-style writer; returns the capture."""
     torch._dynamo.reset()
     model = model.to(dtype)
     compiled_model = copy.deepcopy(model)
     capture = CaptureBackend(config)
-    compiled = torch.compile(compiled_model, backend=capture)
+    compiled = torch.compile(compiled_model, backend=capture, dynamic=dynamic)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for tokens in tokens_list:
@@ -130,6 +132,19 @@ def test_hf_style_writers_become_one_op(write, dtype):
     assert tuple(table.meta["val"].shape) == (8,), "inv_freq [R/2]"
     assert args[10].op == "placeholder" and args[10].meta["val"].dtype == torch.int64, "the positions input"
     assert "inverse frequencies inv_freq (cos/sin computed in the op) at positions" in str(capture.report)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_eps_attribute_made_a_graph_input_keeps_todays_path_and_names_it(dtype):
+    """Under `dynamic=True` Dynamo makes the norm's float attribute `eps` a graph input, a value that may change
+    without a recompile: the writes keep today's path with eager's caches, and the reason names that input by its
+    name in the model, also in a bf16 model, where the graph casts it to fp32 first."""
+    capture = _hf_run(HFStyleKVWriter("index_put"), dtype, dynamic=True)
+    kept = capture.report.kv_kept
+    assert kept and not capture.report.kv_writes
+    for why in kept:
+        assert why.reason is KVKeptReason.NORM and "the norm's eps is not a constant" in why.detail, why
+        assert re.fullmatch(r"the graph input layers\.\d\.k_norm_eps", why.source), why
 
 
 @pytest.mark.slow

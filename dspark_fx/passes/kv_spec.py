@@ -243,7 +243,7 @@ def _norm_eps(ev: Evaluation, base: int, gemm: fx.Node, lo: int, d: int, t: int,
             eps = coef
             continue
         if not any(alg.atoms[i][0] == "leaf" and alg.atoms[i][1] is gemm for i, _ in mono):
-            leaf = next((alg.atoms[i][1] for i, _ in mono if alg.atoms[i][0] == "leaf"), value)
+            leaf = _graph_node(ev, mono) or value
             raise NotTheFormula(
                 "norm",
                 f"{value.name}: the norm's eps is not a constant but a value of the graph ({leaf.name}); Dynamo makes "
@@ -265,6 +265,19 @@ def _norm_eps(ev: Evaluation, base: int, gemm: fx.Node, lo: int, d: int, t: int,
     if seen != want:
         raise NotTheFormula("norm", f"{value.name}: the norm's mean reads {len(seen)} of the head's {d} elements")
     return eps
+
+
+def _graph_node(ev: Evaluation, mono: tuple) -> fx.Node | None:
+    """The first graph node a monomial reads: a leaf's node, looking through casts (an unspecialized float eps is
+    a graph input cast to fp32)."""
+    for aid, _ in mono:
+        atom = ev.alg.atoms[aid]
+        if atom[0] == "leaf":
+            return atom[1]
+        if atom[0] == "cast":
+            inner = (_graph_node(ev, m) for m, _ in ev.alg.polys[atom[2]])
+            return next((n for n in inner if n is not None), ev.casts.get(aid))
+    return None
 
 
 def _weight_forms(ev: Evaluation, local: list, d: int) -> list[tuple[fx.Node | None, bool]]:

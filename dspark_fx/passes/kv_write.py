@@ -111,8 +111,15 @@ class _NoMatch(Exception):
             str(self),
             names.of(self.cache) if self.cache is not None else None,
             node.name if node is not None else None,
-            source_line(node) if node is not None else None,
+            _where(node, names) if node is not None else None,
         )
+
+
+def _where(node: fx.Node, names: Namer) -> str | None:
+    """The model's source line of `node`; a graph input (no source line) by its input name."""
+    if node.op == "placeholder" and names.of(node) != node.name:
+        return f"the graph input {names.of(node)}"
+    return source_line(node)
 
 
 _SPEC_REASONS = {
