@@ -60,6 +60,7 @@ class KVKeptReason(enum.Enum):
     """Why cache writes stayed on the multi_linear path instead of `dspark::multi_linear_kv_write`."""
 
     NOT_A_PROJECTION = "the written value is not computed from GEMM column blocks of the activation"
+    WRITE_FORM = "the cache write is not a form the op takes"
     ROUNDING_CAST = "a cast rounds where the op does not"
     NORM = "the k_norm is not the op's RMSNorm"
     ROPE = "the rotation is not the op's RoPE"

@@ -21,7 +21,12 @@ Write sites (each the only mutation of a cache placeholder, its new value read b
 copy(slice(cache, 0, a, b), value), 0, a, b)` (`cache[a:b] = k`, `a >= 0`; the op gets `a + arange(T)`); and
 `index_put(cache, [view(loc2d, [-1])], where(keep, value, index(cache, [view(loc2d, [-1])])))` with `keep =
 view(lt(unsqueeze(arange(W), 0), unsqueeze(lens, 1)), [-1, 1, 1])` (rows `j < lens[b]` of `loc2d [B, W]`: the op's
-`commit_lens`). There must be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
+`commit_lens`). Where the cache is written through a view, the op writes that view: `view(index_put(view(cache,
+[-1, h, d]), [loc], value), cache.shape)` (a paged `[pages, page, h, d]` cache, `cache.view(-1, h, d)[loc] = k`),
+and `index_put(cache, [None, None, loc], value)` of HF's static cache `[1, h, S, d]` (`cache.index_copy_(2, loc,
+k)`; slots along another dim than the first, the other dims of size 1), whose cache and value the pass views as
+`[S, h, d]` and `[T, h, d]`. Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). There must
+be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
 token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
 graph), after every read of the old cache values, which must all come before it.
 
@@ -88,6 +93,7 @@ _ADDMM = aten.addmm.default
 _GEMMS = (aten.mm.default, _ADDMM)
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _COPIES = (aten.alias.default, aten.clone.default)
+_SCATTERS = (aten.index_put.default, aten.slice_scatter.default, aten.select_scatter.default)
 _UNARY = {aten.cos.default, aten.sin.default, aten.neg.default, aten.exp.default}
 _ADDS = (aten.add.Tensor, aten.add.Scalar)
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
@@ -196,7 +202,8 @@ def _nearest_gemm(node: fx.Node) -> fx.Node | None:
 
 @dataclass
 class _Site:
-    """One cache write: `copy_(cache, new)`; `value` is the `[T, h, d]` value written."""
+    """One cache write: `copy_(cache, new)`; `value` is the `[T, h, d]` value written into `target`, the
+    `[S, h, d]` (or `[S, h * d]`) cache itself or a view of it (`_paged_site`, `_slot_dim_site`)."""
 
     cache: fx.Node
     copy: fx.Node
@@ -204,45 +211,164 @@ class _Site:
     value: fx.Node
     key: tuple  # ("index", loc) | ("slice", start, stop) | ("commit", loc2d, lens)
     nodes: list[fx.Node] = field(default_factory=list)  # site nodes that die with the write
+    target: fx.Node | None = None  # the written `[S, ...]` tensor: `cache` where None
+    inserted: list[fx.Node] = field(default_factory=list)  # views the pass inserted to read the write
+
+    def __post_init__(self) -> None:
+        self.target = self.target if self.target is not None else self.cache
 
 
-def _find_sites(graph: fx.Graph) -> list[_Site]:
+def _find_sites(graph: fx.Graph) -> tuple[list[_Site], list[fx.Node]]:
+    """The write sites, and the other scatter-like writes into cache placeholders (`copy_` nodes: `index_put`,
+    `slice_scatter` or a view of one written back) in forms the op does not take."""
     copies = [n for n in graph.nodes if n.target is aten.copy_.default and n.args[0].op == "placeholder"]
     mutated: dict[fx.Node, int] = {}
     for node in graph.nodes:
         if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
             for arg in node.all_input_nodes:
                 mutated[arg] = mutated.get(arg, 0) + 1
-    sites = []
+    sites, others = [], []
     for copy in copies:
         cache, new = copy.args[:2]
-        if mutated.get(cache, 0) != 1 or len(new.users) != 1 or not isinstance(new, fx.Node):
+        if not isinstance(new, fx.Node):
             continue
-        site = _index_site(cache, copy, new) or _slice_site(cache, copy, new)
+        site = None
+        if mutated.get(cache, 0) == 1 and len(new.users) == 1:
+            site = (
+                _index_site(cache, copy, new)
+                or _slice_site(cache, copy, new)
+                or _paged_site(cache, copy, new)
+                or _slot_dim_site(graph, cache, copy, new)
+            )
         if site is not None:
             sites.append(site)
-    return sites
+        elif _strip_views(new).target in _SCATTERS:
+            others.append(copy)
+    return sites, others
 
 
-def _index_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
-    if new.target is not aten.index_put.default or new.args[0] is not cache:
+def _strip_views(node: fx.Node) -> fx.Node:
+    while node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _index_site(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node | None = None) -> _Site | None:
+    """`index_put(target, [loc], value)` written back to `cache` (`target`: the cache, or a view of it)."""
+    target = cache if target is None else target
+    if new.target is not aten.index_put.default or new.args[0] is not target:
         return None
-    accumulate = new.args[3] if len(new.args) > 3 else new.kwargs.get("accumulate", False)
     indices = new.args[1]
-    if accumulate or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+    if _accumulates(new) or len(indices) != 1 or not isinstance(indices[0], fx.Node):
         return None
-    loc, value = indices[0], new.args[2]
+    return _indexed(cache, copy, new, target, indices[0], new.args[2])
+
+
+def _accumulates(put: fx.Node) -> bool:
+    return bool(put.args[3] if len(put.args) > 3 else put.kwargs.get("accumulate", False))
+
+
+def _slot_index(loc: fx.Node) -> bool:
     loc_val = tensor_val(loc)
-    if loc_val is None or loc_val.dim() != 1 or loc_val.dtype not in (torch.int32, torch.int64):
+    return loc_val is not None and loc_val.dim() == 1 and loc_val.dtype in (torch.int32, torch.int64)
+
+
+def _indexed(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node, loc: fx.Node, value: Any) -> _Site | None:
+    """The site of `target[loc] = value` (rows of `target` at the 1-D slot index `loc`), written back to `cache`."""
+    if not _slot_index(loc):
         return None
+    loc_val = tensor_val(loc)
     nodes = [new]
-    value = _one_token_source(value, cache, loc_val, nodes)
+    value = _one_token_source(value, target, loc_val, nodes)
     if isinstance(value, fx.Node) and value.target is aten.where.self:
-        commit = _commit(cache, loc, value)
+        commit = _commit(target, loc, value)
         if commit is not None:
             nodes += [value, value.args[2]]
-            return _Site(cache, copy, new, _one_token_source(value.args[1], cache, loc_val, nodes), commit, nodes)
-    return _Site(cache, copy, new, value, ("index", loc), nodes)
+            value = _one_token_source(value.args[1], target, loc_val, nodes)
+            return _Site(cache, copy, new, value, commit, nodes, target)
+    return _Site(cache, copy, new, value, ("index", loc), nodes, target)
+
+
+def _paged_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
+    """`cache.view(-1, h, d)[loc] = k` (a paged `[pages, page, h, d]` cache, or any cache written through one
+    view): `view(index_put(view(cache), [loc], k), cache.shape)`; the op writes the view."""
+    put = new.args[0] if new.target in _VIEWS else None
+    if not isinstance(put, fx.Node) or put.target is not aten.index_put.default or len(put.users) != 1:
+        return None
+    if not same_shape(tensor_val(new).shape, tensor_val(cache).shape):
+        return None
+    target = put.args[0]
+    if not (isinstance(target, fx.Node) and target.target in _VIEWS and target.args[0] is cache):
+        return None
+    if not _aliases(cache, target):
+        return None
+    if len(target.users) != 1 or tensor_val(target).dim() not in (2, 3):
+        return None
+    site = _index_site(cache, copy, put, target)
+    if site is not None:
+        site.nodes += [new, target]
+    return site
+
+
+def _aliases(cache: fx.Node, target: fx.Node) -> bool:
+    """Whether `target` (a view or a reshape of `cache`: Inductor's post-grad graphs have views as reshapes) is an
+    alias of it: a reshape that must copy would give the op a copy to write."""
+    with fake_mode_of(cache.graph):
+        try:
+            tensor_val(cache).view(tensor_val(target).shape)
+        except RuntimeError:
+            return False
+    return True
+
+
+def _slot_dim_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
+    """HF's static cache: `cache.index_copy_(2, loc, k)` into `[1, heads, S, d]` (`index_put(cache, [None, None,
+    loc], k)`, `k [1, heads, T, d]`): slots along a dim other than the first. The op writes the view of the cache
+    with the slots first and the size-1 dims dropped (`[S, heads, d]`, or `[S, d]`), the value viewed alike;
+    these views are inserted here, before the write, and erased again if it does not lower."""
+    if new.target is not aten.index_put.default or new.args[0] is not cache or _accumulates(new):
+        return None
+    indices, value = new.args[1], new.args[2]
+    slot, loc = len(indices) - 1, indices[-1]
+    if slot < 1 or any(i is not None for i in indices[:-1]) or not isinstance(loc, fx.Node) or not _slot_index(loc):
+        return None
+    cache_val, value_val = tensor_val(cache), tensor_val(value) if isinstance(value, fx.Node) else None
+    rank = cache_val.dim()
+    pad = rank - value_val.dim() if value_val is not None else -1  # leading size-1 dims the value leaves out
+    if pad < 0 or slot < pad or slot >= rank - 1 or any(cache_val.shape[i] != 1 for i in range(pad)):
+        return None
+    if not all(same_shape([value_val.shape[i - pad]], [cache_val.shape[i]]) for i in range(pad, rank) if i != slot):
+        return None
+    heads = [i for i in range(rank - 1) if i != slot and cache_val.shape[i] != 1]
+    if len(heads) > 1:
+        return None
+    existing = set(graph.nodes)
+    with graph.inserting_before(new):
+        for _ in range(pad):
+            value = call(graph, aten.unsqueeze.default, (value, 0))
+        target, value = (_slots_first(graph, t, slot, heads) for t in (cache, value))
+    inserted = [n for n in graph.nodes if n not in existing]
+    for node in inserted:
+        node.meta["stack_trace"] = new.meta.get("stack_trace")
+    site = _indexed(cache, copy, new, target, loc, value)
+    if site is None:
+        for node in reversed(inserted):
+            graph.erase_node(node)
+        return None
+    site.inserted = inserted
+    return site
+
+
+def _slots_first(graph: fx.Graph, node: fx.Node, slot: int, heads: list[int]) -> fx.Node:
+    """`node` viewed with dim `slot` first, then the `heads` dim (if one), then the last dim; the other dims (of
+    size 1) dropped."""
+    rank = tensor_val(node).dim()
+    for dim in reversed(range(rank - 1)):
+        if dim != slot and dim not in heads:
+            node = call(graph, aten.select.int, (node, dim, 0))
+            slot, heads = slot - (dim < slot), [h - (dim < h) for h in heads]
+    order = [slot, *heads, len(heads) + 1]
+    return node if order == sorted(order) else call(graph, aten.permute.default, (node, order))
 
 
 def _one_token_source(value: Any, cache: fx.Node, loc_val: torch.Tensor, nodes: list[fx.Node]) -> Any:
@@ -407,7 +533,7 @@ class _Group:
         8 up to 256, smallest first: a head of several real heads can prove with cos/sin no table row holds): the
         proof decides, and any layout it proves computes the same values."""
         layout = self._head_layout()
-        widths = {int(tensor_val(site.cache).shape[1]) for site in self.sites if tensor_val(site.cache).dim() == 2}
+        widths = {int(tensor_val(site.target).shape[1]) for site in self.sites if tensor_val(site.target).dim() == 2}
         if layout is not None or len(widths) != 1:
             return [layout]
         (width,) = widths
@@ -417,21 +543,21 @@ class _Group:
     def _head_layout(self) -> tuple[int, int] | None:
         """`(heads, head_dim)` for the group's `[S, heads * head_dim]` caches: the `[S, heads, head_dim]` caches'
         layout, or the size of the k_norm of a flat cache's written value (its mean's element count)."""
-        layouts = {tuple(int(s) for s in tensor_val(site.cache).shape[1:]) for site in self.sites}
+        layouts = {tuple(int(s) for s in tensor_val(site.target).shape[1:]) for site in self.sites}
         layouts = {layout for layout in layouts if len(layout) == 2}
         for site in self.sites:
-            if tensor_val(site.cache).dim() == 2:
+            if tensor_val(site.target).dim() == 2:
                 try:
                     head_dim = normed_size(self.ev, site.value)
                 except Unevaluable:
                     continue
-                width = int(tensor_val(site.cache).shape[1])
+                width = int(tensor_val(site.target).shape[1])
                 if head_dim and width % head_dim == 0:
                     layouts.add((width // head_dim, head_dim))
         return layouts.pop() if len(layouts) == 1 else None
 
     def _analyse(self, site: _Site, layout: tuple[int, int] | None) -> _Write:
-        cache_val, value_val = tensor_val(site.cache), tensor_val(site.value)
+        cache_val, value_val = tensor_val(site.target), tensor_val(site.value)
         flat = cache_val.dim() == 2 and value_val is not None and value_val.dim() == 2
         if not flat and (cache_val.dim() != 3 or value_val is None or value_val.dim() != 3):
             raise _NoMatch(
@@ -490,13 +616,14 @@ class KVLowering:
 def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLowering:
     """Lower every group of cache writes that fits."""
     groups: dict[fx.Node, _Group] = {}
-    for site in _find_sites(graph):
+    sites, others = _find_sites(graph)
+    for site in sites:
         gemm = _nearest_gemm(site.value)
         if gemm is None:
             continue  # not a projection: no business of this pass
         activation = gemm.args[1] if gemm.target is _ADDMM else gemm.args[0]
         groups.setdefault(activation, _Group(activation)).sites.append(site)
-    lowered, kept = [], []
+    lowered, kept = [], [_other_write(copy, names) for copy in others if _nearest_gemm(copy.args[1]) is not None]
     for group in groups.values():
         group.analyse()
         if group.failed:
@@ -506,7 +633,26 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
             lowered.append(_emit(graph, group, _plan(graph, group, config, names), names))
         except _NoMatch as err:
             kept.append(err.kept(group.activation, names))
+    live = set(graph.nodes)
+    _erase_dead(graph, [n for site in sites for n in site.inserted if n in live])  # views of writes kept as they are
     return KVLowering(lowered, kept)
+
+
+def _other_write(copy: fx.Node, names: Namer) -> KVKept:
+    """A scatter into a cache, of values computed from a GEMM, in a form the op does not take."""
+    cache, new = copy.args[:2]
+    gemm = _nearest_gemm(new)
+    activation = gemm.args[1] if gemm.target is _ADDMM else gemm.args[0]
+    err = _NoMatch(
+        KVKeptReason.WRITE_FORM,
+        f"{op_name(_strip_views(new))} into {names.of(cache)} {list(tensor_val(cache).shape)}: the op writes rows "
+        "at one slot per token (cache[loc] = k, index_copy_, index_put_, cache[a:b] = k, the commit-where form) of "
+        "an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
+        "cache whose other dims but heads and head_dim have size 1",
+        _strip_views(new),
+        cache,
+    )
+    return err.kept(activation, names)
 
 
 @dataclass
@@ -530,7 +676,7 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
             KVKeptReason.LAYERS_DIFFER,
             f"{len(ks)} normed/rotated (K) and {len(vs)} plain (V) cache writes: the op writes K and V of every layer",
         )
-    shapes = {(w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.cache).shape)) for w in writes}
+    shapes = {(w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.target).shape)) for w in writes}
     if len(shapes) != 1:
         raise _NoMatch(
             KVKeptReason.LAYERS_DIFFER, f"the caches or heads differ across layers: {sorted(str(s) for s in shapes)}"
@@ -562,10 +708,10 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
             f"the RoPE differs across layers ({', '.join(desc)}); the op rotates every layer alike",
         )
     x_val = tensor_val(group.activation)
-    if tensor_val(writes[0].site.cache).dtype != x_val.dtype:
+    if tensor_val(writes[0].site.target).dtype != x_val.dtype:
         raise _NoMatch(
             KVKeptReason.LAYOUT,
-            f"the caches are {tensor_val(writes[0].site.cache).dtype}, the activation {x_val.dtype}",
+            f"the caches are {tensor_val(writes[0].site.target).dtype}, the activation {x_val.dtype}",
         )
     for w in ks:
         weight = w.norm.weight if w.norm is not None else None
@@ -573,7 +719,7 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
             raise _NoMatch(KVKeptReason.NORM, f"the k_norm weight {names.of(weight)} is {tensor_val(weight).dtype}")
     heads, head_dim, _ = shapes.pop()
     _check_exclusive(group, names)
-    _check_device(config, x_val, heads, head_dim, [w.site.cache for w in writes])
+    _check_device(config, x_val, heads, head_dim, [w.site.target for w in writes])
     return _Plan(ks, vs, heads, head_dim, keys.pop(), ropes[0])
 
 
@@ -819,7 +965,7 @@ def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tup
 
 def _cache_operand(graph: fx.Graph, w: _Write, plan: _Plan) -> fx.Node:
     """The cache as the op takes it: `[S, heads, head_dim]` (a view of an `[S, heads * head_dim]` cache)."""
-    cache = w.site.cache
+    cache = w.site.target
     if tensor_val(cache).dim() == 3:
         return cache
     return call(graph, aten.view.default, (cache, [tensor_val(cache).shape[0], plan.heads, plan.head_dim]))

@@ -1,0 +1,175 @@
+"""K/V cache writes through a view of the cache (`dspark_fx/passes/kv_write.py`): a paged `[pages, page, heads,
+head_dim]` cache written as `[pages * page, heads, head_dim]` rows, and HF's static cache `[1, heads, S, head_dim]`
+written along its slot dim (`index_copy_(2, loc, k)`). They lower to one `multi_linear_kv_write` that writes a view
+of each cache placeholder (no copy), with eager's caches; writes of projections in other forms keep today's path
+with a `WRITE_FORM` reason naming the cache."""
+
+import copy
+
+import pytest
+import torch
+from helpers import mark_tokens_dynamic, quick_first
+from torch import nn
+
+from dspark_fx import DsparkConfig
+from dspark_fx.report import KVKeptReason
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
+
+OP = "dspark.multi_linear_kv_write"
+ALWAYS = DsparkConfig(kv_write_op="always")
+LAYERS, HIDDEN, HEADS, HEAD_DIM, PAGES, PAGE, POSITIONS = 3, 64, 2, 16, 16, 4, 512
+SLOTS = PAGES * PAGE
+VIEWS = (
+    "aten.view",
+    "aten.reshape",
+    "aten._unsafe_view",
+    "aten.select",
+    "aten.permute",
+    "aten.squeeze",
+    "aten.unsqueeze",
+)
+CACHE_SHAPES = {
+    "paged_view": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache.view(-1, h, d)[loc] = k
+    "paged_flatten_index_copy": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache.flatten(0, 1).index_copy_(0, loc, k)
+    "paged_flat_view": (PAGES, PAGE, HEADS * HEAD_DIM),  # cache.view(-1, h * d)[loc] = k.flatten(1)
+    "hf_static": (1, HEADS, SLOTS, HEAD_DIM),  # HF StaticCache: cache.index_copy_(2, loc, k[None])
+    "heads_first_index": (HEADS, SLOTS, HEAD_DIM),  # cache[:, loc] = k.transpose(0, 1)
+    "page_offset": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache[loc // page, loc % page] = k: two indices
+    "hf_static_batch_2": (2, HEADS, SLOTS, HEAD_DIM),  # two batch rows, each written the same K
+}
+LOWERED = [w for w in CACHE_SHAPES if w not in ("page_offset", "hf_static_batch_2")]
+
+
+def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) -> None:
+    """`k [T, heads, head_dim]` into `cache` at slots `loc`, as `how` says."""
+    if how == "paged_view":
+        cache.view(-1, HEADS, HEAD_DIM)[loc] = k
+    elif how == "paged_flatten_index_copy":
+        cache.flatten(0, 1).index_copy_(0, loc, k)
+    elif how == "paged_flat_view":
+        cache.view(-1, HEADS * HEAD_DIM)[loc] = k.flatten(1)
+    elif how == "hf_static":
+        cache.index_copy_(2, loc, k.transpose(0, 1)[None])
+    elif how == "heads_first_index":
+        cache[:, loc] = k.transpose(0, 1)
+    elif how == "page_offset":
+        cache[loc // PAGE, loc % PAGE] = k
+    else:
+        cache.index_copy_(2, loc, k.transpose(0, 1)[None].expand(2, -1, -1, -1))
+
+
+class CacheViewWriter(nn.Module):
+    """Per layer: fused kv linear (bias) split into K and V, an HF RMSNorm of K per head, neox RoPE from the rows
+    of an fp32 `[cos | sin]` table; K and V written into caches of `CACHE_SHAPES[how]` (random values: slots not
+    written must keep them)."""
+
+    def __init__(self, how: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.how = how
+        self.kv = nn.ModuleList(nn.Linear(HIDDEN, 2 * HEADS * HEAD_DIM) for _ in range(LAYERS))
+        self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in range(LAYERS))
+        angles = torch.outer(torch.arange(POSITIONS).float(), 1e4 ** -(torch.arange(0, HEAD_DIM, 2) / HEAD_DIM))
+        self.register_buffer("cos_sin", torch.cat((angles.cos(), angles.sin()), dim=-1))
+        for i in range(LAYERS):
+            for kind in "kv":
+                cache = torch.randn(CACHE_SHAPES[how], generator=gen).to(dtype)
+                self.register_buffer(f"{kind}_cache_{i}", cache)
+        self.kv.to(dtype)
+        self.norm_weights.to(dtype)
+
+    def caches(self) -> list[torch.Tensor]:
+        return [getattr(self, f"{kind}_cache_{i}") for i in range(LAYERS) for kind in "kv"]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> None:
+        cos, sin = self.cos_sin.index_select(0, positions).chunk(2, dim=-1)
+        cos, sin = cos[:, None], sin[:, None]
+        for i, proj in enumerate(self.kv):
+            k, v = proj(x).split(HEADS * HEAD_DIM, dim=-1)
+            k = k.view(-1, HEADS, HEAD_DIM).float()
+            k = (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.norm_weights[i]
+            k1, k2 = k.float().chunk(2, dim=-1)
+            k = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1).to(x.dtype)
+            _write(getattr(self, f"k_cache_{i}"), loc, k, self.how)
+            _write(getattr(self, f"v_cache_{i}"), loc, v.view(-1, HEADS, HEAD_DIM), self.how)
+
+
+def _run(how: str, dtype: torch.dtype, inner: str = "aot_eager", device: str = "cpu", config=ALWAYS) -> CaptureBackend:
+    """Eager against compiled at T = 6 (marked dynamic), 1 and 9 (fresh random inputs, distinct slots); the
+    capture of the compiles."""
+    torch._dynamo.reset()
+    eager = CacheViewWriter(how, dtype).to(device)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(config, inner=inner)
+    compiled = torch.compile(model, backend=capture)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for step, tokens in enumerate((6, 1, 9)):
+            args = (
+                torch.randn(tokens, HIDDEN, generator=gen).to(dtype),
+                torch.randint(0, POSITIONS, (tokens,), generator=gen),
+                torch.randperm(SLOTS, generator=gen)[:tokens],
+            )
+            args = tuple(a.to(device) for a in args)
+            if step == 0:
+                mark_tokens_dynamic(args)
+            eager(*args)
+            compiled(*args)
+            assert_close_for_dtype(model.caches(), eager.caches())
+    return capture
+
+
+def _cache_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The placeholder a chain of views starts from."""
+    while node.op != "placeholder":
+        assert f"{node.target.namespace}.{node.target._opname}" in VIEWS, f"{node} is not a view of the cache"
+        node = node.args[0]
+    return node
+
+
+def _assert_lowered_into_views(capture: CaptureBackend) -> None:
+    """Every graph holds one op writing all layers, no write of its own left, and the op's caches are views of
+    the cache placeholders (each once)."""
+    assert capture.after, "nothing compiled"
+    for graph, report in zip(capture.after, capture.reports, strict=True):
+        counts = op_counts(graph)
+        assert counts[OP] == 1 and not counts["aten.index_put"] and not counts["aten.copy_"], f"{report}\n{graph}"
+        ((op,),) = [[n for n in graph.nodes if n.op == "call_function" and "multi_linear_kv_write" in str(n.target)]]
+        caches = [_cache_of(c) for c in op.args[12] + op.args[13]]
+        assert len(set(caches)) == 2 * LAYERS, caches
+        (group,) = report.kv_writes
+        assert len(group.layers) == LAYERS, str(report)
+
+
+@pytest.mark.parametrize("dtype", quick_first(1, [torch.float32, torch.bfloat16]), ids=["fp32", "bf16"])
+@pytest.mark.parametrize("how", quick_first(2, LOWERED))
+def test_writes_through_a_view_of_the_cache_lower(how, dtype):
+    _assert_lowered_into_views(_run(how, dtype))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["paged_view", "hf_static"])
+def test_writes_through_a_view_compile_through_inductor(how):
+    """Inductor's codegen of the op writing views of graph inputs: eager's caches."""
+    _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor"))
+
+
+@pytest.mark.parametrize("how", ["page_offset", "hf_static_batch_2"])
+def test_other_write_forms_keep_todays_path_and_say_why(how):
+    """Two indices (page, offset), or one K written to two batch rows: no view of the cache is the op's
+    `[S, heads, head_dim]`; eager's caches, and a `WRITE_FORM` reason per cache naming it."""
+    capture = _run(how, torch.float32)
+    report = capture.report
+    assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
+    kept = [k for k in report.kv_kept if k.reason is KVKeptReason.WRITE_FORM]
+    assert len(kept) == len(report.kv_kept), str(report)
+    assert {k.cache for k in kept} == {f"{kind}_cache_{i}" for i in range(LAYERS) for kind in "kv"}, str(report)
+    assert all(f"{list(CACHE_SHAPES[how])}: the op writes rows at one slot per token" in k.detail for k in kept)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["paged_view", "paged_flat_view", "hf_static"])
+def test_writes_through_a_view_lower_on_cuda_with_auto(how):
+    """The default `kv_write_op="auto"` on CUDA (bf16, real Inductor codegen, the op's CUDA kernel writing the
+    views): eager's caches."""
+    _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor", device="cuda", config=DsparkConfig()))
