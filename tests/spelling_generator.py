@@ -37,7 +37,9 @@ slots not written must keep them). The axes:
 | `write`       | `index` `cache[loc] = k` (one slot negative: counts from the end), `index_copy` (`index_copy_`), |
 |               | `index_put` (`index_put_`, a negative slot too), `slice` `cache[start : start + T] = k`,        |
 |               | `commit` `cache[loc] = where(keep, k, cache[loc])` of `loc2d [B, W]`, rows `j < lens[b]`        |
-| `cache`       | `heads` `[S, heads, D]`, `flat` `[S, heads * D]`                                                |
+| `cache`       | `heads` `[S, heads, D]`, `flat` `[S, heads * D]`, `paged` `[S / 4, 4, heads, D]` written through |
+|               | `cache.view(S, heads, D)`, `slot_dim` HF's static `[1, heads, S, D]` (`index` / `index_copy` only: |
+|               | `cache[:, :, loc] = k`, `cache.index_copy_(2, loc, k)`)                                        |
 | `order`       | `after` (all layers computed, then written), `interleaved` (each layer written in turn)        |
 | `index_dtype` | `int64`, `int32` (positions, slots, lens; `index_copy_` slots stay int64, as it requires)      |
 
@@ -89,7 +91,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "cast_cs": ("cast", "keep"),
     "rope_math": ("fp32", "model"),
     "write": ("index", "index_copy", "index_put", "slice", "commit"),
-    "cache": ("heads", "flat"),
+    "cache": ("heads", "flat", "paged", "slot_dim"),
     "order": ("after", "interleaved"),
     "index_dtype": ("int64", "int32"),
 }
@@ -106,6 +108,7 @@ NEAR_MISSES = (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 INDEX_DTYPES = {"int64": torch.int64, "int32": torch.int32}
 NUM_SLOTS, MAX_POSITION, NEAR_MISS_EPS = 32, 64, 0.1
+PAGE = 4  # slots of a page of a `paged` cache
 _ROPE_AXES = ("halves", "rotary", "source", "gather", "table_dtype", "storage", "tables", "cast_cs", "rope_math")
 
 
@@ -182,6 +185,8 @@ def generate(seed: int) -> Spec:
         draw.update(halves=NA, table_dtype=NA, cast_cs=NA, rope_math=NA)
     if draw["source"] == "computed":
         draw.update(gather=NA, table_dtype=NA)
+    if draw["cache"] == "slot_dim" and draw["write"] not in ("index", "index_copy"):
+        draw["write"] = rng.choice(("index", "index_copy"))
     theta = (1e4,) * layers if draw["tables"] != "per_layer" else tuple(10.0 ** (4 + i) for i in range(layers))
     return Spec(
         seed=seed,
@@ -404,7 +409,12 @@ class GeneratedWriter(nn.Module):
                 self.register_buffer(f"rope_{j}", const, persistent=False)
             elif spec.storage == "parameter":
                 self.register_parameter(f"rope_{j}", nn.Parameter(const, requires_grad=False))
-        shape = (NUM_SLOTS, spec.heads, spec.head_dim) if spec.cache == "heads" else (NUM_SLOTS, spec.kv)
+        shape = {
+            "heads": (NUM_SLOTS, spec.heads, spec.head_dim),
+            "flat": (NUM_SLOTS, spec.kv),
+            "paged": (NUM_SLOTS // PAGE, PAGE, spec.heads, spec.head_dim),
+            "slot_dim": (1, spec.heads, NUM_SLOTS, spec.head_dim),
+        }[spec.cache]
         for i in range(spec.layers):
             for kind in "kv":
                 cache = torch.randn(shape, generator=gen).to(spec.torch_dtype)
@@ -523,9 +533,17 @@ class GeneratedWriter(nn.Module):
     # -- writes --
 
     def _write(self, cache: torch.Tensor, value: torch.Tensor, where: Any, keep: torch.Tensor | None) -> None:
+        write = self.spec.write
+        if self.spec.cache == "slot_dim":
+            if write == "index":
+                cache[:, :, where] = value.transpose(0, 1)
+            else:
+                cache.index_copy_(2, where, value.transpose(0, 1)[None])
+            return
         if self.spec.cache == "flat":
             value = value.flatten(-2)
-        write = self.spec.write
+        elif self.spec.cache == "paged":
+            cache = cache.view(NUM_SLOTS, self.spec.heads, self.spec.head_dim)
         if write == "index":
             cache[where] = value
         elif write == "index_copy":
@@ -536,7 +554,7 @@ class GeneratedWriter(nn.Module):
             cache[where : where + value.shape[0]] = value
         else:
             loc = where[0].reshape(-1)
-            keep = keep if self.spec.cache == "heads" else keep.view(-1, 1)
+            keep = keep if self.spec.cache != "flat" else keep.view(-1, 1)
             cache[loc] = torch.where(keep, value, cache[loc])
 
     def forward(
@@ -628,8 +646,18 @@ def expected(model: GeneratedWriter, inputs: tuple[Any, ...], is_neox: bool | No
         cos_sin = tables[i].double()[positions.long()] if tables else None
         kv = layer_kv(ctx.double(), k_rows, v_rows, layer.norm_params(), cos_sin, neox, spec.heads, spec.head_dim)
         for cache, value in zip(caches[2 * i : 2 * i + 2], kv, strict=True):
-            _apply_write(spec, cache, value.reshape(value.shape[0], *cache.shape[1:]), where)
+            rows = _slot_rows(spec, cache)
+            _apply_write(spec, rows, value.reshape(value.shape[0], *rows.shape[1:]), where)
     return caches
+
+
+def _slot_rows(spec: Spec, cache: torch.Tensor) -> torch.Tensor:
+    """`cache` as `[S, heads, D]` (`[S, heads * D]` for `flat`) rows: a view, so writes to it write the cache."""
+    if spec.cache == "paged":
+        return cache.view(NUM_SLOTS, spec.heads, spec.head_dim)
+    if spec.cache == "slot_dim":
+        return cache[0].transpose(0, 1)
+    return cache
 
 
 def _apply_write(spec: Spec, cache: torch.Tensor, value: torch.Tensor, where: Any) -> None:

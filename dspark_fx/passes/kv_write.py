@@ -283,31 +283,51 @@ def _indexed(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node, loc: 
     if isinstance(value, fx.Node) and value.target is aten.where.self:
         commit = _commit(target, loc, value)
         if commit is not None:
-            nodes += [value, value.args[2]]
+            nodes += [value, value.args[2], *_other_alias(value.args[2].args[0], target)]
             value = _one_token_source(value.args[1], target, loc_val, nodes)
             return _Site(cache, copy, new, value, commit, nodes, target)
     return _Site(cache, copy, new, value, ("index", loc), nodes, target)
 
 
 def _paged_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
-    """`cache.view(-1, h, d)[loc] = k` (a paged `[pages, page, h, d]` cache, or any cache written through one
-    view): `view(index_put(view(cache), [loc], k), cache.shape)`; the op writes the view."""
-    put = new.args[0] if new.target in _VIEWS else None
-    if not isinstance(put, fx.Node) or put.target is not aten.index_put.default or len(put.users) != 1:
+    """`cache.view(-1, h, d)[loc] = k` or `[a:b] = k` (a paged `[pages, page, h, d]` cache, or any cache written
+    through one view): `view(index_put(view(cache), [loc], k), cache.shape)` (or a `slice_scatter`); the op writes
+    the view."""
+    inner = new.args[0] if new.target in _VIEWS else None
+    if not isinstance(inner, fx.Node) or inner.target not in _SCATTERS or len(inner.users) != 1:
         return None
     if not same_shape(tensor_val(new).shape, tensor_val(cache).shape):
         return None
-    target = put.args[0]
+    target = inner.args[0]
     if not (isinstance(target, fx.Node) and target.target in _VIEWS and target.args[0] is cache):
         return None
-    if not _aliases(cache, target):
+    if tensor_val(target).dim() not in (2, 3) or not _aliases(cache, target):
         return None
-    if len(target.users) != 1 or tensor_val(target).dim() not in (2, 3):
-        return None
-    site = _index_site(cache, copy, put, target)
-    if site is not None:
-        site.nodes += [new, target]
+    site = _index_site(cache, copy, inner, target) or _slice_site(cache, copy, inner, target)
+    if site is None or any(user not in site.nodes for user in target.users):
+        return None  # the view is also read elsewhere (by the commit form's read of the old rows, for one)
+    site.nodes += [new, target]
     return site
+
+
+def _same_alias(node: Any, target: fx.Node) -> bool:
+    """`node` is `target`, or another view of the same cache with the same shape read only once (functionalization
+    gives a write through `cache.view(...)` one view node for the read of the old rows, another for the write)."""
+    if node is target:
+        return True
+    return (
+        isinstance(node, fx.Node)
+        and node.target in _VIEWS
+        and target.target in _VIEWS
+        and node.args[0] is target.args[0]
+        and len(node.users) == 1
+        and same_shape(tensor_val(node).shape, tensor_val(target).shape)
+    )
+
+
+def _other_alias(node: fx.Node, target: fx.Node) -> list[fx.Node]:
+    """`[node]` if it is another view than `target` (a site node that dies with the write), else `[]`."""
+    return [] if node is target else [node]
 
 
 def _aliases(cache: fx.Node, target: fx.Node) -> bool:
@@ -334,8 +354,11 @@ def _slot_dim_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
         return None
     cache_val, value_val = tensor_val(cache), tensor_val(value) if isinstance(value, fx.Node) else None
     rank = cache_val.dim()
-    pad = rank - value_val.dim() if value_val is not None else -1  # leading size-1 dims the value leaves out
-    if pad < 0 or slot < pad or slot >= rank - 1 or any(cache_val.shape[i] != 1 for i in range(pad)):
+    if value_val is None or slot >= rank - 1:
+        return None
+    indexed = [*cache_val.shape[:slot], tensor_val(loc).shape[0], *cache_val.shape[slot + 1 :]]
+    pad = rank - value_val.dim()  # leading dims of size 1 the value leaves out (it broadcasts right-aligned)
+    if pad < 0 or not same_shape(indexed[:pad], [1] * pad):
         return None
     if not all(same_shape([value_val.shape[i - pad]], [cache_val.shape[i]]) for i in range(pad, rank) if i != slot):
         return None
@@ -386,7 +409,7 @@ def _one_token_source(value: Any, cache: fx.Node, loc_val: torch.Tensor, nodes: 
 def _commit(cache: fx.Node, loc: fx.Node, where: fx.Node) -> tuple | None:
     """`("commit", loc2d, lens)` for `where(keep, value, cache[loc])`, `keep` = `arange(W) < lens[:, None]`."""
     keep, _, old = where.args
-    if not (isinstance(old, fx.Node) and old.target is aten.index.Tensor and old.args[0] is cache):
+    if not (isinstance(old, fx.Node) and old.target is aten.index.Tensor and _same_alias(old.args[0], cache)):
         return None
     if len(old.args[1]) != 1 or old.args[1][0] is not loc or loc.target not in _VIEWS:
         return None
@@ -442,8 +465,10 @@ def _is_arange(node: fx.Node, width: Any) -> bool:
     return False
 
 
-def _slice_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
-    if new.target is not aten.slice_scatter.default or new.args[0] is not cache or new.kwargs:
+def _slice_site(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node | None = None) -> _Site | None:
+    """`slice_scatter(target, value, 0, a, b)` written back to `cache` (`target`: the cache, or a view of it)."""
+    target = cache if target is None else target
+    if new.target is not aten.slice_scatter.default or new.args[0] is not target or new.kwargs:
         return None
     args = (*new.args, *(0, None, None, 1)[len(new.args) - 2 :])
     _, src, dim, start, stop, step = args[:6]
@@ -457,14 +482,14 @@ def _slice_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
     value = src
     if src.target is aten.copy.default:
         dst, value = src.args
-        if dst.target is not aten.slice.Tensor or dst.args[0] is not cache or len(src.users) != 1:
+        if dst.target is not aten.slice.Tensor or not _same_alias(dst.args[0], target) or len(src.users) != 1:
             return None
         if tensor_val(value).dtype != tensor_val(dst).dtype or not same_shape(
             tensor_val(value).shape, tensor_val(dst).shape
         ):
             return None
-        nodes += [src, dst]
-    return _Site(cache, copy, new, value, ("slice", start, stop), nodes)
+        nodes += [src, dst, *_other_alias(dst.args[0], target)]
+    return _Site(cache, copy, new, value, ("slice", start, stop), nodes, target)
 
 
 # ---- one write: site + what it computes ------------------------------------------------------------------------------
