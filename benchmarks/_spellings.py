@@ -12,6 +12,8 @@ same in every spelling (that of `dspark::multi_linear_kv_write` with the spellin
 - `hf` (HF transformers): `k_proj` / `v_proj`, the `[1, heads, T, head_dim]` layout; Qwen3-style RMSNorm
   (`weight * x.to(dtype)`); cos/sin computed per call as HF does (the angles by `inv_freq @ position_ids`, cast to
   the model dtype), `rotate_half` (neox).
+- `hf_static`: `hf` writing HF's static cache: per layer `[1, heads, num_slots, head_dim]` buffers, written along
+  the slot dim (`cache.index_copy_(2, cache_loc, k)`); `caches()` gives their `[num_slots, heads, head_dim]` views.
 - `complex` (DeepSeek / Llama reference): `wk` / `wv`, `F.rms_norm`; a complex64 `freqs_cis` table, rotation by a
   complex multiply on `view_as_complex` pairs (GPT-J pairs).
 - `gptj_stack`: one `qkv_proj` linear + `split` (Q unused); hand-written fp32 norm, `* weight` in fp32; cos/sin by
@@ -36,8 +38,8 @@ from torch import nn
 from custom_ops.linear.multi_linear_kv_write import layer_kv
 from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter, rope_cos_sin_table
 
-SPELLINGS = ("reference", "sglang", "hf", "complex", "gptj_stack")
-ROPE_STYLE = {"sglang": "neox", "hf": "neox", "complex": "gptj", "gptj_stack": "gptj"}  # reference: its config's
+SPELLINGS = ("reference", "sglang", "hf", "hf_static", "complex", "gptj_stack")
+ROPE_STYLE = {"sglang": "neox", "hf": "neox", "hf_static": "neox", "complex": "gptj", "gptj_stack": "gptj"}
 
 Rows = tuple[torch.Tensor, int, torch.Tensor | None]  # (weight, first row, bias or None), as `layer_kv` takes them
 
@@ -86,7 +88,7 @@ class _SpellingWriter(nn.Module):
     def _finish(self, device: torch.device | str) -> None:
         cfg = self.cfg
         for i in range(cfg.num_layers):
-            shape = (cfg.num_slots, cfg.num_kv_heads, cfg.head_dim)
+            shape = self._cache_shape()
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=cfg.dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=cfg.dtype), persistent=False)
         self._reset_parameters(cfg.seed)
@@ -100,6 +102,9 @@ class _SpellingWriter(nn.Module):
             scale = 1.0 / self.cfg.hidden**0.5 if p.dim() == 2 else 0.5
             offset = 1.0 if "norm" in name else 0.0
             p.copy_(offset + scale * torch.randn(p.shape, generator=gen, dtype=torch.float32))
+
+    def _cache_shape(self) -> tuple[int, ...]:
+        return (self.cfg.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
 
     def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")) for i in range(self.cfg.num_layers)]
@@ -300,6 +305,22 @@ class HFSpelling(_SpellingWriter):
         return [layer(ctx, position_embeddings) for layer in self.layers]
 
 
+class HFStaticCacheSpelling(HFSpelling):
+    """`hf` writing HF's static cache: `[1, heads, num_slots, head_dim]` per layer, along the slot dim."""
+
+    def _cache_shape(self) -> tuple[int, ...]:
+        return (1, self.cfg.num_kv_heads, self.cfg.num_slots, self.cfg.head_dim)
+
+    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The `[num_slots, heads, head_dim]` views of the buffers."""
+        return [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v in super().caches()]
+
+    def forward(self, ctx: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
+        for i, (k, v) in enumerate(self.layer_kv(ctx, positions)):
+            for kind, value in (("k", k), ("v", v)):
+                getattr(self, f"{kind}_cache_{i}").index_copy_(2, cache_loc, value.transpose(0, 1)[None])
+
+
 # DeepSeek / Llama reference style (complex rotation) --------------------------------------------------------------
 
 
@@ -407,7 +428,13 @@ class GptjStackSpelling(_SpellingWriter):
 # building and the expected caches ---------------------------------------------------------------------------------
 
 SpellingModel = ReferenceSpelling | SglangSpelling | HFSpelling | ComplexSpelling | GptjStackSpelling
-_CLASSES = {"sglang": SglangSpelling, "hf": HFSpelling, "complex": ComplexSpelling, "gptj_stack": GptjStackSpelling}
+_CLASSES = {
+    "sglang": SglangSpelling,
+    "hf": HFSpelling,
+    "hf_static": HFStaticCacheSpelling,
+    "complex": ComplexSpelling,
+    "gptj_stack": GptjStackSpelling,
+}
 
 
 def build_spelling(name: str, cfg: DraftKVConfig, device: torch.device | str = "cpu") -> SpellingModel:

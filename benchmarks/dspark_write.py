@@ -18,7 +18,8 @@ slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
 T in {1, 8, 64, 512, 4096}.
 
 Spellings (`--spellings`, default `reference` only): the same draft written the ways models are written, from
-`benchmarks/_spellings.py` (reference = `DraftKVWriter` as above; sglang, hf, complex, gptj_stack: see that module);
+`benchmarks/_spellings.py` (reference = `DraftKVWriter` as above; sglang, hf, hf_static, complex, gptj_stack: see that
+module);
 one table per config and spelling, all columns measured on that spelling's module, every spelling's cells of a row
 timed in one interleave; with the reference among several, a first table per config gives, per T and spelling,
 dspark_backend ÷ the reference spelling's dspark_backend and dspark_backend (lowered, never lowered) ÷ torch.compile.
