@@ -39,7 +39,8 @@ slots not written must keep them). The axes:
 |               | `commit` `cache[loc] = where(keep, k, cache[loc])` of `loc2d [B, W]`, rows `j < lens[b]`        |
 | `cache`       | `heads` `[S, heads, D]`, `flat` `[S, heads * D]`, `paged` `[S / 4, 4, heads, D]` written through |
 |               | `cache.view(S, heads, D)`, `slot_dim` HF's static `[1, heads, S, D]` (`index` / `index_copy` only: |
-|               | `cache[:, :, loc] = k`, `cache.index_copy_(2, loc, k)`)                                        |
+|               | `cache[:, :, loc] = k`, `cache.index_copy_(2, loc, k)`), `stacked` the layers' `[S, heads, D]` |
+|               | in one `[L, S, heads, D]` buffer for K and one for V, written as `k_cache[i][...] = k`          |
 | `order`       | `after` (all layers computed, then written), `interleaved` (each layer written in turn)        |
 | `index_dtype` | `int64`, `int32` (positions, slots, lens; `index_copy_` slots stay int64, as it requires)      |
 
@@ -91,7 +92,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "cast_cs": ("cast", "keep"),
     "rope_math": ("fp32", "model"),
     "write": ("index", "index_copy", "index_put", "slice", "commit"),
-    "cache": ("heads", "flat", "paged", "slot_dim"),
+    "cache": ("heads", "flat", "paged", "slot_dim", "stacked"),
     "order": ("after", "interleaved"),
     "index_dtype": ("int64", "int32"),
 }
@@ -411,17 +412,28 @@ class GeneratedWriter(nn.Module):
                 self.register_parameter(f"rope_{j}", nn.Parameter(const, requires_grad=False))
         shape = {
             "heads": (NUM_SLOTS, spec.heads, spec.head_dim),
+            "stacked": (NUM_SLOTS, spec.heads, spec.head_dim),
             "flat": (NUM_SLOTS, spec.kv),
             "paged": (NUM_SLOTS // PAGE, PAGE, spec.heads, spec.head_dim),
             "slot_dim": (1, spec.heads, NUM_SLOTS, spec.head_dim),
         }[spec.cache]
-        for i in range(spec.layers):
+        caches = {
+            (i, kind): torch.randn(shape, generator=gen).to(spec.torch_dtype)
+            for i in range(spec.layers)
+            for kind in "kv"
+        }
+        if spec.cache == "stacked":
             for kind in "kv":
-                cache = torch.randn(shape, generator=gen).to(spec.torch_dtype)
+                stacked = torch.stack([caches[i, kind] for i in range(spec.layers)])
+                self.register_buffer(f"{kind}_cache", stacked, persistent=False)
+        else:
+            for (i, kind), cache in caches.items():
                 self.register_buffer(f"{kind}_cache_{i}", cache, persistent=False)
 
     def caches(self) -> list[torch.Tensor]:
-        """`[k_cache_0, v_cache_0, k_cache_1, ...]`."""
+        """`[k_cache_0, v_cache_0, k_cache_1, ...]` (`stacked`: the layers' views of the two buffers)."""
+        if self.spec.cache == "stacked":
+            return [getattr(self, f"{kind}_cache")[i] for i in range(self.spec.layers) for kind in "kv"]
         return [getattr(self, f"{kind}_cache_{i}") for i in range(self.spec.layers) for kind in "kv"]
 
     def table_of_layer(self, i: int) -> int:

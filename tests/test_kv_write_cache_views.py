@@ -1,8 +1,9 @@
 """K/V cache writes through a view of the cache (`dspark_fx/passes/kv_write.py`): a paged `[pages, page, heads,
-head_dim]` cache written as `[pages * page, heads, head_dim]` rows, and HF's static cache `[1, heads, S, head_dim]`
-written along its slot dim (`index_copy_(2, loc, k)`). They lower to one `multi_linear_kv_write` that writes a view
-of each cache placeholder (no copy), with eager's caches; writes of projections in other forms keep today's path
-with a `WRITE_FORM` reason naming the cache."""
+head_dim]` cache written as `[pages * page, heads, head_dim]` rows, HF's static cache `[1, heads, S, head_dim]`
+written along its slot dim (`index_copy_(2, loc, k)`), and several caches in one buffer (the layers stacked in
+`[L, S, heads, head_dim]`, or K and V of a layer in vLLM's `[2, pages, page, heads, head_dim]`). They lower to one
+`multi_linear_kv_write` that writes a view of each cache placeholder (no copy), with eager's caches; writes of
+projections in other forms keep today's path with a `WRITE_FORM` reason naming the cache."""
 
 import copy
 
@@ -37,12 +38,18 @@ CACHE_SHAPES = {
     "page_offset": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache[loc // page, loc % page] = k: two indices
     "hf_static_batch_2": (2, HEADS, SLOTS, HEAD_DIM),  # two batch rows, each written the same K
 }
-LOWERED = [w for w in CACHE_SHAPES if w not in ("page_offset", "hf_static_batch_2")]
+BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
+    "stacked": "index",  # k_cache [L, S, h, d]: k_cache[i][loc] = k
+    "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
+}
+LOWERED = [w for w in CACHE_SHAPES if w not in ("page_offset", "hf_static_batch_2")] + list(BUFFERS)
 
 
 def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) -> None:
     """`k [T, heads, head_dim]` into `cache` at slots `loc`, as `how` says."""
-    if how == "paged_view":
+    if how == "index":
+        cache[loc] = k
+    elif how == "paged_view":
         cache.view(-1, HEADS, HEAD_DIM)[loc] = k
     elif how == "paged_flatten_index_copy":
         cache.flatten(0, 1).index_copy_(0, loc, k)
@@ -71,27 +78,49 @@ class CacheViewWriter(nn.Module):
         self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in range(LAYERS))
         angles = torch.outer(torch.arange(POSITIONS).float(), 1e4 ** -(torch.arange(0, HEAD_DIM, 2) / HEAD_DIM))
         self.register_buffer("cos_sin", torch.cat((angles.cos(), angles.sin()), dim=-1))
-        for i in range(LAYERS):
-            for kind in "kv":
-                cache = torch.randn(CACHE_SHAPES[how], generator=gen).to(dtype)
-                self.register_buffer(f"{kind}_cache_{i}", cache)
+        for name, shape in _buffer_shapes(how).items():
+            self.register_buffer(name, torch.randn(shape, generator=gen).to(dtype))
         self.kv.to(dtype)
         self.norm_weights.to(dtype)
 
     def caches(self) -> list[torch.Tensor]:
-        return [getattr(self, f"{kind}_cache_{i}") for i in range(LAYERS) for kind in "kv"]
+        return [getattr(self, name) for name in _buffer_shapes(self.how)]
+
+    def layer_caches(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `i`'s K and V caches (views of a buffer of several caches)."""
+        if self.how == "stacked":
+            return self.k_cache[i], self.v_cache[i]
+        if self.how == "stacked_one_slice":  # every layer into slice 0: the last one's values stay
+            return self.k_cache[0], self.v_cache[0]
+        if self.how == "stacked_two_inputs":
+            return self.k_cache[i], self.v_cache[i]
+        if self.how == "vllm_kv":
+            kv = getattr(self, f"kv_cache_{i}")
+            return kv[0], kv[1]
+        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> None:
         cos, sin = self.cos_sin.index_select(0, positions).chunk(2, dim=-1)
         cos, sin = cos[:, None], sin[:, None]
         for i, proj in enumerate(self.kv):
-            k, v = proj(x).split(HEADS * HEAD_DIM, dim=-1)
+            # "stacked_two_inputs": layer 1 projects another activation, into the same buffers as the others
+            k, v = proj(x.flip(0) if self.how == "stacked_two_inputs" and i == 1 else x).split(HEADS * HEAD_DIM, dim=-1)
             k = k.view(-1, HEADS, HEAD_DIM).float()
             k = (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.norm_weights[i]
             k1, k2 = k.float().chunk(2, dim=-1)
             k = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1).to(x.dtype)
-            _write(getattr(self, f"k_cache_{i}"), loc, k, self.how)
-            _write(getattr(self, f"v_cache_{i}"), loc, v.view(-1, HEADS, HEAD_DIM), self.how)
+            k_cache, v_cache = self.layer_caches(i)
+            how = BUFFERS.get(self.how, "index" if self.how.startswith("stacked_") else self.how)
+            _write(k_cache, loc, k, how)
+            _write(v_cache, loc, v.view(-1, HEADS, HEAD_DIM), how)
+
+
+def _buffer_shapes(how: str) -> dict[str, tuple[int, ...]]:
+    if how.startswith("stacked"):
+        return {f"{kind}_cache": (LAYERS, SLOTS, HEADS, HEAD_DIM) for kind in "kv"}
+    if how == "vllm_kv":
+        return {f"kv_cache_{i}": (2, PAGES, PAGE, HEADS, HEAD_DIM) for i in range(LAYERS)}
+    return {f"{kind}_cache_{i}": CACHE_SHAPES[how] for i in range(LAYERS) for kind in "kv"}
 
 
 def _run(how: str, dtype: torch.dtype, inner: str = "aot_eager", device: str = "cpu", config=ALWAYS) -> CaptureBackend:
@@ -128,15 +157,16 @@ def _cache_of(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _assert_lowered_into_views(capture: CaptureBackend) -> None:
-    """Every graph holds one op writing all layers, no write of its own left, and the op's caches are views of
-    the cache placeholders (each once)."""
+    """Every graph holds one op writing all layers, no write of its own left, and the op's caches are distinct
+    views of the cache placeholders."""
     assert capture.after, "nothing compiled"
     for graph, report in zip(capture.after, capture.reports, strict=True):
         counts = op_counts(graph)
         assert counts[OP] == 1 and not counts["aten.index_put"] and not counts["aten.copy_"], f"{report}\n{graph}"
         ((op,),) = [[n for n in graph.nodes if n.op == "call_function" and "multi_linear_kv_write" in str(n.target)]]
-        caches = [_cache_of(c) for c in op.args[12] + op.args[13]]
-        assert len(set(caches)) == 2 * LAYERS, caches
+        caches = op.args[12] + op.args[13]
+        assert len(set(caches)) == 2 * LAYERS and all(_cache_of(c).op == "placeholder" for c in caches), caches
+        assert not counts["aten.select_scatter"] and not counts["aten.slice_scatter"], str(graph)
         (group,) = report.kv_writes
         assert len(group.layers) == LAYERS, str(report)
 
@@ -148,27 +178,30 @@ def test_writes_through_a_view_of_the_cache_lower(how, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["paged_view", "hf_static"])
+@pytest.mark.parametrize("how", ["paged_view", "hf_static", "stacked", "vllm_kv"])
 def test_writes_through_a_view_compile_through_inductor(how):
     """Inductor's codegen of the op writing views of graph inputs: eager's caches."""
     _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor"))
 
 
-@pytest.mark.parametrize("how", ["page_offset", "hf_static_batch_2"])
+@pytest.mark.parametrize("how", ["page_offset", "hf_static_batch_2", "stacked_one_slice", "stacked_two_inputs"])
 def test_other_write_forms_keep_todays_path_and_say_why(how):
-    """Two indices (page, offset), or one K written to two batch rows: no view of the cache is the op's
-    `[S, heads, head_dim]`; eager's caches, and a `WRITE_FORM` reason per cache naming it."""
+    """Two indices (page, offset), one K written to two batch rows, every layer written to the same slice of a
+    stacked buffer, or the layers of one buffer projecting two activations (the buffer's writes lower together or
+    not at all): no view of the cache is the op's `[S, heads, head_dim]` (or the writes overwrite each other, or
+    belong to two ops); eager's caches, and a `WRITE_FORM` reason per buffer naming it."""
     capture = _run(how, torch.float32)
     report = capture.report
     assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
     kept = [k for k in report.kv_kept if k.reason is KVKeptReason.WRITE_FORM]
     assert len(kept) == len(report.kv_kept), str(report)
-    assert {k.cache for k in kept} == {f"{kind}_cache_{i}" for i in range(LAYERS) for kind in "kv"}, str(report)
-    assert all(f"{list(CACHE_SHAPES[how])}: the op writes rows at one slot per token" in k.detail for k in kept)
+    shapes = _buffer_shapes(how)
+    assert {k.cache for k in kept} == set(shapes), str(report)
+    assert all(f"{list(shapes[k.cache])}: the op writes rows at one slot per token" in k.detail for k in kept)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("how", ["paged_view", "paged_flat_view", "hf_static"])
+@pytest.mark.parametrize("how", ["paged_view", "paged_flat_view", "hf_static", "stacked", "vllm_kv"])
 def test_writes_through_a_view_lower_on_cuda_with_auto(how):
     """The default `kv_write_op="auto"` on CUDA (bf16, real Inductor codegen, the op's CUDA kernel writing the
     views): eager's caches."""

@@ -25,7 +25,10 @@ view(lt(unsqueeze(arange(W), 0), unsqueeze(lens, 1)), [-1, 1, 1])` (rows `j < le
 [-1, h, d]), [loc], value), cache.shape)` (a paged `[pages, page, h, d]` cache, `cache.view(-1, h, d)[loc] = k`),
 and `index_put(cache, [None, None, loc], value)` of HF's static cache `[1, h, S, d]` (`cache.index_copy_(2, loc,
 k)`; slots along another dim than the first, the other dims of size 1), whose cache and value the pass views as
-`[S, h, d]` and `[T, h, d]`. Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). There must
+`[S, h, d]` and `[T, h, d]`. Several caches in one buffer (`buf[i][loc] = k_i` for distinct `i`: layers stacked in
+`[L, S, h, d]`, or vLLM's `[2, pages, page, h, d]` K and V of a layer) are a chain of `select_scatter(prev, write_i,
+0, i)` ending in one `copy_`: each link is a site on `select(buf, 0, i)`, and they lower together or not at all.
+Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). There must
 be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
 token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
 graph), after every read of the old cache values, which must all come before it.
@@ -200,7 +203,7 @@ def _nearest_gemm(node: fx.Node) -> fx.Node | None:
 # ---- write sites -----------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class _Site:
     """One cache write: `copy_(cache, new)`; `value` is the `[T, h, d]` value written into `target`, the
     `[S, h, d]` (or `[S, h * d]`) cache itself or a view of it (`_paged_site`, `_slot_dim_site`)."""
@@ -213,6 +216,7 @@ class _Site:
     nodes: list[fx.Node] = field(default_factory=list)  # site nodes that die with the write
     target: fx.Node | None = None  # the written `[S, ...]` tensor: `cache` where None
     inserted: list[fx.Node] = field(default_factory=list)  # views the pass inserted to read the write
+    rebased: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (select, its input before `_stacked_sites`)
 
     def __post_init__(self) -> None:
         self.target = self.target if self.target is not None else self.cache
@@ -232,19 +236,90 @@ def _find_sites(graph: fx.Graph) -> tuple[list[_Site], list[fx.Node]]:
         cache, new = copy.args[:2]
         if not isinstance(new, fx.Node):
             continue
-        site = None
+        found = None
         if mutated.get(cache, 0) == 1 and len(new.users) == 1:
-            site = (
-                _index_site(cache, copy, new)
-                or _slice_site(cache, copy, new)
-                or _paged_site(cache, copy, new)
-                or _slot_dim_site(graph, cache, copy, new)
-            )
-        if site is not None:
-            sites.append(site)
+            found = _one_site(graph, cache, copy, new)
+            found = [found] if found is not None else _stacked_sites(graph, cache, copy, new)
+        if found:
+            sites += found
         elif _strip_views(new).target in _SCATTERS:
             others.append(copy)
     return sites, others
+
+
+def _one_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
+    return (
+        _index_site(cache, copy, new)
+        or _slice_site(cache, copy, new)
+        or _paged_site(cache, copy, new)
+        or _slot_dim_site(graph, cache, copy, new)
+    )
+
+
+def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> list[_Site] | None:
+    """Several caches in one buffer: `buf[i][loc] = k_i` for distinct `i` (layers stacked in one `[L, S, h, d]`
+    buffer, or K and V of a layer in one `[2, ...]` buffer as vLLM keeps them), a chain `select_scatter(prev,
+    write_i, 0, i)` ending in the buffer's `copy_`. Each link's write reads `select(prev, 0, i)`, which is
+    `select(buf, 0, i)` since no earlier link writes slice `i`: the pass makes it read that (a rewrite that keeps
+    every value), and each link is then a site of its own on that slice; they share the `copy_`."""
+    links, node = [], new
+    while node is not cache:
+        if not isinstance(node, fx.Node) or node.target is not aten.select_scatter.default or node.kwargs:
+            return None
+        prev, write, dim, index = node.args
+        if dim != 0 or not isinstance(index, int) or not isinstance(write, fx.Node):
+            return None
+        links.append((node, write, index % tensor_val(cache).shape[0]))
+        node = prev
+    if len(links) < 2 or len({index for *_, index in links}) != len(links):
+        return None
+    sites: list[_Site] = []
+    for scatter, write, index in reversed(links):
+        prev = scatter.args[0]
+        sub = _base_select(write, prev, index)
+        site = None
+        if sub is not None:
+            # the read of a commit's or a slice's old rows has a select of its own
+            selects = [s for s in list(prev.users) if s.target is aten.select.int and s.args[1:] == sub.args[1:]]
+            rebased = [(select, prev) for select in selects]
+            for select in selects:
+                select.replace_input_with(prev, cache)
+            site = _one_site(graph, sub, copy, write)
+            if site is None:
+                _rebase_back(rebased, cache)
+        if site is None:
+            _unwind(graph, sites)
+            return None
+        site.cache, site.nodes, site.rebased = cache, [*site.nodes, scatter], rebased
+        sites.append(site)
+    return sites
+
+
+def _unwind(graph: fx.Graph, sites: list[_Site]) -> None:
+    """Undo what finding `sites` changed in the graph: the views inserted, the selects made to read the buffer."""
+    for site in sites:
+        _rebase_back(site.rebased, site.cache)
+    live = set(graph.nodes)
+    _erase_dead(graph, [n for site in sites for n in site.inserted if n in live])
+
+
+def _rebase_back(rebased: list[tuple[fx.Node, fx.Node]], cache: fx.Node) -> None:
+    for select, prev in rebased:
+        select.replace_input_with(cache, prev)
+
+
+def _base_select(write: fx.Node, prev: fx.Node, index: int) -> fx.Node | None:
+    """The `select(prev, 0, index)` node a link's write starts from (its first argument, through views and
+    scatters)."""
+    node = write
+    while isinstance(node, fx.Node) and (node.target in _VIEWS or node.target in _SCATTERS):
+        node = node.args[0]
+        if node.target is aten.select.int and node.args[0] is prev:
+            break
+    ok = isinstance(node, fx.Node) and node.target is aten.select.int and node.args[0] is prev
+    if not ok or node.args[1] != 0 or node.args[2] % tensor_val(prev).shape[0] != index:
+        return None
+    return node
 
 
 def _strip_views(node: fx.Node) -> fx.Node:
@@ -311,16 +386,19 @@ def _paged_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
 
 
 def _same_alias(node: Any, target: fx.Node) -> bool:
-    """`node` is `target`, or another view of the same cache with the same shape read only once (functionalization
-    gives a write through `cache.view(...)` one view node for the read of the old rows, another for the write)."""
+    """`node` is `target`, or another view (or select) of the same cache with the same shape (index) read only once
+    (functionalization gives a write through `cache.view(...)` one view node for the read of the old rows, another
+    for the write)."""
     if node is target:
         return True
+    if not isinstance(node, fx.Node) or target.op != "call_function" or len(node.users) != 1:
+        return False
+    if node.target is aten.select.int and target.target is aten.select.int:
+        return node.args == target.args
     return (
-        isinstance(node, fx.Node)
-        and node.target in _VIEWS
+        node.target in _VIEWS
         and target.target in _VIEWS
         and node.args[0] is target.args[0]
-        and len(node.users) == 1
         and same_shape(tensor_val(node).shape, tensor_val(target).shape)
     )
 
@@ -642,13 +720,24 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
     """Lower every group of cache writes that fits."""
     groups: dict[fx.Node, _Group] = {}
     sites, others = _find_sites(graph)
+    activations = {}
     for site in sites:
         gemm = _nearest_gemm(site.value)
-        if gemm is None:
+        activations[site] = None if gemm is None else gemm.args[1] if gemm.target is _ADDMM else gemm.args[0]
+    shared = {}  # the sites of one buffer (`_stacked_sites`) lower together or not at all: one activation
+    for site in sites:
+        shared.setdefault(site.copy, set()).add(activations[site])
+    for site in sites:
+        activation = activations[site]
+        if activation is None:
             continue  # not a projection: no business of this pass
-        activation = gemm.args[1] if gemm.target is _ADDMM else gemm.args[0]
+        if len(shared[site.copy]) > 1:
+            if site.copy not in others:
+                others.append(site.copy)
+            continue
         groups.setdefault(activation, _Group(activation)).sites.append(site)
     lowered, kept = [], [_other_write(copy, names) for copy in others if _nearest_gemm(copy.args[1]) is not None]
+    done: set[_Site] = set()
     for group in groups.values():
         group.analyse()
         if group.failed:
@@ -656,10 +745,10 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
             continue
         try:
             lowered.append(_emit(graph, group, _plan(graph, group, config, names), names))
+            done.update(group.sites)
         except _NoMatch as err:
             kept.append(err.kept(group.activation, names))
-    live = set(graph.nodes)
-    _erase_dead(graph, [n for site in sites for n in site.inserted if n in live])  # views of writes kept as they are
+    _unwind(graph, [site for site in sites if site not in done])  # writes kept as they were
     return KVLowering(lowered, kept)
 
 
@@ -909,8 +998,9 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteR
             graph.erase_node(node)
         raise
     dead = []
+    for copy in dict.fromkeys(w.site.copy for w in plan.ks + plan.vs):  # a buffer of several caches: one copy_
+        graph.erase_node(copy)
     for w in plan.ks + plan.vs:
-        graph.erase_node(w.site.copy)
         dead += [*w.site.nodes, w.site.value]
     _erase_dead(graph, dead)
     return report
