@@ -208,3 +208,25 @@ def test_writes_through_a_view_lower_on_cuda_with_auto(how):
     """The default `kv_write_op="auto"` on CUDA (bf16, real Inductor codegen, the op's CUDA kernel writing the
     views): eager's caches."""
     _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor", device="cuda", config=DsparkConfig()))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_a_reshape_of_the_cache_is_its_view_only_where_no_copy_is_made(transposed):
+    """Inductor's post-grad graphs spell views as reshapes; a reshape that must copy (of a cache whose strides
+    allow no view) would give the op a copy to write, so the pass takes it for the cache only where it is an
+    alias."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dspark_fx.passes import kv_write
+
+    graph = torch.fx.Graph()
+    cache = graph.placeholder("cache")
+    target = graph.call_function(torch.ops.aten.reshape.default, (cache, [-1, HEADS, HEAD_DIM]))
+    with FakeTensorMode():
+        val = (
+            torch.empty(PAGE, PAGES, HEADS, HEAD_DIM).transpose(0, 1)
+            if transposed
+            else torch.empty(CACHE_SHAPES["paged_view"])
+        )
+        cache.meta["val"], target.meta["val"] = val, val.reshape(-1, HEADS, HEAD_DIM)
+    assert kv_write._aliases(cache, target) is not transposed

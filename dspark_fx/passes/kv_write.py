@@ -414,7 +414,7 @@ def _aliases(cache: fx.Node, target: fx.Node) -> bool:
     with fake_mode_of(cache.graph):
         try:
             tensor_val(cache).view(tensor_val(target).shape)
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # fake tensors raise the ValueError of torch._refs
             return False
     return True
 
