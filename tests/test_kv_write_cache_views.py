@@ -230,3 +230,24 @@ def test_a_reshape_of_the_cache_is_its_view_only_where_no_copy_is_made(transpose
         )
         cache.meta["val"], target.meta["val"] = val, val.reshape(-1, HEADS, HEAD_DIM)
     assert kv_write._aliases(cache, target) is not transposed
+
+
+@pytest.mark.parametrize("how", ["paged_view", "hf_static", "stacked", "vllm_kv"])
+def test_nodes_without_a_value_are_not_read_as_writes_through_views(how):
+    """A user pass may leave nodes without `meta["val"]`: finding the writes through views skips them (no
+    exception), and with the values back the same graph has a site per cache."""
+    from dspark_fx.passes import kv_write
+
+    torch._dynamo.reset()
+    capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
+    with torch.no_grad():
+        args = (torch.randn(6, HIDDEN), torch.randint(0, POSITIONS, (6,)), torch.randperm(SLOTS)[:6])
+        torch.compile(CacheViewWriter(how, torch.float32), backend=capture)(*args)
+    graph = capture.before[0]
+    stripped = {n: n.meta.pop("val") for n in graph.nodes if n.op == "call_function" and "val" in n.meta}
+    sites, _ = kv_write._find_sites(graph)
+    assert not sites
+    for node, val in stripped.items():
+        node.meta["val"] = val
+    sites, _ = kv_write._find_sites(graph)
+    assert len(sites) == 2 * LAYERS

@@ -234,7 +234,7 @@ def _find_sites(graph: fx.Graph) -> tuple[list[_Site], list[fx.Node]]:
     sites, others = [], []
     for copy in copies:
         cache, new = copy.args[:2]
-        if not isinstance(new, fx.Node):
+        if not isinstance(new, fx.Node) or not _have_vals(cache):
             continue
         found = None
         if mutated.get(cache, 0) == 1 and len(new.users) == 1:
@@ -317,9 +317,13 @@ def _base_select(write: fx.Node, prev: fx.Node, index: int) -> fx.Node | None:
         if node.target is aten.select.int and node.args[0] is prev:
             break
     ok = isinstance(node, fx.Node) and node.target is aten.select.int and node.args[0] is prev
-    if not ok or node.args[1] != 0 or node.args[2] % tensor_val(prev).shape[0] != index:
+    if not ok or not _have_vals(prev, node) or node.args[1] != 0 or node.args[2] % tensor_val(prev).shape[0] != index:
         return None
     return node
+
+
+def _have_vals(*nodes: Any) -> bool:
+    return all(tensor_val(node) is not None for node in nodes)
 
 
 def _strip_views(node: fx.Node) -> fx.Node:
@@ -350,7 +354,7 @@ def _slot_index(loc: fx.Node) -> bool:
 
 def _indexed(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node, loc: fx.Node, value: Any) -> _Site | None:
     """The site of `target[loc] = value` (rows of `target` at the 1-D slot index `loc`), written back to `cache`."""
-    if not _slot_index(loc):
+    if not _slot_index(loc) or not _have_vals(target):
         return None
     loc_val = tensor_val(loc)
     nodes = [new]
@@ -371,10 +375,10 @@ def _paged_site(cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
     inner = new.args[0] if new.target in _VIEWS else None
     if not isinstance(inner, fx.Node) or inner.target not in _SCATTERS or len(inner.users) != 1:
         return None
-    if not same_shape(tensor_val(new).shape, tensor_val(cache).shape):
-        return None
     target = inner.args[0]
-    if not (isinstance(target, fx.Node) and target.target in _VIEWS and target.args[0] is cache):
+    if not _have_vals(new, cache, target) or not same_shape(tensor_val(new).shape, tensor_val(cache).shape):
+        return None
+    if not (target.target in _VIEWS and target.args[0] is cache):
         return None
     if tensor_val(target).dim() not in (2, 3) or not _aliases(cache, target):
         return None
@@ -391,7 +395,7 @@ def _same_alias(node: Any, target: fx.Node) -> bool:
     for the write)."""
     if node is target:
         return True
-    if not isinstance(node, fx.Node) or target.op != "call_function" or len(node.users) != 1:
+    if not _have_vals(node, target) or target.op != "call_function" or len(node.users) != 1:
         return False
     if node.target is aten.select.int and target.target is aten.select.int:
         return node.args == target.args
@@ -430,9 +434,11 @@ def _slot_dim_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
     slot, loc = len(indices) - 1, indices[-1]
     if slot < 1 or any(i is not None for i in indices[:-1]) or not isinstance(loc, fx.Node) or not _slot_index(loc):
         return None
-    cache_val, value_val = tensor_val(cache), tensor_val(value) if isinstance(value, fx.Node) else None
+    if not _have_vals(cache, value):
+        return None
+    cache_val, value_val = tensor_val(cache), tensor_val(value)
     rank = cache_val.dim()
-    if value_val is None or slot >= rank - 1:
+    if slot >= rank - 1:
         return None
     indexed = [*cache_val.shape[:slot], tensor_val(loc).shape[0], *cache_val.shape[slot + 1 :]]
     pad = rank - value_val.dim()  # leading dims of size 1 the value leaves out (it broadcasts right-aligned)
