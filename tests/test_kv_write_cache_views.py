@@ -11,8 +11,11 @@ import pytest
 import torch
 from helpers import mark_tokens_dynamic, quick_first
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dspark_fx import DsparkConfig
+from dspark_fx.passes import kv_write
+from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.report import KVKeptReason
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, op_counts
 
@@ -151,7 +154,7 @@ def _run(how: str, dtype: torch.dtype, inner: str = "aot_eager", device: str = "
 def _cache_of(node: torch.fx.Node) -> torch.fx.Node:
     """The placeholder a chain of views starts from."""
     while node.op != "placeholder":
-        assert f"{node.target.namespace}.{node.target._opname}" in VIEWS, f"{node} is not a view of the cache"
+        assert op_name(node) in VIEWS, f"{node} is not a view of the cache"
         node = node.args[0]
     return node
 
@@ -163,7 +166,7 @@ def _assert_lowered_into_views(capture: CaptureBackend) -> None:
     for graph, report in zip(capture.after, capture.reports, strict=True):
         counts = op_counts(graph)
         assert counts[OP] == 1 and not counts["aten.index_put"] and not counts["aten.copy_"], f"{report}\n{graph}"
-        ((op,),) = [[n for n in graph.nodes if n.op == "call_function" and "multi_linear_kv_write" in str(n.target)]]
+        (op,) = [n for n in graph.nodes if n.target is kv_write.KV_WRITE]
         caches = op.args[12] + op.args[13]
         assert len(set(caches)) == 2 * LAYERS and all(_cache_of(c).op == "placeholder" for c in caches), caches
         assert not counts["aten.select_scatter"] and not counts["aten.slice_scatter"], str(graph)
@@ -215,10 +218,6 @@ def test_a_reshape_of_the_cache_is_its_view_only_where_no_copy_is_made(transpose
     """Inductor's post-grad graphs spell views as reshapes; a reshape that must copy (of a cache whose strides
     allow no view) would give the op a copy to write, so the pass takes it for the cache only where it is an
     alias."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dspark_fx.passes import kv_write
-
     graph = torch.fx.Graph()
     cache = graph.placeholder("cache")
     target = graph.call_function(torch.ops.aten.reshape.default, (cache, [-1, HEADS, HEAD_DIM]))
@@ -236,8 +235,6 @@ def test_a_reshape_of_the_cache_is_its_view_only_where_no_copy_is_made(transpose
 def test_nodes_without_a_value_are_not_read_as_writes_through_views(how):
     """A user pass may leave nodes without `meta["val"]`: finding the writes through views skips them (no
     exception), and with the values back the same graph has a site per cache."""
-    from dspark_fx.passes import kv_write
-
     torch._dynamo.reset()
     capture = CaptureBackend(DsparkConfig(kv_write_op="never"))
     with torch.no_grad():

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 import custom_ops  # registers dspark::multi_linear
-from dspark_fx.passes.graph_utils import aten, call, op_name, reads_storage_layout, tensor_val
+from dspark_fx.passes.graph_utils import aten, call, gemm_activation, op_name, reads_storage_layout, tensor_val
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import Rejection
 
@@ -93,8 +93,7 @@ def find_groups(graph: fx.Graph, names: Namer) -> GemmScan:
 def refresh_activation(group: GemmGroup) -> GemmGroup:
     """`group` reading its activation as the graph holds it now: rewriting an earlier group replaces that group's
     GEMMs, and one of them may be this group's activation (`b(a(x))`: `a`'s GEMM is gone, `b` reads its block)."""
-    gemm = group.branches[0].node
-    activation = gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
+    activation = gemm_activation(group.branches[0].node)
     for branch in group.branches:
         branch.activation = activation
     return GemmGroup(activation, group.branches)

@@ -55,6 +55,11 @@ def propagate_val(graph: fx.Graph, node: fx.Node) -> None:
         node.meta["val"] = node.target(*args, **kwargs)
 
 
+def gemm_activation(gemm: fx.Node) -> fx.Node:
+    """The activation operand of an `mm(x, w)` or `addmm(bias, x, w)` node."""
+    return gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
+
+
 def op_name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):

@@ -81,7 +81,16 @@ from dspark_fx.config import DsparkConfig
 from dspark_fx.passes import gemm_branches
 from dspark_fx.passes.batching import same_shape
 from dspark_fx.passes.branch_regions import descendants
-from dspark_fx.passes.graph_utils import aten, call, fake_mode_of, is_pure, op_name, source_line, tensor_val
+from dspark_fx.passes.graph_utils import (
+    aten,
+    call,
+    fake_mode_of,
+    gemm_activation,
+    is_pure,
+    op_name,
+    source_line,
+    tensor_val,
+)
 from dspark_fx.passes.kv_spec import Norm, NotTheFormula, Rope, Written, normed_size, read_written
 from dspark_fx.passes.kv_symbolic import Evaluation, Unevaluable
 from dspark_fx.passes.kv_tables import Direct, built_table, direct_table, locate
@@ -92,8 +101,7 @@ from dspark_fx.report import KVKept, KVKeptReason, KVWriteReport
 KV_WRITE = torch.ops.dspark.multi_linear_kv_write.default
 prims = torch.ops.prims
 
-_ADDMM = aten.addmm.default
-_GEMMS = (aten.mm.default, _ADDMM)
+_GEMMS = (aten.mm.default, aten.addmm.default)
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _COPIES = (aten.alias.default, aten.clone.default)
 _SCATTERS = (aten.index_put.default, aten.slice_scatter.default, aten.select_scatter.default)
@@ -611,11 +619,7 @@ class _Group:
         self.sites: list[_Site] = []
         self.writes: list[_Write] = []
         self.failed: list[_NoMatch] = []
-        self.gemms = {
-            n
-            for n in activation.users
-            if n.target in _GEMMS and (n.args[1] if n.target is _ADDMM else n.args[0]) is activation
-        }
+        self.gemms = {n for n in activation.users if n.target in _GEMMS and gemm_activation(n) is activation}
         self.ev: Evaluation | None = None
 
     def analyse(self) -> None:
@@ -729,7 +733,7 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
     activations = {}
     for site in sites:
         gemm = _nearest_gemm(site.value)
-        activations[site] = None if gemm is None else gemm.args[1] if gemm.target is _ADDMM else gemm.args[0]
+        activations[site] = None if gemm is None else gemm_activation(gemm)
     shared = {}  # the sites of one buffer (`_stacked_sites`) lower together or not at all: one activation
     for site in sites:
         shared.setdefault(site.copy, set()).add(activations[site])
@@ -761,8 +765,6 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
 def _other_write(copy: fx.Node, names: Namer) -> KVKept:
     """A scatter into a cache, of values computed from a GEMM, in a form the op does not take."""
     cache, new = copy.args[:2]
-    gemm = _nearest_gemm(new)
-    activation = gemm.args[1] if gemm.target is _ADDMM else gemm.args[0]
     err = _NoMatch(
         KVKeptReason.WRITE_FORM,
         f"{op_name(_strip_views(new))} into {names.of(cache)} {list(tensor_val(cache).shape)}: the op writes rows "
@@ -772,7 +774,7 @@ def _other_write(copy: fx.Node, names: Namer) -> KVKept:
         _strip_views(new),
         cache,
     )
-    return err.kept(activation, names)
+    return err.kept(gemm_activation(_nearest_gemm(new)), names)
 
 
 @dataclass
