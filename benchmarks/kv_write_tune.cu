@@ -1,19 +1,22 @@
-// The fused write of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the op's fused tile
-// (multi_linear_kernel with KvWriteEpilogue, cp.async per lane; also in clusters of 2 and 4) against leaner tiles of
-// the same kernel (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8: BENCHMARKS.md, "Lean fused tiles in clusters"),
-// every variant and cluster split of the experimental streaming kernel (bulk copies,
-// experimental/kv_write_stream_kernel.cuh), the op's opt-in wide tile (wgmma, 64 tokens per tile) and the
-// experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh; added
-// after the last device session and compiled with nvcc 13.0 for sm_90a, not run yet), on the draft configs of
-// benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern from the math.
+// The fused write of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the op's fused kernel
+// (linear/multi_linear_kv_write_fused.cuh: weights loaded into MMA fragments, no shared-memory ring) in the op's and
+// other configurations (k-warps, columns per lane, chunks in flight, clusters of 1, 2 and 4: BENCHMARKS.md, "The
+// fused kernel loads into registers"), the previous fused tile (multi_linear_kernel with KvWriteEpilogue, cp.async
+// per lane; also in clusters of 2 and 4) and leaner tiles of it (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8:
+// "Lean fused tiles in clusters"), every variant and cluster split of the experimental streaming kernel (bulk
+// copies, experimental/kv_write_stream_kernel.cuh), the op's opt-in wide tile (wgmma, 64 tokens per tile) and the
+// experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh), on
+// the draft configs of benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern
+// from the math.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
-//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [profile [config [T [all]]]]
+//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | profile [config [T [all]]]]
 //
-// (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this). Per config and T in
-// {1, 8, 16, 32, 64}: every candidate's caches are checked three times against candidate 0's, the op's fused tile
-// up to 16 tokens and its wide tile above (max |difference| of the written rows within 2 % of the largest value,
-// every other cache element bit-identical: "WRONG" otherwise), then timed two ways, median of 7 runs each:
+// (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this, TUNE_ARGS=regs for
+// `regs`). Per config and T in {1, 8, 16, 32, 64}: every candidate's caches are checked three times against
+// candidate 0's, the previous fused tile up to 16 tokens and the op's wide tile above (max |difference| of the
+// written rows within 2 % of the largest value, every other cache element bit-identical: "WRONG" otherwise), then
+// timed two ways, median of 7 runs each:
 //   warm  back-to-back launches (programmatic dependent launch on, as the op launches) over weight copies that add
 //         up to 3x the L2: the per-call cost inside a longer stream of work, e.g. a draft step's CUDA graph;
 //   cold  one launch after an L2 flush, events around it: what a benchmark replaying the write alone sees, launch
@@ -22,8 +25,9 @@
 // the whole grid; bulk copies of 16 KB by 80 / 132 / 160 / 264 CTAs; 1-D bulk copies of 512 B / 1 KB / 4 KB by 80
 // and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B; and the streaming kernel's own copy sequence
 // with a consumer that only frees the slots (its weight traffic without its math).
-// `profile`: one config (default qwen3-8b) at one T (default 8), the op's kernel and, with `all`, every streaming
-// variant, one check and three launches each, no timing: for ncu or compute-sanitizer.
+// `regs`: T <= 16 only, the previous tile and the fused kernel's configurations, and the 16-byte-load read (warm
+// and cold). `profile`: one config (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`,
+// every candidate, one check and three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -39,6 +43,7 @@
 
 #include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
+#include "linear/multi_linear_kv_write_fused.cuh"
 #include "linear/multi_linear_kv_write_wide.cuh"
 #include "tune_common.cuh"
 
@@ -229,13 +234,17 @@ Candidate plain_candidate(std::string name, void (*fn)(KvWriteArgs), int64_t blo
   return {std::move(name), [=](const KvWriteArgs& a) { launch(fn, a, blocks, threads, smem, split); }};
 }
 
-// The op's fused tile (fused_variant(V)) in clusters of `split`, as the binding launches it.
+// The op's fused tile before the register-streaming kernel: multi_linear_kernel with KvWriteEpilogue, one head of
+// V row warps of 2 m-tiles, 4 k-warps, 4 stages of cp.async copies, in clusters of `split`.
+template <int V>
+constexpr Variant kTileVariant{2, V, 4, 4};
+
 template <int V, int NT>
 Candidate op_candidate(int64_t heads, int split) {
-  constexpr Variant v = fused_variant(V);
+  constexpr Variant v = kTileVariant<V>;
   const int smem = smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT);
   char name[96];
-  std::snprintf(name, sizeof(name), "op: fused tile (%d KB) split %d", smem / 1024, split);
+  std::snprintf(name, sizeof(name), "previous fused tile (%d KB) split %d", smem / 1024, split);
   return plain_candidate(name, &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages,
                                                     KvWriteEpilogue<V>>,
                          heads * split, cta_threads(v), smem, split);
@@ -308,18 +317,52 @@ void wide_candidates(std::vector<Candidate>& out, int64_t heads) {
   }
 }
 
-// Candidate 0 is the reference the others are checked against: the op's fused tile up to 16 tokens, its wide tile
-// above.
+// The op's register-streaming fused kernel (linear/multi_linear_kv_write_fused.cuh) with WK k-warps, E columns per
+// lane and chunk, D chunks in flight, in clusters of 1, 2 and 4 (the op: kFusedKWarps, kFusedCols, kFusedDepth,
+// split 1).
+template <int V, int NT, int WK, int E, int D>
+void regs_candidate(std::vector<Candidate>& out, int64_t heads) {
+  constexpr int threads = fused_threads<V, WK>(), smem = fused_smem_bytes<V, NT>();
+  const bool op = WK == kFusedKWarps && E == kFusedCols && D == kFusedDepth;
+  for (int split : {1, 2, 4}) {
+    char name[96];
+    std::snprintf(name, sizeof(name), "%s%d k-warps, %2d cols/lane, %d deep, split %d", op && split == 1 ? "op: " : "",
+                  WK, E, D, split);
+    out.push_back(
+        plain_candidate(name, &kv_write_fused_kernel<T, V, NT, WK, E, D>, heads * split, threads, smem, split));
+  }
+}
+
+template <int V, int NT>
+void regs_candidates(std::vector<Candidate>& out, int64_t heads) {
+  regs_candidate<V, NT, 1, 8, 4>(out, heads);
+  regs_candidate<V, NT, 1, 16, 2>(out, heads);
+  regs_candidate<V, NT, 1, 16, 4>(out, heads);
+  regs_candidate<V, NT, 1, 32, 2>(out, heads);
+  regs_candidate<V, NT, 2, 16, 2>(out, heads);
+  regs_candidate<V, NT, 2, 32, 1>(out, heads);
+  regs_candidate<V, NT, 2, 8, 4>(out, heads);
+  regs_candidate<V, NT, 2, 8, 2>(out, heads);
+}
+
+// Candidate 0 is the reference the others are checked against: the previous fused tile up to 16 tokens (an
+// independent main loop), the op's wide tile above.
 template <int V>
-std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms) {
+std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms, bool regs_only) {
   std::vector<Candidate> out;
   if (tokens > 16) {
-    wide_candidates<V>(out, heads);
+    if (!regs_only) wide_candidates<V>(out, heads);
     return out;
   }
   const int nt = token_tiles(tokens);
-  const int split = auto_split(fused_variant(V), heads * 32 * V, k, sms);
+  const int split = auto_split(kTileVariant<V>, heads * 32 * V, k, sms);
   out.push_back(nt == 1 ? op_candidate<V, 1>(heads, split) : op_candidate<V, 2>(heads, split));
+  if (nt == 1) {
+    regs_candidates<V, 1>(out, heads);
+  } else {
+    regs_candidates<V, 2>(out, heads);
+  }
+  if (regs_only) return out;
   for (int s : {2, 4}) {
     if (s != split) out.push_back(nt == 1 ? op_candidate<V, 1>(heads, s) : op_candidate<V, 2>(heads, s));
   }
@@ -427,12 +470,14 @@ void measure_reads(const ReadSetup& r) {
 }
 
 int main(int argc, char** argv) {
-  // `profile [config [T]]`: only that config (default qwen3-8b) at that T (default 8), the op's fused tile (with `all`
-  // as a fourth word also every streaming variant), three launches each, no timing (for ncu or compute-sanitizer)
+  // `profile [config [T]]`: only that config (default qwen3-8b) at that T (default 8), candidate 0 (with `all` as a
+  // fourth word every candidate), three launches each, no timing (for ncu or compute-sanitizer)
   const bool profile = argc > 1 && std::strcmp(argv[1], "profile") == 0;
   const char* profile_config = argc > 2 ? argv[2] : "qwen3-8b";
   const int profile_tokens = argc > 3 ? std::atoi(argv[3]) : 8;
   const bool profile_all = argc > 4 && std::strcmp(argv[4], "all") == 0;
+  // `regs`: the previous fused tile and the fused kernel's configurations only, T <= 16, and the 16-byte-load read
+  const bool regs_only = argc > 1 && std::strcmp(argv[1], "regs") == 0;
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
@@ -488,9 +533,19 @@ int main(int argc, char** argv) {
     const double floor_us = 1e6 * bytes / copy_rate;
     std::printf("\n## %s: hidden %d, %d kv heads x %d, %d layers: %.1f MB of K/V weights, floor %.1f us; copies %d\n",
                 cfg.name, k, cfg.heads, cfg.head_dim, layers, bytes / 1e6, floor_us, copies);
-    if (!profile) measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
+    if (regs_only) {
+      const float loads = warm_us(
+          [&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); }, copies, 5);
+      std::printf("read (16-byte loads, %d CTAs): warm %.1f us (%.0f%% of copy), cold %.1f us\n", sms * 8, loads,
+                  100.0 * floor_us / loads,
+                  cold_us([&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); },
+                          copies, flush, flush_bytes));
+    } else if (!profile) {
+      measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
+    }
     for (int tokens : {1, 8, 16, 32, 64}) {
       if (profile && tokens != profile_tokens) continue;
+      if (regs_only && tokens > 16) continue;
       auto args_for = [&](int i) {
         KvWriteArgs a{};
         Params& p = a.gemm;
@@ -533,13 +588,14 @@ int main(int argc, char** argv) {
         return a;
       };
       const std::vector<Candidate> cands =
-          cfg.head_dim == 64 ? candidates<2>(heads, tokens, k, sms) : candidates<4>(heads, tokens, k, sms);
+          cfg.head_dim == 64 ? candidates<2>(heads, tokens, k, sms, regs_only)
+                             : candidates<4>(heads, tokens, k, sms, regs_only);
       const size_t cache_bytes = 2 * layers * cache_elems * sizeof(T);
       std::vector<uint16_t> want(cache_bytes / 2), got(cache_bytes / 2);
       std::printf("T=%2d\n", tokens);
       for (size_t c = 0; c < cands.size(); ++c) {
         const Candidate& cand = cands[c];
-        if (profile && !profile_all && c > 0) continue;  // candidate 0 is the op's fused (or wide) tile
+        if (profile && !profile_all && c > 0) continue;  // candidate 0: the previous fused tile (or the wide tile)
         double err = 0, ref = 0;
         int64_t written = 0, mismatched = 0;
         // three checks per candidate (a race shows in some); each compares every cache element

@@ -12,7 +12,7 @@
 #             --placement)
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch;
 #             each stopped after TUNE_TIMEOUT seconds, default 420: a kernel waiting on an mbarrier that never
-#             completes spins forever)
+#             completes spins forever; TUNE_ARGS: the program's arguments)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
@@ -45,7 +45,6 @@ case "$what" in
     sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
     for tool in memcheck racecheck initcheck synccheck; do
       driver_args=(${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"})
-      [ "$tool" = racecheck ] && driver_args+=(--racecheck)  # see scripts/sanitize_driver.py
       limit=50
       [ "$tool" = initcheck ] && limit=1000000  # every report: they are sorted below
       log="$OUT/sanitize_$tool.log"
@@ -73,8 +72,8 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
 (a @ torch.randn(256, 384, device="cuda", dtype=torch.bfloat16) + 1).sum().item()' >"$OUT/sanitize_initcheck_mm.log" 2>&1
     echo "initcheck control, torch.mm then add: $(grep -hE 'ERROR SUMMARY' "$OUT/sanitize_initcheck_mm.log" | tail -1)" |
       tee -a "$OUT/sanitize.txt"
-    # racecheck on a race-free kernel in which only some warps use named barriers (see the file): why the driver's
-    # racecheck run gives every k-warp a K step; information, not a check of this project's code
+    # racecheck on a race-free kernel in which only some warps use named barriers (see the file): what racecheck says
+    # of the multi-weight GEMM's k-warps without a K step; information, not a check of this project's code
     # (racecheck reports only races it observes, so each mode runs 10 times)
     if nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo scripts/racecheck_subset_barrier.cu -o /tmp/subset_barrier; then
       for mode in subset all; do
@@ -131,7 +130,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       name=$(basename "$src" .cu)
       { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I"$cu/include" "$src" \
         -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -Xlinker -rpath="$cu/lib" &&
-        timeout "${TUNE_TIMEOUT:-420}" "/tmp/$name"; } 2>&1 | tee "$OUT/$name.log" || status=1
+        timeout "${TUNE_TIMEOUT:-420}" "/tmp/$name" ${TUNE_ARGS:-}; } 2>&1 | tee "$OUT/$name.log" || status=1
     done
     ;;
   tests | bench | all)

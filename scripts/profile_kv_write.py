@@ -6,7 +6,7 @@
 
 The op gets what `dspark_backend` hands it for the config's draft (benchmarks/dspark_write.py's configs: 5 layers,
 separate K and V weights per layer, a bf16 k_norm weight, one fp32 [4096, head_dim] RoPE table, neox, distinct
-random slots of 8192, random positions), so the kernels launched are the lowered write's at that T: the fused tile
+random slots of 8192, random positions), so the kernels launched are the lowered write's at that T: the fused kernel
 up to 16 tokens, else the GEMM path (pointer table, batched GEMM, heads kernel). `--device cpu --config tiny` runs
 the op's CPU reference (a check of the script itself).
 """

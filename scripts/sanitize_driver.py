@@ -12,11 +12,6 @@ reason initcheck reports the heads kernel of the K/V write's GEMM path copying t
 wrote: `gpu_check.sh sanitize` counts those reports apart from any other and runs the `torch.mm` control.
 `--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
 a quick check of the driver itself (tests/test_sanitize_driver.py).
-`--racecheck` (what gpu_check.sh passes to racecheck) gives the fused K/V-write launches K = 128 instead of 64. With
-K = 64 two of the kernel's four k-warps get no K step and skip the main loop's named barriers, and racecheck then
-reports races between accesses that a __syncthreads orders: it does so for the race-free kernel of
-scripts/racecheck_subset_barrier.cu too (in 4 of 10 runs on the H200; gpu_check.sh sanitize runs it), so those
-reports say nothing about the kernel. The K = 64 launches stay in the other tools' runs.
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
 """
@@ -37,7 +32,6 @@ from custom_ops.layouts.rope import precompute_freqs
 MAX_POS = 64
 DEV = "cuda"
 EDGES = True  # out-of-range slots and positions mixed in (CUDA skips them; the CPU path would raise)
-RACECHECK = False  # every k-warp of a fused launch gets a K step (see the module docstring)
 
 
 def slots_with_edges(n: int, capacity: int, gen: torch.Generator) -> torch.Tensor:
@@ -137,14 +131,13 @@ def multi_linear(gen: torch.Generator) -> None:
 
 
 def multi_linear_kv_write(gen: torch.Generator) -> None:
-    """The fused path (head_dim 64 / 128): the one-head tile (T <= 16; hidden 64 leaves k-warps without a K step)
+    """The fused path (head_dim 64 / 128): the fused kernel (T <= 16; hidden 64 gives each of its 2 k-warps one chunk)
     and the wide tile (17 <= T <= 64); the GEMM path with the heads kernel (T > 64, or head_dim 80): neox and GPT-J
     with partial rotary, a bias, fp32 and bf16 norm weights, 1-D slots and [B, 2] slots with commit lengths, edge
     slots and positions, both position dtypes, caches with padded rows, x with a row stride."""
     layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
-    short_k = 128 if RACECHECK else 64  # K steps of 32 columns for the fused kernel's 4 k-warps: 4, or 2
     configs = (
-        (64, short_k, 64, True, (0, 1, 7, 16, 17, 40, 64, 65)),
+        (64, 64, 64, True, (0, 1, 7, 16, 17, 40, 64, 65)),  # K 64: one chunk per k-warp of the fused kernel
         (128, 256, 64, False, (5, 33)),
         (80, 256, 40, True, (3, 19)),
     )
@@ -193,15 +186,13 @@ GROUPS = ("flashmla", "dsv4", "multi_linear", "multi_linear_kv_write")
 
 
 def main(argv: list[str] | None = None) -> None:
-    global DEV, EDGES, RACECHECK
+    global DEV, EDGES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--only", choices=GROUPS, help="make only this group of calls (default: all of them)")
-    parser.add_argument("--racecheck", action="store_true", help="no launch leaves a k-warp without a K step")
     args = parser.parse_args(argv)
     DEV = args.device
     EDGES = DEV == "cuda"
-    RACECHECK = args.racecheck
     if DEV == "cuda":
         _build.load()
     gen = torch.Generator().manual_seed(0)

@@ -68,7 +68,7 @@ HEAD_DIM_64 = Spec(
 )
 # 513: odd and above 512, a GEMM tile tail in every batched K/V GEMM of dspark::multi_linear
 TOKENS = (1, 7, 8, 16, 17, 64, 65, 512, 513)
-# Fused up to here on the H200 (sm_90a), beyond the GEMM path: the one-head tile up to kFusedMaxTokens (16) of
+# Fused up to here on the H200 (sm_90a), beyond the GEMM path: the fused kernel up to kFusedMaxTokens (16) of
 # csrc/linear/multi_linear_kv_write.cu; in a process with DSPARK_KV_WRITE_WIDE_FROM set to 1, as test_wide_tile runs
 # this file (the opt-in wide tile from 1 token), up to kWideTokens (64).
 FUSED_MAX_TOKENS = 64 if os.environ.get("DSPARK_KV_WRITE_WIDE_FROM") else 16
@@ -239,7 +239,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("tokens", [8, 40, 65])  # the one-head tile; the GEMM path or, where it is on, the wide tile
+@pytest.mark.parametrize("tokens", [8, 40, 65])  # the fused kernel; the GEMM path or, where it is on, the wide tile
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_and_options(name, tokens):
     base = replace(HEAD_DIM_64, **LAYOUTS[name])

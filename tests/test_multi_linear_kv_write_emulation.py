@@ -1,9 +1,10 @@
 """The multi_linear_kv_write CUDA kernels, compiled for the host and checked on CPU against the op's reference.
 
-`custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh` is plain CUDA without torch; here it is compiled with g++
-against the shim of tests/multi_linear_emulation_shim.py (one fiber per CUDA thread, warp shuffles and
-barriers emulated). Both kernels of the op run: the fused one (the multi-weight GEMM with the norm/RoPE/cache-write
-epilogue, head_dim 64 and 128, with and without a cluster split) and the heads kernel of the GEMM path (any head_dim
+`custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh` and `multi_linear_kv_write_fused.cuh` are plain CUDA
+without torch; here they are compiled with g++ against the shim of tests/multi_linear_emulation_shim.py (one fiber per
+CUDA thread, warp shuffles and barriers emulated). Both kernels of the op run: the fused one (weights loaded into MMA
+fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and the heads
+kernel of the GEMM path (any head_dim
 multiple of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
 experimental streaming kernel of benchmarks/experimental/kv_write_stream_kernel.cuh (bulk copies completing on
 mbarriers; no op launches it), so that a fix of it can be checked here first, and the warpgroup-MMA tiles: the op's
@@ -29,6 +30,7 @@ pytestmark = (
 )  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
 
 DRIVER = r"""
+#include "linear/multi_linear_kv_write_fused.cuh"
 #include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
 #include <memory>
@@ -71,14 +73,13 @@ static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, i
   }
 }
 
-// `grid` times as many clusters as the rows have tiles (> 1: tiles past the last head).
+// The op's fused kernel (`variant` 0: the op's configuration; 1: one k-warp, 16 columns per lane, 2 chunks deep),
+// `grid` times as many clusters as the rows have heads (> 1: clusters past the last head).
 template <typename T, int V, int NT>
-static void fused(const KvWriteArgs& args, int64_t rows, int split, int grid) {
-  constexpr Variant v = fused_variant(V);
-  auto kernel = &multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>;
-  const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
-  run_grid<KvWriteArgs>(kernel, args, tiles * grid, split, cta_threads(v), v.row_warps, v.k_warps,
-                        smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT));
+static void fused(const KvWriteArgs& args, int64_t rows, int split, int grid, int variant) {
+  auto kernel = variant == 0 ? &kv_write_fused_kernel<T, V, NT> : &kv_write_fused_kernel<T, V, NT, 1, 16, 2>;
+  const int threads = variant == 0 ? fused_threads<V, kFusedKWarps>() : fused_threads<V, 1>();
+  run_grid<KvWriteArgs>(kernel, args, rows / (32 * V) * grid, split, threads, 1, 1, fused_smem_bytes<V, NT>());
 }
 
 template <typename T, int V>
@@ -148,8 +149,8 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
   } else if (path == 1) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     const bool two = token_tiles(args.gemm.tokens) > 1;
-    if (d == 64) two ? fused<T, 2, 2>(args, rows, split, grid) : fused<T, 2, 1>(args, rows, split, grid);
-    else two ? fused<T, 4, 2>(args, rows, split, grid) : fused<T, 4, 1>(args, rows, split, grid);
+    auto run = d == 64 ? (two ? &fused<T, 2, 2> : &fused<T, 2, 1>) : (two ? &fused<T, 4, 2> : &fused<T, 4, 1>);
+    run(args, rows, split, grid, variant);
   } else if (head_lanes(d) == 8) {
     heads<T, 8>(h);
   } else if (head_lanes(d) == 16) {
@@ -159,7 +160,7 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
   }
 }
 
-// ints: bf16, path (0 heads, 1 fused tile, 2 streaming, 3 wide tile, 4 wide tile with tensor maps),
+// ints: bf16, path (0 heads, 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps),
 //       split (fused, streaming) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
@@ -169,8 +170,8 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   KvWriteArgs args{};
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
-  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, stream variant,
-  //        heads-kernel CTAs at most, fused grid multiple, table form
+  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, variant (fused,
+  //        streaming), heads-kernel CTAs at most, fused grid multiple, table form
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -342,9 +343,9 @@ def _emulate(
     grid: int = 1,
     past_last: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Run the fused tile kernel or the streaming kernel (variant `variant`; both in clusters of `split` CTAs) or,
+    """Run the fused kernel or the streaming kernel (variant `variant`; both in clusters of `split` CTAs) or,
     with the projections of the GEMM path rounded to x's dtype, the heads kernel (up to `per_unit` heads per unit,
-    at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has tiles;
+    at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has heads;
     `past_last` (a cache laid out like layer 0's, a cos/sin table) fills the table entries past the last layer."""
     fused = kernel != "heads"
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
@@ -488,6 +489,17 @@ def test_fused_kernel_cluster_split_commit_fp16(emu):
     fp16, two heads per layer."""
     spec = Spec(tokens=6, hidden=256, heads=2, head_dim=64, commit=True, dtype=torch.float16)
     _check(emu, spec, kernel="fused", split=3)
+
+
+@pytest.mark.parametrize(("head_dim", "rot", "neox"), [(64, 64, True), (128, 44, True), (128, 128, False)])
+@pytest.mark.parametrize(("variant", "split"), [(0, 2), (1, 1), (1, 3)])
+def test_fused_kernel_chunks_over_k_parts(emu, head_dim, rot, neox, variant, split):
+    """K = 1000 in chunks over the k-parts of a cluster: the op's configuration (2 k-warps, chunks of 32 columns: 31
+    whole and a ragged one of 8) and one k-warp with chunks of 64 columns (15 and a ragged one of 40, lanes past K
+    loading nothing), clusters of 1 to 3 CTAs; 1 and 11 tokens (one and two token tiles)."""
+    for tokens in (1, 11):
+        spec = Spec(tokens=tokens, hidden=1000, head_dim=head_dim, rot=rot, neox=neox)
+        _check(emu, spec, kernel="fused", split=split, variant=variant, seed=tokens)
 
 
 def test_fused_kernel_without_norm_or_rope(emu):

@@ -19,14 +19,6 @@ def test_driver_calls_every_op_on_cpu(capsys):
     assert "all calls made on the CPU" in capsys.readouterr().out
 
 
-def test_driver_racecheck_calls_on_cpu(capsys):
-    """The calls of racecheck's run (every fused k-warp with a K step) stay valid too."""
-    driver = _driver()
-    driver.main(["--device", "cpu", "--only", "multi_linear_kv_write", "--racecheck"])
-    assert "all calls made on the CPU" in capsys.readouterr().out
-    assert driver.RACECHECK
-
-
 def test_profile_workload_writes_every_row_on_cpu(capsys):
     """5 layers x (K, V) x 7 tokens x 2 heads x 16 values written by the op's CPU reference."""
     _driver("profile_kv_write").main(["--device", "cpu", "--config", "tiny", "--tokens", "7", "--calls", "2"])

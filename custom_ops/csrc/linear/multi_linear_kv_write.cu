@@ -2,7 +2,8 @@
 // custom_ops/linear/multi_linear_kv_write.py (same error class, same argument names), the value checks of checking
 // mode, the CUDA layout rules, and the choice between the fused kernel (projections, norm, RoPE and cache writes in one
 // launch per 32 layers) and the GEMM path (dspark::multi_linear into a [T, 2 N kv] buffer, then the heads kernel).
-// Kernels: multi_linear_kv_write_kernels.cuh, and the opt-in wide fused tile of multi_linear_kv_write_wide.cuh.
+// Kernels: multi_linear_kv_write_fused.cuh (the fused kernel), multi_linear_kv_write_kernels.cuh (its epilogue and
+// the heads kernel), and the opt-in wide fused tile of multi_linear_kv_write_wide.cuh.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -20,6 +21,7 @@
 #include "common/error_format.h"
 #include "common/range_checks.h"
 #include "linear/multi_linear_host.h"
+#include "linear/multi_linear_kv_write_fused.cuh"
 #include "linear/multi_linear_kv_write_kernels.cuh"
 #include "linear/multi_linear_kv_write_wide.cuh"
 
@@ -29,18 +31,19 @@ namespace {
 
 constexpr const char* kOp = "multi_linear_kv_write: ";
 // Up to this many tokens the fused kernel runs; beyond, the GEMM path (dspark::multi_linear picks its kernel or
-// cuBLAS) and the heads kernel. H200, Qwen3-8B draft dims, CUDA-graph replay of the op alone: fused 36.4 / 37.9 us at
-// 8 / 16 tokens against 41.5 / 39.6 for the GEMM path; at 32 tokens the best fused tiling took 48.5 against 40.1,
-// because one head per tile leaves the GEMM with 80 tiles where the GEMM path's own tiles fill the GPU.
+// cuBLAS) and the heads kernel. H200, Qwen3-8B draft dims, CUDA-graph replay of the op alone, with the fused kernel
+// before this one (a shared-memory ring, the same per-token cost): fused 36.4 / 37.9 us at 8 / 16 tokens against
+// 41.5 / 39.6 for the GEMM path; at 32 tokens the best fused tiling took 48.5 against 40.1, because one head per
+// CTA leaves the MMAs of 32 tokens to 80 SMs where the GEMM path's own tiles fill the GPU.
 constexpr int kFusedMaxTokens = 16;
 
-static_assert(cta_rows(fused_variant(2)) == 64 && cta_rows(fused_variant(4)) == 128, "a fused tile is one head");
 static_assert(kFusedMaxTokens <= 16, "the fused kernel is compiled for 1 and 2 token tiles");
 
 // The wide fused tile (multi_linear_kv_write_wide.cuh, sm_90a) is opt-in: the environment variable
 // DSPARK_KV_WRITE_WIDE_FROM=N (read once per process) gives it the calls of N..kWideTokens tokens (N >= 1) instead of
-// the one-head tile and the GEMM path. Off by default: on the H200 (Qwen3-8B draft dims, CUDA-graph replay of the
-// lowered write, us) it took 38.8 / 39.1 at 1 / 8 tokens against 35.2 / 35.8 for the one-head tile, and 42.3 / 46.7
+// the fused kernel and the GEMM path. Off by default: on the H200 (Qwen3-8B draft dims, CUDA-graph replay of the
+// lowered write, us) it took 38.8 / 39.1 at 1 / 8 tokens against 35.2 / 35.8 for the fused path of then (31.8 /
+// 31.9 for today's fused kernel), and 42.3 / 46.7
 // at 32 / 64 against about 40-42 for the GEMM path (BENCHMARKS.md, "The wide fused tile").
 constexpr int kWideOff = kWideTokens + 1;
 
@@ -520,15 +523,12 @@ Projection projection(const Call& c, size_t first, size_t count) {
 
 // ------------------------------------------------------------------------------------------------ paths
 
+// The fused kernel: one CTA per head (rows is a whole number of heads).
 template <typename T, int V, int NT>
 void launch_fused_instance(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
-  constexpr Variant v = fused_variant(V);
-  const int split = syncs_on(device) ? auto_split(v, rows, args.gemm.k,
-                                                 device_attribute(cudaDevAttrMultiProcessorCount, device))
-                                      : 1;
-  const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
-  launch(&multi_linear_kernel<T, v.m_tiles, NT, v.row_warps, v.k_warps, v.stages, KvWriteEpilogue<V>>, args,
-         tiles * split, cta_threads(v), smem_bytes(v, NT) + KvWriteEpilogue<V>::extra_bytes(8 * NT), split, device);
+  constexpr int smem = fused_smem_bytes<V, NT>();
+  static_assert(smem <= 48 * 1024, "the fused kernel fits the default shared memory");
+  launch(&kv_write_fused_kernel<T, V, NT>, args, rows / (32 * V), fused_threads<V, kFusedKWarps>(), smem, 1, device);
 }
 
 template <typename T, int V>
@@ -644,7 +644,7 @@ void run_gemm_then_heads(const Call& c) {
   }
 }
 
-// Whether a fused kernel takes the call: up to the one-head tile's largest token tile or, where the wide tile runs,
+// Whether a fused kernel takes the call: up to the fused kernel's largest token tile or, where the wide tile runs,
 // up to its tokens; heads of 64 or 128, weights they can read.
 bool fused_fits(const Call& c, const at::Tensor& x) {
   if (x.size(0) > kFusedMaxTokens && !wide_takes(x.size(0), x.device())) return false;

@@ -8,10 +8,11 @@
 // height is a multiple of head_dim and starts at a multiple of it holds whole heads.
 //
 // Two kernels:
-//   * fused (small T, head_dim 64 or 128): multi_linear_kernel of multi_linear_kernels.cuh with KvWriteEpilogue.
-//     Its tiles are one head (64 or 128 rows); after the split-K reduction the CTA's finished tile sits in shared
-//     memory in fp32, and the epilogue writes each token's head straight into the cache (one warp per token):
-//     nothing but the weights, the activation and the written cache rows touch HBM.
+//   * fused (small T, head_dim 64 or 128): kv_write_fused_kernel of multi_linear_kv_write_fused.cuh (and the opt-in
+//     wide tile of multi_linear_kv_write_wide.cuh) with KvWriteEpilogue below. A CTA computes one head (64 or 128
+//     rows); after the reduction over its warps (and a cluster's CTAs) the finished tile sits in shared memory in
+//     fp32, and the epilogue writes each token's head straight into the cache (one warp per token): nothing but the
+//     weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim up to 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer and
 //     does the same per-unit work: persistent warps, each through a run of units (a unit: the heads of one (token,
 //     layer, K or V), or at small T a group of 4 of them) copied ahead into a shared-memory ring, with a head in 8,
@@ -41,11 +42,6 @@ constexpr int kHeadWarps = 8;                 // warps per CTA of the heads kern
 constexpr int kHalves = 0;
 constexpr int kPairs = 1;
 constexpr int kFrequencies = 2;
-
-// The fused kernel's tile for head_dim 32 V: one head, V row warps of 2 m-tiles (16 * 2 * V = 32 V rows), 4 k-warps,
-// 4 stages. On the H200 (Qwen3-8B draft dims, 80 heads, T 1..16) 4 k-warps were 8-10 % faster than 2 (more loads in
-// flight per SM); a cluster split did not pay while the heads give more than half the SMs a CTA (auto_split).
-__host__ __device__ constexpr Variant fused_variant(int v) { return Variant{2, v, 4, 4}; }
 
 // What the epilogue needs besides the GEMM: where each layer's K (kind 0) and V (kind 1) rows go and how K is normed
 // and rotated. Index tensors are addressed through their strides; a flag says int64 (else int32).
@@ -297,9 +293,9 @@ __device__ __forceinline__ void copy_async4(float* dst, const float* src) {
 // The fused epilogue. A tile is exactly one head (kRows == head_dim = 32 V) of one layer's K or V, so a unit is a
 // token of the tile. Staged in shared memory while the main loop runs: each token's slot (-1: skipped) and, for K
 // with RoPE, its cos/sin row, and the layer's norm weight. The loads behind them are issued right after the main
-// loop's first copies (`prefetch`: raw values into registers of thread t < tokens and i < head_dim), evaluated
-// halfway through it (`stage`: slots and weights to shared memory, the cos/sin rows by asynchronous copies), so the
-// epilogue reads no global memory but the peer tiles. Tokens are shared out over the cluster's CTAs and each CTA's
+// loop's first loads (`prefetch`: raw values into registers of thread t < tokens and i < head_dim), evaluated later
+// (`stage`: slots and weights to shared memory, the cos/sin rows by asynchronous copies), so the epilogue reads no
+// global memory but the peer tiles. Tokens are shared out over the cluster's CTAs and each CTA's
 // warps; a token's values are the bias plus the S partial tiles, written back into the owner's own tile row (which
 // no other CTA reads) to serve as the RoPE scratch row.
 template <int V>
