@@ -25,8 +25,8 @@
 // the whole grid; bulk copies of 16 KB by 80 / 132 / 160 / 264 CTAs; 1-D bulk copies of 512 B / 1 KB / 4 KB by 80
 // and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B; and the streaming kernel's own copy sequence
 // with a consumer that only frees the slots (its weight traffic without its math).
-// `regs`: T <= 16 only, the previous tile and the fused kernel's configurations, and the 16-byte-load read (warm
-// and cold). `profile`: one config (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`,
+// `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
+// 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `profile`: one config (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`,
 // every candidate, one check and three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -333,16 +333,28 @@ void regs_candidate(std::vector<Candidate>& out, int64_t heads) {
   }
 }
 
+// The fused kernel's configurations measured: up to 16 tokens 1 or 2 k-warps, 8 to 32 columns per lane, 1 to 4
+// deep; with 4 or 8 token tiles (32 and 64 tokens) those that hold their accumulators and loads without spilling.
 template <int V, int NT>
 void regs_candidates(std::vector<Candidate>& out, int64_t heads) {
-  regs_candidate<V, NT, 1, 8, 4>(out, heads);
-  regs_candidate<V, NT, 1, 16, 2>(out, heads);
-  regs_candidate<V, NT, 1, 16, 4>(out, heads);
-  regs_candidate<V, NT, 1, 32, 2>(out, heads);
-  regs_candidate<V, NT, 2, 16, 2>(out, heads);
-  regs_candidate<V, NT, 2, 32, 1>(out, heads);
-  regs_candidate<V, NT, 2, 8, 4>(out, heads);
-  regs_candidate<V, NT, 2, 8, 2>(out, heads);
+  if constexpr (NT == 4) {
+    regs_candidate<V, NT, 1, 8, 2>(out, heads);
+    regs_candidate<V, NT, 1, 8, 4>(out, heads);
+    regs_candidate<V, NT, 2, 8, 2>(out, heads);
+  } else if constexpr (NT == 8) {
+    regs_candidate<V, NT, 1, 8, 1>(out, heads);
+    regs_candidate<V, NT, 1, 8, 2>(out, heads);
+    regs_candidate<V, NT, 2, 8, 1>(out, heads);
+  } else {
+    regs_candidate<V, NT, 1, 8, 4>(out, heads);
+    regs_candidate<V, NT, 1, 16, 2>(out, heads);
+    regs_candidate<V, NT, 1, 16, 4>(out, heads);
+    regs_candidate<V, NT, 1, 32, 2>(out, heads);
+    regs_candidate<V, NT, 2, 16, 2>(out, heads);
+    regs_candidate<V, NT, 2, 32, 1>(out, heads);
+    regs_candidate<V, NT, 2, 8, 4>(out, heads);
+    regs_candidate<V, NT, 2, 8, 2>(out, heads);
+  }
 }
 
 // Candidate 0 is the reference the others are checked against: the previous fused tile up to 16 tokens (an
@@ -351,7 +363,16 @@ template <int V>
 std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms, bool regs_only) {
   std::vector<Candidate> out;
   if (tokens > 16) {
-    if (!regs_only) wide_candidates<V>(out, heads);
+    if (!regs_only) {
+      wide_candidates<V>(out, heads);
+    } else {
+      out.push_back(wide_candidate<V>(heads));
+      if (tokens > 32) {
+        regs_candidates<V, 8>(out, heads);
+      } else {
+        regs_candidates<V, 4>(out, heads);
+      }
+    }
     return out;
   }
   const int nt = token_tiles(tokens);
@@ -476,7 +497,7 @@ int main(int argc, char** argv) {
   const char* profile_config = argc > 2 ? argv[2] : "qwen3-8b";
   const int profile_tokens = argc > 3 ? std::atoi(argv[3]) : 8;
   const bool profile_all = argc > 4 && std::strcmp(argv[4], "all") == 0;
-  // `regs`: the previous fused tile and the fused kernel's configurations only, T <= 16, and the 16-byte-load read
+  // `regs`: the fused kernel's configurations and their reference tiles only, and the 16-byte-load read
   const bool regs_only = argc > 1 && std::strcmp(argv[1], "regs") == 0;
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -545,7 +566,6 @@ int main(int argc, char** argv) {
     }
     for (int tokens : {1, 8, 16, 32, 64}) {
       if (profile && tokens != profile_tokens) continue;
-      if (regs_only && tokens > 16) continue;
       auto args_for = [&](int i) {
         KvWriteArgs a{};
         Params& p = a.gemm;
