@@ -131,8 +131,8 @@ def multi_linear(gen: torch.Generator) -> None:
 
 
 def multi_linear_kv_write(gen: torch.Generator) -> None:
-    """The fused path (head_dim 64 / 128): the fused kernel (T <= 16; hidden 64 gives each of its 2 k-warps one chunk)
-    and the wide tile (17 <= T <= 64); the GEMM path with the heads kernel (T > 64, or head_dim 80): neox and GPT-J
+    """The fused kernel (head_dim 64 / 128, T <= 16; hidden 64 gives each of its 2 k-warps one chunk); the GEMM path
+    with the heads kernel (T > 16, or head_dim 80; the opt-in wide tile is off here): neox and GPT-J
     with partial rotary, a bias, fp32 and bf16 norm weights, 1-D slots and [B, 2] slots with commit lengths, edge
     slots and positions, both position dtypes, caches with padded rows, x with a row stride."""
     layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
