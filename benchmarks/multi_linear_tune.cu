@@ -7,7 +7,8 @@
 // (from the repository root; like every source of the project it includes headers relative to custom_ops/csrc).
 //
 // For every group of benchmarks/multi_linear.py, M in {1, 8, 16, 32, 64}, every compiled variant (kVariants) and
-// cluster splits 1..8: checks the output against a plain fp32 reference kernel, then times back-to-back launches
+// configurations of the register-streaming tile of linear/multi_linear_direct.cuh (M <= 16; the op does not launch
+// it), cluster splits 1..8: checks the output against a plain fp32 reference kernel, then times back-to-back launches
 // (programmatic dependent launch on, as the op launches) over enough weight copies that the L2 never serves them
 // (median of 7 runs). Also measured in the same run: the copy rate (device-to-device copy, bytes read + written)
 // and a pure read of the same weights (the read ceiling: what any kernel reading those bytes once can reach).
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_kernels.cuh"
 #include "tune_common.cuh"
 
@@ -28,10 +30,13 @@ using namespace dspark::mlinear;
 using tune::launch;
 using T = __nv_bfloat16;
 
+// A kernel to sweep: the tile's rows, threads and k-warps, the fewest K steps of 32 columns a warp must get, and per
+// n-tile count (1, 2, 4, 8) its function and shared memory (nullptr: not compiled for that many tokens).
 struct Config {
   std::string name;
-  Variant v;
-  KernelFn fn[4];  // n-tiles 1, 2, 4, 8
+  int rows, threads, k_warps, min_steps;
+  KernelFn fn[4];
+  int smem[4];
 };
 
 template <int V>
@@ -41,14 +46,34 @@ Config make_config() {
                            std::to_string(v.row_warps * v.k_warps) + "w/k" + std::to_string(v.k_warps) + "/d" +
                            std::to_string(v.stages);
   return {name,
-          v,
+          cta_rows(v),
+          cta_threads(v),
+          v.k_warps,
+          2,
           {kernel_instance<T, V, 1>(), kernel_instance<T, V, 2>(), kernel_instance<T, V, 4>(),
-           kernel_instance<T, V, 8>()}};
+           kernel_instance<T, V, 8>()},
+          {smem_bytes(v, 1), smem_bytes(v, 2), smem_bytes(v, 4), smem_bytes(v, 8)}};
 }
 
 template <int... V>
 std::vector<Config> all_configs(std::integer_sequence<int, V...>) {
   return {make_config<V>()...};
+}
+
+// The register-streaming tile (linear/multi_linear_direct.cuh): WR row warps of 16 rows x WK k-warps, E columns per
+// lane and chunk, D chunks in flight; up to 16 tokens (more tokens' accumulators take the registers of the loads).
+template <int WR, int WK, int E, int D>
+Config direct_config() {
+  const std::string name = "direct:" + std::to_string(16 * WR) + "r/" + std::to_string(WR * WK) + "w/k" +
+                           std::to_string(WK) + "/e" + std::to_string(E) + "/d" + std::to_string(D);
+  return {name,
+          16 * WR,
+          direct_threads<WR, WK>(),
+          WK,
+          D * E / 8,
+          {&multi_linear_direct_kernel<T, WR, 1, WK, E, D>, &multi_linear_direct_kernel<T, WR, 2, WK, E, D>, nullptr,
+           nullptr},
+          {direct_smem_bytes<WR, 1, StoreEpilogue>(), direct_smem_bytes<WR, 2, StoreEpilogue>(), 0, 0}};
 }
 
 __global__ void reference_kernel(const T* x, const T* w, int tokens, int k, int64_t rows, float* out) {
@@ -70,7 +95,12 @@ struct Group {
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const std::vector<Config> configs = all_configs(std::make_integer_sequence<int, kNumVariants>{});
+  std::vector<Config> configs = all_configs(std::make_integer_sequence<int, kNumVariants>{});
+  for (const Config& c : {direct_config<8, 2, 8, 4>(), direct_config<8, 1, 8, 4>(), direct_config<4, 2, 8, 4>(),
+                          direct_config<4, 4, 8, 4>(), direct_config<4, 2, 8, 2>(), direct_config<2, 4, 8, 4>(),
+                          direct_config<4, 2, 16, 2>()}) {
+    configs.push_back(c);
+  }
   const std::vector<Group> groups = {
       {"kv 5x[2048,4096]", {2048, 2048, 2048, 2048, 2048}, 4096},
       {"qkv [4096|1024|1024,4096]", {4096, 1024, 1024}, 4096},
@@ -126,12 +156,12 @@ int main() {
       const int ds = auto_split(kVariants[dv], rows, g.k, sms);
       for (const Config& c : configs) {
         const int nt = tokens <= 8 ? 0 : tokens <= 16 ? 1 : tokens <= 32 ? 2 : 3;
-        const int smem = smem_bytes(c.v, 1 << nt);
-        if (smem > kMaxSmemBytes) continue;
-        const int64_t tiles = (rows + cta_rows(c.v) - 1) / cta_rows(c.v);
+        const int smem = c.smem[nt];
+        if (c.fn[nt] == nullptr || smem > kMaxSmemBytes) continue;
+        const int64_t tiles = (rows + c.rows - 1) / c.rows;
         std::string line;
         for (int split : {1, 2, 3, 4, 6, 8}) {
-          if (g.k / kStepCols / (split * c.v.k_warps) < 2) continue;
+          if (g.k / kStepCols / (split * c.k_warps) < c.min_steps) continue;
           auto params = [&](int i) {
             Params p{};
             p.x = x;
@@ -152,7 +182,7 @@ int main() {
             return p;
           };
           CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
-          launch(c.fn[nt], params(0), tiles * split, cta_threads(c.v), smem, split);
+          launch(c.fn[nt], params(0), tiles * split, c.threads, smem, split);
           CHECK(cudaDeviceSynchronize());
           CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
           double err = 0, norm = 0;
@@ -166,7 +196,7 @@ int main() {
             continue;
           }
           const float us = tune::warm_us(
-              [&](int i) { launch(c.fn[nt], params(i), tiles * split, cta_threads(c.v), smem, split); }, copies, 5);
+              [&](int i) { launch(c.fn[nt], params(i), tiles * split, c.threads, smem, split); }, copies, 5);
           char buf[64];
           std::snprintf(buf, sizeof(buf), " s%d %.1f", split, us);
           line += buf;

@@ -1,6 +1,7 @@
 """The multi_linear CUDA kernel, compiled for the host and checked on CPU against an fp64 formula.
 
-`custom_ops/csrc/linear/multi_linear_kernels.cuh` is plain CUDA without torch. Here it is compiled with g++ against the
+`custom_ops/csrc/linear/multi_linear_kernels.cuh` is plain CUDA without torch (so is the register-streaming tile of
+`multi_linear_direct.cuh`, which the tune harness measures against it). Here they are compiled with g++ against the
 host shim of tests/multi_linear_emulation_shim.py (one fiber per CUDA thread, `mma.sync` rebuilt from the PTX
 fragment tables). This checks the K permutation, the fragment use, the work split over warps and cluster CTAs, the
 ragged last step, the segment lookup, biases and which outputs are written, for every compiled variant, on
@@ -24,45 +25,76 @@ pytestmark = (
 )  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
 
 DRIVER = r"""
+#include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_kernels.cuh"
 #include <memory>
 #include <vector>
 using namespace dspark::mlinear;
 
-// Runs one launch: clusters one after the other, each with all its CTAs' threads at once.
+// What a launch needs to know of a kernel: its tile's rows, its threads, its k-warps (the ring kernel's k-group
+// barriers: ids 1..WK of threads / WK threads each) and its shared memory.
+struct Shape {
+  KernelFn kernel;
+  int rows, threads, k_warps, smem_bytes;
+};
+
 template <typename T>
-static void run(const Params& p, int variant, int split) {
+static Shape ring_shape(int variant, int tokens) {
   const Variant& v = kVariants[variant];
-  const int threads = cta_threads(v), warps = threads / 32;
+  return {kernel_for<T>(variant, tokens), cta_rows(v), cta_threads(v), v.k_warps, smem_bytes(v, token_tiles(tokens))};
+}
+
+// The register-streaming tile of linear/multi_linear_direct.cuh (up to 16 tokens) in three configurations: 128 rows,
+// 2 k-warps, 8 columns per lane, 4 chunks deep; 64 rows, 1 k-warp, 16 columns, 2 deep; 32 rows, 4 k-warps, 8
+// columns, 1 deep.
+template <typename T, int WR, int NT, int WK, int E, int D>
+static Shape direct_instance() {
+  return {&multi_linear_direct_kernel<T, WR, NT, WK, E, D>, 16 * WR, direct_threads<WR, WK>(), WK,
+          direct_smem_bytes<WR, NT, StoreEpilogue>()};
+}
+
+template <typename T, int NT>
+static Shape direct_shape_of(int config) {
+  if (config == 0) return direct_instance<T, 8, NT, 2, 8, 4>();
+  if (config == 1) return direct_instance<T, 4, NT, 1, 16, 2>();
+  return direct_instance<T, 2, NT, 4, 8, 1>();
+}
+
+template <typename T>
+static Shape direct_shape(int config, int tokens) {
+  return tokens <= 8 ? direct_shape_of<T, 1>(config) : direct_shape_of<T, 2>(config);
+}
+
+// Runs one launch: clusters one after the other, each with all its CTAs' threads at once.
+static void run(const Params& p, const Shape& s, int split) {
+  const int warps = s.threads / 32;
   const int64_t rows = p.segment_end[p.num_segments - 1];
-  const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
-  const size_t smem_floats = smem_bytes(v, token_tiles(p.tokens)) / 4;
-  const KernelFn kernel = kernel_for<T>(variant, p.tokens);
+  const int64_t tiles = (rows + s.rows - 1) / s.rows;
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    EmuBarrier cluster(threads * split);
+    EmuBarrier cluster(s.threads * split);
     std::vector<std::unique_ptr<EmuBarrier>> blocks, warp_bars, named;
     std::vector<EmuBarrier*> named_ptrs;
-    std::vector<std::vector<float>> smem(split, std::vector<float>(smem_floats, NAN));
+    std::vector<std::vector<float>> smem(split, std::vector<float>(s.smem_bytes / 4, NAN));
     std::vector<float*> smem_ptrs;
     std::vector<uint32_t> lanes(size_t(split) * warps * 32 * 6);
     for (int r = 0; r < split; ++r) {
       smem_ptrs.push_back(smem[r].data());
-      blocks.push_back(std::make_unique<EmuBarrier>(threads));
+      blocks.push_back(std::make_unique<EmuBarrier>(s.threads));
       for (int w = 0; w < warps; ++w) warp_bars.push_back(std::make_unique<EmuBarrier>(32));
-      for (int g = 0; g < v.k_warps; ++g) {  // the kernel's k-group barriers: ids 1..WK of WR warps each
-        named.push_back(std::make_unique<EmuBarrier>(32 * v.row_warps));
+      for (int g = 0; g < s.k_warps; ++g) {
+        named.push_back(std::make_unique<EmuBarrier>(s.threads / s.k_warps));
         named_ptrs.push_back(named.back().get());
       }
     }
-    emu_launch_threads(size_t(split) * threads, [&](size_t i) {
-      const int r = int(i) / threads, t = int(i) % threads;
+    emu_launch_threads(size_t(split) * s.threads, [&](size_t i) {
+      const int r = int(i) / s.threads, t = int(i) % s.threads;
       threadIdx.x = t;
       blockIdx.x = unsigned(tile * split + r);
       const int w = r * warps + t / 32;
-      emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * v.k_warps, warp_bars[w].get(), &cluster,
+      emu = EmuThread{blocks[r].get(), named_ptrs.data() + size_t(r) * s.k_warps, warp_bars[w].get(), &cluster,
                       reinterpret_cast<uint32_t(*)[6]>(&lanes[size_t(w) * 32 * 6]), smem_ptrs[r],
                       smem_ptrs.data(), unsigned(tile), unsigned(r), unsigned(split)};
-      kernel(p);
+      s.kernel(p);
     });
   }
 }
@@ -77,8 +109,10 @@ extern "C" int emu_default_variant(int64_t rows, int k, int sm_count) {
   return default_variant(rows, k, sm_count);
 }
 
-extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, int k, const void* x, int64_t x_stride,
-                                 void* out, int64_t out_stride, int num_segments, const int64_t* segment_end,
+// `direct`: configuration `variant` of the register-streaming tile, else variant `variant` of multi_linear_kernel.
+extern "C" void emu_multi_linear(int bf16, int direct, int variant, int split, int tokens, int k, const void* x,
+                                 int64_t x_stride, void* out, int64_t out_stride, int num_segments,
+                                 const int64_t* segment_end,
                                  const void* const* weight, const int64_t* weight_stride, const void* const* bias,
                                  const int64_t* bias_stride) {
   Params p{};
@@ -88,7 +122,10 @@ extern "C" void emu_multi_linear(int bf16, int variant, int split, int tokens, i
     p.segment_end[i] = segment_end[i]; p.weight[i] = weight[i]; p.weight_stride[i] = weight_stride[i];
     p.bias[i] = bias[i]; p.bias_stride[i] = bias_stride[i];
   }
-  if (bf16) run<__nv_bfloat16>(p, variant, split); else run<__half>(p, variant, split);
+  const Shape shape = bf16 ? (direct ? direct_shape<__nv_bfloat16>(variant, tokens)
+                                     : ring_shape<__nv_bfloat16>(variant, tokens))
+                            : (direct ? direct_shape<__half>(variant, tokens) : ring_shape<__half>(variant, tokens));
+  run(p, shape, split);
 }
 """
 
@@ -119,8 +156,9 @@ def _segments(weights, starts, counts, biases):
     return table
 
 
-def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col=0):
-    """Emulate one launch writing output columns [col, col + sum(counts)) of `out`."""
+def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col=0, direct=False):
+    """Emulate one launch writing output columns [col, col + sum(counts)) of `out` (`direct`: configuration
+    `variant` of the register-streaming tile)."""
     table = _segments(weights, starts, counts, biases)
     n = len(table)
     ends = [sum(t[0] for t in table[: i + 1]) for i in range(n)]
@@ -130,6 +168,7 @@ def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col
 
     emu.emu_multi_linear(
         ctypes.c_int(x.dtype == torch.bfloat16),
+        ctypes.c_int(direct),
         ctypes.c_int(variant),
         ctypes.c_int(split),
         ctypes.c_int(x.shape[0]),
@@ -171,11 +210,11 @@ def _check(out, ref):
     assert rel < 1e-2
 
 
-def _run_and_check(emu, args, *, variant, split):
+def _run_and_check(emu, args, *, variant, split, direct=False):
     x, weights, starts, counts, biases = args
     total = sum(counts)
     out = torch.full((x.shape[0], total + 5), float("nan"), dtype=x.dtype)  # 2 columns before, 3 after stay NaN
-    _launch(emu, x, weights, starts, counts, biases, out, variant=variant, split=split, col=2)
+    _launch(emu, x, weights, starts, counts, biases, out, variant=variant, split=split, col=2, direct=direct)
     _check(out[:, 2 : 2 + total], fp64_formula(*args))
     assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, 2 + total :]).all()
 
@@ -188,6 +227,23 @@ def test_every_variant_and_split(emu, tokens, split):
     args = _case(tokens, 128 * split + 8, [5, 16, 20], seed=tokens * 10 + split)
     for variant in _variants(emu):
         _run_and_check(emu, args, variant=variant, split=split)
+
+
+@pytest.mark.parametrize(("tokens", "split"), [(1, 1), (5, 3), (16, 2)])
+@pytest.mark.parametrize("config", [0, 1, 2])
+def test_register_streaming_tile(emu, config, tokens, split):
+    """The register-streaming tile (linear/multi_linear_direct.cuh; the tune harness's candidate, not launched by the
+    op) on the ring kernel's cases: K = 1000 (ragged last chunk, chunks split over every k-part of the cluster), 41
+    rows over three weights (a tile spanning weights, a partial last tile whose missing rows are never read), 1 and
+    2 token tiles, clusters of 1 to 3 CTAs."""
+    args = _case(tokens, 1000, [5, 16, 20], seed=config * 10 + tokens)
+    _run_and_check(emu, args, variant=config, split=split, direct=True)
+
+
+def test_register_streaming_tile_fp16_and_small_k(emu):
+    """fp16; K = 8 and 40 (fewer chunks than k-parts: parts without work); one row."""
+    _run_and_check(emu, _case(7, 8, [1], dtype=torch.float16, seed=1), variant=0, split=2, direct=True)
+    _run_and_check(emu, _case(9, 40, [33], dtype=torch.float16, seed=2), variant=2, split=3, direct=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
