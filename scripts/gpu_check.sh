@@ -10,9 +10,10 @@
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
 #   placement the op on ten K/V weights placed apart, in pairs or adjacent, M >= 512 (benchmarks/multi_linear.py
 #             --placement)
-#   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or only benchmarks/${TUNE}_tune.cu; nvcc, no torch;
-#             each stopped after TUNE_TIMEOUT seconds, default 420: a kernel waiting on an mbarrier that never
-#             completes spins forever; TUNE_ARGS: the program's arguments)
+#   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or those TUNE names, e.g. TUNE="kv_write
+#             multi_linear"; nvcc, no torch; built in parallel, then run one at a time, each stopped after
+#             TUNE_TIMEOUT seconds, default 420: a kernel waiting on an mbarrier that never completes spins forever;
+#             TUNE_ARGS: the programs' arguments)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
@@ -126,10 +127,21 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
   tune)
     # cuBLAS from the CUDA wheels torch depends on (benchmarks/cublas_paths_tune.cu)
     cu=$(python3 -c 'import nvidia.cu13; print(list(nvidia.cu13.__path__)[0])')
-    for src in benchmarks/${TUNE:-*}_tune.cu; do
-      name=$(basename "$src" .cu)
-      { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I"$cu/include" "$src" \
-        -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -Xlinker -rpath="$cu/lib" &&
+    sources=(benchmarks/*_tune.cu)
+    if [ -n "${TUNE:-}" ]; then
+      sources=()
+      for tune in $TUNE; do sources+=("benchmarks/${tune}_tune.cu"); done
+    fi
+    names=()
+    for src in "${sources[@]}"; do names+=("$(basename "$src" .cu)"); done
+    for name in "${names[@]}"; do  # the builds in parallel, then the runs one at a time
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I"$cu/include" \
+        "benchmarks/$name.cu" -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -Xlinker -rpath="$cu/lib" \
+        >"$OUT/$name.build.log" 2>&1 &
+    done
+    wait
+    for name in "${names[@]}"; do
+      { cat "$OUT/$name.build.log" && [ -x "/tmp/$name" ] &&
         timeout "${TUNE_TIMEOUT:-420}" "/tmp/$name" ${TUNE_ARGS:-}; } 2>&1 | tee "$OUT/$name.log" || status=1
     done
     ;;
