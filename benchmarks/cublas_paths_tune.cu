@@ -24,16 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "tune_common.cuh"
-
-#define CUBLAS_CHECK(x)                                                   \
-  do {                                                                    \
-    cublasStatus_t status_ = (x);                                          \
-    if (status_ != CUBLAS_STATUS_SUCCESS) {                               \
-      std::fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)status_); \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
+#include "tune_cublas.cuh"
 
 using T = __nv_bfloat16;
 
@@ -65,14 +56,9 @@ int kernel_nodes(cudaGraph_t graph) {
 }
 
 int main() {
-  cublasHandle_t handle;
-  CUBLAS_CHECK(cublasCreate(&handle));
+  const cublasHandle_t handle = tune::cublas_handle();
   cudaStream_t stream;
-  CHECK(cudaStreamCreate(&stream));  // blocking: tune::warm_us times it from the legacy stream
-  CUBLAS_CHECK(cublasSetStream(handle, stream));
-  void* workspace;
-  CHECK(cudaMalloc(&workspace, 32 << 20));
-  CUBLAS_CHECK(cublasSetWorkspace(handle, workspace, 32 << 20));
+  CUBLAS_CHECK(cublasGetStream(handle, &stream));
   const std::vector<Group> groups = {
       {"qkv [4096|1024|1024,4096]", {4096, 1024, 1024}, 4096},
       {"q|k|v GQA-8 [4096|512|512,4096]", {4096, 512, 512}, 4096},

@@ -1,8 +1,10 @@
 // Tile-configuration sweep of the multi_linear kernel as a standalone CUDA program (no torch): the kernel header is
 // torch-free, so this builds in seconds on any machine with nvcc and runs on the GPU without the op library.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
-//        benchmarks/multi_linear_tune.cu -o multi_linear_tune && ./multi_linear_tune
+//   C=$(python3 -c 'import nvidia.cu13; print(list(nvidia.cu13.__path__)[0])')
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I$C/include \
+//        benchmarks/multi_linear_tune.cu -o multi_linear_tune -L$C/lib -l:libcublas.so.13 -Xlinker -rpath=$C/lib
+//   ./multi_linear_tune
 //
 // (from the repository root; like every source of the project it includes headers relative to custom_ops/csrc).
 //
@@ -10,8 +12,10 @@
 // configurations of the register-streaming tile of linear/multi_linear_direct.cuh (M <= 16; the op does not launch
 // it), cluster splits 1..8: checks the output against a plain fp32 reference kernel, then times back-to-back launches
 // (programmatic dependent launch on, as the op launches) over enough weight copies that the L2 never serves them
-// (median of 7 runs). Also measured in the same run: the copy rate (device-to-device copy, bytes read + written)
-// and a pure read of the same weights (the read ceiling: what any kernel reading those bytes once can reach).
+// (median of 7 runs). Also measured in the same run: the copy rate (device-to-device copy, bytes read + written),
+// a pure read of the same weights (the read ceiling: what any kernel reading those bytes once can reach) and one
+// cuBLAS GEMM on the group's weights, which lie back to back here (cuBLAS on a concatenated copy: the reference the
+// op must not be slower than), timed and checked the same way.
 // Add a candidate to kVariants to try it.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -24,7 +28,7 @@
 
 #include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_kernels.cuh"
-#include "tune_common.cuh"
+#include "tune_cublas.cuh"
 
 using namespace dspark::mlinear;
 using tune::launch;
@@ -95,6 +99,7 @@ struct Group {
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const cublasHandle_t handle = tune::cublas_handle();
   std::vector<Config> configs = all_configs(std::make_integer_sequence<int, kNumVariants>{});
   for (const Config& c : {direct_config<8, 2, 8, 4>(), direct_config<8, 1, 8, 4>(), direct_config<4, 2, 8, 4>(),
                           direct_config<4, 4, 8, 4>(), direct_config<4, 2, 8, 2>(), direct_config<2, 4, 8, 4>(),
@@ -154,6 +159,18 @@ int main() {
       std::string best_name;
       const int dv = default_variant(rows, g.k, sms);
       const int ds = auto_split(kVariants[dv], rows, g.k, sms);
+      // Whether `out` (poisoned before the call) holds the fp32 reference to bf16 rounding.
+      auto matches = [&] {
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
+        double err = 0, norm = 0;
+        for (int64_t i = 0; i < tokens * rows; ++i) {
+          const double d = __bfloat162float(out_host[i]) - ref_host[i];
+          err += d * d;
+          norm += (double)ref_host[i] * ref_host[i];
+        }
+        return err <= 1e-4 * norm;
+      };
       for (const Config& c : configs) {
         const int nt = tokens <= 8 ? 0 : tokens <= 16 ? 1 : tokens <= 32 ? 2 : 3;
         const int smem = c.smem[nt];
@@ -183,15 +200,7 @@ int main() {
           };
           CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
           launch(c.fn[nt], params(0), tiles * split, c.threads, smem, split);
-          CHECK(cudaDeviceSynchronize());
-          CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
-          double err = 0, norm = 0;
-          for (int64_t i = 0; i < tokens * rows; ++i) {
-            const double d = __bfloat162float(out_host[i]) - ref_host[i];
-            err += d * d;
-            norm += (double)ref_host[i] * ref_host[i];
-          }
-          if (!(err <= 1e-4 * norm)) {
+          if (!matches()) {
             line += " split" + std::to_string(split) + "=WRONG";
             continue;
           }
@@ -207,8 +216,20 @@ int main() {
         }
         std::printf("M=%2d %-18s smem %6d:%s\n", tokens, c.name.c_str(), smem, line.c_str());
       }
-      std::printf("M=%2d BEST %s %.2f us = %.0f%% of copy (floor %.2f us); default v%d split %d\n", tokens,
-                  best_name.c_str(), best, 100.0 * floor_us / best, floor_us, dv, ds);
+      const float one = 1.f, zero = 0.f;
+      auto cublas = [&](int i) {
+        CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, tokens, g.k, &one, w[i], CUDA_R_16BF,
+                                  g.k, x, CUDA_R_16BF, g.k, &zero, out, CUDA_R_16BF, (int)rows, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+      };
+      CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
+      cublas(0);
+      const bool cublas_ok = matches();
+      const float cublas_us = tune::warm_us(cublas, copies, 5);
+      std::printf("M=%2d BEST %s %.2f us = %.0f%% of copy (floor %.2f us); default v%d split %d; cuBLAS on the "
+                  "concatenated weights %.2f us%s (best / cuBLAS %.2fx)\n",
+                  tokens, best_name.c_str(), best, 100.0 * floor_us / best, floor_us, dv, ds, cublas_us,
+                  cublas_ok ? "" : " WRONG", best / cublas_us);
     }
     for (T* p : w) CHECK(cudaFree(p));
     CHECK(cudaFree(out));
