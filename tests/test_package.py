@@ -144,7 +144,7 @@ def test_the_build_compiles_every_source_of_every_subfolder_and_hashes_every_fil
 
 def test_every_project_include_resolves_relative_to_csrc():
     """`#include "<family>/<header>"` everywhere (the build passes -I csrc; the emulation tests and the benchmark
-    programs do the same). The benchmark programs' own headers (benchmarks/tune_common.cuh, and the experimental
+    programs do the same). The benchmark programs' own headers (benchmarks/tune_*.cuh, and the experimental
     kernels of benchmarks/experimental/ that no op uses) are named from the including file's folder or, for
     `experimental/<header>`, from benchmarks/."""
     benchmarks = ROOT / "benchmarks"
