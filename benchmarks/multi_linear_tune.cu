@@ -1,5 +1,5 @@
-// Tile-configuration sweep of the multi_linear kernel as a standalone CUDA program (no torch): the kernel header is
-// torch-free, so this builds in seconds on any machine with nvcc and runs on the GPU without the op library.
+// Tile-configuration sweep of the multi_linear kernel as a standalone CUDA program (no torch: the kernel headers are
+// torch-free; cuBLAS for the baseline), so it builds in seconds and runs on the GPU without the op library.
 //
 //   C=$(python3 -c 'import nvidia.cu13; print(list(nvidia.cu13.__path__)[0])')
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I$C/include \
@@ -16,7 +16,7 @@
 // a pure read of the same weights (the read ceiling: what any kernel reading those bytes once can reach) and one
 // cuBLAS GEMM on the group's weights, which lie back to back here (cuBLAS on a concatenated copy: the reference the
 // op must not be slower than), timed and checked the same way.
-// Add a candidate to kVariants to try it.
+// Add a candidate to kVariants, or a direct_config to main's list, to try it.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
