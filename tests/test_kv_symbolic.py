@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dspark_fx.passes.kv_symbolic import Evaluation
+from dspark_fx.passes.kv_symbolic import Algebra, Evaluation
 
 T, H, D = 3, 2, 8
 
@@ -116,3 +116,18 @@ def test_small_matmuls_are_sums_of_products_and_projections_stay_leaves():
     assert np.array_equal(outer, matmul)
     atoms = [ev.alg.single_atom(int(e)) for e in projection.reshape(-1)]
     assert all(a is not None and a[0] == "leaf" and a[1] is out.args[0][2] for a in atoms)
+
+
+def test_a_sum_in_one_pass_is_the_polynomial_of_adding_one_by_one():
+    """`Algebra.total` (the reductions and small matmuls) interns the same polynomial as adding the terms from zero
+    one by one: terms sharing monomials (coefficients that sum, and a monomial that cancels and returns), products,
+    scaled terms."""
+    alg = Algebra()
+    a, b, c = (alg.atom(("leaf", None, i)) for i in range(3))
+    terms = [a, alg.mul(a, b), alg.scale(a, 0.1), alg.scale(alg.mul(a, b), -1.0), alg.scale(c, 1 / 3), b]
+    terms += [alg.scale(alg.mul(a, b), 0.7), alg.add(c, a, -1.0), alg.power(alg.add(a, b), -0.5)]
+    for count in range(len(terms) + 1):
+        sequential = alg.zero
+        for e in terms[:count]:
+            sequential = alg.add(sequential, e)
+        assert alg.total(terms[:count]) == sequential, count

@@ -121,6 +121,15 @@ class Algebra:
 
         return self._cached(("add", a, b, sign), run)
 
+    def total(self, terms: Any) -> int:
+        """The sum of the expressions `terms`, in one pass: the same polynomial as adding them one by one from zero
+        (each monomial's coefficients are added in the same order), without building every partial sum."""
+        out: dict = {}
+        for e in terms:
+            for m, c in self.polys[e]:
+                out[m] = out.get(m, 0.0) + c
+        return self.intern(out)
+
     def scale(self, a: int, c: float) -> int:
         return self._cached(("scale", a, c), lambda: self.intern({m: k * c for m, k in self.polys[a]}))
 
@@ -569,9 +578,7 @@ def _reduce(ev: Evaluation, node: fx.Node) -> Sym | None:
     alg = ev.alg
     out = np.empty(flat.shape[:-1], dtype=np.int64)
     for index in np.ndindex(out.shape):
-        total = alg.zero
-        for e in flat[index]:
-            total = alg.add(total, int(e))
+        total = alg.total(int(e) for e in flat[index])
         out[index] = alg.scale(total, 1.0 / count) if node.target is aten.mean.dim else total
     if keep:
         for d in dims:
@@ -593,10 +600,7 @@ def _matmul(ev: Evaluation, node: fx.Node) -> Sym | None:
     out = np.empty((*batch, rows, cols), dtype=np.int64)
     for index in np.ndindex(out.shape):
         *at, i, j = index
-        total = alg.zero
-        for k in range(inner):
-            total = alg.add(total, alg.mul(int(a.ids[(*at, i, k)]), int(b.ids[(*at, k, j)])))
-        out[index] = total
+        out[index] = alg.total(alg.mul(int(a.ids[(*at, i, k)]), int(b.ids[(*at, k, j)])) for k in range(inner))
     return Sym(out)
 
 
