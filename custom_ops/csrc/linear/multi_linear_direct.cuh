@@ -2,7 +2,9 @@
 // memory straight into mma.sync fragments, no shared-memory ring and no barrier in the main loop. Plain CUDA (no torch
 // headers). Two kernels run it: the K/V write's fused kernel (multi_linear_kv_write_fused.cuh, its norm/RoPE/cache
 // epilogue on whole heads) and `multi_linear_direct_kernel` below (bias and store, the epilogue of
-// multi_linear_kernel; benchmarks/multi_linear_tune.cu measures it against that kernel, the op does not launch it).
+// multi_linear_kernel): the op compiles it as the variants of kDirectVariants, which only `_multi_linear_variant`
+// runs (benchmarks/multi_linear.py's sweep and benchmarks/multi_linear_tune.cu measure them against the ring tile
+// and cuBLAS).
 //
 // Fragments. Lane (group g = lane / 4, quad c = lane % 4) of a warp holds rows g and g + 8 of the warp's 16 rows and
 // token g of each n-tile of 8 tokens. In a chunk of 4 E columns starting at `col` it loads the E columns
@@ -178,6 +180,81 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
 template <typename T, int WR, int NT, int WK, int E, int D>
 __global__ void __launch_bounds__(direct_threads<WR, WK>()) multi_linear_direct_kernel(const __grid_constant__ Params p) {
   direct_tile<T, WR, NT, WK, E, D, false, StoreEpilogue>(p);
+}
+
+// ------------------------------------------------------------------------------------------------ the op's variants
+
+// A register-streaming configuration: WR row warps x WK k-warps, E columns per lane and chunk, D chunks in flight.
+struct DirectVariant {
+  int row_warps;
+  int k_warps;
+  int lane_cols;
+  int depth;
+};
+
+// The configurations the op compiles: its variants kNumVariants .. kNumVariants + kNumDirectVariants - 1 of
+// `_multi_linear_variant` (after the ring tile's kVariants), for the benchmark sweep and the tests; the op's default
+// choice (default_variant) does not take them. 128, 64 and 32 rows, 8 or 16 warps, 4 chunks of 32 columns in flight:
+// 66-120 registers without spills at 1 and 2 token tiles (ptxas, sm_90a). benchmarks/multi_linear_tune.cu times
+// these and more against the ring tile and cuBLAS.
+constexpr DirectVariant kDirectVariants[] = {
+    {8, 2, 8, 4},  // 128 rows, 2 k-warps
+    {4, 2, 8, 4},  // 64 rows, 2 k-warps
+    {4, 4, 8, 4},  // 64 rows, 4 k-warps
+    {2, 4, 8, 4},  // 32 rows, 4 k-warps
+};
+constexpr int kNumDirectVariants = sizeof(kDirectVariants) / sizeof(kDirectVariants[0]);
+// Tokens the register-streaming tile takes: 1 or 2 n-tiles (more tokens' accumulators take the registers of the
+// loads in flight).
+constexpr int kDirectMaxTokens = 16;
+
+__host__ __device__ constexpr int cta_rows(const DirectVariant& v) { return 16 * v.row_warps; }
+__host__ __device__ constexpr int cta_threads(const DirectVariant& v) { return 32 * v.row_warps * v.k_warps; }
+
+template <typename T, int V, int NT>
+KernelFn direct_instance() {
+  constexpr DirectVariant v = kDirectVariants[V];
+  return &multi_linear_direct_kernel<T, v.row_warps, NT, v.k_warps, v.lane_cols, v.depth>;
+}
+
+template <int V>
+constexpr int direct_variant_smem(int n_tiles) {
+  constexpr DirectVariant v = kDirectVariants[V];
+  return n_tiles == 1 ? direct_smem_bytes<v.row_warps, 1, StoreEpilogue>()
+                      : direct_smem_bytes<v.row_warps, 2, StoreEpilogue>();
+}
+
+// The kernel and its shared memory for direct variant `index` (0..kNumDirectVariants-1) at `tokens` <=
+// kDirectMaxTokens tokens.
+struct DirectLaunch {
+  KernelFn fn;
+  int smem;
+};
+
+template <typename T, int... V>
+DirectLaunch select_direct(int index, int n_tiles, std::integer_sequence<int, V...>) {
+  DirectLaunch out{nullptr, 0};
+  ((index == V ? (out = {n_tiles == 1 ? direct_instance<T, V, 1>() : direct_instance<T, V, 2>(),
+                         direct_variant_smem<V>(n_tiles)},
+                  0)
+               : 0),
+   ...);
+  return out;
+}
+
+template <typename T>
+DirectLaunch direct_launch(int index, int tokens) {
+  return select_direct<T>(index, token_tiles(tokens), std::make_integer_sequence<int, kNumDirectVariants>{});
+}
+
+// Cluster split when none is forced, by the rule of auto_split: double it only while the grid has fewer CTAs than
+// half the SMs and every k-part would still get at least `depth` chunks after doubling.
+inline int direct_auto_split(const DirectVariant& v, int64_t total_rows, int k, int sm_count) {
+  const int64_t tiles = (total_rows + cta_rows(v) - 1) / cta_rows(v);
+  const int64_t chunks = (k + 4 * v.lane_cols - 1) / (4 * v.lane_cols);
+  int split = 1;
+  while (split < kMaxSplit && 2 * tiles * split < sm_count && chunks / (2 * split * v.k_warps) >= v.depth) split *= 2;
+  return split;
 }
 
 }  // namespace mlinear
