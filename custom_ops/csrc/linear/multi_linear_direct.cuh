@@ -13,9 +13,13 @@
 // are the columns col + c E + 8 i + {0, 1} and {2, 3} (then {4, 5}, {6, 7}) in both operands, so the sum over k is
 // the same sum in another order (multi_linear_kernels.cuh gives the fragment layouts).
 //
-// Work. Cluster `id` is tile `id`: rows id * 16 WR .. of the launch's concatenated rows (each row resolved to its
-// weight segment on its own). A CTA has WR row warps of 16 rows times WK k-warps; the K chunks are split evenly over
-// the cluster's S * WK k-parts, and each lane keeps D chunks of loads in flight in registers. A lane's vectors past K
+// Work. Cluster `id` is tile `id`: rows id * 16 WR RS .. of the launch's concatenated rows (each row resolved to its
+// weight segment on its own). A CTA has WR row warps of 16 rows times WK k-warps, and each lane keeps D chunks of
+// loads in flight in registers. The cluster's S CTAs split the tile's K (RS = 1: the K chunks are split evenly over
+// the cluster's S * WK k-parts) or its rows (RS = S > 1: CTA `rank` computes rows rank * 16 WR .. of the tile over the
+// whole K, split over its WK k-warps, and leaves the other rows of its partial tile zero, so that the epilogue's sum
+// of the cluster's partial tiles is the same as for a split K; more, smaller CTAs for a tile the epilogue must see
+// whole, such as a head that is normed and rotated; only where clusters run: the sm_90a code). A lane's vectors past K
 // load nothing and count as zeros (K is a multiple of 8, so a vector is all in or all out); so do rows past the last
 // row (never read; unless kWholeTiles: every tile's rows exist, as the K/V write's heads do, and no lane checks). After
 // the loop the k-warps of a row warp add their accumulators into the CTA's fp32 tile in turn, and the epilogue's
@@ -67,18 +71,20 @@ __host__ __device__ constexpr int direct_threads() {
   return 32 * WR * WK;
 }
 
-// Shared memory: the fp32 bias [16 WR], the tile [8 NT][tile_pitch(16 WR)], the epilogue's staging area.
+// Shared memory of a tile of 16 WR rows (the cluster's rows where it splits them): the fp32 bias [16 WR], the tile
+// [8 NT][tile_pitch(16 WR)], the epilogue's staging area.
 template <int WR, int NT, typename Epilogue>
 __host__ __device__ constexpr int direct_smem_bytes() {
   return 4 * 16 * WR + 4 * 8 * NT * tile_pitch(16 * WR) + Epilogue::extra_bytes(8 * NT);
 }
 
 // One cluster's tile (see the header comment); the body of the kernels that run it.
-template <typename T, int WR, int NT, int WK, int E, int D, bool kWholeTiles, typename Epilogue>
+template <typename T, int WR, int NT, int WK, int E, int D, bool kWholeTiles, typename Epilogue, int RS = 1>
 __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args) {
-  constexpr int kRows = 16 * WR, kTokens = 8 * NT, kThreads = direct_threads<WR, WK>();
+  constexpr int kCtaRows = 16 * WR, kRows = RS * kCtaRows, kTokens = 8 * NT, kThreads = direct_threads<WR, WK>();
   constexpr int kVecs = E / 8, kCols = 4 * E, kPitch = tile_pitch(kRows);
   static_assert(E % 8 == 0 && D >= 1, "E is a multiple of 8");
+  static_assert(RS >= 1 && RS <= kMaxSplit, "a row split is a cluster of at most kMaxSplit CTAs");
   const Params& p = Epilogue::gemm(args);
   float* bias = cta_smem();
   float* tile = bias + kRows;
@@ -92,13 +98,15 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
   if (row0 >= p.segment_end[p.num_segments - 1]) return;
 
   const int64_t total_rows = p.segment_end[p.num_segments - 1];
-  const int64_t r0 = row0 + row_warp * 16 + group;
+  const int first_row = RS > 1 ? static_cast<int>(cluster.rank) * kCtaRows : 0;  // this CTA's rows in the tile
+  const int64_t r0 = row0 + first_row + row_warp * 16 + group;
   const bool live0 = kWholeTiles || r0 < total_rows;
   const T* w0 = weight_row<T>(p, live0 ? r0 : total_rows - 1) + quad * E;
   const bool live1 = kWholeTiles || r0 + 8 < total_rows;
   const T* w1 = weight_row<T>(p, live1 ? r0 + 8 : total_rows - 1) + quad * E;
   const int chunks = (p.k + kCols - 1) / kCols;
-  const int parts = static_cast<int>(cluster.size) * WK, part = static_cast<int>(cluster.rank) * WK + k_warp;
+  const int parts = RS > 1 ? WK : static_cast<int>(cluster.size) * WK;
+  const int part = RS > 1 ? k_warp : static_cast<int>(cluster.rank) * WK + k_warp;
   const int begin = static_cast<int>(static_cast<int64_t>(chunks) * part / parts);
   const int end = static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts);
 #pragma unroll
@@ -107,6 +115,12 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
     if (begin + d < end && col + quad * E < p.k) {
       if (live0) prefetch_l2(w0 + col);
       if (live1) prefetch_l2(w1 + col);
+    }
+  }
+  if constexpr (RS > 1) {  // the other CTAs' rows of this CTA's partial tile
+    for (int i = static_cast<int>(threadIdx.x); i < kTokens * (kRows - kCtaRows); i += kThreads) {
+      const int token = i / (kRows - kCtaRows), r = i % (kRows - kCtaRows);
+      tile[token * kPitch + (r < first_row ? r : r + kCtaRows)] = 0.f;
     }
   }
   const T* xs[NT];
@@ -166,7 +180,7 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
   wait_copies<0>();  // the epilogue's asynchronous copies
 #pragma unroll
   for (int j = 0; j < WK; ++j) {
-    if (k_warp == j) add_to_tile<1, NT, kPitch>(tile, acc, row_warp, lane, j == 0);
+    if (k_warp == j) add_to_tile<1, NT, kPitch>(tile, acc, first_row / 16 + row_warp, lane, j == 0);
     __syncthreads();
   }
   const int64_t rows_left = total_rows - row0;
