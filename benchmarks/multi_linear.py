@@ -20,7 +20,8 @@ concat (one `mm` on a concatenated copy: a bound, not an option, since it needs 
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
     python benchmarks/multi_linear.py --placement --out placement.md  # where the weights lie, M >= 512
 
-`--sweep` times every compiled kernel variant (`custom_ops.linear.multi_linear.kernel_variants()`) with every
+`--sweep` times every compiled kernel variant (`custom_ops.linear.multi_linear.kernel_variants()`: the ring tile's
+and, up to 16 tokens, the register-streaming tile's) with every
 cluster split (0 = the automatic one) on every group and M in {1, 8, 16, 32, 64} through
 `dspark::_multi_linear_variant`, refuses to time a variant whose output differs from cuBLAS (prints the error
 instead), and prints the best variant per shape, then the best variant per token tile summed over the groups (what
@@ -288,6 +289,8 @@ def sweep_shape(group: Group, tokens: int, bandwidth: float) -> SweepShape:
     floor = group.bytes_moved(tokens) / bandwidth * 1e6
     shape = SweepShape({}, [])
     for v in kernel_variants():
+        if tokens > v.max_tokens:  # the register-streaming tile's variants stop at 16 tokens
+            continue
         for split in SWEEP_SPLITS:
             call = variant_call(group, x, v, split)
             err = rel_error(call(0), ref)

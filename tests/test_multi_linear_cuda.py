@@ -91,17 +91,40 @@ def test_decode_groups_of_the_benchmark():
         _check(op(*qkv), fp64_formula(*qkv))
 
 
-@pytest.mark.parametrize("tokens", [1, 9, 40])
+@pytest.mark.parametrize("tokens", [1, 9, 16, 40])
 def test_every_variant_and_split(tokens):
-    """Each compiled tile configuration with automatic and forced cluster splits; a second run is bit-identical (no
-    race in the split-K reduction)."""
+    """Each compiled tile configuration (the ring tile's and the register-streaming tile's; K = 1032 leaves both a
+    ragged last step or chunk) with automatic and forced cluster splits; a second run is bit-identical (no race in the
+    split-K reduction). A variant refuses more tokens than it takes."""
     args = _case(tokens, 1032, [40, 0, 300, 17], seed=tokens)
     ref = fp64_formula(*args)
+    assert any(v.direct for v in kernel_variants()) and any(not v.direct for v in kernel_variants())
     for v in kernel_variants():
+        if tokens > v.max_tokens:
+            with pytest.raises(ValueError, match=f"variant {v.index} .* takes at most {v.max_tokens} tokens"):
+                variant_op(*args, v.index, 0)
+            continue
         for split in (0, 1, 2, 3, 8):
             out = variant_op(*args, v.index, split)
             _check(out, ref)
             assert torch.equal(out, variant_op(*args, v.index, split)), f"{v} split {split} is not deterministic"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_register_streaming_variants_match_fp64(group, dtype):
+    """The register-streaming tile's variants on every group (K = 8 and 64: most k-parts get no chunk, ranges shorter
+    than a warp's 16 rows, tiles spanning weights), 1 to 16 tokens, without and with a cluster split."""
+    k, counts = GROUPS[group]
+    direct = [v for v in kernel_variants() if v.direct]
+    for tokens in (1, 7, 16):
+        args = _case(tokens, k, counts, dtype=dtype, seed=tokens)
+        ref = fp64_formula(*args)
+        for v in direct:
+            for split in (0, 1, 2):
+                out = variant_op(*args, v.index, split)
+                assert out.dtype == dtype
+                _check(out, ref)
 
 
 def test_default_variant_equals_the_op():
@@ -553,3 +576,7 @@ def test_variant_op_rejects_what_the_kernel_cannot_run():
         variant_op(x.float(), [w.float() for w in weights], starts, counts, [None], 0, 0)
     with pytest.raises(ValueError, match="cannot run this call"):
         variant_op(torch.randn(65, 64, device="cuda", dtype=x.dtype), weights, starts, counts, biases, 0, 0)
+    direct = next(v for v in kernel_variants() if v.direct)
+    x17 = torch.randn(17, 64, device="cuda", dtype=x.dtype)
+    with pytest.raises(ValueError, match=f"cannot run this call: variant {direct.index} .* at most 16 tokens"):
+        variant_op(x17, weights, starts, counts, biases, direct.index, 0)

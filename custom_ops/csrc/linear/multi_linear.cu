@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/error_format.h"
+#include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_host.h"
 
 namespace dspark {
@@ -356,6 +357,29 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
   run_cublas(x, weights, starts, biases, plain, out);
 }
 
+// The launch shape of op variant `variant` (see multi_linear_variant) for `rows` rows of K `k` at `tokens` tokens:
+// the ring tile's kVariants first, then the register-streaming tile's kDirectVariants; split 0: automatic.
+struct KernelLaunch {
+  KernelFn fn;
+  int rows;  // per CTA tile
+  int threads;
+  int smem;
+  int split;
+};
+
+template <typename T>
+KernelLaunch kernel_launch(int variant, int split, int tokens, int64_t rows, int k, int sm_count, bool syncs) {
+  if (variant >= kNumVariants) {
+    const DirectVariant& v = kDirectVariants[variant - kNumVariants];
+    const DirectLaunch d = direct_launch<T>(variant - kNumVariants, tokens);
+    const int s = split > 0 ? split : syncs ? direct_auto_split(v, rows, k, sm_count) : 1;
+    return {d.fn, cta_rows(v), cta_threads(v), d.smem, s};
+  }
+  const Variant& v = kVariants[variant];
+  const int s = split > 0 ? split : syncs ? auto_split(v, rows, k, sm_count) : 1;
+  return {kernel_for<T>(variant, tokens), cta_rows(v), cta_threads(v), smem_bytes(v, token_tiles(tokens)), s};
+}
+
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
 // variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split where the GPU runs clusters,
 // else 1).
@@ -387,10 +411,9 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
       p.bias_stride[j] = r.bias_stride;
     }
     const int vi = variant >= 0 ? variant : default_variant(rows, k, sm_count);
-    const Variant& v = kVariants[vi];
-    const int s = split > 0 ? split : syncs ? auto_split(v, rows, k, sm_count) : 1;
-    const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
-    launch(kernel_for<T>(vi, tokens), p, tiles * s, cta_threads(v), smem_bytes(v, token_tiles(tokens)), s, x.device());
+    const KernelLaunch l = kernel_launch<T>(vi, split, tokens, rows, k, sm_count, syncs);
+    const int64_t tiles = (rows + l.rows - 1) / l.rows;
+    launch(l.fn, p, tiles * l.split, l.threads, l.smem, l.split, x.device());
   }
 }
 
@@ -445,13 +468,15 @@ at::Tensor multi_linear_cublas(const at::Tensor& x, at::TensorList weights, at::
   return out;
 }
 
-// The kernel with a forced variant (-1: the default one) and cluster split (0: automatic), for any token count up to
-// kMaxTokens; raises ValueError where the kernel cannot run.
+// The kernel with a forced variant (-1: the default one; 0 .. kNumVariants - 1: the ring tile's kVariants, then the
+// register-streaming tile's kDirectVariants, up to kDirectMaxTokens tokens) and cluster split (0: automatic), for any
+// token count up to kMaxTokens; raises ValueError where the kernel cannot run.
 at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at::IntArrayRef row_starts,
                                 at::IntArrayRef row_counts, const Biases& biases, int64_t variant, int64_t split) {
   check_args(x, weights, row_starts, row_counts, biases);
-  TORCH_CHECK_VALUE(variant >= -1 && variant < kNumVariants, "_multi_linear_variant: variant must be in [-1, ",
-                    num(kNumVariants), "), got ", num(variant));
+  constexpr int64_t variants = kNumVariants + kNumDirectVariants;
+  TORCH_CHECK_VALUE(variant >= -1 && variant < variants, "_multi_linear_variant: variant must be in [-1, ",
+                    num(variants), "), got ", num(variant));
   TORCH_CHECK_VALUE(split >= 0 && split <= kMaxSplit, "_multi_linear_variant: split must be in [0, ", num(kMaxSplit),
                     "], got ", num(split));
   TORCH_CHECK_VALUE(split <= 1 || syncs_on(x.device()), "_multi_linear_variant: split ", num(split),
@@ -463,6 +488,10 @@ at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at:
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   const char* blocker = kernel_blocker(x, runs);
   TORCH_CHECK_VALUE(blocker == nullptr, "_multi_linear_variant: the kernel cannot run this call: ", blocker);
+  static_assert(kDirectMaxTokens == 16, "the message below names the register-streaming tile's token limit");
+  TORCH_CHECK_VALUE(variant < kNumVariants || x.size(0) <= kDirectMaxTokens, "_multi_linear_variant: the kernel "
+                    "cannot run this call: variant ", num(variant), " (the register-streaming tile) takes at most 16 "
+                    "tokens, x has ", num(x.size(0)));
   dispatch_kernel(x, runs, out, static_cast<int>(variant), static_cast<int>(split));
   return out;
 }
@@ -500,16 +529,29 @@ extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_st
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {
-  return dspark::mlinear::kNumVariants;
+  return dspark::mlinear::kNumVariants + dspark::mlinear::kNumDirectVariants;
 }
 
-// Writes m_tiles, row_warps, k_warps, stages of variant `index` to fields[0..3]; returns 0, or -1 for a bad index.
+// Writes m_tiles, row_warps, k_warps, stages, lane_cols of variant `index` to fields[0..4] (a ring-tile variant:
+// lane_cols 0; a register-streaming one: m_tiles 1, stages its chunks in flight, lane_cols its columns per lane and
+// chunk); returns 0, or -1 for a bad index.
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_variant(int index, int* fields) {
-  if (index < 0 || index >= dspark::mlinear::kNumVariants) return -1;
+  using dspark::mlinear::kNumVariants;
+  if (index < 0 || index >= kNumVariants + dspark::mlinear::kNumDirectVariants) return -1;
+  if (index >= kNumVariants) {
+    const dspark::mlinear::DirectVariant& v = dspark::mlinear::kDirectVariants[index - kNumVariants];
+    fields[0] = 1;
+    fields[1] = v.row_warps;
+    fields[2] = v.k_warps;
+    fields[3] = v.depth;
+    fields[4] = v.lane_cols;
+    return 0;
+  }
   const dspark::mlinear::Variant& v = dspark::mlinear::kVariants[index];
   fields[0] = v.m_tiles;
   fields[1] = v.row_warps;
   fields[2] = v.k_warps;
   fields[3] = v.stages;
+  fields[4] = 0;
   return 0;
 }
