@@ -209,7 +209,7 @@ struct DirectVariant {
 // The configurations the op compiles: its variants kNumVariants .. kNumVariants + kNumDirectVariants - 1 of
 // `_multi_linear_variant` (after the ring tile's kVariants), for the benchmark sweep and the tests; the op's default
 // choice (default_variant) does not take them. 128, 64 and 32 rows, 8 or 16 warps, 4 chunks of 32 columns in flight:
-// 66-120 registers without spills at 1 and 2 token tiles (ptxas, sm_90a). benchmarks/multi_linear_tune.cu times
+// 89-118 registers without spills at 1 and 2 token tiles (ptxas, sm_90a). benchmarks/multi_linear_tune.cu times
 // these and more against the ring tile and cuBLAS.
 constexpr DirectVariant kDirectVariants[] = {
     {8, 2, 8, 4},  // 128 rows, 2 k-warps
