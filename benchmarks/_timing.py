@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -74,3 +75,13 @@ def _cpu_sample(call: Callable[[], object]) -> float:
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
+
+
+# The ops' opt-in paths, read from the environment once per process: a table timed with one set must say so.
+OPT_INS = ("DSPARK_MULTI_LINEAR_DIRECT", "DSPARK_KV_WRITE_WIDE_FROM")
+
+
+def opt_in_note() -> str:
+    """ "; opt-in: NAME=value, ..." for the opt-in variables set in this process, else ""."""
+    found = [f"{name}={os.environ[name]}" for name in OPT_INS if os.environ.get(name)]
+    return f"; opt-in: {', '.join(found)}" if found else ""

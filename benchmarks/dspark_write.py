@@ -112,7 +112,7 @@ from unittest import mock
 
 import torch
 from _spellings import SPELLINGS, SpellingModel, build_spelling
-from _timing import graphed, interleaved_median_us, median_us
+from _timing import graphed, interleaved_median_us, median_us, opt_in_note
 
 import dspark_fx
 from dspark_fx.reference_draft import DraftKVConfig, apply_rope
@@ -650,7 +650,9 @@ def report(
     if device == "cuda":
         import triton
 
-        where = f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+        where = (
+            f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}{opt_in_note()}"
+        )
         timing = (
             "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), after an L2 flush, between CUDA "
             f"events; per row, the medians of {runs[0][0].rounds} interleaved rounds over every cell of the row's "

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _timing import opt_in_note
 from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
@@ -349,8 +350,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     groups = [] if args.placement else [Group.make(name, s, props.L2_cache_size) for name, s in GROUPS.items()]
     header = (
-        f"GPU {props.name}, torch {torch.__version__}; copy rate {bandwidth / 1e12:.2f} TB/s (read + write); "
-        f"bf16; CUDA-graph replay over L2-cold weight copies"
+        f"GPU {props.name}, torch {torch.__version__}{opt_in_note()}; copy rate {bandwidth / 1e12:.2f} TB/s "
+        "(read + write); bf16; CUDA-graph replay over L2-cold weight copies"
     )
     print(header, flush=True)
     with torch.no_grad():

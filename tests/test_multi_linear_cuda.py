@@ -6,8 +6,12 @@ streams, opcheck and the argument errors of the CPU path."""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
+from helpers import pytest_in_a_process
 from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
@@ -24,6 +28,8 @@ pytestmark = pytest.mark.cuda
 
 op = torch.ops.dspark.multi_linear
 variant_op = torch.ops.dspark._multi_linear_variant
+# The opt-in register-streaming variant of this process (test_register_streaming_opt_in runs this file with it set).
+DIRECT = os.environ.get("DSPARK_MULTI_LINEAR_DIRECT")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -401,11 +407,50 @@ def test_the_path_the_rule_names_runs(tokens, counts):
     args = _case(tokens, 256, counts, seed=tokens, pad_rows=1, bias=(False,))
     names = _kernel_names(lambda: op(*args))
     kernel = uses_kernel(tokens, counts)
-    assert any("multi_linear_kernel" in n for n in names) == kernel
+    assert any("multi_linear_kernel" in n or "multi_linear_direct_kernel" in n for n in names) == kernel
     assert any("fill_pointer_table" in n for n in names) == (not kernel and cublas_batches(counts))
     many = _case(600, 64, [32] * 3, seed=1, pad_rows=1, bias=(False,))
     assert any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*many)))
     _check(op(*many), fp64_formula(*many))
+
+
+@pytest.mark.skipif(DIRECT is None, reason="where DSPARK_MULTI_LINEAR_DIRECT is set (test_register_streaming_opt_in)")
+@pytest.mark.parametrize("tokens", [1, 9, 16, 17])
+def test_opt_in_runs_the_register_streaming_variant(tokens):
+    """With DSPARK_MULTI_LINEAR_DIRECT=N, up to 16 tokens every call the kernel can read (a single tall range too,
+    which cuBLAS takes otherwise) launches the register-streaming kernel, bit for bit variant N with its automatic
+    split; from 17 tokens the op's own rule."""
+    direct = [v for v in kernel_variants() if v.direct][int(DIRECT)]
+    for counts in ([4096], [1024, 256, 256], [40, 0, 300, 17]):
+        args = _case(tokens, 512, counts, seed=tokens)
+        names = _kernel_names(functools.partial(op, *args))
+        out = op(*args)
+        _check(out, fp64_formula(*args))
+        takes = tokens <= 16
+        assert any("multi_linear_direct_kernel" in n for n in names) == takes, (counts, names)
+        if takes:
+            assert uses_kernel(tokens, counts)
+            assert torch.equal(out, variant_op(*args, direct.index, 0))
+
+
+def test_register_streaming_opt_in():
+    """Each register-streaming variant made the op's choice (DSPARK_MULTI_LINEAR_DIRECT=N, read once per process):
+    this file's fp64, decode-group, path, CUDA-graph and opt-in tests in a process that sets it."""
+    selection = "matches_fp64 or decode_groups or the_path_the_rule or cuda_graph or opt_in_runs"
+    for n in range(sum(v.direct for v in kernel_variants())):
+        result = pytest_in_a_process({"DSPARK_MULTI_LINEAR_DIRECT": str(n)}, "-rA", __file__, "-k", selection)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        assert "PASSED tests/test_multi_linear_cuda.py::test_opt_in_runs_the_register_streaming_variant[16]" in (
+            result.stdout
+        ), result.stdout[-4000:]
+
+
+def test_register_streaming_opt_in_that_is_not_an_index_warns():
+    """DSPARK_MULTI_LINEAR_DIRECT=4 (past the last variant): a warning that names the variable, and the op's own
+    choice (the path test passes). `-s`: c10's warning handler writes to stderr when called by `torch.ops`."""
+    result = pytest_in_a_process({"DSPARK_MULTI_LINEAR_DIRECT": "4"}, "-s", __file__, "-k", "the_path_the_rule")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "DSPARK_MULTI_LINEAR_DIRECT=4 is not an index" in result.stdout + result.stderr
 
 
 def _adjacent_case(tokens, seed):

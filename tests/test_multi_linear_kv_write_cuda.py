@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import pytest_in_a_process
 from multi_linear_cases import (
     BAD,
     BAD_CASES,
@@ -155,26 +153,12 @@ def test_head_dim_64(tokens, mode, style):
     run_pair(_variant(HEAD_DIM_64, tokens, mode, style))
 
 
-def _this_file_in_a_process(wide_from: str, *selection: str) -> subprocess.CompletedProcess:
-    """pytest on `selection` (of this file) in a new process with DSPARK_KV_WRITE_WIDE_FROM=`wide_from`: the op reads
-    the variable once per process."""
-    here = Path(__file__)
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "always", *selection],
-        env={**os.environ, "DSPARK_KV_WRITE_WIDE_FROM": wide_from},
-        cwd=here.parent.parent,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
 def test_wide_tile():
     """The opt-in wide tile (DSPARK_KV_WRITE_WIDE_FROM=1: every fused call, 1 to 64 tokens) against the CPU
     reference: the shape, layout, fp64 and CUDA-graph tests of this file at up to 65 tokens, in a process that sets
     it."""
     wide = "(shapes or head_dim_64 or layouts or fp64 or graph) and not 512 and not 513 and not (layouts and 65)"
-    result = _this_file_in_a_process("1", __file__, "-k", wide)
+    result = pytest_in_a_process({"DSPARK_KV_WRITE_WIDE_FROM": "1"}, __file__, "-k", wide)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
 
@@ -183,7 +167,9 @@ def test_wide_tile_setting_that_is_not_a_positive_integer_warns():
     """DSPARK_KV_WRITE_WIDE_FROM=abc: a warning that names the variable, and the op's default paths (a shape test at
     8 tokens passes in a process that sets it). `-s`: the op warns through c10's handler, which writes to stderr (not
     through Python's warnings) when called by `torch.ops`, and pytest would keep that stderr to itself."""
-    result = _this_file_in_a_process("abc", "-s", f"{__file__}::test_qwen3_8b_shapes[8-1-D-neox]")
+    result = pytest_in_a_process(
+        {"DSPARK_KV_WRITE_WIDE_FROM": "abc"}, "-s", f"{__file__}::test_qwen3_8b_shapes[8-1-D-neox]"
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "1 passed" in result.stdout
     assert "DSPARK_KV_WRITE_WIDE_FROM=abc is not a positive integer" in result.stdout + result.stderr

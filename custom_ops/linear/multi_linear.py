@@ -70,7 +70,10 @@ T in compiled graphs (the fake impl gives it).
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
 automatic; above 1 only on sm_90), for any T up to 64 (up to 16 for the register-streaming tile's variants, which
 load weights straight into MMA fragments and which the op's own choice does not take yet), and raises `ValueError`
-where the kernel cannot run.
+where the kernel cannot run. The environment variable `DSPARK_MULTI_LINEAR_DIRECT=N` (read once per process; N an
+index of those variants, 0 to 3) makes the op itself run register-streaming variant N for every call of up to 16
+tokens that the kernel can read (an opt-in, to measure a whole model with it; anything else warns and leaves it
+off).
 """
 
 import ctypes
@@ -227,7 +230,7 @@ def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
     of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout (x and weight rows 16-byte aligned,
     row strides multiples of 8 elements) and one row stride per row count (the rule of `kernel_pays` in the
-    binding)."""
+    binding; with `DSPARK_MULTI_LINEAR_DIRECT` set, up to 16 tokens always)."""
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/env_setting.h"
 #include "common/error_format.h"
 #include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_host.h"
@@ -53,6 +54,32 @@ bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, AllBatched&& all_ba
   if (tokens <= kTokenThreshold) return true;
   return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs && !all_batched();
 }
+
+// The register-streaming tile (kDirectVariants) is opt-in: the environment variable DSPARK_MULTI_LINEAR_DIRECT=N
+// (read once per process; N in [0, kNumDirectVariants)) gives direct variant N, with its automatic split, every call
+// of up to kDirectMaxTokens tokens that the kernel can read, in place of kernel_pays's choice (single ranges
+// included). Off by default until it is measured faster on the GPU; the switch lets a benchmark of a whole model
+// (benchmarks/draft_step.py) measure it without a rebuild.
+constexpr int kDirectOff = -1;
+
+// N of DSPARK_MULTI_LINEAR_DIRECT, or kDirectOff: unset or empty, or (with a warning) anything but an index of
+// kDirectVariants.
+int direct_opt_in() {
+  static const int variant = [] {
+    const std::optional<EnvInt> setting = env_int("DSPARK_MULTI_LINEAR_DIRECT");
+    if (!setting.has_value()) return kDirectOff;
+    if (!setting->is_int || setting->value < 0 || setting->value >= kNumDirectVariants) {
+      TORCH_WARN("DSPARK_MULTI_LINEAR_DIRECT=", setting->text, " is not an index of the register-streaming variants (0 "
+                 "to ", std::to_string(kNumDirectVariants - 1), "): the tile stays off");
+      return kDirectOff;
+    }
+    return static_cast<int>(setting->value);
+  }();
+  return variant;
+}
+
+// Whether the opt-in register-streaming tile takes a call of `tokens` tokens (that the kernel can read).
+bool direct_takes(int64_t tokens) { return direct_opt_in() != kDirectOff && tokens <= kDirectMaxTokens; }
 
 // ------------------------------------------------------------------------------------------------ checks
 
@@ -446,9 +473,10 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const auto all_batched = [&] {
     return gemm_runs.size() == 1 ? strided_block(x, gemm_runs[0], rows) > 0 : batches_every_run(x, gemm_runs);
   };
-  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
+  const bool direct = direct_takes(x.size(0));
+  if ((direct || kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched)) &&
       kernel_blocker(x, runs) == nullptr) {
-    dispatch_kernel(x, runs, out, -1, 0);
+    dispatch_kernel(x, runs, out, direct ? kNumVariants + direct_opt_in() : -1, 0);
   } else {
     cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
   }
@@ -513,7 +541,10 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
                                                                                       int64_t rows, int all_batched) {
-  return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
+  return dspark::mlinear::direct_takes(tokens) ||
+                 dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; })
+             ? 1
+             : 0;
 }
 
 // The height of the row blocks that the cuBLAS path cuts batchable ranges into when their row counts have gcd

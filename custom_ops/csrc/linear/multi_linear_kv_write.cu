@@ -13,11 +13,11 @@
 #include <array>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/env_setting.h"
 #include "common/error_format.h"
 #include "common/range_checks.h"
 #include "linear/multi_linear_host.h"
@@ -50,15 +50,14 @@ constexpr int kWideOff = kWideTokens + 1;
 // N of DSPARK_KV_WRITE_WIDE_FROM, or kWideOff: unset or empty, or (with a warning) anything but a positive integer.
 int wide_from_tokens() {
   static const int from = [] {
-    const char* text = std::getenv("DSPARK_KV_WRITE_WIDE_FROM");
-    if (text == nullptr || *text == '\0') return kWideOff;
-    char* end = nullptr;
-    const long value = std::strtol(text, &end, 10);
-    if (*end != '\0' || value < 1) {
-      TORCH_WARN("DSPARK_KV_WRITE_WIDE_FROM=", text, " is not a positive integer: the wide fused tile stays off");
+    const std::optional<EnvInt> setting = env_int("DSPARK_KV_WRITE_WIDE_FROM");
+    if (!setting.has_value()) return kWideOff;
+    if (!setting->is_int || setting->value < 1) {
+      TORCH_WARN("DSPARK_KV_WRITE_WIDE_FROM=", setting->text,
+                 " is not a positive integer: the wide fused tile stays off");
       return kWideOff;
     }
-    return static_cast<int>(std::min<long>(value, kWideOff));
+    return static_cast<int>(std::min<long>(setting->value, kWideOff));
   }();
   return from;
 }
