@@ -13,7 +13,7 @@
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or those TUNE names, e.g. TUNE="kv_write
 #             multi_linear"; nvcc, no torch; built in parallel, then run one at a time, each stopped after
 #             TUNE_TIMEOUT seconds, default 420: a kernel waiting on an mbarrier that never completes spins forever;
-#             TUNE_ARGS: the programs' arguments)
+#             line-buffered, so a stopped program's lines are kept; TUNE_ARGS: the programs' arguments)
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
@@ -142,7 +142,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     wait
     for name in "${names[@]}"; do
       { cat "$OUT/$name.build.log" && [ -x "/tmp/$name" ] &&
-        timeout "${TUNE_TIMEOUT:-420}" "/tmp/$name" ${TUNE_ARGS:-}; } 2>&1 | tee "$OUT/$name.log" || status=1
+        stdbuf -oL timeout "${TUNE_TIMEOUT:-420}" "/tmp/$name" ${TUNE_ARGS:-}; } 2>&1 | tee "$OUT/$name.log" || status=1
     done
     ;;
   tests | bench | all)
