@@ -78,7 +78,7 @@ def _cpu_sample(call: Callable[[], object]) -> float:
 
 
 # The ops' opt-in paths, read from the environment once per process: a table timed with one set must say so.
-OPT_INS = ("DSPARK_MULTI_LINEAR_DIRECT", "DSPARK_KV_WRITE_WIDE_FROM")
+OPT_INS = ("DSPARK_KV_WRITE_WIDE_FROM",)
 
 
 def opt_in_note() -> str:

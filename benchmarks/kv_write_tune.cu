@@ -25,9 +25,8 @@
 // the whole grid; bulk copies of 16 KB by 80 / 132 / 160 / 264 CTAs; 1-D bulk copies of 512 B / 1 KB / 4 KB by 80
 // and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B; and the streaming kernel's own copy sequence
 // with a consumer that only frees the slots (its weight traffic without its math).
-// `regs`: the fused kernel's configurations (K split over a cluster, or rows split over it) against the previous
-// tile (T <= 16) or the op's wide tile (T = 32 and 64: 4 and 8 token tiles), and the 16-byte-load read (warm and
-// cold). `profile`: one config (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`,
+// `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
+// 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `profile`: one config (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`,
 // every candidate, one check and three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -334,40 +333,19 @@ void regs_candidate(std::vector<Candidate>& out, int64_t heads) {
   }
 }
 
-// The fused kernel with a row split: a cluster of RS CTAs per head, each computing 32 V / RS of its rows over the
-// whole K (so RS times as many CTAs, each RS times smaller: more SMs read than there are heads).
-template <int V, int NT, int WK, int E, int D, int RS>
-void regs_row_candidate(std::vector<Candidate>& out, int64_t heads) {
-  constexpr int threads = fused_threads<V, WK, RS>(), smem = fused_smem_bytes<V, NT>();
-  char name[96];
-  std::snprintf(name, sizeof(name), "%d k-warps, %2d cols/lane, %d deep, rows split %d (%d threads)", WK, E, D, RS,
-                threads);
-  out.push_back(plain_candidate(name, &kv_write_fused_kernel<T, V, NT, WK, E, D, RS>, heads * RS, threads, smem, RS));
-}
-
 // The fused kernel's configurations measured: up to 16 tokens 1 or 2 k-warps, 8 to 32 columns per lane, 1 to 4
-// deep; with 4 or 8 token tiles (32 and 64 tokens) those that hold their accumulators and loads without spilling;
-// rows split over 2 or 4 CTAs (down to 2 row warps per CTA).
+// deep; with 4 or 8 token tiles (32 and 64 tokens) those that hold their accumulators and loads without spilling.
 template <int V, int NT>
 void regs_candidates(std::vector<Candidate>& out, int64_t heads) {
   if constexpr (NT == 4) {
     regs_candidate<V, NT, 1, 8, 2>(out, heads);
     regs_candidate<V, NT, 1, 8, 4>(out, heads);
     regs_candidate<V, NT, 2, 8, 2>(out, heads);
-    regs_row_candidate<V, NT, 2, 8, 2, 2>(out, heads);
   } else if constexpr (NT == 8) {
     regs_candidate<V, NT, 1, 8, 1>(out, heads);
     regs_candidate<V, NT, 1, 8, 2>(out, heads);
     regs_candidate<V, NT, 2, 8, 1>(out, heads);
-    regs_row_candidate<V, NT, 2, 8, 1, 2>(out, heads);
   } else {
-    regs_row_candidate<V, NT, 2, 8, 4, 2>(out, heads);
-    regs_row_candidate<V, NT, 4, 8, 4, 2>(out, heads);
-    regs_row_candidate<V, NT, 1, 8, 4, 2>(out, heads);
-    if constexpr (V == 4) {
-      regs_row_candidate<V, NT, 2, 8, 4, 4>(out, heads);
-      regs_row_candidate<V, NT, 4, 8, 4, 4>(out, heads);
-    }
     regs_candidate<V, NT, 1, 8, 4>(out, heads);
     regs_candidate<V, NT, 1, 16, 2>(out, heads);
     regs_candidate<V, NT, 1, 16, 4>(out, heads);

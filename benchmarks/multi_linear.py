@@ -20,8 +20,7 @@ concat (one `mm` on a concatenated copy: a bound, not an option, since it needs 
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
     python benchmarks/multi_linear.py --placement --out placement.md  # where the weights lie, M >= 512
 
-`--sweep` times every compiled kernel variant (`custom_ops.linear.multi_linear.kernel_variants()`: the ring tile's
-and, up to 16 tokens, the register-streaming tile's) with every
+`--sweep` times every compiled kernel variant (`custom_ops.linear.multi_linear.kernel_variants()`) with every
 cluster split (0 = the automatic one) on every group and M in {1, 8, 16, 32, 64} through
 `dspark::_multi_linear_variant`, refuses to time a variant whose output differs from cuBLAS (prints the error
 instead), and prints the best variant per shape, then the best variant per token tile summed over the groups (what
@@ -44,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _timing import opt_in_note
 from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
@@ -290,8 +288,6 @@ def sweep_shape(group: Group, tokens: int, bandwidth: float) -> SweepShape:
     floor = group.bytes_moved(tokens) / bandwidth * 1e6
     shape = SweepShape({}, [])
     for v in kernel_variants():
-        if tokens > v.max_tokens:  # the register-streaming tile's variants stop at 16 tokens
-            continue
         for split in SWEEP_SPLITS:
             call = variant_call(group, x, v, split)
             err = rel_error(call(0), ref)
@@ -350,8 +346,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     groups = [] if args.placement else [Group.make(name, s, props.L2_cache_size) for name, s in GROUPS.items()]
     header = (
-        f"GPU {props.name}, torch {torch.__version__}{opt_in_note()}; copy rate {bandwidth / 1e12:.2f} TB/s "
-        "(read + write); bf16; CUDA-graph replay over L2-cold weight copies"
+        f"GPU {props.name}, torch {torch.__version__}; copy rate {bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"bf16; CUDA-graph replay over L2-cold weight copies"
     )
     print(header, flush=True)
     with torch.no_grad():

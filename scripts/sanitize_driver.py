@@ -5,8 +5,7 @@
 hide inside a cached block). The calls cover empty and single-row batches, odd sizes, strided inputs, negative
 and out-of-range slots, positions and request ids (which the kernels must skip), and every DSV4 compressor path
 (c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores),
-the multi_linear kernel's register-streaming variants, and both paths of the multi-layer K/V write. `--only GROUP`
-makes one group of calls.
+and both paths of the multi-layer K/V write. `--only GROUP` makes one group of calls.
 The script reads no results back: on the H200, initcheck reports PyTorch's own elementwise kernels reading
 outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer. For the same
 reason initcheck reports the heads kernel of the K/V write's GEMM path copying the projections that a cuBLAS GEMM
@@ -29,7 +28,6 @@ from custom_ops.dsv4.compressor import DSV4Compressor, PagedAddressing
 from custom_ops.dsv4.store import cache_page_bytes
 from custom_ops.layouts.fp8 import flashmla_page_bytes
 from custom_ops.layouts.rope import precompute_freqs
-from custom_ops.linear.multi_linear import kernel_variants
 
 MAX_POS = 64
 DEV = "cuda"
@@ -123,12 +121,6 @@ def multi_linear(gen: torch.Generator) -> None:
         for tokens in (0, 1, 7, 16, 64, 65):
             x = torch.randn(tokens, 320, generator=gen).to(dtype).to(DEV)[:, 32:288]
             torch.ops.dspark.multi_linear(x, weights, [0, 1, 8], [48, 16, 40], biases)
-        if DEV == "cuda":  # the register-streaming tile: only the debug op runs its variants (1 and 2 token tiles)
-            for variant in (v for v in kernel_variants() if v.direct):
-                for tokens, split in ((1, 1), (9, 2), (16, 1)):
-                    x = torch.randn(tokens, 320, generator=gen).to(dtype).to(DEV)[:, 32:288]
-                    args = (x, weights, [0, 1, 8], [48, 16, 40], biases, variant.index, split)
-                    torch.ops.dspark._multi_linear_variant(*args)
         # the cuBLAS path's row blocks: ranges of three shapes in one batched GEMM (its pointer-table kernel), and a
         # single range of 4096 rows in a strided batched GEMM
         blocks = [torch.randn(rows, 64, generator=gen).to(dtype).to(DEV) for rows in (512, 256, 256, 4096)]

@@ -6,12 +6,8 @@ streams, opcheck and the argument errors of the CPU path."""
 
 from __future__ import annotations
 
-import functools
-import os
-
 import pytest
 import torch
-from helpers import pytest_in_a_process
 from multi_linear_cases import fp64_formula
 
 import custom_ops  # noqa: F401
@@ -28,8 +24,6 @@ pytestmark = pytest.mark.cuda
 
 op = torch.ops.dspark.multi_linear
 variant_op = torch.ops.dspark._multi_linear_variant
-# The opt-in register-streaming variant of this process (test_register_streaming_opt_in runs this file with it set).
-DIRECT = os.environ.get("DSPARK_MULTI_LINEAR_DIRECT")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -97,40 +91,17 @@ def test_decode_groups_of_the_benchmark():
         _check(op(*qkv), fp64_formula(*qkv))
 
 
-@pytest.mark.parametrize("tokens", [1, 9, 16, 40])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
 def test_every_variant_and_split(tokens):
-    """Each compiled tile configuration (the ring tile's and the register-streaming tile's; K = 1032 leaves both a
-    ragged last step or chunk) with automatic and forced cluster splits; a second run is bit-identical (no race in the
-    split-K reduction). A variant refuses more tokens than it takes."""
+    """Each compiled tile configuration with automatic and forced cluster splits; a second run is bit-identical (no
+    race in the split-K reduction)."""
     args = _case(tokens, 1032, [40, 0, 300, 17], seed=tokens)
     ref = fp64_formula(*args)
-    assert any(v.direct for v in kernel_variants()) and any(not v.direct for v in kernel_variants())
     for v in kernel_variants():
-        if tokens > v.max_tokens:
-            with pytest.raises(ValueError, match=f"variant {v.index} .* takes at most {v.max_tokens} tokens"):
-                variant_op(*args, v.index, 0)
-            continue
         for split in (0, 1, 2, 3, 8):
             out = variant_op(*args, v.index, split)
             _check(out, ref)
             assert torch.equal(out, variant_op(*args, v.index, split)), f"{v} split {split} is not deterministic"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_register_streaming_variants_match_fp64(group, dtype):
-    """The register-streaming tile's variants on every group (K = 8 and 64: most k-parts get no chunk, ranges shorter
-    than a warp's 16 rows, tiles spanning weights), 1 to 16 tokens, without and with a cluster split."""
-    k, counts = GROUPS[group]
-    direct = [v for v in kernel_variants() if v.direct]
-    for tokens in (1, 7, 16):
-        args = _case(tokens, k, counts, dtype=dtype, seed=tokens)
-        ref = fp64_formula(*args)
-        for v in direct:
-            for split in (0, 1, 2):
-                out = variant_op(*args, v.index, split)
-                assert out.dtype == dtype
-                _check(out, ref)
 
 
 def test_default_variant_equals_the_op():
@@ -407,50 +378,11 @@ def test_the_path_the_rule_names_runs(tokens, counts):
     args = _case(tokens, 256, counts, seed=tokens, pad_rows=1, bias=(False,))
     names = _kernel_names(lambda: op(*args))
     kernel = uses_kernel(tokens, counts)
-    assert any("multi_linear_kernel" in n or "multi_linear_direct_kernel" in n for n in names) == kernel
+    assert any("multi_linear_kernel" in n for n in names) == kernel
     assert any("fill_pointer_table" in n for n in names) == (not kernel and cublas_batches(counts))
     many = _case(600, 64, [32] * 3, seed=1, pad_rows=1, bias=(False,))
     assert any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*many)))
     _check(op(*many), fp64_formula(*many))
-
-
-@pytest.mark.skipif(DIRECT is None, reason="where DSPARK_MULTI_LINEAR_DIRECT is set (test_register_streaming_opt_in)")
-@pytest.mark.parametrize("tokens", [1, 9, 16, 17])
-def test_opt_in_runs_the_register_streaming_variant(tokens):
-    """With DSPARK_MULTI_LINEAR_DIRECT=N, up to 16 tokens every call the kernel can read (a single tall range too,
-    which cuBLAS takes otherwise) launches the register-streaming kernel, bit for bit variant N with its automatic
-    split; from 17 tokens the op's own rule."""
-    direct = [v for v in kernel_variants() if v.direct][int(DIRECT)]
-    for counts in ([4096], [1024, 256, 256], [40, 0, 300, 17]):
-        args = _case(tokens, 512, counts, seed=tokens)
-        names = _kernel_names(functools.partial(op, *args))
-        out = op(*args)
-        _check(out, fp64_formula(*args))
-        takes = tokens <= 16
-        assert any("multi_linear_direct_kernel" in n for n in names) == takes, (counts, names)
-        if takes:
-            assert uses_kernel(tokens, counts)
-            assert torch.equal(out, variant_op(*args, direct.index, 0))
-
-
-def test_register_streaming_opt_in():
-    """Each register-streaming variant made the op's choice (DSPARK_MULTI_LINEAR_DIRECT=N, read once per process):
-    this file's fp64, decode-group, path, CUDA-graph and opt-in tests in a process that sets it."""
-    selection = "matches_fp64 or decode_groups or the_path_the_rule or cuda_graph or opt_in_runs"
-    for n in range(sum(v.direct for v in kernel_variants())):
-        result = pytest_in_a_process({"DSPARK_MULTI_LINEAR_DIRECT": str(n)}, "-rA", __file__, "-k", selection)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-        assert "PASSED tests/test_multi_linear_cuda.py::test_opt_in_runs_the_register_streaming_variant[16]" in (
-            result.stdout
-        ), result.stdout[-4000:]
-
-
-def test_register_streaming_opt_in_that_is_not_an_index_warns():
-    """DSPARK_MULTI_LINEAR_DIRECT=4 (past the last variant): a warning that names the variable, and the op's own
-    choice (the path test passes). `-s`: c10's warning handler writes to stderr when called by `torch.ops`."""
-    result = pytest_in_a_process({"DSPARK_MULTI_LINEAR_DIRECT": "4"}, "-s", __file__, "-k", "the_path_the_rule")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "DSPARK_MULTI_LINEAR_DIRECT=4 is not an index" in result.stdout + result.stderr
 
 
 def _adjacent_case(tokens, seed):
@@ -621,7 +553,3 @@ def test_variant_op_rejects_what_the_kernel_cannot_run():
         variant_op(x.float(), [w.float() for w in weights], starts, counts, [None], 0, 0)
     with pytest.raises(ValueError, match="cannot run this call"):
         variant_op(torch.randn(65, 64, device="cuda", dtype=x.dtype), weights, starts, counts, biases, 0, 0)
-    direct = next(v for v in kernel_variants() if v.direct)
-    x17 = torch.randn(17, 64, device="cuda", dtype=x.dtype)
-    with pytest.raises(ValueError, match=f"cannot run this call: variant {direct.index} .* at most 16 tokens"):
-        variant_op(x17, weights, starts, counts, biases, direct.index, 0)

@@ -1,10 +1,10 @@
 """The multi_linear CUDA kernel, compiled for the host and checked on CPU against an fp64 formula.
 
 `custom_ops/csrc/linear/multi_linear_kernels.cuh` is plain CUDA without torch (so is the register-streaming tile of
-`multi_linear_direct.cuh`, whose variants the op compiles after the ring tile's). Here they are compiled with g++
-against the host shim of tests/multi_linear_emulation_shim.py (one fiber per CUDA thread, `mma.sync` rebuilt from
-the PTX fragment tables). This checks the K permutation, the fragment use, the work split over warps and cluster
-CTAs, the ragged last step, the segment lookup, biases and which outputs are written, for every compiled variant, on
+`multi_linear_direct.cuh`, which the tune harness measures against it). Here they are compiled with g++ against the
+host shim of tests/multi_linear_emulation_shim.py (one fiber per CUDA thread, `mma.sync` rebuilt from the PTX
+fragment tables). This checks the K permutation, the fragment use, the work split over warps and cluster CTAs, the
+ragged last step, the segment lookup, biases and which outputs are written, for every compiled variant, on
 machines without a GPU. The GPU's own numerics are checked by tests/test_multi_linear_cuda.py. Skipped without a
 C++20 compiler.
 """
@@ -44,33 +44,25 @@ static Shape ring_shape(int variant, int tokens) {
   return {kernel_for<T>(variant, tokens), cta_rows(v), cta_threads(v), v.k_warps, smem_bytes(v, token_tiles(tokens))};
 }
 
-// The register-streaming tile of linear/multi_linear_direct.cuh (up to 16 tokens): configurations
-// 0 .. kNumDirectVariants - 1 are the op's variants (kDirectVariants, the kernels and shared memory the op launches),
-// then two the op does not compile, for the main loop's other widths and depths: 64 rows, 1 k-warp, 16 columns per
-// lane, 2 deep; 32 rows, 4 k-warps, 8 columns, 1 deep.
+// The register-streaming tile of linear/multi_linear_direct.cuh (up to 16 tokens) in three configurations: 128 rows,
+// 2 k-warps, 8 columns per lane, 4 chunks deep; 64 rows, 1 k-warp, 16 columns, 2 deep; 32 rows, 4 k-warps, 8
+// columns, 1 deep.
 template <typename T, int WR, int NT, int WK, int E, int D>
 static Shape direct_instance() {
   return {&multi_linear_direct_kernel<T, WR, NT, WK, E, D>, 16 * WR, direct_threads<WR, WK>(), WK,
           direct_smem_bytes<WR, NT, StoreEpilogue>()};
 }
 
-constexpr int kExtraDirectConfigs = 2;
-
 template <typename T, int NT>
-static Shape extra_direct_shape(int config) {
-  if (config == 0) return direct_instance<T, 4, NT, 1, 16, 2>();
+static Shape direct_shape_of(int config) {
+  if (config == 0) return direct_instance<T, 8, NT, 2, 8, 4>();
+  if (config == 1) return direct_instance<T, 4, NT, 1, 16, 2>();
   return direct_instance<T, 2, NT, 4, 8, 1>();
 }
 
 template <typename T>
 static Shape direct_shape(int config, int tokens) {
-  if (config < kNumDirectVariants) {
-    const DirectVariant& v = kDirectVariants[config];
-    const DirectLaunch launch = direct_launch<T>(config, tokens);
-    return {launch.fn, cta_rows(v), cta_threads(v), v.k_warps, launch.smem};
-  }
-  config -= kNumDirectVariants;
-  return tokens <= 8 ? extra_direct_shape<T, 1>(config) : extra_direct_shape<T, 2>(config);
+  return tokens <= 8 ? direct_shape_of<T, 1>(config) : direct_shape_of<T, 2>(config);
 }
 
 // Runs one launch: clusters one after the other, each with all its CTAs' threads at once.
@@ -108,12 +100,6 @@ static void run(const Params& p, const Shape& s, int split) {
 }
 
 extern "C" int emu_num_variants() { return kNumVariants; }
-
-extern "C" int emu_num_direct_configs() { return kNumDirectVariants + kExtraDirectConfigs; }
-
-extern "C" int emu_direct_auto_split(int config, int64_t rows, int k, int sm_count) {
-  return direct_auto_split(kDirectVariants[config], rows, k, sm_count);
-}
 
 extern "C" int emu_auto_split(int variant, int64_t rows, int k, int sm_count) {
   return auto_split(kVariants[variant], rows, k, sm_count);
@@ -244,33 +230,20 @@ def test_every_variant_and_split(emu, tokens, split):
 
 
 @pytest.mark.parametrize(("tokens", "split"), [(1, 1), (5, 3), (16, 2)])
-def test_register_streaming_tile(emu, tokens, split):
-    """The register-streaming tile (linear/multi_linear_direct.cuh), the op's variants and two more configurations,
-    on the ring kernel's cases: K = 1000 (ragged last chunk, chunks split over every k-part of the cluster), 41 rows
-    over three weights (a tile spanning weights, a partial last tile whose missing rows are never read), 1 and 2
-    token tiles, clusters of 1 to 3 CTAs."""
-    for config in range(emu.emu_num_direct_configs()):
-        args = _case(tokens, 1000, [5, 16, 20], seed=config * 10 + tokens)
-        _run_and_check(emu, args, variant=config, split=split, direct=True)
+@pytest.mark.parametrize("config", [0, 1, 2])
+def test_register_streaming_tile(emu, config, tokens, split):
+    """The register-streaming tile (linear/multi_linear_direct.cuh; the tune harness's candidate, not launched by the
+    op) on the ring kernel's cases: K = 1000 (ragged last chunk, chunks split over every k-part of the cluster), 41
+    rows over three weights (a tile spanning weights, a partial last tile whose missing rows are never read), 1 and
+    2 token tiles, clusters of 1 to 3 CTAs."""
+    args = _case(tokens, 1000, [5, 16, 20], seed=config * 10 + tokens)
+    _run_and_check(emu, args, variant=config, split=split, direct=True)
 
 
 def test_register_streaming_tile_fp16_and_small_k(emu):
     """fp16; K = 8 and 40 (fewer chunks than k-parts: parts without work); one row."""
-    last = emu.emu_num_direct_configs() - 1  # 32 rows, 4 k-warps, 1 deep
     _run_and_check(emu, _case(7, 8, [1], dtype=torch.float16, seed=1), variant=0, split=2, direct=True)
-    _run_and_check(emu, _case(9, 40, [33], dtype=torch.float16, seed=2), variant=last, split=3, direct=True)
-
-
-def test_register_streaming_auto_split(emu):
-    """The op's automatic split for its register-streaming variants: doubled while the grid has fewer CTAs than half
-    the SMs and every k-part keeps at least `depth` chunks. Variant 0: 128 rows, 2 k-warps, 4 deep, chunks of 32
-    columns; 132 SMs."""
-    emu.emu_direct_auto_split.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    assert emu.emu_direct_auto_split(0, 1024, 4096, 132) == 8  # 8 tiles, 128 chunks: 8 per k-part at split 8
-    assert emu.emu_direct_auto_split(0, 1024, 1024, 132) == 4  # 32 chunks: 4 per k-part at split 4, 2 at 8
-    assert emu.emu_direct_auto_split(0, 1024, 256, 132) == 1  # 8 chunks: 2 per k-part at split 2
-    assert emu.emu_direct_auto_split(0, 2560, 4096, 132) == 4  # 20 tiles: 80 CTAs at split 4, 160 at 8
-    assert emu.emu_direct_auto_split(0, 128 * 66, 4096, 132) == 1  # 66 tiles: half the SMs already
+    _run_and_check(emu, _case(9, 40, [33], dtype=torch.float16, seed=2), variant=2, split=3, direct=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -73,22 +73,10 @@ static void run_grid(void (*kernel)(Args), const Args& args, int64_t clusters, i
   }
 }
 
-// The op's configuration with its rows split over a cluster of RS CTAs.
-template <typename T, int V, int NT, int RS>
-static void fused_rows(const KvWriteArgs& args, int64_t rows, int grid) {
-  run_grid<KvWriteArgs>(&kv_write_fused_kernel<T, V, NT, kFusedKWarps, kFusedCols, kFusedDepth, RS>, args,
-                        rows / (32 * V) * grid, RS, fused_threads<V, kFusedKWarps, RS>(), 1, 1,
-                        fused_smem_bytes<V, NT>());
-}
-
-// The op's fused kernel (`variant` 0: the op's configuration; 1: one k-warp, 16 columns per lane, 2 chunks deep,
-// both with K split over clusters of `split`; 2 and 3: the op's configuration with the head's rows split over a
-// cluster of 2 or 4 CTAs, `split` ignored), `grid` times as many clusters as the rows have heads (> 1: clusters past
-// the last head).
+// The op's fused kernel (`variant` 0: the op's configuration; 1: one k-warp, 16 columns per lane, 2 chunks deep),
+// `grid` times as many clusters as the rows have heads (> 1: clusters past the last head).
 template <typename T, int V, int NT>
 static void fused(const KvWriteArgs& args, int64_t rows, int split, int grid, int variant) {
-  if (variant == 2) return fused_rows<T, V, NT, 2>(args, rows, grid);
-  if (variant == 3) return fused_rows<T, V, NT, 4>(args, rows, grid);
   auto kernel = variant == 0 ? &kv_write_fused_kernel<T, V, NT> : &kv_write_fused_kernel<T, V, NT, 1, 16, 2>;
   const int threads = variant == 0 ? fused_threads<V, kFusedKWarps>() : fused_threads<V, 1>();
   run_grid<KvWriteArgs>(kernel, args, rows / (32 * V) * grid, split, threads, 1, 1, fused_smem_bytes<V, NT>());
@@ -512,23 +500,6 @@ def test_fused_kernel_chunks_over_k_parts(emu, head_dim, rot, neox, variant, spl
     for tokens in (1, 11):
         spec = Spec(tokens=tokens, hidden=1000, head_dim=head_dim, rot=rot, neox=neox)
         _check(emu, spec, kernel="fused", split=split, variant=variant, seed=tokens)
-
-
-@pytest.mark.parametrize(
-    ("head_dim", "rot", "neox", "rows_split"),
-    [(128, 128, True, 2), (128, 44, False, 4), (64, 24, True, 2), (64, 64, False, 4)],
-)
-def test_fused_kernel_rows_split_over_a_cluster(emu, head_dim, rot, neox, rows_split):
-    """A head's rows split over a cluster of 2 or 4 CTAs (each computes its rows over the whole K and leaves the
-    others' rows of its partial tile zero; the epilogue sums the cluster's tiles through distributed shared memory
-    and each CTA writes its share of the tokens): K = 1000 (a ragged chunk), full and partial rotary (pairs that
-    cross the CTAs' rows), 1, 11 and 16 tokens, two heads per layer, a commit mask, fp16 on one."""
-    for tokens, dtype in ((1, torch.bfloat16), (11, torch.float16), (16, torch.bfloat16)):
-        spec = Spec(
-            tokens=tokens, hidden=1000, heads=2, head_dim=head_dim, rot=rot, neox=neox, commit=tokens == 16,
-            dtype=dtype,
-        )  # fmt: skip
-        _check(emu, spec, kernel="fused", variant={2: 2, 4: 3}[rows_split], seed=tokens)
 
 
 def test_fused_kernel_without_norm_or_rope(emu):

@@ -68,12 +68,7 @@ T in compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
-automatic; above 1 only on sm_90), for any T up to 64 (up to 16 for the register-streaming tile's variants, which
-load weights straight into MMA fragments and which the op's own choice does not take yet), and raises `ValueError`
-where the kernel cannot run. The environment variable `DSPARK_MULTI_LINEAR_DIRECT=N` (read once per process; N an
-index of those variants, 0 to 3) makes the op itself run register-streaming variant N for every call of up to 16
-tokens that the kernel can read (an opt-in, to measure a whole model with it; anything else warns and leaves it
-off).
+automatic; above 1 only on sm_90), for any T up to 64, and raises `ValueError` where the kernel cannot run.
 """
 
 import ctypes
@@ -173,32 +168,15 @@ def _multi_linear_fake(
     return x.new_empty((x.shape[0], sum(row_counts)))
 
 
-KERNEL_MAX_TOKENS = 64  # kMaxTokens in csrc/linear/multi_linear_kernels.cuh: the largest token tile
-DIRECT_MAX_TOKENS = 16  # kDirectMaxTokens in csrc/linear/multi_linear_direct.cuh
-
-
 @dataclass(frozen=True)
 class KernelVariant:
-    """A compiled tile configuration of the CUDA kernel: the shared-memory ring tile (`kVariants` in
-    `csrc/linear/multi_linear_kernels.cuh`, `lane_cols` 0) or the register-streaming tile (`kDirectVariants` in
-    `csrc/linear/multi_linear_direct.cuh`: one 16-row tile per warp, `stages` chunks of `4 * lane_cols` columns in
-    flight per lane, at most `DIRECT_MAX_TOKENS` tokens)."""
+    """A compiled tile configuration of the CUDA kernel (`kVariants` in `csrc/linear/multi_linear_kernels.cuh`)."""
 
     index: int
     m_tiles: int  # 16-row MMA tiles per warp
     row_warps: int  # warps splitting the CTA's rows
     k_warps: int  # warps splitting the CTA's K range
-    stages: int  # ring: shared-memory stages per warp (stages - 1 steps of 32 columns in flight); direct: chunks
-    lane_cols: int = 0  # 0: the ring tile; > 0: the register-streaming tile's columns per lane and chunk
-
-    @property
-    def direct(self) -> bool:
-        return self.lane_cols > 0
-
-    @property
-    def max_tokens(self) -> int:
-        """Largest token count (rows of `x`) the variant runs."""
-        return DIRECT_MAX_TOKENS if self.direct else KERNEL_MAX_TOKENS
+    stages: int  # shared-memory stages per warp (stages - 1 steps of 32 columns in flight)
 
     @property
     def rows(self) -> int:
@@ -210,9 +188,7 @@ class KernelVariant:
         return self.row_warps * self.k_warps
 
     def __str__(self) -> str:
-        lanes = f"/e{self.lane_cols}" if self.direct else ""
-        kind = "direct:" if self.direct else ""
-        return f"v{self.index}:{kind}{self.rows}r/{self.warps}w/k{self.k_warps}{lanes}/d{self.stages}"
+        return f"v{self.index}:{self.rows}r/{self.warps}w/k{self.k_warps}/d{self.stages}"
 
 
 def _native() -> ctypes.CDLL:
@@ -230,7 +206,7 @@ def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
     of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout (x and weight rows 16-byte aligned,
     row strides multiples of 8 elements) and one row stride per row count (the rule of `kernel_pays` in the
-    binding; with `DSPARK_MULTI_LINEAR_DIRECT` set, up to 16 tokens always)."""
+    binding)."""
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -280,7 +256,7 @@ def cublas_batches(row_counts: Sequence[int]) -> bool:
 def kernel_variants() -> list[KernelVariant]:
     """The kernel's compiled tile configurations, in the order `_multi_linear_variant` indexes them."""
     lib = _native()
-    fields = (ctypes.c_int * 5)()
+    fields = (ctypes.c_int * 4)()
     variants = []
     for i in range(lib.dspark_multi_linear_num_variants()):
         if lib.dspark_multi_linear_variant(ctypes.c_int(i), fields) != 0:

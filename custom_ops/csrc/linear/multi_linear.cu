@@ -19,9 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "common/env_setting.h"
 #include "common/error_format.h"
-#include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_host.h"
 
 namespace dspark {
@@ -37,6 +35,9 @@ namespace {
 //   whole (q/k/v at 16 tokens: 20.4 us against 26.8 batched and 31.8 per weight), while a group of one shape is
 //   faster batched (KV at 16: 27.8 vs 30.2 us) and single weights and 2 x 12288 rows tie or lose (0.95-1.03x);
 // - at 64 tokens the kernel is compute-bound (mma.sync fed from shared memory, 1-2 CTAs per SM): cuBLAS.
+// The register-streaming tile of the K/V write's fused kernel (multi_linear_direct.cuh), run as variants of this op,
+// was 1.2-1.5x slower than this tile for every group at 1-16 tokens (BENCHMARKS.md "Register-streaming variants"), so
+// the op does not compile it.
 constexpr int64_t kTokenThreshold = 8;
 constexpr int64_t kGroupTokenThreshold = 32;
 constexpr int64_t kGroupMaxMeanRows = 4096;
@@ -54,32 +55,6 @@ bool kernel_pays(int64_t tokens, int64_t runs, int64_t rows, AllBatched&& all_ba
   if (tokens <= kTokenThreshold) return true;
   return tokens <= kGroupTokenThreshold && runs >= 2 && rows <= kGroupMaxMeanRows * runs && !all_batched();
 }
-
-// The register-streaming tile (kDirectVariants) is opt-in: the environment variable DSPARK_MULTI_LINEAR_DIRECT=N
-// (read once per process; N in [0, kNumDirectVariants)) gives direct variant N, with its automatic split, every call
-// of up to kDirectMaxTokens tokens that the kernel can read, in place of kernel_pays's choice (single ranges
-// included). Off by default until it is measured faster on the GPU; the switch lets a benchmark of a whole model
-// (benchmarks/draft_step.py) measure it without a rebuild.
-constexpr int kDirectOff = -1;
-
-// N of DSPARK_MULTI_LINEAR_DIRECT, or kDirectOff: unset or empty, or (with a warning) anything but an index of
-// kDirectVariants.
-int direct_opt_in() {
-  static const int variant = [] {
-    const std::optional<EnvInt> setting = env_int("DSPARK_MULTI_LINEAR_DIRECT");
-    if (!setting.has_value()) return kDirectOff;
-    if (!setting->is_int || setting->value < 0 || setting->value >= kNumDirectVariants) {
-      TORCH_WARN("DSPARK_MULTI_LINEAR_DIRECT=", setting->text, " is not an index of the register-streaming variants (0 "
-                 "to ", std::to_string(kNumDirectVariants - 1), "): the tile stays off");
-      return kDirectOff;
-    }
-    return static_cast<int>(setting->value);
-  }();
-  return variant;
-}
-
-// Whether the opt-in register-streaming tile takes a call of `tokens` tokens (that the kernel can read).
-bool direct_takes(int64_t tokens) { return direct_opt_in() != kDirectOff && tokens <= kDirectMaxTokens; }
 
 // ------------------------------------------------------------------------------------------------ checks
 
@@ -384,29 +359,6 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
   run_cublas(x, weights, starts, biases, plain, out);
 }
 
-// The launch shape of op variant `variant` (see multi_linear_variant) for `rows` rows of K `k` at `tokens` tokens:
-// the ring tile's kVariants first, then the register-streaming tile's kDirectVariants; split 0: automatic.
-struct KernelLaunch {
-  KernelFn fn;
-  int rows;  // per CTA tile
-  int threads;
-  int smem;
-  int split;
-};
-
-template <typename T>
-KernelLaunch kernel_launch(int variant, int split, int tokens, int64_t rows, int k, int sm_count, bool syncs) {
-  if (variant >= kNumVariants) {
-    const DirectVariant& v = kDirectVariants[variant - kNumVariants];
-    const DirectLaunch d = direct_launch<T>(variant - kNumVariants, tokens);
-    const int s = split > 0 ? split : syncs ? direct_auto_split(v, rows, k, sm_count) : 1;
-    return {d.fn, cta_rows(v), cta_threads(v), d.smem, s};
-  }
-  const Variant& v = kVariants[variant];
-  const int s = split > 0 ? split : syncs ? auto_split(v, rows, k, sm_count) : 1;
-  return {kernel_for<T>(variant, tokens), cta_rows(v), cta_threads(v), smem_bytes(v, token_tiles(tokens)), s};
-}
-
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
 // variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split where the GPU runs clusters,
 // else 1).
@@ -438,9 +390,10 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
       p.bias_stride[j] = r.bias_stride;
     }
     const int vi = variant >= 0 ? variant : default_variant(rows, k, sm_count);
-    const KernelLaunch l = kernel_launch<T>(vi, split, tokens, rows, k, sm_count, syncs);
-    const int64_t tiles = (rows + l.rows - 1) / l.rows;
-    launch(l.fn, p, tiles * l.split, l.threads, l.smem, l.split, x.device());
+    const Variant& v = kVariants[vi];
+    const int s = split > 0 ? split : syncs ? auto_split(v, rows, k, sm_count) : 1;
+    const int64_t tiles = (rows + cta_rows(v) - 1) / cta_rows(v);
+    launch(kernel_for<T>(vi, tokens), p, tiles * s, cta_threads(v), smem_bytes(v, token_tiles(tokens)), s, x.device());
   }
 }
 
@@ -473,10 +426,9 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const auto all_batched = [&] {
     return gemm_runs.size() == 1 ? strided_block(x, gemm_runs[0], rows) > 0 : batches_every_run(x, gemm_runs);
   };
-  const bool direct = direct_takes(x.size(0));
-  if ((direct || kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched)) &&
+  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
       kernel_blocker(x, runs) == nullptr) {
-    dispatch_kernel(x, runs, out, direct ? kNumVariants + direct_opt_in() : -1, 0);
+    dispatch_kernel(x, runs, out, -1, 0);
   } else {
     cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
   }
@@ -496,15 +448,13 @@ at::Tensor multi_linear_cublas(const at::Tensor& x, at::TensorList weights, at::
   return out;
 }
 
-// The kernel with a forced variant (-1: the default one; 0 .. kNumVariants - 1: the ring tile's kVariants, then the
-// register-streaming tile's kDirectVariants, up to kDirectMaxTokens tokens) and cluster split (0: automatic), for any
-// token count up to kMaxTokens; raises ValueError where the kernel cannot run.
+// The kernel with a forced variant (-1: the default one) and cluster split (0: automatic), for any token count up to
+// kMaxTokens; raises ValueError where the kernel cannot run.
 at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at::IntArrayRef row_starts,
                                 at::IntArrayRef row_counts, const Biases& biases, int64_t variant, int64_t split) {
   check_args(x, weights, row_starts, row_counts, biases);
-  constexpr int64_t variants = kNumVariants + kNumDirectVariants;
-  TORCH_CHECK_VALUE(variant >= -1 && variant < variants, "_multi_linear_variant: variant must be in [-1, ",
-                    num(variants), "), got ", num(variant));
+  TORCH_CHECK_VALUE(variant >= -1 && variant < kNumVariants, "_multi_linear_variant: variant must be in [-1, ",
+                    num(kNumVariants), "), got ", num(variant));
   TORCH_CHECK_VALUE(split >= 0 && split <= kMaxSplit, "_multi_linear_variant: split must be in [0, ", num(kMaxSplit),
                     "], got ", num(split));
   TORCH_CHECK_VALUE(split <= 1 || syncs_on(x.device()), "_multi_linear_variant: split ", num(split),
@@ -516,10 +466,6 @@ at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at:
   const std::vector<Run> runs = collect_runs(x, weights, row_starts, row_counts, biases);
   const char* blocker = kernel_blocker(x, runs);
   TORCH_CHECK_VALUE(blocker == nullptr, "_multi_linear_variant: the kernel cannot run this call: ", blocker);
-  static_assert(kDirectMaxTokens == 16, "the message below names the register-streaming tile's token limit");
-  TORCH_CHECK_VALUE(variant < kNumVariants || x.size(0) <= kDirectMaxTokens, "_multi_linear_variant: the kernel "
-                    "cannot run this call: variant ", num(variant), " (the register-streaming tile) takes at most 16 "
-                    "tokens, x has ", num(x.size(0)));
   dispatch_kernel(x, runs, out, static_cast<int>(variant), static_cast<int>(split));
   return out;
 }
@@ -541,10 +487,7 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
                                                                                       int64_t rows, int all_batched) {
-  return dspark::mlinear::direct_takes(tokens) ||
-                 dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; })
-             ? 1
-             : 0;
+  return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
 }
 
 // The height of the row blocks that the cuBLAS path cuts batchable ranges into when their row counts have gcd
@@ -560,29 +503,16 @@ extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_st
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {
-  return dspark::mlinear::kNumVariants + dspark::mlinear::kNumDirectVariants;
+  return dspark::mlinear::kNumVariants;
 }
 
-// Writes m_tiles, row_warps, k_warps, stages, lane_cols of variant `index` to fields[0..4] (a ring-tile variant:
-// lane_cols 0; a register-streaming one: m_tiles 1, stages its chunks in flight, lane_cols its columns per lane and
-// chunk); returns 0, or -1 for a bad index.
+// Writes m_tiles, row_warps, k_warps, stages of variant `index` to fields[0..3]; returns 0, or -1 for a bad index.
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_variant(int index, int* fields) {
-  using dspark::mlinear::kNumVariants;
-  if (index < 0 || index >= kNumVariants + dspark::mlinear::kNumDirectVariants) return -1;
-  if (index >= kNumVariants) {
-    const dspark::mlinear::DirectVariant& v = dspark::mlinear::kDirectVariants[index - kNumVariants];
-    fields[0] = 1;
-    fields[1] = v.row_warps;
-    fields[2] = v.k_warps;
-    fields[3] = v.depth;
-    fields[4] = v.lane_cols;
-    return 0;
-  }
+  if (index < 0 || index >= dspark::mlinear::kNumVariants) return -1;
   const dspark::mlinear::Variant& v = dspark::mlinear::kVariants[index];
   fields[0] = v.m_tiles;
   fields[1] = v.row_warps;
   fields[2] = v.k_warps;
   fields[3] = v.stages;
-  fields[4] = 0;
   return 0;
 }

@@ -2,9 +2,7 @@
 // memory straight into mma.sync fragments, no shared-memory ring and no barrier in the main loop. Plain CUDA (no torch
 // headers). Two kernels run it: the K/V write's fused kernel (multi_linear_kv_write_fused.cuh, its norm/RoPE/cache
 // epilogue on whole heads) and `multi_linear_direct_kernel` below (bias and store, the epilogue of
-// multi_linear_kernel): the op compiles it as the variants of kDirectVariants, which only `_multi_linear_variant`
-// runs (benchmarks/multi_linear.py's sweep and benchmarks/multi_linear_tune.cu measure them against the ring tile
-// and cuBLAS).
+// multi_linear_kernel; benchmarks/multi_linear_tune.cu measures it against that kernel, the op does not launch it).
 //
 // Fragments. Lane (group g = lane / 4, quad c = lane % 4) of a warp holds rows g and g + 8 of the warp's 16 rows and
 // token g of each n-tile of 8 tokens. In a chunk of 4 E columns starting at `col` it loads the E columns
@@ -13,13 +11,9 @@
 // are the columns col + c E + 8 i + {0, 1} and {2, 3} (then {4, 5}, {6, 7}) in both operands, so the sum over k is
 // the same sum in another order (multi_linear_kernels.cuh gives the fragment layouts).
 //
-// Work. Cluster `id` is tile `id`: rows id * 16 WR RS .. of the launch's concatenated rows (each row resolved to its
-// weight segment on its own). A CTA has WR row warps of 16 rows times WK k-warps, and each lane keeps D chunks of
-// loads in flight in registers. The cluster's S CTAs split the tile's K (RS = 1: the K chunks are split evenly over
-// the cluster's S * WK k-parts) or its rows (RS = S > 1: CTA `rank` computes rows rank * 16 WR .. of the tile over the
-// whole K, split over its WK k-warps, and leaves the other rows of its partial tile zero, so that the epilogue's sum
-// of the cluster's partial tiles is the same as for a split K; more, smaller CTAs for a tile the epilogue must see
-// whole, such as a head that is normed and rotated; only where clusters run: the sm_90a code). A lane's vectors past K
+// Work. Cluster `id` is tile `id`: rows id * 16 WR .. of the launch's concatenated rows (each row resolved to its
+// weight segment on its own). A CTA has WR row warps of 16 rows times WK k-warps; the K chunks are split evenly over
+// the cluster's S * WK k-parts, and each lane keeps D chunks of loads in flight in registers. A lane's vectors past K
 // load nothing and count as zeros (K is a multiple of 8, so a vector is all in or all out); so do rows past the last
 // row (never read; unless kWholeTiles: every tile's rows exist, as the K/V write's heads do, and no lane checks). After
 // the loop the k-warps of a row warp add their accumulators into the CTA's fp32 tile in turn, and the epilogue's
@@ -71,20 +65,18 @@ __host__ __device__ constexpr int direct_threads() {
   return 32 * WR * WK;
 }
 
-// Shared memory of a tile of 16 WR rows (the cluster's rows where it splits them): the fp32 bias [16 WR], the tile
-// [8 NT][tile_pitch(16 WR)], the epilogue's staging area.
+// Shared memory: the fp32 bias [16 WR], the tile [8 NT][tile_pitch(16 WR)], the epilogue's staging area.
 template <int WR, int NT, typename Epilogue>
 __host__ __device__ constexpr int direct_smem_bytes() {
   return 4 * 16 * WR + 4 * 8 * NT * tile_pitch(16 * WR) + Epilogue::extra_bytes(8 * NT);
 }
 
 // One cluster's tile (see the header comment); the body of the kernels that run it.
-template <typename T, int WR, int NT, int WK, int E, int D, bool kWholeTiles, typename Epilogue, int RS = 1>
+template <typename T, int WR, int NT, int WK, int E, int D, bool kWholeTiles, typename Epilogue>
 __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args) {
-  constexpr int kCtaRows = 16 * WR, kRows = RS * kCtaRows, kTokens = 8 * NT, kThreads = direct_threads<WR, WK>();
+  constexpr int kRows = 16 * WR, kTokens = 8 * NT, kThreads = direct_threads<WR, WK>();
   constexpr int kVecs = E / 8, kCols = 4 * E, kPitch = tile_pitch(kRows);
   static_assert(E % 8 == 0 && D >= 1, "E is a multiple of 8");
-  static_assert(RS >= 1 && RS <= kMaxSplit, "a row split is a cluster of at most kMaxSplit CTAs");
   const Params& p = Epilogue::gemm(args);
   float* bias = cta_smem();
   float* tile = bias + kRows;
@@ -98,15 +90,13 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
   if (row0 >= p.segment_end[p.num_segments - 1]) return;
 
   const int64_t total_rows = p.segment_end[p.num_segments - 1];
-  const int first_row = RS > 1 ? static_cast<int>(cluster.rank) * kCtaRows : 0;  // this CTA's rows in the tile
-  const int64_t r0 = row0 + first_row + row_warp * 16 + group;
+  const int64_t r0 = row0 + row_warp * 16 + group;
   const bool live0 = kWholeTiles || r0 < total_rows;
   const T* w0 = weight_row<T>(p, live0 ? r0 : total_rows - 1) + quad * E;
   const bool live1 = kWholeTiles || r0 + 8 < total_rows;
   const T* w1 = weight_row<T>(p, live1 ? r0 + 8 : total_rows - 1) + quad * E;
   const int chunks = (p.k + kCols - 1) / kCols;
-  const int parts = RS > 1 ? WK : static_cast<int>(cluster.size) * WK;
-  const int part = RS > 1 ? k_warp : static_cast<int>(cluster.rank) * WK + k_warp;
+  const int parts = static_cast<int>(cluster.size) * WK, part = static_cast<int>(cluster.rank) * WK + k_warp;
   const int begin = static_cast<int>(static_cast<int64_t>(chunks) * part / parts);
   const int end = static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts);
 #pragma unroll
@@ -115,12 +105,6 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
     if (begin + d < end && col + quad * E < p.k) {
       if (live0) prefetch_l2(w0 + col);
       if (live1) prefetch_l2(w1 + col);
-    }
-  }
-  if constexpr (RS > 1) {  // the other CTAs' rows of this CTA's partial tile
-    for (int i = static_cast<int>(threadIdx.x); i < kTokens * (kRows - kCtaRows); i += kThreads) {
-      const int token = i / (kRows - kCtaRows), r = i % (kRows - kCtaRows);
-      tile[token * kPitch + (r < first_row ? r : r + kCtaRows)] = 0.f;
     }
   }
   const T* xs[NT];
@@ -180,7 +164,7 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
   wait_copies<0>();  // the epilogue's asynchronous copies
 #pragma unroll
   for (int j = 0; j < WK; ++j) {
-    if (k_warp == j) add_to_tile<1, NT, kPitch>(tile, acc, first_row / 16 + row_warp, lane, j == 0);
+    if (k_warp == j) add_to_tile<1, NT, kPitch>(tile, acc, row_warp, lane, j == 0);
     __syncthreads();
   }
   const int64_t rows_left = total_rows - row0;
@@ -194,81 +178,6 @@ __device__ __forceinline__ void direct_tile(const typename Epilogue::Args& args)
 template <typename T, int WR, int NT, int WK, int E, int D>
 __global__ void __launch_bounds__(direct_threads<WR, WK>()) multi_linear_direct_kernel(const __grid_constant__ Params p) {
   direct_tile<T, WR, NT, WK, E, D, false, StoreEpilogue>(p);
-}
-
-// ------------------------------------------------------------------------------------------------ the op's variants
-
-// A register-streaming configuration: WR row warps x WK k-warps, E columns per lane and chunk, D chunks in flight.
-struct DirectVariant {
-  int row_warps;
-  int k_warps;
-  int lane_cols;
-  int depth;
-};
-
-// The configurations the op compiles: its variants kNumVariants .. kNumVariants + kNumDirectVariants - 1 of
-// `_multi_linear_variant` (after the ring tile's kVariants), for the benchmark sweep and the tests; the op's default
-// choice (default_variant) does not take them. 128, 64 and 32 rows, 8 or 16 warps, 4 chunks of 32 columns in flight:
-// 89-118 registers without spills at 1 and 2 token tiles (ptxas, sm_90a). benchmarks/multi_linear_tune.cu times
-// these and more against the ring tile and cuBLAS.
-constexpr DirectVariant kDirectVariants[] = {
-    {8, 2, 8, 4},  // 128 rows, 2 k-warps
-    {4, 2, 8, 4},  // 64 rows, 2 k-warps
-    {4, 4, 8, 4},  // 64 rows, 4 k-warps
-    {2, 4, 8, 4},  // 32 rows, 4 k-warps
-};
-constexpr int kNumDirectVariants = sizeof(kDirectVariants) / sizeof(kDirectVariants[0]);
-// Tokens the register-streaming tile takes: 1 or 2 n-tiles (more tokens' accumulators take the registers of the
-// loads in flight).
-constexpr int kDirectMaxTokens = 16;
-
-__host__ __device__ constexpr int cta_rows(const DirectVariant& v) { return 16 * v.row_warps; }
-__host__ __device__ constexpr int cta_threads(const DirectVariant& v) { return 32 * v.row_warps * v.k_warps; }
-
-template <typename T, int V, int NT>
-KernelFn direct_instance() {
-  constexpr DirectVariant v = kDirectVariants[V];
-  return &multi_linear_direct_kernel<T, v.row_warps, NT, v.k_warps, v.lane_cols, v.depth>;
-}
-
-template <int V>
-constexpr int direct_variant_smem(int n_tiles) {
-  constexpr DirectVariant v = kDirectVariants[V];
-  return n_tiles == 1 ? direct_smem_bytes<v.row_warps, 1, StoreEpilogue>()
-                      : direct_smem_bytes<v.row_warps, 2, StoreEpilogue>();
-}
-
-// The kernel and its shared memory for direct variant `index` (0..kNumDirectVariants-1) at `tokens` <=
-// kDirectMaxTokens tokens.
-struct DirectLaunch {
-  KernelFn fn;
-  int smem;
-};
-
-template <typename T, int... V>
-DirectLaunch select_direct(int index, int n_tiles, std::integer_sequence<int, V...>) {
-  DirectLaunch out{nullptr, 0};
-  ((index == V ? (out = {n_tiles == 1 ? direct_instance<T, V, 1>() : direct_instance<T, V, 2>(),
-                         direct_variant_smem<V>(n_tiles)},
-                  0)
-               : 0),
-   ...);
-  return out;
-}
-
-template <typename T>
-DirectLaunch direct_launch(int index, int tokens) {
-  return select_direct<T>(index, token_tiles(tokens), std::make_integer_sequence<int, kNumDirectVariants>{});
-}
-
-// Cluster split when none is forced, by the rule of auto_split: double it only while the grid has fewer CTAs than
-// half the SMs and every k-part would still get at least `depth` chunks after doubling.
-inline int direct_auto_split(const DirectVariant& v, int64_t total_rows, int k, int sm_count) {
-  const int64_t tiles = (total_rows + cta_rows(v) - 1) / cta_rows(v);
-  const int64_t chunks = (k + 4 * v.lane_cols - 1) / (4 * v.lane_cols);
-  int split = 1;
-  while (split < kMaxSplit && 2 * tiles * split < sm_count && chunks / (2 * split * v.k_warps) >= v.depth) split *= 2;
-  return split;
 }
 
 }  // namespace mlinear

@@ -5,10 +5,7 @@
 // headers); the binding is multi_linear_kv_write.cu, the reference math custom_ops/linear/multi_linear_kv_write.py.
 //
 // A CTA has head_dim / 16 row warps times WK k-warps (a tile is one head: its rows are the head's K or V rows of the
-// concatenated K/V rows, all of which exist); each lane keeps D chunks of 4 E columns in flight. With a row split of
-// RS, a cluster of RS CTAs of head_dim / (16 RS) row warps each computes a head (the sm_90a code only): more, smaller
-// CTAs, so that more SMs read than there are heads (80 heads of 128 on 132 SMs: 160 CTAs of 256 threads, two of
-// which fit an SM where one of 512 threads took its whole register file).
+// concatenated K/V rows, all of which exist); each lane keeps D chunks of 4 E columns in flight.
 //
 // The op launches kFusedKWarps, kFusedCols, kFusedDepth and one CTA per head. H200, benchmarks/kv_write_tune.cu
 // (`regs`), one launch after an L2 flush, µs at T = 1 / 8 / 16: Qwen3-8B draft dims (80 heads of 128, K 4096) 30.0 /
@@ -27,10 +24,9 @@ constexpr int kFusedKWarps = 2;  // k-warps per row warp
 constexpr int kFusedCols = 8;    // columns per lane and chunk (a 16-byte vector)
 constexpr int kFusedDepth = 4;   // chunks in flight per lane
 
-// RS: CTAs per head, each computing 32 V / RS of its rows (a cluster; see direct_tile). 1: one CTA per head.
-template <int V, int WK, int RS = 1>
+template <int V, int WK>
 __host__ __device__ constexpr int fused_threads() {
-  return direct_threads<2 * V / RS, WK>();
+  return direct_threads<2 * V, WK>();
 }
 
 // Shared memory: the fp32 bias [head_dim], the tile [8 NT][tile_pitch(head_dim)], the epilogue's staging area.
@@ -39,11 +35,10 @@ __host__ __device__ constexpr int fused_smem_bytes() {
   return direct_smem_bytes<2 * V, NT, KvWriteEpilogue<V>>();
 }
 
-template <typename T, int V, int NT, int WK = kFusedKWarps, int E = kFusedCols, int D = kFusedDepth, int RS = 1>
-__global__ void __launch_bounds__(fused_threads<V, WK, RS>())
+template <typename T, int V, int NT, int WK = kFusedKWarps, int E = kFusedCols, int D = kFusedDepth>
+__global__ void __launch_bounds__(fused_threads<V, WK>())
     kv_write_fused_kernel(const __grid_constant__ KvWriteArgs args) {
-  static_assert((2 * V) % RS == 0, "a head's row warps split evenly over the cluster");
-  direct_tile<T, 2 * V / RS, NT, WK, E, D, true, KvWriteEpilogue<V>, RS>(args);
+  direct_tile<T, 2 * V, NT, WK, E, D, true, KvWriteEpilogue<V>>(args);
 }
 
 }  // namespace mlinear
