@@ -19,7 +19,8 @@ calls (`aten::mm`, `aten::addmm`, `dspark::multi_linear`) in `PROFILED_CALLS` pr
 (outside a CUDA graph; the GPU's kernel times do not depend on it), grouped by shape: calls per step, kernels per
 call, µs per call (on CUDA the kernel time of the op and what it calls; on CPU its wall time) and its weight bytes ÷
 the copy bandwidth ÷ that time (`% of copy`: 100 % is a GEMM that reads its weights at the copy rate). Under the
-table: the kernels launched per step, all of them and the GEMMs'.
+table: the kernels launched per step, all of them and the GEMMs', then (CUDA) the other kernels by name, the longest
+first, with their launches and kernel time per step: where the step's time outside the GEMMs goes.
 
     python benchmarks/draft_step.py --out BENCH.md          # GPU: Qwen3-8B draft dims, bf16
     python benchmarks/draft_step.py --device cpu --small    # CPU check: tiny dims, fp32, wall-clock times
@@ -63,6 +64,7 @@ BLOCK = 16
 CONTEXTS = (16, 512)
 GEMM_OPS = ("aten.mm", "aten.addmm", "dspark.multi_linear")
 PROFILED_CALLS = 5  # calls of a compiled model that `gemm_profile` profiles
+OTHER_KERNEL_ROWS = 15  # rows of the table of the step's other (non-GEMM) kernels
 
 
 class RMSNorm(nn.Module):
@@ -237,10 +239,31 @@ def _subtree(event) -> list:
     return [event, *(e for child in event.cpu_children for e in _subtree(child))]
 
 
-def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list[GemmFamily], int, int]:
-    """The GEMM families of `PROFILED_CALLS` calls of `fn(*inputs)` (after 3 warm-up calls), and the kernels launched
-    per call: all, and the GEMM ops' (0 on CPU). A GEMM op inside another (the aten::mm calls of a
-    multi_linear) counts as part of the outer one."""
+def _in_gemm(event, gemm_names: set[str]) -> bool:
+    """Whether a profiled op event is a GEMM op or runs inside one."""
+    while event is not None:
+        if event.name in gemm_names:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def other_kernels(events, gemm_names: set[str]) -> dict[str, list]:
+    """`{kernel name: [launches, µs]}` of the CUDA kernels that the profiled op `events` launched outside the GEMM ops
+    (each event's own `kernels`, so a kernel counts once)."""
+    others: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        if event.kernels and not _in_gemm(event, gemm_names):
+            for kernel in event.kernels:
+                others[kernel.name][0] += 1
+                others[kernel.name][1] += kernel.duration
+    return dict(others)
+
+
+def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list[GemmFamily], int, int, dict]:
+    """The GEMM families of `PROFILED_CALLS` calls of `fn(*inputs)` (after 3 warm-up calls), the kernels launched
+    per call: all, and the GEMM ops' (0 on CPU), and the other kernels (`other_kernels`, summed over the calls; none
+    on CPU). A GEMM op inside another (the aten::mm calls of a multi_linear) counts as part of the outer one."""
     from torch.profiler import ProfilerActivity, profile
 
     names = defaultdict(set)
@@ -259,12 +282,10 @@ def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list
     gemm_names = {op.replace(".", "::") for op in GEMM_OPS}  # as the profiler names them
     families: dict[tuple, GemmFamily] = {}
     all_kernels = gemm_kernels = 0
-    for event in prof.events():
+    events = prof.events()
+    for event in events:
         all_kernels += len(event.kernels)
-        parent, nested = event.cpu_parent, False
-        while parent is not None and not nested:
-            nested, parent = parent.name in gemm_names, parent.cpu_parent
-        if event.name not in gemm_names or nested:
+        if event.name not in gemm_names or _in_gemm(event.cpu_parent, gemm_names):
             continue
         rows, k, columns = _gemm_shape(event)
         projections = "/".join(sorted({n for c in columns for n in names.get((k, c), {"?"})}))
@@ -276,12 +297,14 @@ def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list
         family.kernels += len(kernels)
         family.us += sum(kernel.duration for kernel in kernels) if device == "cuda" else event.cpu_time_total
         gemm_kernels += len(kernels)
-    return list(families.values()), all_kernels // PROFILED_CALLS, gemm_kernels // PROFILED_CALLS
+    others = other_kernels(events, gemm_names)
+    return list(families.values()), all_kernels // PROFILED_CALLS, gemm_kernels // PROFILED_CALLS, others
 
 
 def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, itemsize: int, device: str) -> list[str]:
-    """Markdown lines of one `gemm_profile`: one row per GEMM family, then the launches per step."""
-    families, kernels, gemm_kernels = profiled
+    """Markdown lines of one `gemm_profile`: one row per GEMM family, then the launches per step, then (CUDA) the
+    other kernels, the `OTHER_KERNEL_ROWS` longest per step."""
+    families, kernels, gemm_kernels, others = profiled
     time_kind = "kernel µs" if device == "cuda" else "wall µs"
     lines = [
         f"{name}, T = {ctx_len}: the step's GEMMs",
@@ -309,6 +332,18 @@ def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, items
         f"; kernels launched per step: {kernels}, {gemm_kernels} of them by the GEMMs" if device == "cuda" else ""
     )
     lines += ["", f"GEMM time per step: {total_us:.1f} µs{launches}.", ""]
+    if others:
+        other_us = sum(us for _, us in others.values()) / PROFILED_CALLS
+        lines += [
+            f"{name}, T = {ctx_len}: the other kernels, {other_us:.1f} µs per step (kernel time)",
+            "",
+            "| kernel | launches per step | kernel µs per step |",
+            "|---|---|---|",
+        ]
+        longest = sorted(others.items(), key=lambda item: -item[1][1])[:OTHER_KERNEL_ROWS]
+        for kernel, (launches, us) in longest:
+            lines.append(f"| `{kernel[:80]}` | {launches / PROFILED_CALLS:g} | {us / PROFILED_CALLS:.1f} |")
+        lines.append("")
     return lines
 
 

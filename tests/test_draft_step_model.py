@@ -6,6 +6,7 @@ import copy
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,8 +69,8 @@ def test_gemm_profile_reads_every_weight_once_per_step():
     v_proj twice: for the context and for the block)."""
     model, compiled, _ = _eager_and_compiled()
     ctx_len = 9
-    families, kernels, gemm_kernels = draft_step.gemm_profile(compiled, _inputs(ctx_len), model, "cpu")
-    assert kernels == gemm_kernels == 0  # no CUDA kernels on CPU
+    families, kernels, gemm_kernels, others = draft_step.gemm_profile(compiled, _inputs(ctx_len), model, "cpu")
+    assert kernels == gemm_kernels == 0 and others == {}  # no CUDA kernels on CPU
     calls = draft_step.PROFILED_CALLS
     assert all(f.calls % calls == 0 and f.us > 0 for f in families), families
     weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -83,5 +84,38 @@ def test_gemm_profile_reads_every_weight_once_per_step():
         "k_proj/v_proj",
     )
     assert context.calls == calls
-    lines = draft_step.gemm_table("dspark_backend", ctx_len, (families, 0, 0), 1e9, 4, "cpu")
+    lines = draft_step.gemm_table("dspark_backend", ctx_len, (families, 0, 0, {}), 1e9, 4, "cpu")
     assert sum(line.startswith("| ") for line in lines) == 1 + len(families)  # the header, one row per family
+
+
+def _event(name: str, parent=None, kernels=()):
+    """A stand-in for a profiler op event: its name, parent op and the CUDA kernels it launched (name, µs)."""
+    return SimpleNamespace(
+        name=name, cpu_parent=parent, kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels]
+    )
+
+
+def test_other_kernels_leave_out_the_gemms_and_sum_per_name():
+    """`other_kernels`: the kernels launched outside the GEMM ops (also those a GEMM op launches through nested ops
+    are left out), launches and µs summed per kernel name; the table lists them per step, the longest first."""
+    gemm_names = {"aten::mm", "dspark::multi_linear"}
+    mm = _event("aten::mm")
+    multi = _event("dspark::multi_linear")
+    events = [
+        mm,
+        _event("cudaLaunchKernel", mm, [("gemm_kernel", 20.0)]),
+        multi,
+        _event("cudaLaunchKernel", _event("aten::mm", multi), [("nested_gemm", 9.0)]),
+        _event("cuLaunchKernel", None, [("triton_poi_fused_add", 2.0)]),
+        _event("cuLaunchKernel", _event("aten::add"), [("triton_poi_fused_add", 3.0), ("flash_fwd", 7.5)]),
+        _event("aten::view"),
+    ]
+    others = draft_step.other_kernels(events, gemm_names)
+    assert others == {"triton_poi_fused_add": [2, 5.0], "flash_fwd": [1, 7.5]}
+    calls = draft_step.PROFILED_CALLS
+    lines = draft_step.gemm_table("dspark_backend", 16, ([], 3 * calls, 2 * calls, others), 1e9, 2, "cuda")
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows == [
+        f"| `flash_fwd` | {1 / calls:g} | {7.5 / calls:.1f} |",
+        f"| `triton_poi_fused_add` | {2 / calls:g} | {5 / calls:.1f} |",
+    ]
