@@ -2,7 +2,9 @@
 // memory straight into mma.sync fragments, no shared-memory ring and no barrier in the main loop. Plain CUDA (no torch
 // headers). Two kernels run it: the K/V write's fused kernel (multi_linear_kv_write_fused.cuh, its norm/RoPE/cache
 // epilogue on whole heads) and `multi_linear_direct_kernel` below (bias and store, the epilogue of
-// multi_linear_kernel; benchmarks/multi_linear_tune.cu measures it against that kernel, the op does not launch it).
+// multi_linear_kernel; benchmarks/multi_linear_tune.cu measures it against that kernel; the op does not launch it: as
+// op variants it was 1.2-1.5x slower than multi_linear_kernel on the H200, BENCHMARKS.md "Register-streaming
+// variants").
 //
 // Fragments. Lane (group g = lane / 4, quad c = lane % 4) of a warp holds rows g and g + 8 of the warp's 16 rows and
 // token g of each n-tile of 8 tokens. In a chunk of 4 E columns starting at `col` it loads the E columns
