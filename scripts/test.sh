@@ -16,5 +16,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$(sha256sum pyproject.toml)" ]; then
 fi
 .venv/bin/ruff check .
 # one xdist worker per core; each test file runs on one worker (the fuzz coverage tests read the outcomes that the
-# file's model tests cached in the process)
-.venv/bin/python -m pytest -q -n auto --dist loadfile "$@"
+# file's model tests cached in the process), the longest files first (tests/conftest.py, LONGEST_FILES)
+.venv/bin/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder "$@"
