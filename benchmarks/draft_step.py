@@ -64,7 +64,7 @@ BLOCK = 16
 CONTEXTS = (16, 512)
 GEMM_OPS = ("aten.mm", "aten.addmm", "dspark.multi_linear")
 PROFILED_CALLS = 5  # calls of a compiled model that `gemm_profile` profiles
-OTHER_KERNEL_ROWS = 15  # rows of the table of the step's other (non-GEMM) kernels
+OTHER_KERNEL_ROWS = 25  # rows of the table of the step's other (non-GEMM) kernels; the rest summed in one row
 
 
 class RMSNorm(nn.Module):
@@ -303,7 +303,7 @@ def gemm_profile(fn, inputs: tuple, model: nn.Module, device: str) -> tuple[list
 
 def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, itemsize: int, device: str) -> list[str]:
     """Markdown lines of one `gemm_profile`: one row per GEMM family, then the launches per step, then (CUDA) the
-    other kernels, the `OTHER_KERNEL_ROWS` longest per step."""
+    other kernels, the `OTHER_KERNEL_ROWS` longest per step and one row for the rest."""
     families, kernels, gemm_kernels, others = profiled
     time_kind = "kernel µs" if device == "cuda" else "wall µs"
     lines = [
@@ -340,11 +340,24 @@ def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, items
             "| kernel | launches per step | kernel µs per step |",
             "|---|---|---|",
         ]
-        longest = sorted(others.items(), key=lambda item: -item[1][1])[:OTHER_KERNEL_ROWS]
-        for kernel, (launches, us) in longest:
-            lines.append(f"| `{kernel[:80]}` | {launches / PROFILED_CALLS:g} | {us / PROFILED_CALLS:.1f} |")
+        ranked = sorted(others.items(), key=lambda item: -item[1][1])
+        for kernel, (launches, us) in ranked[:OTHER_KERNEL_ROWS]:
+            lines.append(
+                f"| `{short_kernel_name(kernel)}` | {launches / PROFILED_CALLS:g} | {us / PROFILED_CALLS:.1f} |"
+            )
+        rest = ranked[OTHER_KERNEL_ROWS:]
+        if rest:
+            launches = sum(n for _, (n, _) in rest) / PROFILED_CALLS
+            us = sum(t for _, (_, t) in rest) / PROFILED_CALLS
+            lines.append(f"| the other {len(rest)} kernels | {launches:g} | {us:.1f} |")
         lines.append("")
     return lines
+
+
+def short_kernel_name(name: str, width: int = 80) -> str:
+    """`name` cut to `width` characters around an ellipsis, keeping its end (Triton's kernels of one fusion differ
+    only in their last characters, the kernel index)."""
+    return name if len(name) <= width else f"{name[: width - 21]}...{name[-18:]}"
 
 
 def assert_parity(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> str:

@@ -119,3 +119,19 @@ def test_other_kernels_leave_out_the_gemms_and_sum_per_name():
         f"| `flash_fwd` | {1 / calls:g} | {7.5 / calls:.1f} |",
         f"| `triton_poi_fused_add` | {2 / calls:g} | {5 / calls:.1f} |",
     ]
+    assert not any(line.startswith("| the other") for line in lines)
+
+
+def test_other_kernels_past_the_row_limit_are_summed_and_long_names_keep_their_end(monkeypatch):
+    """Past `OTHER_KERNEL_ROWS` the kernels are summed in one row; a name longer than 80 characters keeps its start
+    and its end (two Triton kernels of one fusion differ only in their index)."""
+    calls = draft_step.PROFILED_CALLS
+    long = "triton_per_fused__to_copy_add_arange_cat_cos_div_mean_mul_neg_pow_rsqrt_sin_slice_view_"
+    others = {f"{long}{i}": [calls, float(10 - i)] for i in range(4)}
+    monkeypatch.setattr(draft_step, "OTHER_KERNEL_ROWS", 2)
+    lines = draft_step.gemm_table("dspark_backend", 16, ([], 0, 0, others), 1e9, 2, "cuda")
+    rows = [line for line in lines if line.startswith("| `") or line.startswith("| the other")]
+    names = [row.split("`")[1] for row in rows[:2]]
+    assert [len(n) for n in names] == [80, 80] and names[0] != names[1]
+    assert names[0].startswith("triton_per_fused") and names[0].endswith("_view_0") and names[1].endswith("_view_1")
+    assert rows[2] == f"| the other 2 kernels | 2 | {(8 + 7) / calls:.1f} |"
