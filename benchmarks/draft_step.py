@@ -357,7 +357,8 @@ def gemm_table(name: str, ctx_len: int, profiled: tuple, bandwidth: float, items
 def short_kernel_name(name: str, width: int = 80) -> str:
     """`name` cut to `width` characters around an ellipsis, keeping its end (Triton's kernels of one fusion differ
     only in their last characters, the kernel index)."""
-    return name if len(name) <= width else f"{name[: width - 21]}...{name[-18:]}"
+    tail = 18
+    return name if len(name) <= width else f"{name[: width - tail - 3]}...{name[-tail:]}"
 
 
 def assert_parity(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> str:

@@ -18,7 +18,7 @@ def pytest_configure(config: pytest.Config) -> None:
         torch._inductor.config.compile_threads = threads
 
 
-# The files that take longest on the 2-core CPU machine (about 70 % of the suite's time, measured with
+# The files that take longest on the 2-core CPU machine (about 80 % of the suite's time, measured with
 # `--durations=0`), longest first. xdist's per-file scheduling hands out files in collection order (with
 # `--no-loadscope-reorder`; by default it orders them by test count), so these start first and the workers finish
 # together instead of one of them starting the longest file last.
