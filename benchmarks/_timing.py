@@ -38,12 +38,17 @@ def median_us(fn: Callable[[], object], device: str, warmup: int = 25, rep: int 
     return 1e6 * statistics.median(times)
 
 
-def interleaved_median_us(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[float]:
+def interleaved_median_us(
+    calls: Sequence[Callable[[], object]], device: str, rounds: int, names: Sequence[str] = ()
+) -> list[float]:
     """Median µs per call of each of `calls`, sampled interleaved so that they share the machine's state: every
     round times each call once, in an order shuffled per round (seeded; so no call always follows the same one),
     after one untimed round. On CUDA each call runs after an L2 flush (as do_bench does) between two CUDA events; on CPU
     the wall clock of each call. Slow drifts (clocks, temperature, other load) then move every call alike, so two
-    calls that launch the same kernels read the same median."""
+    calls that launch the same kernels read the same median. With `names` (one per call; CUDA), every call is followed
+    by a synchronize, so that an asynchronous CUDA error (an illegal address in some kernel) is raised as a
+    RuntimeError naming the call that launched it; the extra synchronizations make such a run's times unlike a
+    normal run's."""
     order = random.Random(0)
     cuda = device == "cuda"
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if cuda else None
@@ -51,6 +56,11 @@ def interleaved_median_us(calls: Sequence[Callable[[], object]], device: str, ro
     for r in range(rounds + 1):
         for i in order.sample(range(len(calls)), len(calls)):
             sample = _cuda_sample(calls[i], flush) if cuda else _cpu_sample(calls[i])
+            if cuda and names:
+                try:
+                    torch.cuda.synchronize()
+                except RuntimeError as exc:
+                    raise RuntimeError(f"CUDA error in the call of {names[i]!r} (round {r}): {exc}") from exc
             if r:
                 samples[i].append(sample)
         if cuda:

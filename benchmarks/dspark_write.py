@@ -9,6 +9,7 @@
     python benchmarks/dspark_write.py --breakdown --configs qwen3-8b --tokens 8 64   # GPU: where the time goes
     (--breakdown dspark never: only those variants; with --spellings: per spelling)
     python benchmarks/dspark_write.py --tp 2 --configs qwen3-8b --variants compile hand dspark   # 2 GPUs: per rank
+    python benchmarks/dspark_write.py --sync-each --rounds 10   # GPU: a CUDA error names the column that raised it
 
 Configs: 5 layers, bf16, every layer's K/V written to its own caches at `cache_loc` (8192 slots; random distinct
 slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
@@ -445,10 +446,11 @@ def first_calls(entries: list[Entry], inputs: dict[int, tuple]) -> None:
 
 
 def time_row(
-    entries: list[Entry], control: Entry | None, inputs: tuple, device: str, rounds: int
+    entries: list[Entry], control: Entry | None, inputs: tuple, device: str, rounds: int, sync_each: bool = False
 ) -> tuple[list[float | str], float]:
     """Per entry, µs per call at these inputs (or why there is none), all entries sampled together
-    (`interleaved_median_us`); and the control: `control` (a second copy compiled as the first BASELINE entry),
+    (`interleaved_median_us`; `sync_each`: a synchronize after every call, naming the entry a CUDA error comes from);
+    and the control: `control` (a second copy compiled as the first BASELINE entry),
     timed in the same interleave, ÷ that entry's time (what two compiles of the same code read here; NaN without
     a baseline or a control)."""
     calls, timed = [], []
@@ -467,7 +469,8 @@ def time_row(
         except Exception as exc:
             fail(control, exc, f"T={inputs[0].shape[0]}")
     with_control = len(calls) > len(timed)
-    medians = interleaved_median_us(calls, device, rounds)
+    names = [entries[i].variant.name for i in timed] + ([control.variant.name] if with_control else [])
+    medians = interleaved_median_us(calls, device, rounds, names if sync_each else ())
     times: list[float | str] = ["error"] * len(entries)
     for i, call, us in zip(timed, calls, medians, strict=False):  # the control's call and median come last
         times[i] = us
@@ -488,9 +491,10 @@ def run_config(
     variants: tuple[Variant, ...],
     rounds: int,
     before_row: Callable[[], object] = lambda: None,
+    sync_each: bool = False,
 ) -> list[ConfigRun]:
     """One table per spelling; every row's cells of all spellings and variants are timed together, interleaved;
-    `before_row()` runs before each row is timed (`--tp`: a barrier of the ranks)."""
+    `before_row()` runs before each row is timed (`--tp`: a barrier of the ranks); `sync_each`: see `time_row`."""
     print(f"{label}: {cfg}", flush=True)
     torch._dynamo.reset()
     inputs = {t: make_inputs(cfg, t, device) for t in sorted({PARITY_TOKENS, *tokens_list})}
@@ -514,7 +518,7 @@ def run_config(
         for tokens in tokens_list:
             entries = [entry for run in runs for entry in run.entries]
             before_row()
-            times, ratio = time_row(entries, control, inputs[tokens], device, rounds)
+            times, ratio = time_row(entries, control, inputs[tokens], device, rounds, sync_each)
             for run in runs:
                 row = Row(tokens, *floor_us(cfg, tokens, *ceilings), run.paths[tokens], control=ratio)
                 row.times = {variant.name: "n/a (cpu)" for variant in variants}
@@ -782,7 +786,16 @@ def run_configs(
         cfg_run = shard(dataclasses.replace(cfg, dtype=dtype), ways)
         runs.append(
             run_config(
-                label, cfg_run, args.spellings, args.tokens, args.device, ceilings, variants, args.rounds, before_row
+                label,
+                cfg_run,
+                args.spellings,
+                args.tokens,
+                args.device,
+                ceilings,
+                variants,
+                args.rounds,
+                before_row,
+                args.sync_each,
             )
         )
         print(f"{label} done at {time.perf_counter() - start:.0f} s", flush=True)
@@ -909,6 +922,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--rounds", type=int, help="interleaved timing rounds per row; a cell is the median (default: 100, CPU 10)"
+    )
+    parser.add_argument(
+        "--sync-each",
+        action="store_true",
+        help="synchronize after every timed call, so that a CUDA error names the column whose call raised it (the "
+        "times are then not comparable with a normal run's)",
     )
     parser.add_argument(
         "--tp",

@@ -4,9 +4,10 @@
 #   bench     every benchmark (benchmarks/[!_]*.py --out $OUT/<name>.md)
 #   all       tests, then bench (the default)
 #   sanitize  scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and synccheck
-#             (every tensor its own allocation; SANITIZE_ONLY=GROUP: one group of its calls); each tool's summary
-#             goes to $OUT/sanitize.txt (initcheck's reads of cuBLAS outputs counted apart, with a torch.mm
-#             control), then what racecheck says of scripts/racecheck_subset_barrier.cu
+#             (every tensor its own allocation; SANITIZE_ONLY=GROUP: one group of its calls, and benchmark_dims, the
+#             K/V write at the write benchmark's dims, is made only so; SANITIZE_TOOLS="memcheck": only those tools);
+#             each tool's summary goes to $OUT/sanitize.txt (initcheck's reads of cuBLAS outputs counted apart, with a
+#             torch.mm control), then what racecheck says of scripts/racecheck_subset_barrier.cu
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
 #   placement the op on ten K/V weights placed apart, in pairs or adjacent, M >= 512 (benchmarks/multi_linear.py
 #             --placement)
@@ -44,7 +45,7 @@ fi
 case "$what" in
   sanitize)
     sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
-    for tool in memcheck racecheck initcheck synccheck; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
       driver_args=(${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"})
       limit=50
       [ "$tool" = initcheck ] && limit=1000000  # every report: they are sorted below

@@ -5,7 +5,8 @@
 hide inside a cached block). The calls cover empty and single-row batches, odd sizes, strided inputs, negative
 and out-of-range slots, positions and request ids (which the kernels must skip), and every DSV4 compressor path
 (c4 / c128 / online c128, ring and paged addressing, prefill, extend, decode, the FlashMLA / FP8 / FP4 stores),
-and both paths of the multi-layer K/V write. `--only GROUP` makes one group of calls.
+and both paths of the multi-layer K/V write. `--only GROUP` makes one group of calls; `--only benchmark_dims`,
+the only way to make that group, makes the K/V write at the write benchmark's dims (`write_at_benchmark_dims`).
 The script reads no results back: on the H200, initcheck reports PyTorch's own elementwise kernels reading
 outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer. For the same
 reason initcheck reports the heads kernel of the K/V write's GEMM path copying the projections that a cuBLAS GEMM
@@ -182,14 +183,77 @@ def multi_linear_kv_write(gen: torch.Generator) -> None:
             )
 
 
+# (hidden, K/V heads, head_dim, query rows) of the write benchmark's configs (benchmarks/dspark_write.py: Qwen3-8B,
+# Qwen3-4B, head_dim 64); 5 layers, 8192 slots, 4096 positions, its token counts
+BENCHMARK_DIMS = ((4096, 8, 128, 4096), (2560, 8, 128, 4096), (7168, 16, 64, 4096))
+BENCHMARK_TOKENS = (1, 8, 64, 512, 4096)
+
+
+def write_at_benchmark_dims(
+    gen: torch.Generator,
+    dims: tuple[tuple[int, int, int, int], ...] = BENCHMARK_DIMS,
+    token_counts: tuple[int, ...] = BENCHMARK_TOKENS,
+    layers: int = 5,
+    slots: int = 8192,
+    positions: int = 4096,
+) -> None:
+    """The context-K/V write as the write benchmark's compiled drafts make it, at its dims, eagerly: per layer a
+    [q + 2 kv, hidden] bf16 q/k/v weight, K and V its row ranges; the lowered write (`multi_linear_kv_write`: the
+    fused kernel, or the GEMM and the heads kernel) and the never-lowered path's GEMM (`multi_linear` over the 2 x
+    layers K/V row ranges). Not in the default groups (large: hundreds of MB of weights, GEMMs of T = 4096): a check
+    that the kernels stay inside their tensors at the sizes the benchmark runs, with one allocation per tensor."""
+    bf16 = torch.bfloat16
+    for hidden, heads, head_dim, q_rows in dims:
+        kv = heads * head_dim
+        weights = [
+            (torch.randn(q_rows + 2 * kv, hidden, generator=gen) * hidden**-0.5).to(bf16).to(DEV) for _ in range(layers)
+        ]
+        norms = [(torch.rand(head_dim, generator=gen) + 0.5).to(bf16).to(DEV) for _ in range(layers)]
+        table = torch.randn(positions, head_dim, generator=gen).to(DEV)
+        caches = [torch.randn(slots, heads, head_dim, generator=gen).to(bf16).to(DEV) for _ in range(2 * layers)]
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden, generator=gen).to(bf16).to(DEV)
+            pos = torch.randint(0, positions, (tokens,), generator=gen).to(DEV)
+            loc = torch.randperm(slots, generator=gen)[:tokens].to(DEV)
+            torch.ops.dspark.multi_linear_kv_write(
+                x,
+                weights,
+                [q_rows] * layers,
+                [None] * layers,
+                weights,
+                [q_rows + kv] * layers,
+                [None] * layers,
+                norms,
+                [1e-6] * layers,
+                [table] * layers,
+                pos,
+                True,
+                caches[:layers],
+                caches[layers:],
+                loc,
+                None,
+                heads,
+                head_dim,
+            )
+            starts = [q_rows + kind * kv for _ in range(layers) for kind in (0, 1)]
+            torch.ops.dspark.multi_linear(
+                x, [w for w in weights for _ in (0, 1)], starts, [kv] * len(starts), [None] * len(starts)
+            )
+
+
 GROUPS = ("flashmla", "dsv4", "multi_linear", "multi_linear_kv_write")
+OPT_IN_GROUPS = ("benchmark_dims",)  # made only when named with --only
 
 
 def main(argv: list[str] | None = None) -> None:
     global DEV, EDGES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--only", choices=GROUPS, help="make only this group of calls (default: all of them)")
+    parser.add_argument(
+        "--only",
+        choices=GROUPS + OPT_IN_GROUPS,
+        help=f"make only this group of calls (default: all of them but {', '.join(OPT_IN_GROUPS)})",
+    )
     args = parser.parse_args(argv)
     DEV = args.device
     EDGES = DEV == "cuda"
@@ -207,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         multi_linear(gen)
     if "multi_linear_kv_write" in groups:
         multi_linear_kv_write(gen)
+    if "benchmark_dims" in groups:
+        write_at_benchmark_dims(gen)
     if DEV == "cpu":
         print("sanitize driver: all calls made on the CPU")
         return

@@ -49,11 +49,12 @@ def test_dspark_write_refuses_what_it_cannot_run(monkeypatch, capsys, args, says
 
 def test_dspark_write_small_cpu(tmp_path):
     """One config, two spellings (the reference and HF-style code), one T (8, the parity check's: every variant
-    compiles one graph): every column, the hand-stacked one too."""
+    compiles one graph): every column, the hand-stacked one too (`--sync-each` is accepted; on the CPU it changes
+    nothing)."""
     report = _run_benchmark(
         "dspark_write.py",
         tmp_path / "dspark_write.md",
-        *("--configs", "small-hd16", "--spellings", "reference", "hf", "--tokens", "8"),
+        *("--configs", "small-hd16", "--spellings", "reference", "hf", "--tokens", "8", "--sync-each"),
     )
     titles = [line for line in report.splitlines() if line.startswith("### ")]
     assert [t.split(":")[0] for t in titles] == ["### small, head_dim 16"] * 2 + ["### small, head_dim 16, hf spelling"]

@@ -3,6 +3,9 @@ run on the CPU with in-range values, so the calls they make on the GPU stay vali
 
 import importlib.util
 from pathlib import Path
+from unittest import mock
+
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -23,3 +26,27 @@ def test_profile_workload_writes_every_row_on_cpu(capsys):
     """5 layers x (K, V) x 7 tokens x 2 heads x 16 values written by the op's CPU reference."""
     _driver("profile_kv_write").main(["--device", "cpu", "--config", "tiny", "--tokens", "7", "--calls", "2"])
     assert "tiny write at T = 7 on cpu: 2240 values written" in capsys.readouterr().out
+
+
+def test_benchmark_dims_group_is_opt_in_and_runs_on_cpu(capsys):
+    """The write at the benchmark's dims runs only when named (its tensors are hundreds of MB); here at small dims on
+    the CPU, every K/V slot addressed is written (the caches start random; a written slot holds the op's values)."""
+    driver = _driver()
+    assert "benchmark_dims" not in driver.GROUPS
+    driver.DEV = "cpu"
+    calls = []
+    real = torch.ops.dspark.multi_linear_kv_write
+
+    def spy(*args):
+        calls.append([c.clone() for c in args[12] + args[13]])
+        real(*args)
+        calls[-1] = [(before, after) for before, after in zip(calls[-1], args[12] + args[13], strict=True)]
+
+    with mock.patch.object(torch.ops.dspark, "multi_linear_kv_write", spy):
+        driver.write_at_benchmark_dims(
+            torch.Generator().manual_seed(0), dims=((64, 2, 16, 32),), token_counts=(1, 5), layers=2, slots=16
+        )
+    assert len(calls) == 2
+    for pairs in calls:
+        for before, after in pairs:
+            assert not torch.equal(before, after)
