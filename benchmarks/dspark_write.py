@@ -875,17 +875,19 @@ def tp_rank(rank: int, tp: int, store: str, args: argparse.Namespace, keys: tupl
         mine = [TPRun(run.label, [(row.tokens, row.times) for row in run.rows]) for config in runs for run in config]
         gathered: list[list[TPRun] | None] = [None] * tp
         torch.distributed.all_gather_object(gathered, mine)
-        if rank != 0:
-            return
-        text = report(runs, variants, args.device, ceilings, dtype, harness_us)
-        tables = iter(zip(*gathered, strict=True))
-        for key in args.configs:
-            label, cfg = configs[key]
-            for spelling in args.spellings:
-                title = label if spelling == "reference" else f"{label}, {spelling} spelling"
-                config = dataclasses.replace(cfg, dtype=dtype)
-                text += "\n" + "\n".join(tp_table(title, config, tp, list(next(tables)), variants))
-        emit(text, args.out)
+        if rank == 0:
+            text = report(runs, variants, args.device, ceilings, dtype, harness_us)
+            tables = iter(zip(*gathered, strict=True))
+            for key in args.configs:
+                label, cfg = configs[key]
+                for spelling in args.spellings:
+                    title = label if spelling == "reference" else f"{label}, {spelling} spelling"
+                    config = dataclasses.replace(cfg, dtype=dtype)
+                    text += "\n" + "\n".join(tp_table(title, config, tp, list(next(tables)), variants))
+            emit(text, args.out)
+        # every rank done before any rank tears the group down (a gloo rank once aborted at exit, after all its
+        # output, when its peer had already destroyed the group and gone)
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 

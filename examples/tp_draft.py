@@ -142,6 +142,9 @@ def main() -> None:
                 "the unsharded draft, 2 steps with an in-place weight update between them"
             )
             print("\n".join(line for rank_lines in gathered for line in rank_lines or []))
+        # every rank done before any rank tears the group down (a gloo rank once aborted at exit, after all its
+        # output, when its peer had already destroyed the group and gone)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

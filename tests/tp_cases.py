@@ -83,6 +83,10 @@ def _entry(rank: int, world_size: int, out: str, kinds: tuple[str, ...], explain
         else:
             summary = {kind: check_rank(rank, world_size, kind, explain_too) for kind in kinds}
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(summary))
+        # Every rank done before any rank tears the group down: on the 2-core machine, under load, a gloo rank once
+        # aborted at exit after all its output ("terminate called without an active exception") while its peer had
+        # already destroyed the group and gone.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
