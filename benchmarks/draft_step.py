@@ -1,4 +1,5 @@
-"""A whole DFlash-style draft step, written as plain HF-style modules: eager vs torch.compile vs dspark_backend.
+"""A whole DFlash-style draft step, written as plain HF-style modules: eager vs torch.compile vs dspark_backend
+(and dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its slice).
 
 One forward is one draft step: a block of `BLOCK` tokens runs through every layer and attends to the block's own
 K/V and to context K/V that every layer projects from the same `target_hidden [T, hidden]` with its own
@@ -65,6 +66,9 @@ CONTEXTS = (16, 512)
 GEMM_OPS = ("aten.mm", "aten.addmm", "dspark.multi_linear")
 PROFILED_CALLS = 5  # calls of a compiled model that `gemm_profile` profiles
 OTHER_KERNEL_ROWS = 25  # rows of the table of the step's other (non-GEMM) kernels; the rest summed in one row
+# dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its own slice of the
+# fused GEMM's output (no [layers, ...] tensors between the GEMM and the per-layer consumers)
+UNBATCHED = "dspark_backend, no batched regions"
 
 
 class RMSNorm(nn.Module):
@@ -400,14 +404,16 @@ def main() -> None:
         "eager": eager,
         "torch.compile": torch.compile(copy.deepcopy(eager)),
         "dspark_backend": torch.compile(copy.deepcopy(eager), backend=dspark_fx.dspark_backend),
+        UNBATCHED: torch.compile(copy.deepcopy(eager), backend=dspark_fx.make_backend({"batch_regions": False})),
     }
+    compiled = [name for name in variants if name != "eager"]
     weight_bytes = sum(p.numel() * p.element_size() for p in eager.parameters())
     floor_us = 1e6 * weight_bytes / bandwidth
     rows, gemm_lines = [], []
     with torch.no_grad():
         for ctx_len, step_inputs in inputs.items():
             expected = eager(*step_inputs)
-            for name in ("torch.compile", "dspark_backend"):
+            for name in compiled:
                 start = time.perf_counter()
                 with compile_counts() as counts:
                     out = variants[name](*step_inputs)
@@ -420,7 +426,7 @@ def main() -> None:
                 times[name] = median_us(step, device)
             rows.append((ctx_len, times))
             print(f"T={ctx_len} µs:", {k: round(v, 1) for k, v in times.items()}, flush=True)
-            for name in ("torch.compile", "dspark_backend"):
+            for name in compiled:
                 profiled = gemm_profile(variants[name], step_inputs, eager, device)
                 table = gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
                 gemm_lines += table

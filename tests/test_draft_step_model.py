@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dspark_fx import DsparkConfig
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -49,6 +50,23 @@ def test_context_kv_of_all_layers_fuse_into_one_multi_linear():
     assert after["dspark.multi_linear"] == 1 + 4 * LAYERS and after["aten.mm"] == 0
     assert len(capture.report.routed) == 2 * LAYERS
     assert after["aten.rsqrt"] == before["aten.rsqrt"] - (LAYERS - 1)  # the context k_norms run once
+
+
+@pytest.mark.usefixtures("lone_gemms_routed_on_cpu")
+def test_the_unbatched_column_fuses_the_same_gemms_and_norms_each_layer_on_its_slice():
+    """The benchmark's "no batched regions" column (`batch_regions=False`): the same multi_linear calls as
+    dspark_backend, context K/V of all layers in one, but every layer's k_norm on its own slice of that GEMM's output
+    (as many rsqrt as before the pass), and the eager result."""
+    torch._dynamo.reset()
+    model = draft_step.build_draft(CFG, "cpu", torch.float32)
+    capture = CaptureBackend(DsparkConfig(batch_regions=False))
+    compiled = torch.compile(copy.deepcopy(model), backend=capture)
+    with torch.no_grad():
+        inputs = _inputs(9)
+        assert_close_for_dtype(compiled(*inputs), model(*inputs))
+    before, after = op_counts(capture.before[0]), op_counts(capture.after[0])
+    assert after["dspark.multi_linear"] == 1 + 4 * LAYERS and after["aten.mm"] == 0
+    assert after["aten.rsqrt"] == before["aten.rsqrt"]
 
 
 @pytest.mark.slow
