@@ -12,12 +12,20 @@ import torch
 
 
 def graphed(fn: Callable[..., object], args: tuple) -> Callable[[], None]:
-    """`fn(*args)` captured in a `torch.cuda.CUDAGraph` after three warm-up calls; returns the graph's replay."""
+    """`fn(*args)` captured in a `torch.cuda.CUDAGraph` after three warm-up calls; returns the graph's replay.
+
+    The cuBLAS workspace cache is emptied right before and right after the capture, so that the graph's GEMMs get a
+    workspace of their own, in the graph's memory pool, that lives as long as the graph. Without that, graphs that
+    several of these captures keep alive at once, next to reduce-overhead callables, can replay into a freed
+    workspace: docs/benchmarking.md, "CUDA graphs and the cuBLAS workspace"."""
     for _ in range(3):
         fn(*args)
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(*args)
+    torch._C._cuda_clearCublasWorkspaces()
     return graph.replay
 
 
