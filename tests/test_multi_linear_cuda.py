@@ -14,6 +14,7 @@ import custom_ops  # noqa: F401
 from custom_ops import _build
 from custom_ops.linear.multi_linear import (
     _check_args,
+    captured_pointer_tables,
     cublas_batches,
     kernel_token_threshold,
     kernel_variants,
@@ -350,6 +351,47 @@ def test_batched_cublas_in_a_cuda_graph_sees_new_inputs_and_weight_updates(case)
         graph.replay()
         torch.cuda.synchronize()
         _check(out, fp64_formula(*args))
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_a_captured_batched_gemm_reads_a_table_written_once(mode):
+    """In a capture the batched GEMM's pointer table is written once (outside the graph) and kept: a replay launches
+    no table kernel; a second capture (other output addresses) holds a table of its own; both graphs stay right when
+    replayed in any order and after a weight update, and an eager call still writes its table with the kernel and
+    keeps none."""
+    args = _blocks_case(16, [1024, 256, 512], seed=7)
+    x, weights = args[0], args[1]
+    assert cublas_batches(args[3]) and not uses_kernel(16, args[3])
+    op(*args)
+    before = captured_pointer_tables()
+    graphs, outs = [], []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            outs.append(op(*args))
+        graphs.append(graph)
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+    after = captured_pointer_tables()
+    assert after <= before + 2  # at most one per captured GEMM (an earlier capture of the same addresses shares it)
+    replayed = _kernel_names(graphs[0].replay)
+    assert any("gemm" in n.lower() or "sm90" in n for n in replayed), replayed
+    assert not any("fill_pointer_table" in n for n in replayed)
+    for step, order in enumerate([(0, 1), (1, 0), (1, 1, 0)]):
+        x.copy_(torch.randn_like(x))
+        if step == 2:
+            with torch.no_grad():
+                weights[1].mul_(-3)
+        for out in outs:
+            out.fill_(float("nan"))
+        for g in order:
+            graphs[g].replay()
+        torch.cuda.synchronize()
+        ref = fp64_formula(*args)
+        for out in outs:
+            _check(out, ref)
+    assert any("fill_pointer_table" in n for n in _kernel_names(lambda: op(*args)))
+    _check(op(*args), fp64_formula(*args))
+    assert captured_pointer_tables() == after
 
 
 def _kernel_names(fn) -> set[str]:

@@ -253,6 +253,14 @@ def cublas_batches(row_counts: Sequence[int]) -> bool:
     return _in_blocks(batchable) or any(batchable.count(c) >= 2 for c in batchable)
 
 
+def captured_pointer_tables() -> int:
+    """How many pointer tables of batched GEMMs CUDA-graph captures have written to device memory once and kept (a
+    capture's batched GEMM reads one of these instead of a table written by a kernel on every replay)."""
+    lib = _native()
+    lib.dspark_multi_linear_captured_tables.restype = ctypes.c_int64
+    return int(lib.dspark_multi_linear_captured_tables())
+
+
 def kernel_variants() -> list[KernelVariant]:
     """The kernel's compiled tile configurations, in the order `_multi_linear_variant` indexes them."""
     lib = _native()

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/error_format.h"
+#include "linear/captured_pointer_tables.h"
 #include "linear/multi_linear_host.h"
 
 namespace dspark {
@@ -131,9 +132,10 @@ int64_t block_rows(int64_t rows_gcd) {
   return block >= kMinBlockRows && block <= kMaxBlockRows && block % 8 == 0 ? block : 0;
 }
 
-// cuBLAS reads the batched GEMM's matrix pointers from device memory; fill_pointer_table writes them there from its
-// by-value parameter (no host-to-device copy, no sync, nothing kept between calls: capturable, and a CUDA graph replays
-// the pointers it captured). Problem p of the batch is block p - first[i] of run i (first[i] <= p < first[i + 1]).
+// cuBLAS reads the batched GEMM's matrix pointers from device memory. Outside a CUDA-graph capture fill_pointer_table
+// writes them there from its by-value parameter (no host-to-device copy, no sync, nothing kept between calls); a
+// capture takes the table from CapturedPointerTables instead (written once, the graph holds only the GEMM). Problem p
+// of the batch is block p - first[i] of run i (first[i] <= p < first[i + 1]).
 struct PointerTable {
   const char* weight[kMaxSegments];  // first row of run i
   char* out[kMaxSegments];           // run i's column block of out
@@ -144,16 +146,34 @@ struct PointerTable {
   int runs;
 };
 
-__global__ void fill_pointer_table(const __grid_constant__ PointerTable t, const void** table) {
+// Entry i of the table: 3 x problems pointers, every problem's weight block (A), then x (B) for each, then every
+// problem's output block (C).
+__host__ __device__ inline const void* table_entry(const PointerTable& t, int i) {
   const int problems = t.first[t.runs];
-  for (int p = static_cast<int>(threadIdx.x); p < problems; p += static_cast<int>(blockDim.x)) {
-    int r = 0;
-    while (p >= t.first[r + 1]) ++r;
-    const int64_t block = p - t.first[r];
-    table[p] = t.weight[r] + block * t.weight_step;
-    table[problems + p] = t.x;
-    table[2 * problems + p] = t.out[r] + block * t.out_step;
+  if (i / problems == 1) return t.x;
+  const int p = i % problems;
+  int r = 0;
+  while (p >= t.first[r + 1]) ++r;
+  const int64_t block = p - t.first[r];
+  return i < problems ? t.weight[r] + block * t.weight_step : t.out[r] + block * t.out_step;
+}
+
+__global__ void fill_pointer_table(const __grid_constant__ PointerTable t, const void** table) {
+  const int entries = 3 * t.first[t.runs];
+  for (int i = static_cast<int>(threadIdx.x); i < entries; i += static_cast<int>(blockDim.x)) {
+    table[i] = table_entry(t, i);
   }
+}
+
+// The table of a batched GEMM that `stream` is capturing into a CUDA graph (CapturedPointerTables), else nullptr (not
+// capturing, or the cache's budget spent): then the caller writes it with fill_pointer_table.
+const void** captured_table(const PointerTable& t, cudaStream_t stream, int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusActive) return nullptr;
+  std::vector<const void*> entries(3 * static_cast<size_t>(t.first[t.runs]));
+  for (size_t i = 0; i < entries.size(); ++i) entries[i] = table_entry(t, static_cast<int>(i));
+  return CapturedPointerTables::instance().get(device, entries);
 }
 
 // cuBLAS reads the batched GEMM's matrix pointers from device memory, so it cannot check them, and picks kernels that
@@ -237,8 +257,8 @@ bool batches_every_run(const at::Tensor& x, const std::vector<Run>& runs) {
   return single.empty();
 }
 
-// Kernel launches of the cuBLAS path over `runs`: two (the pointer table, the GEMM) per kMaxSegments runs of a
-// batch, one per other run.
+// Kernel launches of the cuBLAS path over `runs` outside a CUDA-graph capture: two (the pointer table, the GEMM) per
+// kMaxSegments runs of a batch, one per other run.
 size_t cublas_launches(const at::Tensor& x, const std::vector<Run>& runs) {
   std::vector<Run> single;
   size_t launches = 0;
@@ -281,11 +301,15 @@ void gemm_batched(const at::Tensor& x, const std::vector<const Run*>& runs, int6
   t.x = x.data_ptr();
   t.weight_step = block * runs[0]->weight_stride * esize;
   t.out_step = block * esize;
-  const at::Tensor table = at::empty({3 * problems}, x.options().dtype(at::kLong));
   const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-  const void** pointers = static_cast<const void**>(table.data_ptr());
-  fill_pointer_table<<<1, std::min(problems, 256), 0, stream>>>(t, pointers);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const void** pointers = captured_table(t, stream, x.device().index());
+  at::Tensor table;  // this call's table, freed after the GEMM is enqueued (the allocator orders reuse on the stream)
+  if (pointers == nullptr) {
+    table = at::empty({3 * problems}, x.options().dtype(at::kLong));
+    pointers = static_cast<const void**>(table.data_ptr());
+    fill_pointer_table<<<1, std::min(3 * problems, 256), 0, stream>>>(t, pointers);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   const cudaDataType_t type = cublas_type(x);
   const float alpha = 1.0f;
   const float beta = 0.0f;
@@ -500,6 +524,11 @@ extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_bl
 extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_strided_block(int64_t tokens,
                                                                                           int64_t rows) {
   return dspark::mlinear::strided_rows_block(tokens, rows);
+}
+
+// How many batched GEMMs' pointer tables CUDA-graph captures have written once and kept (CapturedPointerTables).
+extern "C" __attribute__((visibility("default"))) int64_t dspark_multi_linear_captured_tables() {
+  return static_cast<int64_t>(dspark::mlinear::CapturedPointerTables::instance().size());
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_num_variants() {
