@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import as_fake_cuda, draft_inputs, eager_and_compiled, mark_tokens_dynamic, quick_first, small_config
 from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
 
@@ -132,6 +133,31 @@ def test_hf_style_writers_become_one_op(write, dtype):
     assert tuple(table.meta["val"].shape) == (8,), "inv_freq [R/2]"
     assert args[10].op == "placeholder" and args[10].meta["val"].dtype == torch.int64, "the positions input"
     assert "inverse frequencies inv_freq (cos/sin computed in the op) at positions" in str(capture.report)
+
+
+class _RowPaddedLinear(torch.nn.Module):
+    """`linear` as Inductor's `pad_mm` rewrites it on CUDA at a static token count off the alignment: zero rows
+    appended to the activation up to the next multiple of 8, the product sliced back to the rows it had."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        pad = 8 - x.shape[0] % 8
+        return torch.addmm(self.linear.bias, F.pad(x, (0, 0, 0, pad)), self.linear.weight.t())[:-pad]
+
+
+@pytest.mark.parametrize("tokens", quick_first(1, [6, 13]))
+def test_row_padded_projections_lower_like_plain_ones(tokens):
+    """Projections on a row-padded activation (what `pad_mm` makes of them) lower to the one op as plain ones do:
+    the padding is undone first (`row_padding`), so no write is kept for a value taller than its rows."""
+    model = HFStyleKVWriter("index_put")
+    for layer in model.layers:
+        layer.k_proj, layer.v_proj = _RowPaddedLinear(layer.k_proj), _RowPaddedLinear(layer.v_proj)
+    capture = _hf_run(model, torch.float32, tokens_list=(tokens,))
+    _assert_lowered(capture, 4)
+    assert all(op_counts(before)["aten.constant_pad_nd"] == 8 for before in capture.before), "the padding was traced"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -19,7 +19,8 @@ Where the branches end in per-layer K/V cache writes, `kv_write` first replaces 
 of all layers by one `dspark::multi_linear_kv_write` (`DsparkConfig.kv_write_op`: by default on CUDA only, where
 the op has its kernel; see that module); the GEMMs it does not take are fused as below.
 
-This module only drives the steps: normalize (CSE, `normalize`) → GEMMs on frozen weights (Inductor freezing) in
+This module only drives the steps: normalize (CSE, `normalize`; Inductor's zero rows under GEMM activations
+undone, `row_padding`) → GEMMs on frozen weights (Inductor freezing) in
 the unfrozen shape (`frozen`) → lower cache writes (`kv_write`) → find the GEMMs grouped by activation
 (`gemm_branches`) → for each group (on CUDA only up to `DsparkConfig.max_fused_rows` rows, a symbolic count
 guarded, so a dynamic model compiles one graph per side of the limit): rewrite its GEMMs into one multi-linear
@@ -46,6 +47,7 @@ from dspark_fx.passes.graph_utils import aten, copy_graph, restore_graph, tensor
 from dspark_fx.passes.layouts import EagerLayouts
 from dspark_fx.passes.names import Namer
 from dspark_fx.passes.normalize import eliminate_common_subexpressions
+from dspark_fx.passes.row_padding import remove_row_padding
 from dspark_fx.report import FusionReport, GroupReport, KVKept, KVKeptReason, Rejection
 
 # Devices on which a GEMM group fuses only up to `DsparkConfig.max_fused_rows` rows (measured on an H200).
@@ -63,6 +65,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     names = Namer(graph, input_names)
     eager_layouts = EagerLayouts(graph)
     eliminate_common_subexpressions(graph)
+    remove_row_padding(graph)
     expose_frozen_weights(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
