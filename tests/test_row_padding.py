@@ -85,3 +85,32 @@ def test_other_paddings_and_slices_are_left_alone(fn):
     before = str(gm.graph)
     assert remove_row_padding(gm.graph) == 0
     assert str(gm.graph) == before
+
+
+def test_the_form_inductors_pad_mm_emits_is_undone():
+    """Inductor's own `pad_mm` replacement, applied to a CPU graph (its device and Triton checks patched to pass,
+    `force_shape_pad` so that it pads without timing): the rows it appends are undone and the GEMMs read `x` again.
+    This fails if Inductor changes the form it emits."""
+    from unittest import mock
+
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+    from torch._inductor.fx_passes import joint_graph
+
+    def gemms(x, w, b):
+        return torch.mm(x, w), torch.addmm(b, x, w)
+
+    args = _inputs()
+    gm = _trace(gemms, args)
+    with (
+        mock.patch.object(pad_mm, "check_device", lambda a, b: True),
+        mock.patch.object(pad_mm, "has_triton", lambda: True),
+        torch._inductor.config.patch(force_shape_pad=True),
+    ):
+        pad_mm._pad_mm_init(torch.device("cpu"))
+        assert joint_graph.patterns.apply(gm.graph) == 2
+    assert op_counts(gm.graph)["aten.constant_pad_nd"] == 2, "pad_mm padded the rows"
+    assert remove_row_padding(gm.graph) == 2
+    gm.graph.lint()
+    gm.recompile()
+    assert not any(n.target is torch.ops.aten.constant_pad_nd.default for n in gm.graph.nodes), gm.code
+    torch.testing.assert_close(gm(*args), gemms(*args))
