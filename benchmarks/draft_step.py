@@ -1,5 +1,7 @@
 """A whole DFlash-style draft step, written as plain HF-style modules: eager vs torch.compile vs dspark_backend
-(and dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its slice).
+(and dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its slice), and the
+same draft stacked by hand under plain torch.compile (`HandStackedDraft`: per layer one q/k/v and one gate/up
+weight, the context K/V of all layers one weight; the weights concatenated once, as vLLM and sglang load them).
 
 One forward is one draft step: a block of `BLOCK` tokens runs through every layer and attends to the block's own
 K/V and to context K/V that every layer projects from the same `target_hidden [T, hidden]` with its own
@@ -69,6 +71,7 @@ OTHER_KERNEL_ROWS = 25  # rows of the table of the step's other (non-GEMM) kerne
 # dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its own slice of the
 # fused GEMM's output (no [layers, ...] tensors between the GEMM and the per-layer consumers)
 UNBATCHED = "dspark_backend, no batched regions"
+HAND = "hand-stacked torch.compile"  # HandStackedDraft under plain torch.compile
 
 
 class RMSNorm(nn.Module):
@@ -78,9 +81,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over the last dim of `x`, in fp32, the weight applied after the cast back to `x`'s dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -141,13 +149,16 @@ class DraftLayer(nn.Module):
         cfg = self.cfg
         q = self.q_proj(x).view(x.shape[0], cfg.num_heads, cfg.head_dim)
         q = apply_rope(self.q_norm(q), *block_rope)
-        k_ctx, v_ctx = self.key_value(target_hidden, *ctx_rope)
-        k_block, v_block = self.key_value(x, *block_rope)
-        groups = cfg.num_heads // cfg.num_kv_heads
-        k = sdpa_heads(torch.cat([k_ctx, k_block]), groups)
-        v = sdpa_heads(torch.cat([v_ctx, v_block]), groups)
+        return self.attend(q, self.key_value(target_hidden, *ctx_rope), self.key_value(x, *block_rope))
+
+    def attend(self, q: torch.Tensor, ctx_kv: tuple, block_kv: tuple) -> torch.Tensor:
+        """o_proj of the attention of `q [B, heads, head_dim]` over the context's K/V then the block's (each
+        `[S, kv_heads, head_dim]`)."""
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        k = sdpa_heads(torch.cat([ctx_kv[0], block_kv[0]]), groups)
+        v = sdpa_heads(torch.cat([ctx_kv[1], block_kv[1]]), groups)
         out = F.scaled_dot_product_attention(sdpa_heads(q), k, v)
-        return self.o_proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
+        return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[0], -1))
 
     def forward(self, hidden, target_hidden, ctx_rope, block_rope) -> torch.Tensor:
         hidden = hidden + self.attention(self.input_layernorm(hidden), target_hidden, ctx_rope, block_rope)
@@ -169,6 +180,55 @@ class DraftModel(nn.Module):
         hidden = block_hidden
         for layer in self.layers:
             hidden = layer(hidden, target_hidden, ctx_rope, block_rope)
+        return self.norm(hidden)
+
+
+def _stacked_linear(weights: list[torch.Tensor]) -> nn.Linear:
+    """A bias-free `nn.Linear` whose weight is `weights` concatenated along their rows (one copy)."""
+    weight = torch.cat([w.detach() for w in weights])
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight)
+    return linear
+
+
+class HandStackedDraft(nn.Module):
+    """`model`'s draft as a user stacks it by hand for plain torch.compile: per layer one q/k/v weight
+    `[q + 2 kv, hidden]` (`qkv_proj`) and one gate/up weight `[2 intermediate, hidden]` (`gate_up_proj`), and the
+    context K/V of every layer one `[layers * 2 kv, hidden]` weight (`ctx_kv_proj`) read by one GEMM, its K normed
+    and roped for all layers at once. The weights are concatenated once, here; the other modules are `model`'s,
+    copied. The same computation as `model`, spelled the way vLLM's and sglang's merged projections are."""
+
+    def __init__(self, model: DraftModel) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.layers = copy.deepcopy(model.layers)
+        self.norm = copy.deepcopy(model.norm)
+        layers = list(self.layers)
+        self.ctx_kv_proj = _stacked_linear([w for layer in layers for w in (layer.k_proj.weight, layer.v_proj.weight)])
+        self.ctx_k_norm_weight = nn.Parameter(torch.stack([layer.k_norm.weight.detach() for layer in layers])[:, None])
+        for layer in self.layers:
+            layer.qkv_proj = _stacked_linear([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
+            layer.mlp.gate_up_proj = _stacked_linear([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+            del layer.q_proj, layer.k_proj, layer.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj
+
+    def forward(self, block_hidden, target_hidden, block_positions, ctx_positions) -> torch.Tensor:
+        cfg, dtype = self.cfg, block_hidden.dtype
+        layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        ctx_rope = rope_cos_sin(ctx_positions, head_dim, cfg.rope_theta, dtype)
+        block_rope = rope_cos_sin(block_positions, head_dim, cfg.rope_theta, dtype)
+        kv = self.ctx_kv_proj(target_hidden).view(-1, layers, 2, kv_heads, head_dim)
+        k_ctx = rms_norm(kv[:, :, 0], self.ctx_k_norm_weight, cfg.eps)  # [T, layers, kv_heads, head_dim]
+        k_ctx = apply_rope(k_ctx.reshape(-1, layers * kv_heads, head_dim), *ctx_rope).view(k_ctx.shape)
+        v_ctx = kv[:, :, 1]
+        q_size, kv_size = cfg.num_heads * head_dim, kv_heads * head_dim
+        hidden = block_hidden
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv_proj(layer.input_layernorm(hidden)).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(layer.q_norm(q.view(-1, cfg.num_heads, head_dim)), *block_rope)
+            k = apply_rope(layer.k_norm(k.view(-1, kv_heads, head_dim)), *block_rope)
+            hidden = hidden + layer.attend(q, (k_ctx[:, i], v_ctx[:, i]), (k, v.view(-1, kv_heads, head_dim)))
+            gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
         return self.norm(hidden)
 
 
@@ -405,6 +465,7 @@ def main() -> None:
         "torch.compile": torch.compile(copy.deepcopy(eager)),
         "dspark_backend": torch.compile(copy.deepcopy(eager), backend=dspark_fx.dspark_backend),
         UNBATCHED: torch.compile(copy.deepcopy(eager), backend=dspark_fx.make_backend({"batch_regions": False})),
+        HAND: torch.compile(HandStackedDraft(eager)),
     }
     compiled = [name for name in variants if name != "eager"]
     weight_bytes = sum(p.numel() * p.element_size() for p in eager.parameters())
@@ -427,7 +488,7 @@ def main() -> None:
             rows.append((ctx_len, times))
             print(f"T={ctx_len} µs:", {k: round(v, 1) for k, v in times.items()}, flush=True)
             for name in compiled:
-                profiled = gemm_profile(variants[name], step_inputs, eager, device)
+                profiled = gemm_profile(variants[name], step_inputs, variants[name]._orig_mod, device)
                 table = gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
                 gemm_lines += table
                 print("\n".join(table), flush=True)
@@ -441,11 +502,12 @@ def main() -> None:
         f"{cfg.head_dim}, intermediate {cfg.intermediate}, block {BLOCK}, {str(dtype).removeprefix('torch.')}; "
         f"weights {weight_bytes / 1e6:.1f} MB, floor = weight bytes / copy bandwidth. {gemms}.",
         "",
-        "| T | floor µs | " + " | ".join(variants) + " |",
-        "|" + "---|" * (len(variants) + 2),
+        "| T | floor µs | " + " | ".join(variants) + " | dspark_backend ÷ hand-stacked |",
+        "|" + "---|" * (len(variants) + 3),
     ]
     for ctx_len, times in rows:
         cells = [f"{t:.1f} ({t / times['torch.compile']:.2f}x, {t / floor_us:.2f}x)" for t in times.values()]
+        cells.append(f"{times['dspark_backend'] / times[HAND]:.2f}x")
         lines.append(f"| {ctx_len} | {floor_us:.1f} | " + " | ".join(cells) + " |")
     table = "\n".join([*lines, "", *gemm_lines])
     print(table)

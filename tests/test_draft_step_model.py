@@ -69,6 +69,32 @@ def test_the_unbatched_column_fuses_the_same_gemms_and_norms_each_layer_on_its_s
     assert after["aten.rsqrt"] == before["aten.rsqrt"]
 
 
+def test_the_hand_stacked_column_is_the_same_draft_with_one_weight_per_merged_projection():
+    """The benchmark's hand-stacked baseline (`HandStackedDraft`, plain torch.compile): the eager result, and in its
+    graph one GEMM for the context K/V of all layers and per layer one for q/k/v, o_proj, gate/up and down_proj, each
+    reading one parameter of the concatenated rows, with one batched context k_norm (one rsqrt fewer per layer but
+    one)."""
+    torch._dynamo.reset()
+    model = draft_step.build_draft(CFG, "cpu", torch.float32)
+    hand = draft_step.HandStackedDraft(model)
+    capture = CaptureBackend(DsparkConfig(min_branches=LAYERS * 100, skinny_linears=False))  # the pass fuses nothing
+    with torch.no_grad():
+        inputs = _inputs(9)
+        assert_close_for_dtype(torch.compile(hand, backend=capture)(*inputs), model(*inputs))
+        plain = CaptureBackend(DsparkConfig(min_branches=LAYERS * 100, skinny_linears=False))
+        torch.compile(copy.deepcopy(model), backend=plain)(*inputs)
+    counts, plain_counts = op_counts(capture.before[0]), op_counts(plain.before[0])
+    assert counts["aten.mm"] + counts["aten.addmm"] == 1 + 4 * LAYERS
+    assert plain_counts["aten.mm"] + plain_counts["aten.addmm"] == 9 * LAYERS
+    assert counts["aten.rsqrt"] == plain_counts["aten.rsqrt"] - (LAYERS - 1)
+    stacked = {name: p.shape for name, p in hand.named_parameters() if "proj" in name and "o_proj" not in name}
+    kv, q = CFG.num_kv_heads * CFG.head_dim, CFG.num_heads * CFG.head_dim
+    assert stacked["ctx_kv_proj.weight"] == (LAYERS * 2 * kv, CFG.hidden)
+    assert stacked["layers.0.qkv_proj.weight"] == (q + 2 * kv, CFG.hidden)
+    assert stacked["layers.0.mlp.gate_up_proj.weight"] == (2 * CFG.intermediate, CFG.hidden)
+    assert not any(name.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")) for name in stacked)
+
+
 @pytest.mark.slow
 def test_context_lengths_share_one_symbolic_graph():
     model, compiled, capture = _eager_and_compiled()
