@@ -27,12 +27,14 @@ first, with their launches and kernel time per step: where the step's time outsi
 
     python benchmarks/draft_step.py --out BENCH.md          # GPU: Qwen3-8B draft dims, bf16
     python benchmarks/draft_step.py --device cpu --small    # CPU check: tiny dims, fp32, wall-clock times
+    python benchmarks/draft_step.py --device cpu --hidden 1024   # the same layout, larger
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import platform
 import time
 from collections import Counter, defaultdict
@@ -448,9 +450,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny dims (hidden 64, 3 layers) for a quick check")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        help="--small's layout at this hidden size (4 heads of hidden / 4, 2 K/V heads, intermediate 2 x hidden)",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     args = parser.parse_args()
     device, cfg = args.device, SMALL if args.small else QWEN3_8B
+    if args.hidden:
+        cfg = dataclasses.replace(SMALL, hidden=args.hidden, head_dim=args.hidden // 4, intermediate=2 * args.hidden)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device)
     eager = build_draft(cfg, device, dtype)
