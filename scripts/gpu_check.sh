@@ -23,11 +23,15 @@
 #   tp        tensor parallel over the GPUs of the machine (at most 2): the NCCL tests (tests/test_tensor_parallel.py,
 #             eager and CUDA-graph replay), examples/tp_draft.py under torchrun, and benchmarks/dspark_write.py --tp
 #             (Qwen3-8B dims, each rank's shard); on one GPU the 1-rank forms of all three
+#   check     one call for a session short of device time: every CUDA test, then the write table
+#             (benchmarks/dspark_write.py --rounds 30) and the draft step (benchmarks/draft_step.py), each stopped
+#             after its share of the 600 s a device call may take (CHECK_TIMEOUTS="tests write draft" seconds,
+#             default "220 170 110"; the build comes first, about 50 s)
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
 # Usage on the GPU machine: bash scripts/gpu_check.sh
-#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|profile]
+#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|check|profile]
 # (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -120,6 +124,15 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       --tokens ${TP_TOKENS:-1 8 64 512 4096} --out "$OUT/dspark_write_tp.md" 2>&1 | tee "$OUT/dspark_write_tp.log" ||
       status=1
     ;;
+  check)
+    read -r t_tests t_write t_draft <<<"${CHECK_TIMEOUTS:-220 170 110}"
+    timeout "$t_tests" python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" ||
+      status=1
+    timeout "$t_write" python3 benchmarks/dspark_write.py --rounds 30 --out "$OUT/dspark_write.md" 2>&1 |
+      tee "$OUT/dspark_write.log" || status=1
+    timeout "$t_draft" python3 benchmarks/draft_step.py --out "$OUT/draft_step.md" 2>&1 | tee "$OUT/draft_step.log" ||
+      status=1
+    ;;
   profile)
     TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" python3 benchmarks/dspark_write.py \
       --configs qwen3-8b --spellings ${PROFILE_SPELLINGS:-reference sglang hf complex} --breakdown ${PROFILE_VARIANTS:-dspark never compile} \
@@ -158,7 +171,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|profile)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|check|profile)" >&2
     exit 2
     ;;
 esac
