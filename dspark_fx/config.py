@@ -37,6 +37,11 @@ class DsparkConfig:
     off. The op computes in fp32 and rounds K at most twice (docs/ops.md, "Numerics"), so a lowered model matches
     eager to the dtype's tolerance, not bit for bit. It is a step of the horizontal fusion (`horizontal_fusion=False`
     turns it off too).
+    `fuse_on_cpu`: fuse GEMM groups on CPU tensors too. Off by default: on CPU `dspark::multi_linear` is its
+    reference (one GEMM per weight into the output's column blocks, opaque to Inductor), and a draft step measured
+    4-18 % slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass makes the draft step slower"),
+    so by default the pass leaves a CPU graph's GEMMs as they are (`explain()` says so for each). On, the CPU graph
+    fuses as a CUDA one would: to look at the rewrite on a CPU, and for tests.
     `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles
     `inv_freq @ position_ids`) as a broadcast multiply, the same bits, which Inductor fuses into its readers
     (`passes/outer_products.py`; on CUDA Inductor otherwise keeps a GEMM whose output its RoPE kernels read
@@ -51,6 +56,7 @@ class DsparkConfig:
     max_fused_rows: int = 512
     kv_write_op: str = "auto"
     outer_products: bool = True
+    fuse_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -64,6 +64,16 @@ def emulation_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     return cache.mkdir("kernel_emulation") if cache is not None else tmp_path_factory.mktemp("kernel_emulation")
 
 
+@pytest.fixture(autouse=True)
+def gemm_groups_fused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on CUDA, GEMM groups fuse on CPU too (`horizontal.GROUP_GEMM_DEVICES`; by default only `fuse_on_cpu`
+    fuses them there): the tests check the rewrite where the op is its reference. `tests/test_cpu_default.py` undoes
+    this to check the default."""
+    from dspark_fx.passes import horizontal
+
+    monkeypatch.setattr(horizontal, "GROUP_GEMM_DEVICES", ("cuda", "cpu"))
+
+
 @pytest.fixture
 def lone_gemms_routed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on CUDA, lone GEMMs (`skinny_linears`) go through `dspark::multi_linear` on CPU too: the routing's rewrite,

@@ -20,7 +20,7 @@ def test_demo_prints_a_short_summary_and_labels_its_timings_truthfully():
     assert "5 GEMMs on ctx -> one multi_linear" in out  # the explain() report
     assert "dspark_backend compile: 1 fused group(s) of 5 GEMMs" in out or "served from Inductor's cache" in out
     assert "parity with eager: OK" in out
-    assert "torch.compile(backend=dspark_backend)" in out and "graph diff" not in out
+    assert "torch.compile(backend=dspark_backend, fuse_on_cpu)" in out and "graph diff" not in out
 
 
 @pytest.mark.slow

@@ -74,8 +74,8 @@ def _entry(rank: int, world_size: int, out: str, kinds: tuple[str, ...], explain
     store = f"file://{Path(out) / 'rendezvous'}"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    else:  # as on CUDA: the row-parallel GEMMs routed next to the all-reduces
-        horizontal.LONE_GEMM_DEVICES = ("cuda", "cpu")
+    else:  # as on CUDA: GEMM groups fused, the row-parallel GEMMs routed next to the all-reduces
+        horizontal.GROUP_GEMM_DEVICES = horizontal.LONE_GEMM_DEVICES = ("cuda", "cpu")
     dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         if backend == "nccl":

@@ -57,6 +57,10 @@ ROW_LIMITED_DEVICES = ("cuda",)
 # `addmm` Inductor emits and opaque to its fusions (CPU, a 256 -> 512 -> 256 MLP: 1.80x torch.compile's time at
 # T = 1, 1.37x at T = 64 when routed; BENCHMARKS.md, benchmarks/lone_linears.py).
 LONE_GEMM_DEVICES = ("cuda",)
+# Devices on which GEMM groups fuse by default (`DsparkConfig.fuse_on_cpu` adds the CPU): where the op's CUDA path
+# reads the weights faster than separate GEMMs. On CPU the op is its reference, and a draft step measured 4-18 %
+# slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass makes the draft step slower").
+GROUP_GEMM_DEVICES = ("cuda",)
 
 
 def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
@@ -75,9 +79,9 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     for group in scan.groups:
         group = gemm_branches.refresh_activation(group)
         if len(group.branches) >= config.min_branches:
-            too_many_rows = _above_row_limit(group, config)
-            if too_many_rows:
-                report.rejected.extend(Rejection(b.describe(names), too_many_rows) for b in group.branches)
+            why_not = _not_fused_on_device(group, config) or _above_row_limit(group, config)
+            if why_not:
+                report.rejected.extend(Rejection(b.describe(names), why_not) for b in group.branches)
             else:
                 report.groups.append(_fuse_group(graph, group, config, names))
         elif len(group.branches) == 1 and config.skinny_linears and _routes_lone_gemms(group):
@@ -133,6 +137,17 @@ def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
 def _routes_lone_gemms(group: gemm_branches.GemmGroup) -> bool:
     """Whether a lone GEMM on this group's activation goes through the op (`LONE_GEMM_DEVICES`)."""
     return tensor_val(group.activation).device.type in LONE_GEMM_DEVICES
+
+
+def _not_fused_on_device(group: gemm_branches.GemmGroup, config: DsparkConfig) -> str:
+    """Why a GEMM group is not fused on its activation's device (`GROUP_GEMM_DEVICES`, `fuse_on_cpu`), or ""."""
+    device = tensor_val(group.activation).device.type
+    if device in GROUP_GEMM_DEVICES or (device == "cpu" and config.fuse_on_cpu):
+        return ""
+    return (
+        f"on {device}: dspark::multi_linear is its reference there, measured slower than Inductor's GEMMs, so the "
+        "GEMMs stay (DsparkConfig(fuse_on_cpu=True) fuses them on CPU)"
+    )
 
 
 def _above_row_limit(group: gemm_branches.GemmGroup, config: DsparkConfig) -> str:
