@@ -39,7 +39,7 @@ class DsparkConfig:
     turns it off too).
     `fuse_on_cpu`: fuse GEMM groups on CPU tensors too. Off by default: on CPU `dspark::multi_linear` is its
     reference (one GEMM per weight into the output's column blocks, opaque to Inductor), and a draft step measured
-    4-18 % slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass makes the draft step slower"),
+    4-18 % slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass made the draft step slower"),
     so by default the pass leaves a CPU graph's GEMMs as they are (`explain()` says so for each). On, the CPU graph
     fuses as a CUDA one would: to look at the rewrite on a CPU, and for tests.
     `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles

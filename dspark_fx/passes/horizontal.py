@@ -59,7 +59,7 @@ ROW_LIMITED_DEVICES = ("cuda",)
 LONE_GEMM_DEVICES = ("cuda",)
 # Devices on which GEMM groups fuse by default (`DsparkConfig.fuse_on_cpu` adds the CPU): where the op's CUDA path
 # reads the weights faster than separate GEMMs. On CPU the op is its reference, and a draft step measured 4-18 %
-# slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass makes the draft step slower").
+# slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass made the draft step slower").
 GROUP_GEMM_DEVICES = ("cuda",)
 
 
