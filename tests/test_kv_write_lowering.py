@@ -148,14 +148,46 @@ class _RowPaddedLinear(torch.nn.Module):
         return torch.addmm(self.linear.bias, F.pad(x, (0, 0, 0, pad)), self.linear.weight.t())[:-pad]
 
 
+def _row_padded_writer() -> HFStyleKVWriter:
+    model = HFStyleKVWriter("index_put")
+    for layer in model.layers:
+        layer.k_proj, layer.v_proj = _RowPaddedLinear(layer.k_proj), _RowPaddedLinear(layer.v_proj)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_write_op", ["always", "never"])
+def test_row_padded_projections_through_inductor_codegen(kv_write_op):
+    """Real Inductor codegen of what `row_padding` leaves: the writes lowered to the op ("always"), or the K/V GEMMs
+    fused into one `multi_linear` on the unpadded activation with Inductor's norm/RoPE/writes ("never"); both
+    match eager."""
+    torch._dynamo.reset()
+    eager = _row_padded_writer()
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(DsparkConfig(kv_write_op=kv_write_op), inner="inductor")
+    compiled = torch.compile(model, backend=capture, dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn(6, 64, generator=gen)
+        positions = torch.randint(0, 4096, (6,), generator=gen)
+        loc = torch.randperm(64, generator=gen)[:6]
+        eager(x, positions, loc)
+        compiled(x, positions, loc)
+    assert_close_for_dtype(model.caches(), eager.caches(), torch.float32)
+    (report,) = capture.reports
+    after = op_counts(capture.after[0])
+    assert after["aten.constant_pad_nd"] == 0, capture.graph_diff()
+    if kv_write_op == "always":
+        assert len(report.kv_writes) == 1 and after[OP] == 1
+    else:
+        assert not report.kv_writes and after["dspark.multi_linear"] == 1
+
+
 @pytest.mark.parametrize("tokens", quick_first(1, [6, 13]))
 def test_row_padded_projections_lower_like_plain_ones(tokens):
     """Projections on a row-padded activation (what `pad_mm` makes of them) lower to the one op as plain ones do:
     the padding is undone first (`row_padding`), so no write is kept for a value taller than its rows."""
-    model = HFStyleKVWriter("index_put")
-    for layer in model.layers:
-        layer.k_proj, layer.v_proj = _RowPaddedLinear(layer.k_proj), _RowPaddedLinear(layer.v_proj)
-    capture = _hf_run(model, torch.float32, tokens_list=(tokens,))
+    capture = _hf_run(_row_padded_writer(), torch.float32, tokens_list=(tokens,))
     _assert_lowered(capture, 4)
     assert all(op_counts(before)["aten.constant_pad_nd"] == 8 for before in capture.before), "the padding was traced"
 

@@ -144,10 +144,12 @@ def _not_fused_on_device(group: gemm_branches.GemmGroup, config: DsparkConfig) -
     device = tensor_val(group.activation).device.type
     if device in GROUP_GEMM_DEVICES or (device == "cpu" and config.fuse_on_cpu):
         return ""
-    return (
-        f"on {device}: dspark::multi_linear is its reference there, measured slower than Inductor's GEMMs, so the "
-        "GEMMs stay (DsparkConfig(fuse_on_cpu=True) fuses them on CPU)"
-    )
+    if device == "cpu":
+        return (
+            "on cpu: dspark::multi_linear is its reference there, measured slower than Inductor's GEMMs, so the GEMMs "
+            "stay (DsparkConfig(fuse_on_cpu=True) fuses them)"
+        )
+    return f"on {device}: dspark::multi_linear has no kernel there (only its reference), so the GEMMs stay"
 
 
 def _above_row_limit(group: gemm_branches.GemmGroup, config: DsparkConfig) -> str:
