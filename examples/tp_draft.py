@@ -157,12 +157,12 @@ def main() -> None:
 def _exit_before_interpreter_teardown() -> None:
     """Ends a gloo rank whose work is done without Python's interpreter teardown.
 
-    Once functional collectives have run, torch (2.13, measured) keeps the gloo process group and its worker threads
-    alive after `destroy_process_group`. A worker thread that drops its last finished work (an all-gather's
-    tensors, created by Python) only once the interpreter is shutting down must release their Python objects, takes
-    the GIL for that, is ended by the shutting-down interpreter inside a destructor, and the process aborts
-    ("terminate called without an active exception"): seen on a loaded 2-core machine after every line was printed,
-    in about 1 run of 10. Exiting directly, with the output flushed, starts no interpreter shutdown.
+    Once functional collectives have run, torch (2.11 and 2.13, measured) keeps the gloo process group and its worker
+    threads alive after `destroy_process_group`. A worker thread that drops its last finished work (an all-gather's
+    tensors, created by Python) only once the interpreter is shutting down must release their Python objects, takes the
+    GIL for that, is ended by the shutting-down interpreter inside a destructor, and the process aborts ("terminate
+    called without an active exception"): seen on a loaded 2-core machine after every line was printed, in about 1 run
+    of 10. Exiting directly, with the output flushed, starts no interpreter shutdown.
     """
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
