@@ -179,3 +179,16 @@ def test_other_kernels_past_the_row_limit_are_summed_and_long_names_keep_their_e
     assert [len(n) for n in names] == [80, 80] and names[0] != names[1]
     assert names[0].startswith("triton_per_fused") and names[0].endswith("_view_0") and names[1].endswith("_view_1")
     assert rows[2] == f"| the other 2 kernels | 2 | {(8 + 7) / calls:.1f} |"
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["kv-merged", "qkv-merged"])
+@pytest.mark.parametrize("ctx_len", [1, 9])
+def test_the_merged_kv_probe_is_the_same_draft(with_q, ctx_len):
+    """`benchmarks/experimental/merged_kv_draft.py` times the draft with each layer's K/V (and Q) weights applied
+    once to the context and block rows together: eagerly it gives the draft's result, so its times compare the same
+    computation."""
+    merged_kv_draft = importlib.import_module("experimental.merged_kv_draft")
+    model = draft_step.build_draft(CFG, "cpu", torch.float32)
+    with torch.no_grad():
+        inputs = _inputs(ctx_len)
+        assert_close_for_dtype(merged_kv_draft.MergedKVDraft(model, with_q)(*inputs), model(*inputs))
