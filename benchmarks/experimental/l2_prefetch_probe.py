@@ -1,19 +1,24 @@
 """Probe, not in the op: can the next GEMM's weights be brought into L2 while the small kernels between two GEMMs
 (norms, RoPE, attention) leave HBM idle?
 
-Each graph (CUDA-graph replay after do_bench's L2 flush, median) is a spin kernel of `window` µs standing for those
-kernels, then `x @ W.T` (x [16, 4096] bf16). Before the spin, a Triton kernel asks L2 for all of W: one
-`prefetch.global.L2` per 128-byte line, or one `cp.async.bulk.prefetch.L2` per 4 KB or 64 KB; in the stream, or on
-a second stream forked before the spin and joined before the GEMM. Times are ÷ the graph without a prefetch.
+Each graph (CUDA-graph replay after do_bench's L2 flush, median) is a spin kernel of `window` µs (0: a launch only)
+standing for those kernels, then `x @ W.T` (x [16, 4096] bf16). Before the spin, a Triton kernel asks L2 for all of
+W: one `prefetch.global.L2` per 128-byte line, or one `cp.async.bulk.prefetch.L2` per 4 KB or 64 KB; in the stream,
+or on a second stream forked before the spin and joined before the GEMM. Times are ÷ the graph without a prefetch;
+"GEMM" is a graph's time less that of the same graph without its GEMM (what the GEMM adds after that prefetch).
 
     python benchmarks/experimental/l2_prefetch_probe.py   # GPU only (Triton)"""
 
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import graphed
 
 
 @triton.jit
@@ -49,19 +54,11 @@ def prefetch(w: torch.Tensor, chunk: int) -> None:
         bulk_prefetch_l2[(chunks // 128,)](w, chunks, CHUNK=chunk, BLOCK=128)
 
 
-def graph(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
-def step(x: torch.Tensor, w: torch.Tensor, spin: int, chunk: int | None, side: torch.cuda.Stream | None):
-    """The spin (the window), then x @ w.T; with a prefetch of `w` (chunk not None) issued before the spin, in the
-    stream or (side) on a second stream forked before the spin and joined before the GEMM."""
+def step(
+    x: torch.Tensor, w: torch.Tensor, spin: int, chunk: int | None, side: torch.cuda.Stream | None, gemm: bool = True
+):
+    """The spin (the window), then x @ w.T (unless not `gemm`); with a prefetch of `w` (chunk not None) issued before
+    the spin, in the stream or (side) on a second stream forked before the spin and joined before the GEMM."""
 
     def run() -> None:
         main = torch.cuda.current_stream()
@@ -74,9 +71,14 @@ def step(x: torch.Tensor, w: torch.Tensor, spin: int, chunk: int | None, side: t
         torch.cuda._sleep(spin)
         if chunk is not None and side is not None:
             main.wait_stream(side)
-        torch.mm(x, w.t())
+        if gemm:
+            torch.mm(x, w.t())
 
     return run
+
+
+def replay_us(run) -> float:
+    return 1e3 * do_bench(graphed(run, ()), warmup=25, rep=200, return_mode="median")
 
 
 def main() -> None:
@@ -88,16 +90,21 @@ def main() -> None:
     for rows in (4096, 6144):
         w = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-        for window in (5, 10, 20):
+        for window in (0, 5, 10, 20):
             spin = int(window * cycles_per_us)
-            plain = 1e3 * do_bench(graph(step(x, w, spin, None, None)), warmup=25, rep=200, return_mode="median")
+            plain = replay_us(step(x, w, spin, None, None))
+            plain_gemm = plain - replay_us(step(x, w, spin, None, None, gemm=False))
             cells = []
             for where, chunk, on_side in ways:
-                run = graph(step(x, w, spin, chunk, side if on_side else None))
-                us = 1e3 * do_bench(run, warmup=25, rep=200, return_mode="median")
+                stream = side if on_side else None
+                us = replay_us(step(x, w, spin, chunk, stream))
+                gemm_us = us - replay_us(step(x, w, spin, chunk, stream, gemm=False))
                 what = "lines" if chunk == 0 else f"{chunk // 1024} KB bulk"
-                cells.append(f"{where}, {what}: {us:.1f} ({us / plain:.3f}x)")
-            print(f"W [{rows}, 4096], window {window} us: none {plain:.1f}; " + "; ".join(cells), flush=True)
+                cells.append(f"{where}, {what}: {us:.1f} ({us / plain:.3f}x; GEMM {gemm_us:.1f})")
+            print(
+                f"W [{rows}, 4096], window {window} us: none {plain:.1f} (GEMM {plain_gemm:.1f}); " + "; ".join(cells),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
