@@ -33,9 +33,10 @@ bf16/fp16 row ranges without bias that share their row stride and whose row coun
 while above 2048) are cut into row blocks of that height, all in one `cublasGemmBatchedEx` (q/k/v of
 [4096 | 1024 | 1024] rows: six blocks of 1024, 20.1 µs at 16 tokens, where a GEMM for q and a batched one for k and
 v took 25 µs); where the gcd is smaller, ranges that share their row count are batched whole (the DSpark KV group
-of 5 layers at 64 tokens takes 29 instead of 53 µs one GEMM each). The per-GEMM pointers are written to a small
-device tensor by a one-block kernel from a by-value kernel parameter, so there is still no host sync and no state
-between calls. (d) a single such range of >= 4096 rows at T <= 64 is one strided batched GEMM of row blocks (no
+of 5 layers at 64 tokens takes 29 instead of 53 µs one GEMM each). In an eager call the per-GEMM pointers are
+written to a small device tensor by a one-block kernel from a by-value kernel parameter (no host sync); while a CUDA
+graph is captured they are copied to device memory once, at capture time, and kept (`captured_pointer_tables()`;
+docs/ops.md). (d) a single such range of >= 4096 rows at T <= 64 is one strided batched GEMM of row blocks (no
 pointer table): cuBLAS's tiles for one GEMM of a few thousand rows leave bandwidth unused ([4096, 12288] at 16
 tokens: 32.8 against 34.2 µs). cuBLAS cannot check pointers it reads from
 device memory and assumes them aligned, so a range is batched only if its weight rows and its output column block
@@ -61,10 +62,10 @@ neither, so they get one CTA per tile and stream-ordered launches), each weight 
 from HBM with 16-byte asynchronous copies. Its parameters (weight pointers, row strides, bias pointers, segment
 ends) travel by value in one `__grid_constant__` kernel parameter of fixed size: 64 row ranges per launch (2.6 KB,
 inside the classic 4 KB parameter limit); a group with more non-adjacent ranges takes one launch per 64, each
-writing its own output columns. This keeps the op free of host syncs, device-side tables and workspaces: it
-allocates only its output (and, on the batched cuBLAS path, its pointer table), keeps no state between calls, and is
-CUDA-graph capturable; the output shape depends only on `x.shape[0]` and the row counts, so it works with a symbolic
-T in compiled graphs (the fake impl gives it).
+writing its own output columns. This keeps the kernel free of host syncs, device-side tables and workspaces:
+the op allocates only its output (and, on the batched cuBLAS path, its pointer table), keeps no state between calls
+but the captured pointer tables, and is CUDA-graph capturable; the output shape depends only on `x.shape[0]` and the
+row counts, so it works with a symbolic T in compiled graphs (the fake impl gives it).
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
