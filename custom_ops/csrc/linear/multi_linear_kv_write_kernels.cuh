@@ -181,6 +181,25 @@ template <int V>
 __device__ __forceinline__ void load_rope(const KvWrite& kv, int form, const float* row, float pos, int e0,
                                           float (&c)[V], float (&s)[V]) {
   const int half = kv.rotary_dim / 2;
+  if constexpr (V % 4 == 0) {
+    // neox halves with the lane's elements inside one half of the rotary dims (R/2 a multiple of V): the factors are
+    // V consecutive floats of each half of the row, read 16 bytes at a time where the row is 16-byte aligned (the
+    // same values as the loop below, a quarter of the loads and none of its per-element index arithmetic)
+    if (kv.has_rope && form == kHalves && kv.neox && half % V == 0 && e0 + V <= kv.rotary_dim &&
+        (reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+      const float* cos_row = row + (e0 < half ? e0 : e0 - half);
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q) {
+        const uint4 cq = *reinterpret_cast<const uint4*>(cos_row + 4 * q);
+        const uint4 sq = *reinterpret_cast<const uint4*>(cos_row + half + 4 * q);
+        c[4 * q] = __uint_as_float(cq.x), c[4 * q + 1] = __uint_as_float(cq.y);
+        c[4 * q + 2] = __uint_as_float(cq.z), c[4 * q + 3] = __uint_as_float(cq.w);
+        s[4 * q] = __uint_as_float(sq.x), s[4 * q + 1] = __uint_as_float(sq.y);
+        s[4 * q + 2] = __uint_as_float(sq.z), s[4 * q + 3] = __uint_as_float(sq.w);
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int e = e0 + i;
@@ -196,6 +215,35 @@ __device__ __forceinline__ void load_rope(const KvWrite& kv, int form, const flo
 // The norm weight of this lane's elements: fp32 when `fp32`, else T; 1 without a weight or past head_dim.
 template <typename T, int V>
 __device__ __forceinline__ void load_weight(const void* w, int fp32, int e0, int head_dim, float (&g)[V]) {
+  // All V elements inside head_dim and 16-byte aligned: 16-byte loads (the same values as the loop below)
+  const bool whole = w != nullptr && e0 + V <= head_dim;
+  if constexpr (V % 4 == 0) {
+    const float* w32 = whole && fp32 ? static_cast<const float*>(w) + e0 : nullptr;
+    if (w32 != nullptr && (reinterpret_cast<uintptr_t>(w32) & 15u) == 0) {
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q) {
+        const uint4 wq = *reinterpret_cast<const uint4*>(w32 + 4 * q);
+        g[4 * q] = __uint_as_float(wq.x), g[4 * q + 1] = __uint_as_float(wq.y);
+        g[4 * q + 2] = __uint_as_float(wq.z), g[4 * q + 3] = __uint_as_float(wq.w);
+      }
+      return;
+    }
+  }
+  if constexpr (V % 8 == 0 && sizeof(T) == 2) {
+    const T* wt = whole && !fp32 ? static_cast<const T*>(w) + e0 : nullptr;
+    if (wt != nullptr && (reinterpret_cast<uintptr_t>(wt) & 15u) == 0) {
+#pragma unroll
+      for (int q = 0; q < V / 8; ++q) {
+        const uint4 wq = *reinterpret_cast<const uint4*>(wt + 8 * q);
+        const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
+        float part[8];
+        unpack_words<T, 8>(words, part);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) g[8 * q + i] = part[i];
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     g[i] = 1.f;
@@ -547,11 +595,16 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
   float* scratch = reinterpret_cast<float*>(reinterpret_cast<uint4*>(cta_smem()) + kHeadWarps * kHeadRingWords) +
                    warp * 32 * V + group * kLanes * V;
   const int segments = 2 * layers, groups = (kv.heads + per_unit - 1) / per_unit;
-  // This warp's run [begin, end) of the units (< 2^31: the binding checks); runs differ by at most one unit.
+  // This warp's run [begin, end) of the units (< 2^31: the binding checks); runs differ by at most one unit. At small
+  // T the grid has a warp per unit (heads_blocks) and the run is the warp's own unit, without the 64-bit divisions:
+  // a warp does one unit there, so its prologue is on the kernel's critical path.
   const int64_t units = static_cast<int64_t>(tokens) * segments * groups, warps = int64_t{gridDim.x} * kHeadWarps;
   const int64_t me = int64_t{blockIdx.x} * kHeadWarps + warp;
-  const int begin = static_cast<int>(me * units / warps), end = static_cast<int>((me + 1) * units / warps);
-  UnitCursor ahead(begin, segments, groups);  // the next unit to copy
+  const bool own_unit = units <= warps;
+  const int begin = static_cast<int>(own_unit ? (me < units ? me : units) : me * units / warps);
+  const int end = own_unit ? begin + (me < units ? 1 : 0) : static_cast<int>((me + 1) * units / warps);
+  const UnitCursor first(begin, segments, groups);
+  UnitCursor ahead = first;  // the next unit to copy
 #pragma unroll
   for (int s = 0; s < kHeadStages; ++s) {
     if (begin + s < end) {
@@ -561,7 +614,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
     }
     commit_copies();  // one group per ring slot, empty or not, so that the wait below counts units
   }
-  UnitCursor at(begin, segments, groups);  // the unit to write
+  UnitCursor at = first;  // the unit to write
   int token = -1;
   bool live = false;  // the current token is written (committed, its slot and position in range)
   int64_t slot = 0, pos = 0;
@@ -573,7 +626,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
     const HeadsUnit w = at.unit(per_unit, kv.heads);
     if (w.token != token) {
       token = w.token;
-      const int b = token / kv.width, j = token - b * kv.width;
+      const int b = token < kv.width ? 0 : token / kv.width, j = token - b * kv.width;
       const int64_t commit =
           kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
       slot = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
