@@ -138,9 +138,12 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
-// A lane's share of one head: elements e0 = lane * V .. e0 + V - 1 of head_dim, `lane` counted in the head's lanes
-// (lanes with e0 >= head_dim hold none: head_dim may be any multiple of 8 up to V times the head's lanes).
-//
+// The four floats of a 16-byte load, into dst[0..3].
+__device__ __forceinline__ void unpack_floats(const uint4& q, float* dst) {
+  dst[0] = __uint_as_float(q.x), dst[1] = __uint_as_float(q.y);
+  dst[2] = __uint_as_float(q.z), dst[3] = __uint_as_float(q.w);
+}
+
 // Whether positions index table rows (halves, pairs) and so are wrapped and range-checked; frequencies' are angles.
 __device__ __forceinline__ bool positions_are_rows(const KvWrite& kv) {
   return kv.has_rope && kv.table_form != kFrequencies;
@@ -190,12 +193,8 @@ __device__ __forceinline__ void load_rope(const KvWrite& kv, int form, const flo
       const float* cos_row = row + (e0 < half ? e0 : e0 - half);
 #pragma unroll
       for (int q = 0; q < V / 4; ++q) {
-        const uint4 cq = *reinterpret_cast<const uint4*>(cos_row + 4 * q);
-        const uint4 sq = *reinterpret_cast<const uint4*>(cos_row + half + 4 * q);
-        c[4 * q] = __uint_as_float(cq.x), c[4 * q + 1] = __uint_as_float(cq.y);
-        c[4 * q + 2] = __uint_as_float(cq.z), c[4 * q + 3] = __uint_as_float(cq.w);
-        s[4 * q] = __uint_as_float(sq.x), s[4 * q + 1] = __uint_as_float(sq.y);
-        s[4 * q + 2] = __uint_as_float(sq.z), s[4 * q + 3] = __uint_as_float(sq.w);
+        unpack_floats(*reinterpret_cast<const uint4*>(cos_row + 4 * q), c + 4 * q);
+        unpack_floats(*reinterpret_cast<const uint4*>(cos_row + half + 4 * q), s + 4 * q);
       }
       return;
     }
@@ -222,9 +221,7 @@ __device__ __forceinline__ void load_weight(const void* w, int fp32, int e0, int
     if (w32 != nullptr && (reinterpret_cast<uintptr_t>(w32) & 15u) == 0) {
 #pragma unroll
       for (int q = 0; q < V / 4; ++q) {
-        const uint4 wq = *reinterpret_cast<const uint4*>(w32 + 4 * q);
-        g[4 * q] = __uint_as_float(wq.x), g[4 * q + 1] = __uint_as_float(wq.y);
-        g[4 * q + 2] = __uint_as_float(wq.z), g[4 * q + 3] = __uint_as_float(wq.w);
+        unpack_floats(*reinterpret_cast<const uint4*>(w32 + 4 * q), g + 4 * q);
       }
       return;
     }
