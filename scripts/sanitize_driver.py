@@ -9,7 +9,7 @@ and both paths of the multi-layer K/V write. `--only GROUP` makes one group of c
 the only way to make that group, makes the K/V write at the write benchmark's dims (`write_at_benchmark_dims`).
 The script reads no results back: on the H200, initcheck reports PyTorch's own elementwise kernels reading
 outputs of cuBLAS (a plain `torch.mm` shows it too), so the driver leaves every check to the sanitizer. For the same
-reason initcheck reports the heads kernel of the K/V write's GEMM path copying the projections that a cuBLAS GEMM
+reason initcheck reports the heads kernels of the K/V write's GEMM path reading the projections that a cuBLAS GEMM
 wrote: `gpu_check.sh sanitize` counts those reports apart from any other and runs the `torch.mm` control.
 `--device cpu` makes the same calls without the out-of-range values (the CPU path raises for those, by contract):
 a quick check of the driver itself (tests/test_sanitize_driver.py).
@@ -148,12 +148,13 @@ def multi_linear(gen: torch.Generator) -> None:
 
 def multi_linear_kv_write(gen: torch.Generator) -> None:
     """The fused kernel (head_dim 64 / 128, T <= 16; hidden 64 gives each of its 2 k-warps one chunk); the GEMM path
-    with the heads kernel (T > 16, or head_dim 80; the opt-in wide tile is off here): neox and GPT-J
-    with partial rotary, a bias, fp32 and bf16 norm weights, 1-D slots and [B, 2] slots with commit lengths, edge
-    slots and positions, both position dtypes, caches with padded rows, x with a row stride."""
+    (T > 16, or head_dim 80; the opt-in wide tile is off here) with both forms of the heads kernel (a warp per unit
+    up to a few thousand units; at 701 tokens, 4206 units, the ring of persistent warps on an H100 or H200): neox
+    and GPT-J with partial rotary, a bias, fp32 and bf16 norm weights, 1-D slots and [B, 2] slots with commit
+    lengths, edge slots and positions, both position dtypes, caches with padded rows, x with a row stride."""
     layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
     configs = (
-        (64, 64, 64, True, (0, 1, 7, 16, 17, 40, 64, 65)),  # K 64: one chunk per k-warp of the fused kernel
+        (64, 64, 64, True, (0, 1, 7, 16, 17, 40, 64, 65, 701)),  # K 64: one chunk per k-warp of the fused kernel
         (128, 256, 64, False, (5, 33)),
         (80, 256, 40, True, (3, 19)),
     )

@@ -64,7 +64,9 @@ HEAD_DIM_64 = Spec(
     bias=(True, False, True),
     weight_layout="row-strided",
 )
-# 513: odd and above 512, a GEMM tile tail in every batched K/V GEMM of dspark::multi_linear
+# 513: odd and above 512, a GEMM tile tail in every batched K/V GEMM of dspark::multi_linear. The GEMM path's heads
+# kernel is the warp-per-unit form at 17 to 65 tokens (their units fit an H100 or H200 at once) and the ring of
+# persistent warps at 512 and 513.
 TOKENS = (1, 7, 8, 16, 17, 64, 65, 512, 513)
 # Fused up to here on the H200 (sm_90a), beyond the GEMM path: the fused kernel up to kFusedMaxTokens (16) of
 # csrc/linear/multi_linear_kv_write.cu; in a process with DSPARK_KV_WRITE_WIDE_FROM set to 1, as test_wide_tile runs

@@ -126,6 +126,12 @@ static void heads_entry(HeadsArgs a) {
   kv_write_heads_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers, a.per_unit);
 }
 
+template <typename T, int kLanes>
+static void unit_entry(HeadsArgs a) {
+  kv_write_heads_unit_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
+                                        a.per_unit);
+}
+
 // The heads kernel on a grid of at most `ctas` CTAs (so that the warps loop over several units each), with at
 // most `per_unit` heads per unit (clipped to a batch, as the binding's rule does).
 template <typename T, int kLanes>
@@ -134,6 +140,15 @@ static void heads(HeadsArgs a) {
   const int64_t units = heads_units(a.tokens, a.layers, a.kv.heads, a.per_unit);
   run_grid<HeadsArgs>(&heads_entry<T, kLanes>, a, heads_blocks(units, a.ctas), 1, 32 * kHeadWarps, 1, 1,
                       heads_smem_bytes());
+}
+
+// The unit kernel: a warp per unit, the last CTA's warps past the last unit idle.
+template <typename T, int kLanes>
+static void heads_unit(HeadsArgs a) {
+  a.per_unit = std::min(a.per_unit, head_batch<kLanes>());
+  const int64_t units = heads_units(a.tokens, a.layers, a.kv.heads, a.per_unit);
+  run_grid<HeadsArgs>(&unit_entry<T, kLanes>, a, (units + kHeadWarps - 1) / kHeadWarps, 1, 32 * kHeadWarps, 1, 1,
+                      unit_smem_bytes());
 }
 
 template <typename T>
@@ -152,15 +167,16 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
     auto run = d == 64 ? (two ? &fused<T, 2, 2> : &fused<T, 2, 1>) : (two ? &fused<T, 4, 2> : &fused<T, 4, 1>);
     run(args, rows, split, grid, variant);
   } else if (head_lanes(d) == 8) {
-    heads<T, 8>(h);
+    path == 5 ? heads_unit<T, 8>(h) : heads<T, 8>(h);
   } else if (head_lanes(d) == 16) {
-    heads<T, 16>(h);
+    path == 5 ? heads_unit<T, 16>(h) : heads<T, 16>(h);
   } else {
-    heads<T, 32>(h);
+    path == 5 ? heads_unit<T, 32>(h) : heads<T, 32>(h);
   }
 }
 
-// ints: bf16, path (0 heads, 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps),
+// ints: bf16, path (0 heads (ring), 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps, 5 heads
+//       (a warp per unit)),
 //       split (fused, streaming) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
@@ -327,7 +343,8 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4}
+PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4, "heads_unit": 5}
+HEADS_KERNELS = ["heads", "heads_unit"]  # the GEMM path's two forms: persistent warps through a ring, a warp per unit
 TABLE_FORMS = {"halves": 0, "pairs": 1, "frequencies": 2}  # kHalves, kPairs, kFrequencies of the kernels
 
 
@@ -347,7 +364,7 @@ def _emulate(
     with the projections of the GEMM path rounded to x's dtype, the heads kernel (up to `per_unit` heads per unit,
     at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has heads;
     `past_last` (a cache laid out like layer 0's, a cos/sin table) fills the table entries past the last layer."""
-    fused = kernel != "heads"
+    fused = kernel not in HEADS_KERNELS
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
     keep = []  # tensors whose pointers the driver reads
 
@@ -466,7 +483,7 @@ def _check(emu, spec: Spec, *, kernel: str, seed: int = 0, edit=None, **launch) 
         keep &= (torch.arange(width)[None, :] < want["commit_lens"][:, None]).reshape(-1)
     written[loc[keep]] = True
     assert written.any(), "the case writes no cache row: it would check nothing"
-    rtol, atol = (2**-7, 1e-3) if kernel != "heads" else (2**-6, 2**-8)
+    rtol, atol = (2**-7, 1e-3) if kernel not in HEADS_KERNELS else (2**-6, 2**-8)
     for c, old, ref in zip(got["k_caches"] + got["v_caches"], before, want_caches, strict=True):
         assert torch.equal(_bits(c)[~written], old[~written]), "a cache row outside the written slots changed"
         g, w = c[written].double(), ref[written].double()
@@ -571,33 +588,36 @@ def test_wide_kernels_frequencies_table_without_norm(emu, kernel):
     _check(emu, Spec(tokens=9, norm=False), kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", HEADS_KERNELS)
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize(("head_dim", "rot"), [(16, 16), (64, 40), (96, 96), (128, 36), (256, 128)])
-def test_heads_kernel(emu, head_dim, rot, neox):
+def test_heads_kernel(emu, head_dim, rot, neox, kernel):
     """The GEMM path's per-head kernel: head_dims that fill a head's lanes or leave some empty (16: 2 of 8 lanes, 96:
     12 of 16), partial rotary (R/2 a multiple of a lane's 8 elements or not), both RoPE styles, a commit mask,
     several heads per layer."""
     spec = Spec(tokens=7, heads=3, head_dim=head_dim, rot=rot, neox=neox, commit=True)
-    _check(emu, spec, kernel="heads")
+    _check(emu, spec, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", HEADS_KERNELS)
 @pytest.mark.parametrize("per_unit", [4, 12])
 @pytest.mark.parametrize("heads", [4, 5, 9])
-def test_heads_kernel_heads_per_unit(emu, heads, per_unit):
+def test_heads_kernel_heads_per_unit(emu, heads, per_unit, kernel):
     """Heads split into units of 4 (small T: 5 and 9 heads leave a last unit with one head, whose missing heads are
     neither read nor written) or one unit for all of a segment's heads (9 of 12: the unit's missing heads are neither
     read nor written)."""
     spec = Spec(tokens=5, heads=heads, head_dim=32, rot=32, commit=True)
-    _check(emu, spec, kernel="heads", per_unit=per_unit, seed=heads)
+    _check(emu, spec, kernel=kernel, per_unit=per_unit, seed=heads)
 
 
+@pytest.mark.parametrize("kernel", HEADS_KERNELS)
 @pytest.mark.parametrize(("head_dim", "heads"), [(64, 17), (128, 9), (256, 9)])
-def test_heads_kernel_units_of_a_batch(emu, head_dim, heads):
+def test_heads_kernel_units_of_a_batch(emu, head_dim, heads, kernel):
     """A unit is at most 2 KB of heads, 4 steps of 32 / lanes heads side by side (16 heads of 64, 8 of 128, 4 of
     256): a segment of one more head than a unit, and for head_dim 256 two full units and one head, so a unit of
     one head and lane groups without a head (they copy and store nothing) are run."""
     spec = Spec(tokens=3, heads=heads, head_dim=head_dim, rot=head_dim // 2, commit=True)
-    _check(emu, spec, kernel="heads", per_unit=heads, seed=head_dim)
+    _check(emu, spec, kernel=kernel, per_unit=heads, seed=head_dim)
 
 
 @pytest.mark.parametrize(("ctas", "tokens", "per_unit"), [(1, 13, 1), (1, 9, 2), (3, 11, 1)])
@@ -609,11 +629,12 @@ def test_heads_kernel_persistent_warps(emu, ctas, tokens, per_unit):
     _check(emu, spec, kernel="heads", per_unit=per_unit, ctas=ctas, seed=tokens)
 
 
-def test_heads_kernel_fp16_without_norm(emu):
-    _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel="heads")
+@pytest.mark.parametrize("kernel", HEADS_KERNELS)
+def test_heads_kernel_fp16_without_norm(emu, kernel):
+    _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
 def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
     layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
@@ -625,7 +646,7 @@ def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
 def test_wrap_negative_counts_from_the_end(emu, kernel):
     """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
     in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the
@@ -659,14 +680,14 @@ def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
 
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("form", ["pairs", "frequencies"])
-@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
 def test_table_forms(emu, kernel, form, neox):
     """A `[P, R/2, 2]` pairs table (a complex table's real view) and `[R/2]` inverse frequencies (cos/sin computed
     from the position) in every kernel, partial rotary, against the reference."""
     _check(emu, Spec(tokens=6, head_dim=64, rot=40, neox=neox, table_form=form), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", "heads"])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
 def test_frequency_positions_are_angles(emu, kernel):
     """With inverse frequencies a position is an angle: a negative one or one past any table's rows is written
     (rotated by its own angle) and never wrapped, with `wrap_negative` too."""

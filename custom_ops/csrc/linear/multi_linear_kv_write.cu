@@ -576,18 +576,16 @@ void run_fused(const Call& c, const at::Tensor& x) {
   }
 }
 
-// CTAs of the heads kernel resident per SM of `device`. Queried once per kernel and device, which also opts the
-// kernel in to its shared memory there: the launch shape is fixed, so eager calls need no occupancy query.
-template <typename T, int kLanes>
-int heads_ctas_per_sm(const at::Device& device) {
-  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cached{};
+// CTAs of `kernel` (a heads kernel with `smem` bytes of dynamic shared memory) resident per SM of `device`, in
+// `cached` (one entry per device). Queried once per kernel and device, which also opts the kernel in to its shared
+// memory there: the launch shape is fixed, so eager calls need no occupancy query.
+template <typename Kernel>
+int heads_ctas_per_sm(Kernel kernel, int smem, std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS>& cached,
+                      const at::Device& device) {
   std::atomic<int>& known = cached.at(static_cast<size_t>(device.index()));
   int per_sm = known.load(std::memory_order_acquire);
   if (per_sm == 0) {
-    const auto kernel = &kv_write_heads_kernel<T, kLanes>;
-    constexpr int smem = heads_smem_bytes();
-    static_assert(smem > 48 * 1024, "the kernel opts in to more than the default shared memory");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kHeadWarps, smem));
     per_sm = std::max(per_sm, 1);
     known.store(per_sm, std::memory_order_release);
@@ -595,24 +593,39 @@ int heads_ctas_per_sm(const at::Device& device) {
   return per_sm;
 }
 
+// The heads kernel for `units` units: a warp per unit (kv_write_heads_unit_kernel) while they fit the GPU at once,
+// else the ring kernel's persistent warps (one CTA per resident slot). H100, each kernel after a GEMM-like kernel in
+// a CUDA graph (benchmarks/heads_tune.cu), Qwen3-8B draft at T = 17 / 64 / 100: 3.36 / 4.32 / 4.31 us for the ring
+// kernel, 2.61 / 3.58 / 3.52 for the unit kernel, writing the same bytes.
 template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  const int per_sm = heads_ctas_per_sm<T, kLanes>(device);
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> ring_per_sm{}, unit_per_sm{};
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int per_unit = heads_per_unit<kLanes>(tokens, layers, kv.heads, sms);
   const int64_t units = heads_units(tokens, layers, kv.heads, per_unit);
+  const auto unit_kernel = &kv_write_heads_unit_kernel<T, kLanes>;
+  const auto ring_kernel = &kv_write_heads_kernel<T, kLanes>;
+  const int64_t unit_warps =
+      int64_t{heads_ctas_per_sm(unit_kernel, unit_smem_bytes(), unit_per_sm, device)} * sms * kHeadWarps;
+  const bool one_wave = units <= unit_warps;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(per_sm) * sms)));
+  if (one_wave) {
+    config.gridDim = dim3(static_cast<unsigned>((units + kHeadWarps - 1) / kHeadWarps));
+    config.dynamicSmemBytes = unit_smem_bytes();
+  } else {
+    const int per_sm = heads_ctas_per_sm(ring_kernel, heads_smem_bytes(), ring_per_sm, device);
+    config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(per_sm) * sms)));
+    config.dynamicSmemBytes = heads_smem_bytes();
+  }
   config.blockDim = dim3(32 * kHeadWarps);
-  config.dynamicSmemBytes = heads_smem_bytes();
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
-  config.numAttrs = syncs_on(device) ? 1 : 0;  // the kernel's dependency wait exists only in its sm_90a code
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, kLanes>, kv,
+  config.numAttrs = syncs_on(device) ? 1 : 0;  // the kernels' dependency wait exists only in their sm_90a code
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, one_wave ? unit_kernel : ring_kernel, kv,
                                     static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
                                     layers, per_unit));
 }

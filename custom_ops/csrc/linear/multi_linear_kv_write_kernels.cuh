@@ -7,16 +7,17 @@
 // (segment even) or V (odd) block of layer r / (2 kv). Every segment is a whole number of heads, so a tile whose
 // height is a multiple of head_dim and starts at a multiple of it holds whole heads.
 //
-// Two kernels:
+// Two paths:
 //   * fused (small T, head_dim 64 or 128): kv_write_fused_kernel of multi_linear_kv_write_fused.cuh (and the opt-in
 //     wide tile of multi_linear_kv_write_wide.cuh) with KvWriteEpilogue below. A CTA computes one head (64 or 128
 //     rows); after the reduction over its warps (and a cluster's CTAs) the finished tile sits in shared memory in
 //     fp32, and the epilogue writes each token's head straight into the cache (one warp per token): nothing but the
 //     weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim up to 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer and
-//     does the same per-unit work: persistent warps, each through a run of units (a unit: the heads of one (token,
-//     layer, K or V), or at small T a group of 4 of them) copied ahead into a shared-memory ring, with a head in 8,
-//     16 or 32 lanes of 8 elements; V is copied as it is.
+//     does the same per-unit work (a unit: the heads of one (token, layer, K or V), or at small T a group of 4 of
+//     them), with a head in 8, 16 or 32 lanes of 8 elements; V is copied as it is. Two forms: a warp per unit
+//     (kv_write_heads_unit_kernel) while the units fit the GPU at once, else persistent warps, each through a run
+//     of units copied ahead into a shared-memory ring (kv_write_heads_kernel).
 //
 // Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
 // the fused epilogue, 8 in the heads kernel): the token's slot (cache_loc, or cache_loc_2d and commit_lens) and, with
@@ -563,6 +564,18 @@ struct UnitCursor {
   }
 };
 
+// Token `token`'s cache slot and position (wrapped as the kernels read them), and whether it is written: its column
+// committed, the slot and (with RoPE) the position in range.
+__device__ __forceinline__ bool token_target(const KvWrite& kv, int token, int64_t& slot, int64_t& pos) {
+  const int b = token < kv.width ? 0 : token / kv.width, j = token - b * kv.width;
+  const int64_t commit =
+      kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
+  slot = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
+                 kv.wrap_negative);
+  pos = kv.has_rope ? token_position(kv, token) : 0;
+  return j < commit && slot >= 0 && slot < kv.slots && position_ok(kv, pos);
+}
+
 // Starts this lane's copies of unit `w` into `stage` ([kHeadSteps][32] 16-byte pieces): the heads first + step * 32 /
 // kLanes + group, zeros for lanes past head_dim and heads from `last` on; steps without a head copy nothing.
 template <typename T, int kLanes>
@@ -613,7 +626,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
   }
   UnitCursor at = first;  // the unit to write
   int token = -1;
-  bool live = false;  // the current token is written (committed, its slot and position in range)
+  bool live = false;  // the current token is written
   int64_t slot = 0, pos = 0;
   int stage = 0;
   float c[V] = {}, sn[V] = {};  // the cos/sin factors of token rope_token in table rope_table (every K unit of it)
@@ -623,13 +636,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
     const HeadsUnit w = at.unit(per_unit, kv.heads);
     if (w.token != token) {
       token = w.token;
-      const int b = token < kv.width ? 0 : token / kv.width, j = token - b * kv.width;
-      const int64_t commit =
-          kv.commit_lens != nullptr ? load_index(kv.commit_lens, b * kv.commit_stride, kv.commit_int64) : j + 1;
-      slot = wrapped(load_index(kv.loc, b * kv.loc_stride0 + j * kv.loc_stride1, kv.loc_int64), kv.slots,
-                     kv.wrap_negative);
-      pos = kv.has_rope ? token_position(kv, token) : 0;
-      live = j < commit && slot >= 0 && slot < kv.slots && position_ok(kv, pos);
+      live = token_target(kv, token, slot, pos);
     }
     const int layer = w.segment >> 1, kind = w.segment & 1;
     float g[V];
@@ -671,6 +678,79 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
     }
     commit_copies();
     stage = stage + 1 == kHeadStages ? 0 : stage + 1;
+  }
+}
+
+// This lane's 16-byte pieces of unit `w` (as copy_unit copies them), straight into registers: zeros for lanes past
+// head_dim, heads from `last` on and steps without a head.
+template <typename T, int kLanes>
+__device__ __forceinline__ void load_unit(uint4 (&pieces)[kHeadSteps], const KvWrite& kv, const T* projections,
+                                          int64_t ld, const HeadsUnit& w, int group, int e0) {
+  constexpr int kGroups = 32 / kLanes;
+  const T* src = projections + w.token * ld + static_cast<int64_t>(w.segment) * kv.heads * kv.head_dim + e0;
+#pragma unroll
+  for (int step = 0; step < kHeadSteps; ++step) {
+    const int head = w.first + step * kGroups + group;
+    pieces[step] = make_uint4(0, 0, 0, 0);
+    if (head < w.last && e0 < kv.head_dim) pieces[step] = *reinterpret_cast<const uint4*>(src + head * kv.head_dim);
+  }
+}
+
+// Dynamic shared memory of a kv_write_heads_unit_kernel CTA: a RoPE scratch row of 32 lanes x 8 floats per warp.
+constexpr int unit_smem_bytes() { return kHeadWarps * 32 * kHeadLaneElems * 4; }
+
+// The heads kernel with a warp of its own for every unit (the binding takes it while the units fit the GPU at once:
+// small T): the units and values of kv_write_heads_kernel without its ring, so that the one unit's chain is short.
+// A warp loads its unit's projections straight into registers (16 bytes per lane and step) right after the
+// dependency wait, then the token's indices and, for K, the layer's norm weight together (the weight does not wait
+// for the slot), then the cos/sin row of the token's position; V units are stored as they are. Shared memory: the
+// RoPE scratch rows only (unit_smem_bytes).
+template <typename T, int kLanes>
+__global__ void __launch_bounds__(32 * kHeadWarps, 2)
+    kv_write_heads_unit_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
+                               int layers, int per_unit) {
+  constexpr int V = kHeadLaneElems, kGroups = 32 / kLanes;
+  pdl_wait();
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int segments = 2 * layers, groups = (kv.heads + per_unit - 1) / per_unit;
+  const int u = static_cast<int>(blockIdx.x) * kHeadWarps + warp;
+  if (u >= tokens * segments * groups) return;  // the same in every lane; the kernel has no CTA barrier
+  const int sub = lane % kLanes, group = lane / kLanes;  // this lane's place in its head, and the head's
+  const int e0 = sub * V;
+  const HeadsUnit w = UnitCursor(u, segments, groups).unit(per_unit, kv.heads);
+  const int layer = w.segment >> 1, kind = w.segment & 1;
+  uint4 pieces[kHeadSteps];
+  load_unit<T, kLanes>(pieces, kv, projections, ld, w, group, e0);
+  float g[V];
+  if (kind == 0) {
+    load_weight<T, V>(kv.has_norm ? kv.norm_weight[layer] : nullptr, kv.norm_fp32[layer], e0, kv.head_dim, g);
+  }
+  int64_t slot, pos;
+  if (!token_target(kv, w.token, slot, pos)) return;
+  T* row = static_cast<T*>(kv.cache[kind][layer]) + slot * kv.slot_stride[kind][layer];
+  const int64_t head_stride = kv.head_stride[kind][layer];
+  if (kind == 1) {  // V: the projections as they are (already rounded once)
+#pragma unroll
+    for (int step = 0; step < kHeadSteps; ++step) {
+      const int head = w.first + step * kGroups + group;
+      if (head < w.last && e0 < kv.head_dim) *reinterpret_cast<uint4*>(row + head * head_stride + e0) = pieces[step];
+    }
+    return;
+  }
+  float c[V], sn[V];
+  const float* table = kv.has_rope ? kv.cos_sin[layer] : nullptr;
+  const float* factors = !kv.has_rope || kv.table_form == kFrequencies ? table : table + pos * kv.table_stride[layer];
+  load_rope<V>(kv, kv.table_form, factors, static_cast<float>(pos), kv.has_rope ? e0 : 1 << 30, c, sn);
+  float* scratch = reinterpret_cast<float*>(cta_smem()) + (warp * 32 + group * kLanes) * V;
+#pragma unroll
+  for (int step = 0; step < kHeadSteps; ++step) {
+    if (w.first + step * kGroups >= w.last) break;  // the same in every lane
+    const int head = w.first + step * kGroups + group;
+    const uint32_t words[V / 2] = {pieces[step].x, pieces[step].y, pieces[step].z, pieces[step].w};
+    float v[V];
+    unpack_words<T, V>(words, v);
+    emit_head<T, V, kLanes>(kv, true, kv.eps[layer], g, c, sn, v, scratch, row + head * head_stride, sub,
+                            head < w.last);
   }
 }
 

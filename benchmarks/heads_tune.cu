@@ -1,0 +1,265 @@
+// The GEMM path's heads kernels of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the ring
+// kernel (kv_write_heads_kernel, persistent warps) against the one-unit-per-warp kernel (kv_write_heads_unit_kernel),
+// both at every T (the op takes the unit kernel while the units fit the GPU at once), on the draft configs of
+// benchmarks/dspark_write.py (the heads kernel sees only the layers, K/V heads and head_dim: the Qwen3-8B and
+// Qwen3-4B drafts launch the same grid).
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
+//        benchmarks/heads_tune.cu -o heads_tune && ./heads_tune
+//
+// (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=heads does this). Per config and T: both
+// kernels write poisoned caches from the same projections, and every cache byte must agree ("WRONG" otherwise). Then
+// each is timed as the op runs it, after a GEMM: a CUDA graph of [a read of 3x the L2 (evicts the indices, tables
+// and caches), a kernel writing the projections, the heads kernel launched with programmatic dependent launch],
+// replayed 200 times per round in 15 interleaved rounds, against the same graph without the heads kernel; the
+// median difference is the heads kernel's cost in µs (launch gap included). The unit kernel runs with the op's
+// heads per unit and with half and twice as many.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "linear/multi_linear_kv_write_kernels.cuh"
+#include "tune_common.cuh"
+
+using namespace dspark::mlinear;
+using T = __nv_bfloat16;
+
+namespace {
+
+struct Config {
+  const char* name;
+  int layers, heads, head_dim;
+};
+
+__global__ void table_kernel(float* t, int rows, int rot) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows * rot) return;
+  const int r = i / rot, c = i % rot, half = rot / 2, j = c % half;
+  const float a = r * powf(1e6f, -2.f * j / rot);
+  t[i] = c < half ? cosf(a) : sinf(a);
+}
+
+// Writes the projections as a GEMM would (so that they are in L2 when the heads kernel reads them).
+__global__ void projections_kernel(T* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 13;
+    p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 4.f);
+  }
+}
+
+struct Problem {
+  Config cfg;
+  int tokens, slots = 8192, positions = 4096;
+  T* projections;
+  std::vector<T*> caches;  // [layer][kind]
+  std::vector<T*> weights;
+  float* table;
+  int64_t* loc;
+  int64_t* pos;
+  KvWrite kv{};
+  int64_t ld;
+
+  Problem(const Config& c, int t) : cfg(c), tokens(t) {
+    const int64_t kv_rows = int64_t(c.heads) * c.head_dim;
+    ld = 2 * c.layers * kv_rows;
+    CHECK(cudaMalloc(&projections, tokens * ld * sizeof(T)));
+    CHECK(cudaMalloc(&table, int64_t(positions) * c.head_dim * 4));
+    table_kernel<<<(positions * c.head_dim + 255) / 256, 256>>>(table, positions, c.head_dim);
+    std::vector<int64_t> h_loc(tokens), h_pos(tokens);
+    for (int i = 0; i < tokens; ++i) {
+      h_loc[i] = (int64_t(i) * 2654435761u) % slots;
+      h_pos[i] = (int64_t(i) * 40503u + 7) % positions;
+    }
+    CHECK(cudaMalloc(&loc, tokens * 8));
+    CHECK(cudaMalloc(&pos, tokens * 8));
+    CHECK(cudaMemcpy(loc, h_loc.data(), tokens * 8, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(pos, h_pos.data(), tokens * 8, cudaMemcpyHostToDevice));
+    for (int l = 0; l < c.layers; ++l) {
+      for (int kind = 0; kind < 2; ++kind) {
+        T* cache;
+        CHECK(cudaMalloc(&cache, int64_t(slots) * kv_rows * sizeof(T)));
+        caches.push_back(cache);
+        kv.cache[kind][l] = cache;
+        kv.slot_stride[kind][l] = kv_rows;
+        kv.head_stride[kind][l] = c.head_dim;
+      }
+      T* w;
+      CHECK(cudaMalloc(&w, c.head_dim * sizeof(T)));
+      tune::fill_kernel<<<1, 128>>>(w, c.head_dim, 77 + l, 2.f);
+      weights.push_back(w);
+      kv.norm_weight[l] = w;
+      kv.norm_fp32[l] = 0;
+      kv.eps[l] = 1e-6f;
+      kv.cos_sin[l] = table;
+      kv.table_stride[l] = c.head_dim;
+    }
+    kv.table_form = kHalves;
+    kv.positions = pos;
+    kv.positions_stride = 1;
+    kv.positions_int64 = 1;
+    kv.loc = loc;
+    kv.loc_stride0 = 0;
+    kv.loc_stride1 = 1;
+    kv.loc_int64 = 1;
+    kv.width = tokens;
+    kv.slots = slots;
+    kv.position_limit = positions;
+    kv.heads = c.heads;
+    kv.head_dim = c.head_dim;
+    kv.rotary_dim = c.head_dim;
+    kv.neox = 1;
+    kv.has_norm = 1;
+    kv.has_rope = 1;
+    projections_kernel<<<264, 256>>>(projections, tokens * ld, 1234);
+    CHECK(cudaDeviceSynchronize());
+  }
+
+  void poison() {
+    const int64_t bytes = int64_t(slots) * cfg.heads * cfg.head_dim * sizeof(T);
+    for (T* c : caches) CHECK(cudaMemset(c, 0x7b, bytes));
+  }
+
+  std::vector<uint8_t> read_caches() {
+    const int64_t bytes = int64_t(slots) * cfg.heads * cfg.head_dim * sizeof(T);
+    std::vector<uint8_t> out(bytes * caches.size());
+    for (size_t i = 0; i < caches.size(); ++i) CHECK(cudaMemcpy(out.data() + i * bytes, caches[i], bytes,
+                                                                cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+template <int kLanes>
+struct Kernels {
+  // CTAs per SM of the ring kernel (unit: false) or the unit kernel.
+  static int per_sm(bool unit) {
+    int n = 0;
+    CHECK(cudaFuncSetAttribute(&kv_write_heads_kernel<T, kLanes>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               heads_smem_bytes()));
+    if (unit) {
+      CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &kv_write_heads_unit_kernel<T, kLanes>,
+                                                          32 * kHeadWarps, unit_smem_bytes()));
+    } else {
+      CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &kv_write_heads_kernel<T, kLanes>, 32 * kHeadWarps,
+                                                          heads_smem_bytes()));
+    }
+    return n;
+  }
+
+  // 0: the ring kernel as the op launches it; 1: the unit kernel with the op's heads per unit; 2, 3: the unit kernel
+  // with half and twice as many (2 and 8 of 128, 2 and 8 of 64 at 4 per unit).
+  static int per_unit_of(int which, const Problem& p, int sms) {
+    const int op = heads_per_unit<kLanes>(p.tokens, p.cfg.layers, p.cfg.heads, sms);
+    const int v = which == 2 ? op / 2 : which == 3 ? op * 2 : op;
+    return std::max(1, std::min(v, std::min(p.cfg.heads, head_batch<kLanes>())));
+  }
+
+  static void launch(int which, const Problem& p, int sms, cudaStream_t stream) {
+    const int per_unit = per_unit_of(which, p, sms);
+    const int64_t units = heads_units(p.tokens, p.cfg.layers, p.cfg.heads, per_unit);
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.blockDim = dim3(32 * kHeadWarps);
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    if (which == 0) {
+      config.gridDim = dim3(unsigned(heads_blocks(units, int64_t(per_sm(false)) * sms)));
+      config.dynamicSmemBytes = heads_smem_bytes();
+      CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_kernel<T, kLanes>, p.kv, (const T*)p.projections, p.ld,
+                               p.tokens, p.cfg.layers, per_unit));
+    } else {
+      config.gridDim = dim3(unsigned((units + kHeadWarps - 1) / kHeadWarps));
+      config.dynamicSmemBytes = unit_smem_bytes();
+      CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_unit_kernel<T, kLanes>, p.kv, (const T*)p.projections, p.ld,
+                               p.tokens, p.cfg.layers, per_unit));
+    }
+  }
+};
+
+template <int kLanes>
+void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush_vectors, uint32_t* sink) {
+  constexpr int kKernels = 4;
+  Problem p(c, tokens);
+  const int per_unit = heads_per_unit<kLanes>(tokens, c.layers, c.heads, sms);
+  const int64_t units = heads_units(tokens, c.layers, c.heads, per_unit);
+  const int64_t unit_warps = int64_t(Kernels<kLanes>::per_sm(true)) * sms * kHeadWarps;
+  std::vector<uint8_t> out[kKernels];
+  size_t differ = 0;
+  for (int which = 0; which < kKernels; ++which) {
+    p.poison();
+    Kernels<kLanes>::launch(which, p, sms, 0);
+    CHECK(cudaDeviceSynchronize());
+    out[which] = p.read_caches();
+    for (size_t i = 0; i < out[0].size(); ++i) differ += out[0][i] != out[which][i];
+  }
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraphExec_t graphs[kKernels + 1];  // without the heads kernel, then each kernel
+  for (int g = 0; g <= kKernels; ++g) {
+    cudaGraph_t graph;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    tune::read_kernel<<<264, 512, 0, stream>>>(flush, flush_vectors, sink);
+    projections_kernel<<<264, 256, 0, stream>>>(p.projections, tokens * p.ld, 99);
+    if (g > 0) Kernels<kLanes>::launch(g - 1, p, sms, stream);
+    CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(cudaGraphInstantiate(&graphs[g], graph, 0));
+    CHECK(cudaGraphDestroy(graph));
+  }
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> times[kKernels + 1];
+  constexpr int kReps = 200;
+  for (int round = 0; round < 15; ++round) {
+    for (int g = 0; g <= kKernels; ++g) {
+      CHECK(cudaGraphLaunch(graphs[g], stream));
+      CHECK(cudaEventRecord(a, stream));
+      for (int r = 0; r < kReps; ++r) CHECK(cudaGraphLaunch(graphs[g], stream));
+      CHECK(cudaEventRecord(b, stream));
+      CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, a, b));
+      times[g].push_back(1e3f * ms / kReps);
+    }
+  }
+  const float base = tune::median(times[0]), ring = tune::median(times[1]) - base;
+  std::printf("%-12s T=%4d: %5lld units (%s the unit kernel's %lld warps); graph without a heads kernel %6.2f us; "
+              "heads kernel: ring %5.2f us", c.name, tokens, (long long)units, units <= unit_warps ? "within" : "over",
+              (long long)unit_warps, base, ring);
+  for (int which = 1; which < kKernels; ++which) {
+    const float unit = tune::median(times[which + 1]) - base;
+    std::printf(", unit (%d heads) %5.2f us (%.2fx)", Kernels<kLanes>::per_unit_of(which, p, sms), unit, unit / ring);
+  }
+  std::printf("; cache bytes differing from the ring kernel's %zu%s\n", differ, differ ? " WRONG" : "");
+  for (auto& g : graphs) CHECK(cudaGraphExecDestroy(g));
+  CHECK(cudaStreamDestroy(stream));
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+}
+
+}  // namespace
+
+int main() {
+  int sms = 0, l2 = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, l2 >> 20);
+  const int64_t flush_vectors = 3 * int64_t(l2) / 16;
+  uint4* flush;
+  uint32_t* sink;
+  CHECK(cudaMalloc(&flush, flush_vectors * 16));
+  CHECK(cudaMemset(flush, 1, flush_vectors * 16));
+  CHECK(cudaMalloc(&sink, 4));
+  const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
+  for (int tokens : {17, 64, 100, 158, 200}) run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
+  for (int tokens : {17, 64, 79, 100}) run<8>(hd64, tokens, sms, flush, flush_vectors, sink);
+  return 0;
+}
