@@ -23,10 +23,12 @@
 #   tp        tensor parallel over the GPUs of the machine (at most 2): the NCCL tests (tests/test_tensor_parallel.py,
 #             eager and CUDA-graph replay), examples/tp_draft.py under torchrun, and benchmarks/dspark_write.py --tp
 #             (Qwen3-8B dims, each rank's shard); on one GPU the 1-rank forms of all three
-#   check     one call for a session short of device time: every CUDA test, then the write table
-#             (benchmarks/dspark_write.py --rounds 30) and the draft step (benchmarks/draft_step.py), each stopped
-#             after its share of the 600 s a device call may take (CHECK_TIMEOUTS="tests write draft" seconds,
-#             default "220 170 110"; the build comes first, about 50 s)
+#   check     one call for a session short of device time: every CUDA test, then the write table at
+#             T = 8 / 64 / 512 (benchmarks/dspark_write.py --variants compile hand dspark --rounds 30), then the draft
+#             step (benchmarks/draft_step.py), each stopped after its share of the 600 s a device call may take
+#             (CHECK_TIMEOUTS="tests write draft" seconds, default "400 110 0"; 0 skips a part). On a fresh H100 the
+#             build takes 75-95 s, every CUDA test about 360 s (most of it Inductor compiling the first tests) and
+#             that write table about 100 s, so the draft step needs a call of its own
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -125,13 +127,19 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       status=1
     ;;
   check)
-    read -r t_tests t_write t_draft <<<"${CHECK_TIMEOUTS:-220 170 110}"
-    timeout "$t_tests" python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" ||
-      status=1
-    timeout "$t_write" python3 benchmarks/dspark_write.py --rounds 30 --out "$OUT/dspark_write.md" 2>&1 |
-      tee "$OUT/dspark_write.log" || status=1
-    timeout "$t_draft" python3 benchmarks/draft_step.py --out "$OUT/draft_step.md" 2>&1 | tee "$OUT/draft_step.log" ||
-      status=1
+    read -r t_tests t_write t_draft <<<"${CHECK_TIMEOUTS:-400 110 0}"
+    if [ "$t_tests" -gt 0 ]; then
+      timeout "$t_tests" python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" ||
+        status=1
+    fi
+    if [ "$t_write" -gt 0 ]; then
+      timeout "$t_write" python3 benchmarks/dspark_write.py --variants compile hand dspark --tokens 8 64 512 \
+        --rounds 30 --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
+    fi
+    if [ "$t_draft" -gt 0 ]; then
+      timeout "$t_draft" python3 benchmarks/draft_step.py --out "$OUT/draft_step.md" 2>&1 |
+        tee "$OUT/draft_step.log" || status=1
+    fi
     ;;
   profile)
     TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" python3 benchmarks/dspark_write.py \
