@@ -68,7 +68,7 @@ case "$what" in
         projections=$(awk '/^========= [A-Z]/ { if (n) print b; b = ""; n = 1 } n { b = b $0 } END { if (n) print b }' \
           "$log" | grep -cE '^========= Uninitialized __global__ memory read.*(copy|load)_unit<')
         other=$((${errors:-1} - projections))
-        summary="$summary; $other of them not the heads kernel's reads of the cuBLAS output"
+        summary="$summary; $other of them not the heads kernels' reads of the cuBLAS output"
         [ "$other" -eq 0 ] && rc=0
       fi
       [ $rc -eq 0 ] || status=1

@@ -585,7 +585,9 @@ int heads_ctas_per_sm(Kernel kernel, int smem, std::array<std::atomic<int>, C10_
   std::atomic<int>& known = cached.at(static_cast<size_t>(device.index()));
   int per_sm = known.load(std::memory_order_acquire);
   if (per_sm == 0) {
-    if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kHeadWarps, smem));
     per_sm = std::max(per_sm, 1);
     known.store(per_sm, std::memory_order_release);
