@@ -2,10 +2,10 @@
 
 `custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh` and `multi_linear_kv_write_fused.cuh` are plain CUDA
 without torch; here they are compiled with g++ against the shim of tests/multi_linear_emulation_shim.py (one fiber per
-CUDA thread, warp shuffles and barriers emulated). Both kernels of the op run: the fused one (weights loaded into MMA
-fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and the heads
-kernel of the GEMM path (any head_dim
-multiple of 8 up to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
+CUDA thread, warp shuffles and barriers emulated). The op's kernels run: the fused one (weights loaded into MMA
+fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and both forms
+of the GEMM path's heads kernel, persistent warps through a ring and a warp per unit (any head_dim multiple of 8 up
+to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
 experimental streaming kernel of benchmarks/experimental/kv_write_stream_kernel.cuh (bulk copies completing on
 mbarriers; no op launches it), so that a fix of it can be checked here first, and the warpgroup-MMA tiles: the op's
 opt-in wide tile (linear/multi_linear_kv_write_wide.cuh) and the experimental one with tensor-map copies
@@ -592,7 +592,7 @@ def test_wide_kernels_frequencies_table_without_norm(emu, kernel):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize(("head_dim", "rot"), [(16, 16), (64, 40), (96, 96), (128, 36), (256, 128)])
 def test_heads_kernel(emu, head_dim, rot, neox, kernel):
-    """The GEMM path's per-head kernel: head_dims that fill a head's lanes or leave some empty (16: 2 of 8 lanes, 96:
+    """The GEMM path's per-head kernels: head_dims that fill a head's lanes or leave some empty (16: 2 of 8 lanes, 96:
     12 of 16), partial rotary (R/2 a multiple of a lane's 8 elements or not), both RoPE styles, a commit mask,
     several heads per layer."""
     spec = Spec(tokens=7, heads=3, head_dim=head_dim, rot=rot, neox=neox, commit=True)
