@@ -45,6 +45,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 } 2>&1 | tee "$OUT/env.txt"
 status=0
+# CUDA_TEST_WORKERS=N (> 1): the CUDA tests in N pytest-xdist processes sharing the GPU, a test file per process
+# (on a fresh machine most of the suite's time is Inductor compiling the first files' models); default 1, one
+# process, as every run recorded so far
+cuda_tests=(python3 -m pytest -m cuda -q -p no:cacheprovider)
+[ "${CUDA_TEST_WORKERS:-1}" -gt 1 ] && cuda_tests+=(-n "$CUDA_TEST_WORKERS" --dist loadfile)
 if [ "$what" != bench ] && [ "$what" != tune ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
 fi
@@ -105,7 +110,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       tee "$OUT/multi_linear_placement.log" || status=1
     ;;
   write)
-    python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+    "${cuda_tests[@]}" tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
     python3 benchmarks/dspark_write.py --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
     python3 benchmarks/dspark_write.py --breakdown --tokens 8 64 512 4096 2>&1 |
       tee "$OUT/dspark_write_breakdown.log" || status=1
@@ -129,7 +134,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
   check)
     read -r t_tests t_write t_draft <<<"${CHECK_TIMEOUTS:-400 110 0}"
     if [ "$t_tests" -gt 0 ]; then
-      timeout "$t_tests" python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" ||
+      timeout "$t_tests" "${cuda_tests[@]}" tests 2>&1 | tee "$OUT/cuda_tests.log" ||
         status=1
     fi
     if [ "$t_write" -gt 0 ]; then
@@ -169,7 +174,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     ;;
   tests | bench | all)
     if [ "$what" != bench ]; then
-      python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+      "${cuda_tests[@]}" tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
     fi
     if [ "$what" != tests ]; then
       for bench in benchmarks/[!_]*.py; do
