@@ -13,7 +13,8 @@
 // and caches), a kernel writing the projections, the heads kernel launched with programmatic dependent launch],
 // replayed 200 times per round in 15 interleaved rounds, against the same graph without the heads kernel; the
 // median difference is the heads kernel's cost in µs (launch gap included). The unit kernel runs with the op's
-// heads per unit and with half and twice as many.
+// heads per unit and with half and twice as many; so does, with the op's, the experimental kernel compiled for the
+// drafts' one form (benchmarks/experimental/kv_write_heads_common_kernel.cuh).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "experimental/kv_write_heads_common_kernel.cuh"
 #include "linear/multi_linear_kv_write_kernels.cuh"
 #include "tune_common.cuh"
 
@@ -150,7 +152,8 @@ struct Kernels {
   }
 
   // 0: the ring kernel as the op launches it; 1: the unit kernel with the op's heads per unit; 2, 3: the unit kernel
-  // with half and twice as many (2 and 8 of 128, 2 and 8 of 64 at 4 per unit).
+  // with half and twice as many (2 and 8 of 128, 2 and 8 of 64 at 4 per unit); 4: the experimental common-form
+  // kernel with the op's heads per unit.
   static int per_unit_of(int which, const Problem& p, int sms) {
     const int op = heads_per_unit<kLanes>(p.tokens, p.cfg.layers, p.cfg.heads, sms);
     const int v = which == 2 ? op / 2 : which == 3 ? op * 2 : op;
@@ -175,17 +178,23 @@ struct Kernels {
                                p.tokens, p.cfg.layers, per_unit));
     } else {
       config.gridDim = dim3(unsigned((units + kHeadWarps - 1) / kHeadWarps));
-      config.dynamicSmemBytes = unit_smem_bytes();
-      CHECK(cudaLaunchKernelEx(&config, &kv_write_heads_unit_kernel<T, kLanes>, p.kv, (const T*)p.projections, p.ld,
-                               p.tokens, p.cfg.layers, per_unit));
+      config.dynamicSmemBytes = which == 4 ? 0 : unit_smem_bytes();
+      const auto kernel =
+          which == 4 ? &kv_write_heads_common_kernel<T, kLanes> : &kv_write_heads_unit_kernel<T, kLanes>;
+      CHECK(cudaLaunchKernelEx(&config, kernel, p.kv, (const T*)p.projections, p.ld, p.tokens, p.cfg.layers,
+                               per_unit));
     }
   }
 };
 
 template <int kLanes>
 void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush_vectors, uint32_t* sink) {
-  constexpr int kKernels = 4;
+  constexpr int kKernels = 5;
   Problem p(c, tokens);
+  if (!common_form_fits<T, kLanes>(p.kv, c.layers)) {
+    std::fprintf(stderr, "the problem is not the common form\n");
+    std::exit(1);
+  }
   const int per_unit = heads_per_unit<kLanes>(tokens, c.layers, c.heads, sms);
   const int64_t units = heads_units(tokens, c.layers, c.heads, per_unit);
   const int64_t unit_warps = int64_t(Kernels<kLanes>::per_sm(true)) * sms * kHeadWarps;
@@ -234,7 +243,8 @@ void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush
               (long long)unit_warps, base, ring);
   for (int which = 1; which < kKernels; ++which) {
     const float unit = tune::median(times[which + 1]) - base;
-    std::printf(", unit (%d heads) %5.2f us (%.2fx)", Kernels<kLanes>::per_unit_of(which, p, sms), unit, unit / ring);
+    std::printf(", %s (%d heads) %5.2f us (%.2fx)", which == 4 ? "common form" : "unit",
+                Kernels<kLanes>::per_unit_of(which, p, sms), unit, unit / ring);
   }
   std::printf("; cache bytes differing from the ring kernel's %zu%s\n", differ, differ ? " WRONG" : "");
   for (auto& g : graphs) CHECK(cudaGraphExecDestroy(g));

@@ -5,13 +5,14 @@ without torch; here they are compiled with g++ against the shim of tests/multi_l
 CUDA thread, warp shuffles and barriers emulated). The op's kernels run: the fused one (weights loaded into MMA
 fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and both forms
 of the GEMM path's heads kernel, persistent warps through a ring and a warp per unit (any head_dim multiple of 8 up
-to 256, fed the projections rounded to the input dtype as the GEMM path does). So does the
-experimental streaming kernel of benchmarks/experimental/kv_write_stream_kernel.cuh (bulk copies completing on
-mbarriers; no op launches it), so that a fix of it can be checked here first, and the warpgroup-MMA tiles: the op's
-opt-in wide tile (linear/multi_linear_kv_write_wide.cuh) and the experimental one with tensor-map copies
-(benchmarks/experimental/kv_write_wide_tma_kernel.cuh). Every cache byte outside the written
-rows must keep its poison; written rows must match the reference within the dtype's rounding. The GPU's own runs are
-tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
+to 256, fed the projections rounded to the input dtype as the GEMM path does), and the op's opt-in wide tile
+(warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So do the experimental kernels in benchmarks/experimental/,
+which no op launches, so that a change of one can be checked here first: the streaming kernel
+(kv_write_stream_kernel.cuh: bulk copies completing on mbarriers), the wide tile with tensor-map copies
+(kv_write_wide_tma_kernel.cuh) and the heads kernel compiled for the drafts' one form
+(kv_write_heads_common_kernel.cuh). Every cache byte outside the written rows must keep its poison; written rows
+must match the reference within the dtype's rounding. The GPU's own runs are tests/test_multi_linear_kv_write_cuda.py.
+Skipped without a C++20 compiler.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ DRIVER = r"""
 #include "linear/multi_linear_kv_write_fused.cuh"
 #include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
+#include "experimental/kv_write_heads_common_kernel.cuh"
 #include <memory>
 #include <vector>
 using namespace dspark::mlinear;
@@ -142,13 +144,21 @@ static void heads(HeadsArgs a) {
                       heads_smem_bytes());
 }
 
-// The unit kernel: a warp per unit, the last CTA's warps past the last unit idle.
 template <typename T, int kLanes>
-static void heads_unit(HeadsArgs a) {
+static void common_entry(HeadsArgs a) {
+  kv_write_heads_common_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
+                                          a.per_unit);
+}
+
+// The unit kernel (or, `common`, the experimental one compiled for the drafts' form, which the case must have): a
+// warp per unit, the last CTA's warps past the last unit idle.
+template <typename T, int kLanes>
+static void heads_unit(HeadsArgs a, bool common) {
   a.per_unit = std::min(a.per_unit, head_batch<kLanes>());
   const int64_t units = heads_units(a.tokens, a.layers, a.kv.heads, a.per_unit);
-  run_grid<HeadsArgs>(&unit_entry<T, kLanes>, a, (units + kHeadWarps - 1) / kHeadWarps, 1, 32 * kHeadWarps, 1, 1,
-                      unit_smem_bytes());
+  if (common && !common_form_fits<T, kLanes>(a.kv, a.layers)) std::abort();
+  run_grid<HeadsArgs>(common ? &common_entry<T, kLanes> : &unit_entry<T, kLanes>, a,
+                      (units + kHeadWarps - 1) / kHeadWarps, 1, 32 * kHeadWarps, 1, 1, unit_smem_bytes());
 }
 
 template <typename T>
@@ -167,16 +177,16 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
     auto run = d == 64 ? (two ? &fused<T, 2, 2> : &fused<T, 2, 1>) : (two ? &fused<T, 4, 2> : &fused<T, 4, 1>);
     run(args, rows, split, grid, variant);
   } else if (head_lanes(d) == 8) {
-    path == 5 ? heads_unit<T, 8>(h) : heads<T, 8>(h);
+    path >= 5 ? heads_unit<T, 8>(h, path == 6) : heads<T, 8>(h);
   } else if (head_lanes(d) == 16) {
-    path == 5 ? heads_unit<T, 16>(h) : heads<T, 16>(h);
+    path >= 5 ? heads_unit<T, 16>(h, path == 6) : heads<T, 16>(h);
   } else {
-    path == 5 ? heads_unit<T, 32>(h) : heads<T, 32>(h);
+    path >= 5 ? heads_unit<T, 32>(h, path == 6) : heads<T, 32>(h);
   }
 }
 
 // ints: bf16, path (0 heads (ring), 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps, 5 heads
-//       (a warp per unit)),
+//       (a warp per unit), 6 the experimental common-form heads kernel),
 //       split (fused, streaming) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
@@ -343,8 +353,11 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4, "heads_unit": 5}
-HEADS_KERNELS = ["heads", "heads_unit"]  # the GEMM path's two forms: persistent warps through a ring, a warp per unit
+PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6}
+# the GEMM path's heads kernels: persistent warps through a ring, a warp per unit, and the experimental warp per unit
+# compiled for one form (benchmarks/experimental/kv_write_heads_common_kernel.cuh; only test_heads_common_form runs it)
+HEADS_KERNELS = ["heads", "heads_unit", "heads_common"]
+OP_HEADS_KERNELS = HEADS_KERNELS[:2]
 TABLE_FORMS = {"halves": 0, "pairs": 1, "frequencies": 2}  # kHalves, kPairs, kFrequencies of the kernels
 
 
@@ -588,7 +601,7 @@ def test_wide_kernels_frequencies_table_without_norm(emu, kernel):
     _check(emu, Spec(tokens=9, norm=False), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize(("head_dim", "rot"), [(16, 16), (64, 40), (96, 96), (128, 36), (256, 128)])
 def test_heads_kernel(emu, head_dim, rot, neox, kernel):
@@ -599,7 +612,7 @@ def test_heads_kernel(emu, head_dim, rot, neox, kernel):
     _check(emu, spec, kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
 @pytest.mark.parametrize("per_unit", [4, 12])
 @pytest.mark.parametrize("heads", [4, 5, 9])
 def test_heads_kernel_heads_per_unit(emu, heads, per_unit, kernel):
@@ -610,7 +623,7 @@ def test_heads_kernel_heads_per_unit(emu, heads, per_unit, kernel):
     _check(emu, spec, kernel=kernel, per_unit=per_unit, seed=heads)
 
 
-@pytest.mark.parametrize("kernel", HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
 @pytest.mark.parametrize(("head_dim", "heads"), [(64, 17), (128, 9), (256, 9)])
 def test_heads_kernel_units_of_a_batch(emu, head_dim, heads, kernel):
     """A unit is at most 2 KB of heads, 4 steps of 32 / lanes heads side by side (16 heads of 64, 8 of 128, 4 of
@@ -629,12 +642,35 @@ def test_heads_kernel_persistent_warps(emu, ctas, tokens, per_unit):
     _check(emu, spec, kernel="heads", per_unit=per_unit, ctas=ctas, seed=tokens)
 
 
-@pytest.mark.parametrize("kernel", HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
 def test_heads_kernel_fp16_without_norm(emu, kernel):
     _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
+def _norm_weights_in_x_dtype(got: dict, want: dict) -> None:
+    for a in (got, want):
+        a["k_norm_weights"] = [w.to(a["x"].dtype) for w in a["k_norm_weights"]]
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), [(64, 3, 4), (128, 5, 4), (128, 8, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_heads_common_form(emu, head_dim, heads, per_unit, dtype):
+    """The experimental heads kernel compiled for the drafts' form (full-head neox RoPE from a halves table, norm
+    weights of x's dtype) against the reference, and against the op's unit kernel bit for bit: 64- and 128-wide
+    heads, units of 4 heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
+    spec = Spec(tokens=9, heads=heads, head_dim=head_dim, rot=head_dim, commit=True, dtype=dtype)
+    _check(emu, spec, kernel="heads_common", per_unit=per_unit, edit=_norm_weights_in_x_dtype)
+    caches = {}
+    for kernel in ("heads_common", "heads_unit"):
+        case = _case(spec, 0)
+        _norm_weights_in_x_dtype(case, case)
+        _emulate(emu, case, kernel=kernel, per_unit=per_unit)
+        caches[kernel] = [_bits(c) for c in case["k_caches"] + case["v_caches"]]
+    for common, unit in zip(caches["heads_common"], caches["heads_unit"], strict=True):
+        assert torch.equal(common, unit), "the common-form kernel wrote other bits than the unit kernel"
+
+
+@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
 def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
     layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
@@ -646,7 +682,7 @@ def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
 def test_wrap_negative_counts_from_the_end(emu, kernel):
     """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
     in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the
@@ -680,14 +716,14 @@ def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
 
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("form", ["pairs", "frequencies"])
-@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
 def test_table_forms(emu, kernel, form, neox):
     """A `[P, R/2, 2]` pairs table (a complex table's real view) and `[R/2]` inverse frequencies (cos/sin computed
     from the position) in every kernel, partial rotary, against the reference."""
     _check(emu, Spec(tokens=6, head_dim=64, rot=40, neox=neox, table_form=form), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
 def test_frequency_positions_are_angles(emu, kernel):
     """With inverse frequencies a position is an angle: a negative one or one past any table's rows is written
     (rotated by its own angle) and never wrapped, with `wrap_negative` too."""
