@@ -7,19 +7,18 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
 //        benchmarks/heads_tune.cu -o heads_tune && ./heads_tune
 //
-// (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=heads does this). Per config and T: both
-// kernels write poisoned caches from the same projections, and every cache byte must agree ("WRONG" otherwise). Then
+// (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=heads does this). Per config and T: every
+// kernel writes poisoned caches from the same projections, and every cache byte must agree ("WRONG" otherwise). Then
 // each is timed as the op runs it, after a GEMM: a CUDA graph of [a read of 3x the L2 (evicts the indices, tables
 // and caches), a kernel writing the projections, the heads kernel launched with programmatic dependent launch],
 // replayed 200 times per round in 15 interleaved rounds, against the same graph without the heads kernel; the
 // median difference is the heads kernel's cost in µs (launch gap included). The unit kernel runs with the op's
-// heads per unit and with half and twice as many; so does, with the op's, the experimental kernel compiled for the
-// drafts' one form (benchmarks/experimental/kv_write_heads_common_kernel.cuh).
+// heads per unit and with half and twice as many, the experimental kernel compiled for the drafts' one form
+// (benchmarks/experimental/kv_write_heads_common_kernel.cuh) with the op's.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
 #include "experimental/kv_write_heads_common_kernel.cuh"
@@ -139,12 +138,12 @@ struct Kernels {
   // CTAs per SM of the ring kernel (unit: false) or the unit kernel.
   static int per_sm(bool unit) {
     int n = 0;
-    CHECK(cudaFuncSetAttribute(&kv_write_heads_kernel<T, kLanes>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               heads_smem_bytes()));
     if (unit) {
       CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &kv_write_heads_unit_kernel<T, kLanes>,
                                                           32 * kHeadWarps, unit_smem_bytes()));
     } else {
+      CHECK(cudaFuncSetAttribute(&kv_write_heads_kernel<T, kLanes>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 heads_smem_bytes()));
       CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &kv_write_heads_kernel<T, kLanes>, 32 * kHeadWarps,
                                                           heads_smem_bytes()));
     }

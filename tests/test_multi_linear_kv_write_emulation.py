@@ -647,8 +647,8 @@ def test_heads_kernel_fp16_without_norm(emu, kernel):
     _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel=kernel)
 
 
-def _norm_weights_in_x_dtype(got: dict, want: dict) -> None:
-    for a in (got, want):
+def _norm_weights_in_x_dtype(*cases: dict) -> None:
+    for a in cases:
         a["k_norm_weights"] = [w.to(a["x"].dtype) for w in a["k_norm_weights"]]
 
 
@@ -663,7 +663,7 @@ def test_heads_common_form(emu, head_dim, heads, per_unit, dtype):
     caches = {}
     for kernel in ("heads_common", "heads_unit"):
         case = _case(spec, 0)
-        _norm_weights_in_x_dtype(case, case)
+        _norm_weights_in_x_dtype(case)
         _emulate(emu, case, kernel=kernel, per_unit=per_unit)
         caches[kernel] = [_bits(c) for c in case["k_caches"] + case["v_caches"]]
     for common, unit in zip(caches["heads_common"], caches["heads_unit"], strict=True):
