@@ -1,6 +1,7 @@
 // The GEMM path's heads kernels of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the ring
-// kernel (kv_write_heads_kernel, persistent warps) against the one-unit-per-warp kernel (kv_write_heads_unit_kernel),
-// both at every T (the op takes the unit kernel while the units fit the GPU at once), on the draft configs of
+// kernel (kv_write_heads_kernel, persistent warps) against the warp-per-unit kernels, the general one
+// (kv_write_heads_unit_kernel) and the one compiled for the drafts' form (kv_write_heads_common_kernel), all at every
+// T (the op takes a warp-per-unit kernel while the units fit the GPU at once), on the draft configs of
 // benchmarks/dspark_write.py (the heads kernel sees only the layers, K/V heads and head_dim: the Qwen3-8B and
 // Qwen3-4B drafts launch the same grid).
 //
@@ -12,16 +13,17 @@
 // each is timed as the op runs it, after a GEMM: a CUDA graph of [a read of 3x the L2 (evicts the indices, tables
 // and caches), a kernel writing the projections, the heads kernel launched with programmatic dependent launch],
 // replayed 200 times per round in 15 interleaved rounds, against the same graph without the heads kernel; the
-// median difference is the heads kernel's cost in µs (launch gap included). The unit kernel runs with the op's
-// heads per unit and with half and twice as many, the experimental kernel compiled for the drafts' one form
-// (benchmarks/experimental/kv_write_heads_common_kernel.cuh) with the op's.
+// median difference is the heads kernel's cost in µs (launch gap included). The ring kernel runs with its heads per
+// unit (heads_per_unit), the general unit kernel with the op's (unit_heads_per_unit), the common-form kernel with
+// the op's and with half and twice as many. Beyond one wave the warp-per-unit kernels run in several waves (the op
+// takes the common-form kernel there too, and the ring kernel for other forms).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <vector>
 
-#include "experimental/kv_write_heads_common_kernel.cuh"
+#include "linear/multi_linear_kv_write_common.cuh"
 #include "linear/multi_linear_kv_write_kernels.cuh"
 #include "tune_common.cuh"
 
@@ -150,12 +152,20 @@ struct Kernels {
     return n;
   }
 
-  // 0: the ring kernel as the op launches it; 1: the unit kernel with the op's heads per unit; 2, 3: the unit kernel
-  // with half and twice as many (2 and 8 of 128, 2 and 8 of 64 at 4 per unit); 4: the experimental common-form
-  // kernel with the op's heads per unit.
+  // Warps of the unit kernel resident on the GPU at once.
+  static int64_t unit_warps(int sms) { return int64_t(per_sm(true)) * sms * kHeadWarps; }
+
+  // 0: the ring kernel with the ring's heads per unit; 1: the general unit kernel with the op's heads per unit
+  // (unit_heads_per_unit; the ring's where the units never fit at once); 2: the common-form kernel with the op's
+  // (unit_heads_per_unit; a batch of heads where the units never fit at once); 3, 4: the common-form kernel with half
+  // and twice as many.
   static int per_unit_of(int which, const Problem& p, int sms) {
-    const int op = heads_per_unit<kLanes>(p.tokens, p.cfg.layers, p.cfg.heads, sms);
-    const int v = which == 2 ? op / 2 : which == 3 ? op * 2 : op;
+    const int ring = heads_per_unit<kLanes>(p.tokens, p.cfg.layers, p.cfg.heads, sms);
+    if (which == 0) return ring;
+    const int unit = unit_heads_per_unit<kLanes>(p.tokens, p.cfg.layers, p.cfg.heads, sms, unit_warps(sms));
+    const int widest = std::min(p.cfg.heads, head_batch<kLanes>());
+    const int op = unit > 0 ? unit : which >= 2 ? widest : ring;  // beyond one wave, as the op runs each
+    const int v = which == 3 ? op / 2 : which == 4 ? op * 2 : op;
     return std::max(1, std::min(v, std::min(p.cfg.heads, head_batch<kLanes>())));
   }
 
@@ -177,9 +187,9 @@ struct Kernels {
                                p.tokens, p.cfg.layers, per_unit));
     } else {
       config.gridDim = dim3(unsigned((units + kHeadWarps - 1) / kHeadWarps));
-      config.dynamicSmemBytes = which == 4 ? 0 : unit_smem_bytes();
+      config.dynamicSmemBytes = which >= 2 ? 0 : unit_smem_bytes();
       const auto kernel =
-          which == 4 ? &kv_write_heads_common_kernel<T, kLanes> : &kv_write_heads_unit_kernel<T, kLanes>;
+          which >= 2 ? &kv_write_heads_common_kernel<T, kLanes> : &kv_write_heads_unit_kernel<T, kLanes>;
       CHECK(cudaLaunchKernelEx(&config, kernel, p.kv, (const T*)p.projections, p.ld, p.tokens, p.cfg.layers,
                                per_unit));
     }
@@ -194,9 +204,8 @@ void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush
     std::fprintf(stderr, "the problem is not the common form\n");
     std::exit(1);
   }
-  const int per_unit = heads_per_unit<kLanes>(tokens, c.layers, c.heads, sms);
-  const int64_t units = heads_units(tokens, c.layers, c.heads, per_unit);
-  const int64_t unit_warps = int64_t(Kernels<kLanes>::per_sm(true)) * sms * kHeadWarps;
+  const int64_t unit_warps = Kernels<kLanes>::unit_warps(sms);
+  const int64_t units = heads_units(tokens, c.layers, c.heads, Kernels<kLanes>::per_unit_of(1, p, sms));
   std::vector<uint8_t> out[kKernels];
   size_t differ = 0;
   for (int which = 0; which < kKernels; ++which) {
@@ -237,12 +246,13 @@ void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush
     }
   }
   const float base = tune::median(times[0]), ring = tune::median(times[1]) - base;
-  std::printf("%-12s T=%4d: %5lld units (%s the unit kernel's %lld warps); graph without a heads kernel %6.2f us; "
-              "heads kernel: ring %5.2f us", c.name, tokens, (long long)units, units <= unit_warps ? "within" : "over",
-              (long long)unit_warps, base, ring);
+  std::printf("%-12s T=%4d: %5lld units of the op's width (%s the unit kernel's %lld warps); graph without a heads "
+              "kernel %6.2f us; heads kernel: ring (%d heads) %5.2f us", c.name, tokens, (long long)units,
+              units <= unit_warps ? "within" : "over", (long long)unit_warps, base,
+              Kernels<kLanes>::per_unit_of(0, p, sms), ring);
   for (int which = 1; which < kKernels; ++which) {
     const float unit = tune::median(times[which + 1]) - base;
-    std::printf(", %s (%d heads) %5.2f us (%.2fx)", which == 4 ? "common form" : "unit",
+    std::printf(", %s (%d heads) %5.2f us (%.2fx)", which >= 2 ? "common form" : "unit",
                 Kernels<kLanes>::per_unit_of(which, p, sms), unit, unit / ring);
   }
   std::printf("; cache bytes differing from the ring kernel's %zu%s\n", differ, differ ? " WRONG" : "");
@@ -268,7 +278,7 @@ int main() {
   CHECK(cudaMemset(flush, 1, flush_vectors * 16));
   CHECK(cudaMalloc(&sink, 4));
   const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
-  for (int tokens : {17, 64, 100, 158, 200}) run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
-  for (int tokens : {17, 64, 79, 100}) run<8>(hd64, tokens, sms, flush, flush_vectors, sink);
+  for (int tokens : {17, 64, 100, 158, 159, 200, 316, 317, 512, 1024, 4096}) run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
+  for (int tokens : {17, 64, 159, 317, 512, 4096}) run<8>(hd64, tokens, sms, flush, flush_vectors, sink);
   return 0;
 }

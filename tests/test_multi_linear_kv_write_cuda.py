@@ -1,8 +1,9 @@
 """dspark::multi_linear_kv_write on CUDA against the CPU reference (the op on CPU): Qwen3-8B-like and head_dim-64
-shapes, T in {1, 7, 8, 64, 65, 512}, both RoPE styles, partial rotary, biases, commit masks, negative slots, strided
-and aliasing-but-disjoint caches; every byte outside the written rows unchanged; out-of-range slots and positions
-skipped (checking mode: the CPU message, nothing written); CUDA-graph capture and replay with new inputs and an
-in-place weight update; opcheck; the argument errors of the CPU table and the CUDA-only rules, before any write.
+shapes, T in {1, 7, 8, 16, 17, 64, 65, 200, 512, 513}, both RoPE styles, partial rotary, biases, commit masks,
+negative slots, strided and aliasing-but-disjoint caches; the heads kernel each rule names; every byte outside the
+written rows unchanged; out-of-range slots and positions skipped (checking mode: the CPU message, nothing written);
+CUDA-graph capture and replay with new inputs and an in-place weight update; opcheck; the argument errors of the CPU
+table and the CUDA-only rules, before any write.
 
 Inputs come from `make_case` of tests/multi_linear_cases.py: a spec built on CPU and on CUDA holds the same
 values, so the CPU op on the CPU case is the oracle of the CUDA op on the CUDA case.
@@ -67,12 +68,13 @@ HEAD_DIM_64 = Spec(
 # 513: odd and above 512, a GEMM tile tail in every batched K/V GEMM of dspark::multi_linear. The GEMM path's heads
 # kernel is the warp-per-unit form at 17 to 65 tokens (their units fit an H100 or H200 at once) and the ring of
 # persistent warps at 512 and 513.
-TOKENS = (1, 7, 8, 16, 17, 64, 65, 512, 513)
+TOKENS = (1, 7, 8, 16, 17, 64, 65, 200, 512, 513)
 # Fused up to here on the H200 (sm_90a), beyond the GEMM path: the fused kernel up to kFusedMaxTokens (16) of
 # csrc/linear/multi_linear_kv_write.cu; in a process with DSPARK_KV_WRITE_WIDE_FROM set to 1, as test_wide_tile runs
 # this file (the opt-in wide tile from 1 token), up to kWideTokens (64).
 FUSED_MAX_TOKENS = 64 if os.environ.get("DSPARK_KV_WRITE_WIDE_FROM") else 16
-WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 512: 16, 513: 19}  # a [T / W, W] split of each T
+# a [T / W, W] split of each T
+WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 200: 8, 512: 16, 513: 19}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -159,7 +161,7 @@ def test_wide_tile():
     """The opt-in wide tile (DSPARK_KV_WRITE_WIDE_FROM=1: every fused call, 1 to 64 tokens) against the CPU
     reference: the shape, layout, fp64 and CUDA-graph tests of this file at up to 65 tokens, in a process that sets
     it."""
-    wide = "(shapes or head_dim_64 or layouts or fp64 or graph) and not 512 and not 513 and not (layouts and 65)"
+    wide = "(shapes or head_dim_64 or layouts or fp64 or graph) and not (200 or 512 or 513) and not (layouts and 65)"
     result = pytest_in_a_process({"DSPARK_KV_WRITE_WIDE_FROM": "1"}, __file__, "-k", wide)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
@@ -175,6 +177,37 @@ def test_wide_tile_setting_that_is_not_a_positive_integer_warns():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "1 passed" in result.stdout
     assert "DSPARK_KV_WRITE_WIDE_FROM=abc is not a positive integer" in result.stdout + result.stderr
+
+
+HEADS_KERNELS = ("kv_write_heads_kernel<", "kv_write_heads_unit_kernel<", "kv_write_heads_common_kernel<")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "style", "norm", "kernel"),
+    [
+        (17, "neox", "weight", "kv_write_heads_common_kernel<"),
+        (1024, "neox", "weight", "kv_write_heads_common_kernel<"),
+        (17, "gptj", "weight", "kv_write_heads_unit_kernel<"),
+        (17, "neox", "fp32-weight", "kv_write_heads_unit_kernel<"),
+        (1024, "gptj", "weight", "kv_write_heads_kernel<"),
+    ],
+)
+def test_the_heads_kernel_the_rule_names_runs(tokens, style, norm, kernel):
+    """The GEMM path's heads kernel (Qwen3-8B draft dims): the one compiled for the drafts' form (full-head neox RoPE,
+    norm weights of x's dtype) at any T; else the general warp-per-unit kernel while the units fit the GPU at once
+    (17 tokens: 340 units) and the ring kernel beyond (1024 tokens: 10240 units, more warps than 426 SMs hold). The
+    result matches the reference."""
+    if tokens <= FUSED_MAX_TOKENS:
+        pytest.skip("the wide tile takes this call in this process")
+    cpu, cuda = pair(replace(_variant(QWEN3_8B, tokens, "1-D", style), norm=norm))
+    before = [bits(b) for b in cuda.bases]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cuda.call()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert [k for k in HEADS_KERNELS if any(k in n for n in names)] == [kernel], sorted(names)
+    cpu.call()
+    assert_matches_reference(cuda, cpu, before)
 
 
 @pytest.mark.parametrize("tokens", sorted({16, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1}))

@@ -5,12 +5,12 @@ without torch; here they are compiled with g++ against the shim of tests/multi_l
 CUDA thread, warp shuffles and barriers emulated). The op's kernels run: the fused one (weights loaded into MMA
 fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and both forms
 of the GEMM path's heads kernel, persistent warps through a ring and a warp per unit (any head_dim multiple of 8 up
-to 256, fed the projections rounded to the input dtype as the GEMM path does), and the op's opt-in wide tile
-(warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So do the experimental kernels in benchmarks/experimental/,
-which no op launches, so that a change of one can be checked here first: the streaming kernel
-(kv_write_stream_kernel.cuh: bulk copies completing on mbarriers), the wide tile with tensor-map copies
-(kv_write_wide_tma_kernel.cuh) and the heads kernel compiled for the drafts' one form
-(kv_write_heads_common_kernel.cuh). Every cache byte outside the written rows must keep its poison; written rows
+to 256, fed the projections rounded to the input dtype as the GEMM path does), the warp per unit compiled for the
+drafts' form (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one), and the op's
+opt-in wide tile (warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So do the experimental kernels in
+benchmarks/experimental/, which no op launches, so that a change of one can be checked here first: the streaming
+kernel (kv_write_stream_kernel.cuh: bulk copies completing on mbarriers) and the wide tile with tensor-map copies
+(kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison; written rows
 must match the reference within the dtype's rounding. The GPU's own runs are tests/test_multi_linear_kv_write_cuda.py.
 Skipped without a C++20 compiler.
 """
@@ -34,7 +34,7 @@ DRIVER = r"""
 #include "linear/multi_linear_kv_write_fused.cuh"
 #include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
-#include "experimental/kv_write_heads_common_kernel.cuh"
+#include "linear/multi_linear_kv_write_common.cuh"
 #include <memory>
 #include <vector>
 using namespace dspark::mlinear;
@@ -150,7 +150,7 @@ static void common_entry(HeadsArgs a) {
                                           a.per_unit);
 }
 
-// The unit kernel (or, `common`, the experimental one compiled for the drafts' form, which the case must have): a
+// The unit kernel (or, `common`, the one compiled for the drafts' form, which the case must have): a
 // warp per unit, the last CTA's warps past the last unit idle.
 template <typename T, int kLanes>
 static void heads_unit(HeadsArgs a, bool common) {
@@ -186,7 +186,7 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
 }
 
 // ints: bf16, path (0 heads (ring), 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps, 5 heads
-//       (a warp per unit), 6 the experimental common-form heads kernel),
+//       (a warp per unit), 6 the common-form heads kernel),
 //       split (fused, streaming) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
@@ -354,10 +354,10 @@ def _case(spec: Spec, seed: int) -> dict:
 
 
 PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6}
-# the GEMM path's heads kernels: persistent warps through a ring, a warp per unit, and the experimental warp per unit
-# compiled for one form (benchmarks/experimental/kv_write_heads_common_kernel.cuh; only test_heads_common_form runs it)
+# the GEMM path's heads kernels: persistent warps through a ring, a warp per unit, and a warp per unit compiled for
+# the drafts' form (linear/multi_linear_kv_write_common.cuh; only the tests named heads_common_form run it)
 HEADS_KERNELS = ["heads", "heads_unit", "heads_common"]
-OP_HEADS_KERNELS = HEADS_KERNELS[:2]
+GENERAL_HEADS_KERNELS = HEADS_KERNELS[:2]  # any form
 TABLE_FORMS = {"halves": 0, "pairs": 1, "frequencies": 2}  # kHalves, kPairs, kFrequencies of the kernels
 
 
@@ -601,7 +601,7 @@ def test_wide_kernels_frequencies_table_without_norm(emu, kernel):
     _check(emu, Spec(tokens=9, norm=False), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", GENERAL_HEADS_KERNELS)
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize(("head_dim", "rot"), [(16, 16), (64, 40), (96, 96), (128, 36), (256, 128)])
 def test_heads_kernel(emu, head_dim, rot, neox, kernel):
@@ -612,7 +612,7 @@ def test_heads_kernel(emu, head_dim, rot, neox, kernel):
     _check(emu, spec, kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", GENERAL_HEADS_KERNELS)
 @pytest.mark.parametrize("per_unit", [4, 12])
 @pytest.mark.parametrize("heads", [4, 5, 9])
 def test_heads_kernel_heads_per_unit(emu, heads, per_unit, kernel):
@@ -623,7 +623,7 @@ def test_heads_kernel_heads_per_unit(emu, heads, per_unit, kernel):
     _check(emu, spec, kernel=kernel, per_unit=per_unit, seed=heads)
 
 
-@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", GENERAL_HEADS_KERNELS)
 @pytest.mark.parametrize(("head_dim", "heads"), [(64, 17), (128, 9), (256, 9)])
 def test_heads_kernel_units_of_a_batch(emu, head_dim, heads, kernel):
     """A unit is at most 2 KB of heads, 4 steps of 32 / lanes heads side by side (16 heads of 64, 8 of 128, 4 of
@@ -642,7 +642,7 @@ def test_heads_kernel_persistent_warps(emu, ctas, tokens, per_unit):
     _check(emu, spec, kernel="heads", per_unit=per_unit, ctas=ctas, seed=tokens)
 
 
-@pytest.mark.parametrize("kernel", OP_HEADS_KERNELS)
+@pytest.mark.parametrize("kernel", GENERAL_HEADS_KERNELS)
 def test_heads_kernel_fp16_without_norm(emu, kernel):
     _check(emu, Spec(tokens=4, heads=2, norm=False, dtype=torch.float16), kernel=kernel)
 
@@ -655,7 +655,7 @@ def _norm_weights_in_x_dtype(*cases: dict) -> None:
 @pytest.mark.parametrize(("head_dim", "heads", "per_unit"), [(64, 3, 4), (128, 5, 4), (128, 8, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_heads_common_form(emu, head_dim, heads, per_unit, dtype):
-    """The experimental heads kernel compiled for the drafts' form (full-head neox RoPE from a halves table, norm
+    """The heads kernel compiled for the drafts' form (full-head neox RoPE from a halves table, norm
     weights of x's dtype) against the reference, and against the op's unit kernel bit for bit: 64- and 128-wide
     heads, units of 4 heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
     spec = Spec(tokens=9, heads=heads, head_dim=head_dim, rot=head_dim, commit=True, dtype=dtype)
@@ -670,34 +670,47 @@ def test_heads_common_form(emu, head_dim, heads, per_unit, dtype):
         assert torch.equal(common, unit), "the common-form kernel wrote other bits than the unit kernel"
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
+def _position_past_the_shortest_table(got: dict, want: dict) -> None:
+    got["positions"][1] = 40
+    want["cache_loc"].view(-1)[1] = -1
+
+
+def _wrap_negative(got: dict, want: dict) -> None:
+    for a in (got, want):
+        a["wrap_negative"] = True
+        loc, slots = a["cache_loc"].view(-1), a["k_caches"][0].shape[0]
+        free = min(set(range(slots)) - set(loc.tolist()))
+        loc[loc == -1] = free - slots
+        loc[0] -= slots
+        a["positions"][2] -= 40
+
+
+@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
 def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
     layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
-
-    def edit(got, want):
-        got["positions"][1] = 40
-        want["cache_loc"].view(-1)[1] = -1
-
-    _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
+    _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=_position_past_the_shortest_table)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
 def test_wrap_negative_counts_from_the_end(emu, kernel):
     """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
     in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the
     end."""
+    _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=_wrap_negative)
 
-    def edit(got, want):
-        for a in (got, want):
-            a["wrap_negative"] = True
-            loc, slots = a["cache_loc"].view(-1), a["k_caches"][0].shape[0]
-            free = min(set(range(slots)) - set(loc.tolist()))
-            loc[loc == -1] = free - slots
-            loc[0] -= slots
-            a["positions"][2] -= 40
 
-    _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=edit)
+@pytest.mark.parametrize("edit", [_position_past_the_shortest_table, _wrap_negative])
+def test_heads_common_form_skips_and_wraps_as_the_general_kernels(emu, edit):
+    """The two tests above on the common-form heads kernel (their case in the drafts' form: full-head neox RoPE,
+    bf16 with bf16 norm weights)."""
+
+    def edit_both(got: dict, want: dict) -> None:
+        _norm_weights_in_x_dtype(got, want)
+        edit(got, want)
+
+    spec = Spec(tokens=6, head_dim=64, rot=64, dtype=torch.bfloat16)
+    _check(emu, spec, kernel="heads_common", per_unit=4, edit=edit_both)
 
 
 def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
@@ -716,14 +729,14 @@ def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
 
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("form", ["pairs", "frequencies"])
-@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
 def test_table_forms(emu, kernel, form, neox):
     """A `[P, R/2, 2]` pairs table (a complex table's real view) and `[R/2]` inverse frequencies (cos/sin computed
     from the position) in every kernel, partial rotary, against the reference."""
     _check(emu, Spec(tokens=6, head_dim=64, rot=40, neox=neox, table_form=form), kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *OP_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
 def test_frequency_positions_are_angles(emu, kernel):
     """With inverse frequencies a position is an angle: a negative one or one past any table's rows is written
     (rotated by its own angle) and never wrapped, with `wrap_negative` too."""

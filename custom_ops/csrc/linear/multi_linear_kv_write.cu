@@ -21,6 +21,7 @@
 #include "common/error_format.h"
 #include "common/range_checks.h"
 #include "linear/multi_linear_host.h"
+#include "linear/multi_linear_kv_write_common.cuh"
 #include "linear/multi_linear_kv_write_fused.cuh"
 #include "linear/multi_linear_kv_write_kernels.cuh"
 #include "linear/multi_linear_kv_write_wide.cuh"
@@ -595,29 +596,42 @@ int heads_ctas_per_sm(Kernel kernel, int smem, std::array<std::atomic<int>, C10_
   return per_sm;
 }
 
-// The heads kernel for `units` units: a warp per unit (kv_write_heads_unit_kernel) while they fit the GPU at once,
-// else the ring kernel's persistent warps (one CTA per resident slot). H100, each kernel after a GEMM-like kernel in
-// a CUDA graph (benchmarks/heads_tune.cu), Qwen3-8B draft at T = 17 / 64 / 100: 3.36 / 4.32 / 4.31 us for the ring
-// kernel, 2.61 / 3.58 / 3.52 for the unit kernel, writing the same bytes.
+// The heads kernel. Where the call has the drafts' form (common_form_fits), the warp-per-unit kernel compiled for it
+// (kv_write_heads_common_kernel) at every T: with unit_heads_per_unit's units while they fit the GPU at once, else
+// in waves of units of a batch of heads. Otherwise the general warp-per-unit kernel (kv_write_heads_unit_kernel)
+// while the units fit at once, else the ring kernel's persistent warps (one CTA per resident slot). H100, each kernel
+// after a GEMM-like kernel in a CUDA graph (benchmarks/heads_tune.cu), writing the same bytes, Qwen3-8B draft:
+//   T                            17     64    200    317    512   1024   4096
+//   ring kernel                3.39   3.77   6.27   7.41  13.60  18.03  67.52 us
+//   general unit kernel        2.58   2.92   4.64      (one wave only)
+//   common-form kernel         2.25   2.49   4.17   6.52  11.57  17.65  68.41
+// (head_dim 64: 66.55 against 67.66 at T = 4096). Beyond one wave the general kernel measured 1.06-1.09x of the
+// ring at T = 317 / 1024 / 4096.
 template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> ring_per_sm{}, unit_per_sm{};
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> ring_per_sm{}, unit_per_sm{}, common_per_sm{};
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  const int per_unit = heads_per_unit<kLanes>(tokens, layers, kv.heads, sms);
-  const int64_t units = heads_units(tokens, layers, kv.heads, per_unit);
-  const auto unit_kernel = &kv_write_heads_unit_kernel<T, kLanes>;
-  const auto ring_kernel = &kv_write_heads_kernel<T, kLanes>;
+  const bool common = common_form_fits<T, kLanes>(kv, layers);
+  const auto unit_kernel = common ? &kv_write_heads_common_kernel<T, kLanes> : &kv_write_heads_unit_kernel<T, kLanes>;
+  const int unit_smem = common ? 0 : unit_smem_bytes();
   const int64_t unit_warps =
-      int64_t{heads_ctas_per_sm(unit_kernel, unit_smem_bytes(), unit_per_sm, device)} * sms * kHeadWarps;
-  const bool one_wave = units <= unit_warps;
+      int64_t{heads_ctas_per_sm(unit_kernel, unit_smem, common ? common_per_sm : unit_per_sm, device)} * sms *
+      kHeadWarps;
+  const int one_wave = unit_heads_per_unit<kLanes>(tokens, layers, kv.heads, sms, unit_warps);
+  const bool per_warp = common || one_wave > 0;
+  const int per_unit = one_wave > 0 ? one_wave
+                       : common     ? std::min(kv.heads, head_batch<kLanes>())
+                                    : heads_per_unit<kLanes>(tokens, layers, kv.heads, sms);
+  const int64_t units = heads_units(tokens, layers, kv.heads, per_unit);
+  const auto ring_kernel = &kv_write_heads_kernel<T, kLanes>;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  if (one_wave) {
+  if (per_warp) {
     config.gridDim = dim3(static_cast<unsigned>((units + kHeadWarps - 1) / kHeadWarps));
-    config.dynamicSmemBytes = unit_smem_bytes();
+    config.dynamicSmemBytes = unit_smem;
   } else {
     const int per_sm = heads_ctas_per_sm(ring_kernel, heads_smem_bytes(), ring_per_sm, device);
     config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(per_sm) * sms)));
@@ -627,7 +641,7 @@ void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, 
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
   config.numAttrs = syncs_on(device) ? 1 : 0;  // the kernels' dependency wait exists only in their sm_90a code
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, one_wave ? unit_kernel : ring_kernel, kv,
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, per_warp ? unit_kernel : ring_kernel, kv,
                                     static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
                                     layers, per_unit));
 }

@@ -15,9 +15,11 @@
 //     weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim up to 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer and
 //     does the same per-unit work (a unit: the heads of one (token, layer, K or V), or at small T a group of 4 of
-//     them), with a head in 8, 16 or 32 lanes of 8 elements; V is copied as it is. Two forms: a warp per unit
+//     them), with a head in 8, 16 or 32 lanes of 8 elements; V is copied as it is. Three kernels: a warp per unit
 //     (kv_write_heads_unit_kernel) while the units fit the GPU at once, else persistent warps, each through a run
-//     of units copied ahead into a shared-memory ring (kv_write_heads_kernel).
+//     of units copied ahead into a shared-memory ring (kv_write_heads_kernel); for the drafts' form (full-head neox
+//     RoPE, norm weights of the element type) a warp per unit compiled for it at every T
+//     (kv_write_heads_common_kernel of multi_linear_kv_write_common.cuh).
 //
 // Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
 // the fused epilogue, 8 in the heads kernel): the token's slot (cache_loc, or cache_loc_2d and commit_lens) and, with
@@ -535,6 +537,22 @@ __host__ __device__ inline int64_t heads_blocks(int64_t units, int64_t resident)
   return blocks < resident ? blocks : resident;
 }
 
+// Heads per unit of kv_write_heads_unit_kernel, whose `resident_warps` warps are resident on the GPU at once: the
+// ring kernel's heads_per_unit, doubled (up to a segment's heads and a batch) until every unit has a resident warp;
+// 0 where they never do (the binding then takes the ring kernel, or for the drafts' form the common-form kernel in
+// waves). Fewer, wider units in one wave beat the ring's narrower units on
+// its persistent warps: H100, each after a GEMM-like kernel in a CUDA graph (benchmarks/heads_tune.cu), Qwen3-8B
+// draft at T = 158 / 200: 4.28 / 5.00 us with units of 8 heads against 5.68 / 6.50 for the ring's units of 4.
+template <int kLanes>
+int unit_heads_per_unit(int tokens, int layers, int heads, int sm_count, int64_t resident_warps) {
+  const int most = heads < head_batch<kLanes>() ? heads : head_batch<kLanes>();
+  for (int per_unit = heads_per_unit<kLanes>(tokens, layers, heads, sm_count);; per_unit *= 2) {
+    per_unit = per_unit < most ? per_unit : most;
+    if (heads_units(tokens, layers, heads, per_unit) <= resident_warps) return per_unit;
+    if (per_unit == most) return 0;
+  }
+}
+
 // A unit's token, segment (2 layer + kind) and heads [first, last).
 struct HeadsUnit {
   int token, segment, first, last;
@@ -706,7 +724,7 @@ constexpr int unit_smem_bytes() { return kHeadWarps * 32 * kHeadLaneElems * 4; }
 // for the slot), then the cos/sin row of the token's position; V units are stored as they are. Shared memory: the
 // RoPE scratch rows only (unit_smem_bytes).
 template <typename T, int kLanes>
-__global__ void __launch_bounds__(32 * kHeadWarps, 2)
+__global__ void __launch_bounds__(32 * kHeadWarps, 3)
     kv_write_heads_unit_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                                int layers, int per_unit) {
   constexpr int V = kHeadLaneElems, kGroups = 32 / kLanes;

@@ -1,17 +1,16 @@
-// EXPERIMENTAL, not used by any op: the GEMM path's warp-per-unit heads kernel of dspark::multi_linear_kv_write
-// (kv_write_heads_unit_kernel of custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh) compiled for one form
-// of the write, the one every draft of benchmarks/dspark_write.py has:
-//   * RoPE over the whole head (rotary_dim == head_dim == 8 kLanes: 64 or 128), neox style, from a halves table
-//     ([P, head_dim] fp32 rows, cos then sin);
+// The GEMM path's warp-per-unit heads kernel of dspark::multi_linear_kv_write (kv_write_heads_unit_kernel of
+// linear/multi_linear_kv_write_kernels.cuh) compiled for one form of the write, the form of every draft of
+// benchmarks/dspark_write.py; the binding launches it wherever a call has that form (common_form_fits):
+//   * RoPE over the whole head (rotary_dim == head_dim == 8 kLanes: 64, 128 or 256), neox style, from a halves
+//     table ([P, head_dim] fp32 rows, cos then sin);
 //   * every layer with an RMSNorm weight of the element type;
-//   * table rows and norm weights 16-byte aligned (common_form_fits checks all of it on the host).
-// The same units, loads and values; what goes is the general kernel's run-time choice between the table forms,
-// RoPE styles, partial rotary, lanes past head_dim and fp32 weights, whose code is unrolled for every step of a
-// unit: 1208 SASS instructions against 3656 for 128-wide heads (nvcc 13.0, sm_90a). Why try it: the general
-// kernel is one warp's chain of instructions at small T (BENCHMARKS.md, "The heads kernel's prologue and loads
-// trimmed": 12 % of its stalls waited for the instruction cache). benchmarks/heads_tune.cu times it beside the op's
-// kernels and compares every cache byte with theirs; tests/test_multi_linear_kv_write_emulation.py runs it on the
-// CPU against the op's reference.
+//   * table rows and norm weights 16-byte aligned.
+// The same units, loads and values, bit for bit (tests/test_multi_linear_kv_write_emulation.py); what goes is the
+// general kernel's run-time choice between the table forms, RoPE styles, partial rotary, lanes past head_dim and
+// fp32 weights, whose code is unrolled for every step of a unit: 1208 SASS instructions against 3656 for 128-wide
+// heads (nvcc 13.0, sm_90a), and no shared memory. At small T the heads kernel is one warp's chain of instructions,
+// so the shorter chain is faster: H100, each after a GEMM-like kernel in a CUDA graph (benchmarks/heads_tune.cu),
+// Qwen3-8B draft at T = 17 / 64 / 200: 2.28 / 2.50 / 3.97 us against 2.57 / 2.96 / 4.46 for the general unit kernel.
 #pragma once
 
 #include "linear/multi_linear_kv_write_kernels.cuh"
@@ -33,7 +32,7 @@ bool common_form_fits(const KvWrite& kv, int layers) {
 }
 
 template <typename T, int kLanes>
-__global__ void __launch_bounds__(32 * kHeadWarps, 2)
+__global__ void __launch_bounds__(32 * kHeadWarps, 3)
     kv_write_heads_common_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                                  int layers, int per_unit) {
   constexpr int V = kHeadLaneElems, kGroups = 32 / kLanes, kHeadDim = V * kLanes, kHalf = kHeadDim / 2;
