@@ -24,11 +24,11 @@
 #             eager and CUDA-graph replay), examples/tp_draft.py under torchrun, and benchmarks/dspark_write.py --tp
 #             (Qwen3-8B dims, each rank's shard); on one GPU the 1-rank forms of all three
 #   check     one call for a session short of device time: every CUDA test, then the write table at
-#             T = 8 / 64 / 512 (benchmarks/dspark_write.py --variants compile hand dspark --rounds 30), then the draft
-#             step (benchmarks/draft_step.py), each stopped after its share of the 600 s a device call may take
-#             (CHECK_TIMEOUTS="tests write draft" seconds, default "400 110 0"; 0 skips a part). On a fresh H100 the
-#             build takes 75-95 s, every CUDA test about 360 s (most of it Inductor compiling the first tests) and
-#             that write table about 100 s, so the draft step needs a call of its own
+#             T = 8 / 64 / 512 (or CHECK_TOKENS; benchmarks/dspark_write.py --variants compile hand dspark
+#             --rounds 30), then the draft step (benchmarks/draft_step.py), each stopped after its share of the 600 s
+#             a device call may take (CHECK_TIMEOUTS="tests write draft" seconds, default "400 110 0"; 0 skips a
+#             part). On a fresh H100 the build takes 75-95 s, every CUDA test about 360 s in one process (most of it
+#             Inductor compiling the first tests; 123 s with CUDA_TEST_WORKERS=4) and that write table about 100 s
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -46,8 +46,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 } 2>&1 | tee "$OUT/env.txt"
 status=0
 # CUDA_TEST_WORKERS=N (> 1): the CUDA tests in N pytest-xdist processes sharing the GPU, a test file per process
-# (on a fresh machine most of the suite's time is Inductor compiling the first files' models); default 1, one
-# process, as every run recorded so far
+# (on a fresh machine most of the suite's time is Inductor compiling the first files' models: 4 workers took 123 s
+# where one process takes about 360 on an H100); default 1, one process
 cuda_tests=(python3 -m pytest -m cuda -q -p no:cacheprovider)
 [ "${CUDA_TEST_WORKERS:-1}" -gt 1 ] && cuda_tests+=(-n "$CUDA_TEST_WORKERS" --dist loadfile)
 if [ "$what" != bench ] && [ "$what" != tune ]; then
@@ -138,8 +138,9 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
         status=1
     fi
     if [ "$t_write" -gt 0 ]; then
-      timeout "$t_write" python3 benchmarks/dspark_write.py --variants compile hand dspark --tokens 8 64 512 \
-        --rounds 30 --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
+      timeout "$t_write" python3 benchmarks/dspark_write.py --variants compile hand dspark \
+        --tokens ${CHECK_TOKENS:-8 64 512} --rounds 30 --out "$OUT/dspark_write.md" 2>&1 |
+        tee "$OUT/dspark_write.log" || status=1
     fi
     if [ "$t_draft" -gt 0 ]; then
       timeout "$t_draft" python3 benchmarks/draft_step.py --out "$OUT/draft_step.md" 2>&1 |
