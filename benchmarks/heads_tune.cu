@@ -278,7 +278,10 @@ int main() {
   CHECK(cudaMemset(flush, 1, flush_vectors * 16));
   CHECK(cudaMalloc(&sink, 4));
   const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
-  for (int tokens : {17, 64, 100, 158, 159, 200, 316, 317, 512, 1024, 4096}) run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
+  // one wave at 4 heads per unit up to 158 (Qwen3-8B) / 79 (head_dim 64) tokens, at a batch of heads up to 316
+  for (int tokens : {17, 64, 100, 158, 159, 200, 316, 317, 512, 1024, 4096}) {
+    run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
+  }
   for (int tokens : {17, 64, 159, 317, 512, 4096}) run<8>(hd64, tokens, sms, flush, flush_vectors, sink);
   return 0;
 }

@@ -256,6 +256,7 @@ LAYOUTS = {
     "inverse frequencies, int32 positions": dict(table_form="frequencies", pos_dtype=torch.int32),
     "one layer": dict(layers=1),
     "head_dim 256": dict(heads=2, head_dim=256, rot=64),
+    "head_dim 256, full rotary": dict(heads=2, head_dim=256, rot=256),
     "head_dim 8": dict(heads=4, head_dim=8, rot=8),
 }
 

@@ -652,12 +652,12 @@ def _norm_weights_in_x_dtype(*cases: dict) -> None:
         a["k_norm_weights"] = [w.to(a["x"].dtype) for w in a["k_norm_weights"]]
 
 
-@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), [(64, 3, 4), (128, 5, 4), (128, 8, 8)])
+@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), [(64, 3, 4), (128, 5, 4), (128, 8, 8), (256, 5, 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_heads_common_form(emu, head_dim, heads, per_unit, dtype):
     """The heads kernel compiled for the drafts' form (full-head neox RoPE from a halves table, norm
-    weights of x's dtype) against the reference, and against the op's unit kernel bit for bit: 64- and 128-wide
-    heads, units of 4 heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
+    weights of x's dtype) against the reference, and against the op's unit kernel bit for bit: 64-, 128- and
+    256-wide heads, units of 4 heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
     spec = Spec(tokens=9, heads=heads, head_dim=head_dim, rot=head_dim, commit=True, dtype=dtype)
     _check(emu, spec, kernel="heads_common", per_unit=per_unit, edit=_norm_weights_in_x_dtype)
     caches = {}

@@ -10,7 +10,7 @@
 // fp32 weights, whose code is unrolled for every step of a unit: 1208 SASS instructions against 3656 for 128-wide
 // heads (nvcc 13.0, sm_90a), and no shared memory. At small T the heads kernel is one warp's chain of instructions,
 // so the shorter chain is faster: H100, each after a GEMM-like kernel in a CUDA graph (benchmarks/heads_tune.cu),
-// Qwen3-8B draft at T = 17 / 64 / 200: 2.28 / 2.50 / 3.97 us against 2.57 / 2.96 / 4.46 for the general unit kernel.
+// Qwen3-8B draft at T = 17 / 64 / 200: 2.25 / 2.49 / 4.17 us against 2.58 / 2.92 / 4.64 for the general unit kernel.
 #pragma once
 
 #include "linear/multi_linear_kv_write_kernels.cuh"
