@@ -1,9 +1,10 @@
 // The GEMM path's heads kernels of dspark::multi_linear_kv_write as a standalone CUDA program (no torch): the ring
 // kernel (kv_write_heads_kernel, persistent warps) against the warp-per-unit kernels, the general one
-// (kv_write_heads_unit_kernel) and the one compiled for the drafts' form (kv_write_heads_common_kernel), all at every
+// (kv_write_heads_unit_kernel) and the one compiled for the call's form (kv_write_heads_common_kernel), all at every
 // T (the op takes a warp-per-unit kernel while the units fit the GPU at once), on the draft configs of
 // benchmarks/dspark_write.py (the heads kernel sees only the layers, K/V heads and head_dim: the Qwen3-8B and
-// Qwen3-4B drafts launch the same grid).
+// Qwen3-4B drafts launch the same grid) with a neox halves table, and on the Qwen3-8B dims with HF's RoPE (inverse
+// frequencies) and DeepSeek's (a complex table: GPT-J pairs).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
 //        benchmarks/heads_tune.cu -o heads_tune && ./heads_tune
@@ -14,9 +15,9 @@
 // and caches), a kernel writing the projections, the heads kernel launched with programmatic dependent launch],
 // replayed 200 times per round in 15 interleaved rounds, against the same graph without the heads kernel; the
 // median difference is the heads kernel's cost in µs (launch gap included). The ring kernel runs with its heads per
-// unit (heads_per_unit), the general unit kernel with the op's (unit_heads_per_unit), the common-form kernel with
+// unit (heads_per_unit), the general unit kernel with the op's (unit_heads_per_unit), the compiled-form kernel with
 // the op's and with half and twice as many. Beyond one wave the warp-per-unit kernels run in several waves (the op
-// takes the common-form kernel there too, and the ring kernel for other forms).
+// takes the compiled-form kernel there too, and the ring kernel for forms it has not compiled).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -35,14 +36,21 @@ namespace {
 struct Config {
   const char* name;
   int layers, heads, head_dim;
+  int form = kNeoxHalves;  // the RoPE table's form and style (kNeoxHalves, kNeoxFrequencies or kGptjPairs)
 };
 
-__global__ void table_kernel(float* t, int rows, int rot) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+// The RoPE table of `form` for positions [0, rows): halves [rows, rot] (cos then sin), pairs [rows, rot / 2, 2]
+// (cos, sin), or the rot / 2 inverse frequencies.
+__global__ void table_kernel(float* t, int rows, int rot, int form) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x, half = rot / 2;
+  if (form == kNeoxFrequencies) {
+    if (i < half) t[i] = powf(1e6f, -2.f * i / rot);
+    return;
+  }
   if (i >= rows * rot) return;
-  const int r = i / rot, c = i % rot, half = rot / 2, j = c % half;
+  const int r = i / rot, c = i % rot, j = form == kGptjPairs ? c / 2 : c % half;
   const float a = r * powf(1e6f, -2.f * j / rot);
-  t[i] = c < half ? cosf(a) : sinf(a);
+  t[i] = (form == kGptjPairs ? c % 2 == 0 : c < half) ? cosf(a) : sinf(a);
 }
 
 // Writes the projections as a GEMM would (so that they are in L2 when the heads kernel reads them).
@@ -71,7 +79,7 @@ struct Problem {
     ld = 2 * c.layers * kv_rows;
     CHECK(cudaMalloc(&projections, tokens * ld * sizeof(T)));
     CHECK(cudaMalloc(&table, int64_t(positions) * c.head_dim * 4));
-    table_kernel<<<(positions * c.head_dim + 255) / 256, 256>>>(table, positions, c.head_dim);
+    table_kernel<<<(positions * c.head_dim + 255) / 256, 256>>>(table, positions, c.head_dim, c.form);
     std::vector<int64_t> h_loc(tokens), h_pos(tokens);
     for (int i = 0; i < tokens; ++i) {
       h_loc[i] = (int64_t(i) * 2654435761u) % slots;
@@ -100,7 +108,7 @@ struct Problem {
       kv.cos_sin[l] = table;
       kv.table_stride[l] = c.head_dim;
     }
-    kv.table_form = kHalves;
+    kv.table_form = c.form == kNeoxFrequencies ? kFrequencies : c.form == kGptjPairs ? kPairs : kHalves;
     kv.positions = pos;
     kv.positions_stride = 1;
     kv.positions_int64 = 1;
@@ -114,7 +122,7 @@ struct Problem {
     kv.heads = c.heads;
     kv.head_dim = c.head_dim;
     kv.rotary_dim = c.head_dim;
-    kv.neox = 1;
+    kv.neox = c.form == kGptjPairs ? 0 : 1;
     kv.has_norm = 1;
     kv.has_rope = 1;
     projections_kernel<<<264, 256>>>(projections, tokens * ld, 1234);
@@ -152,12 +160,23 @@ struct Kernels {
     return n;
   }
 
+  // The compiled-form kernel for the problem's form.
+  static void (*common_kernel(const Problem& p))(KvWrite, const T*, int64_t, int, int, int) {
+    switch (common_form<T, kLanes>(p.kv, p.cfg.layers)) {
+      case kNeoxHalves: return &kv_write_heads_common_kernel<T, kLanes, kNeoxHalves>;
+      case kNeoxFrequencies: return &kv_write_heads_common_kernel<T, kLanes, kNeoxFrequencies>;
+      case kGptjPairs: return &kv_write_heads_common_kernel<T, kLanes, kGptjPairs>;
+    }
+    std::fprintf(stderr, "the problem has no compiled form\n");
+    std::exit(1);
+  }
+
   // Warps of the unit kernel resident on the GPU at once.
   static int64_t unit_warps(int sms) { return int64_t(per_sm(true)) * sms * kHeadWarps; }
 
   // 0: the ring kernel with the ring's heads per unit; 1: the general unit kernel with the op's heads per unit
-  // (unit_heads_per_unit; the ring's where the units never fit at once); 2: the common-form kernel with the op's
-  // (unit_heads_per_unit; a batch of heads where the units never fit at once); 3, 4: the common-form kernel with half
+  // (unit_heads_per_unit; the ring's where the units never fit at once); 2: the compiled-form kernel with the op's
+  // (unit_heads_per_unit; a batch of heads where the units never fit at once); 3, 4: the compiled-form kernel with half
   // and twice as many.
   static int per_unit_of(int which, const Problem& p, int sms) {
     const int ring = heads_per_unit<kLanes>(p.tokens, p.cfg.layers, p.cfg.heads, sms);
@@ -188,8 +207,7 @@ struct Kernels {
     } else {
       config.gridDim = dim3(unsigned((units + kHeadWarps - 1) / kHeadWarps));
       config.dynamicSmemBytes = which >= 2 ? 0 : unit_smem_bytes();
-      const auto kernel =
-          which >= 2 ? &kv_write_heads_common_kernel<T, kLanes> : &kv_write_heads_unit_kernel<T, kLanes>;
+      const auto kernel = which >= 2 ? common_kernel(p) : &kv_write_heads_unit_kernel<T, kLanes>;
       CHECK(cudaLaunchKernelEx(&config, kernel, p.kv, (const T*)p.projections, p.ld, p.tokens, p.cfg.layers,
                                per_unit));
     }
@@ -200,10 +218,6 @@ template <int kLanes>
 void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush_vectors, uint32_t* sink) {
   constexpr int kKernels = 5;
   Problem p(c, tokens);
-  if (!common_form_fits<T, kLanes>(p.kv, c.layers)) {
-    std::fprintf(stderr, "the problem is not the common form\n");
-    std::exit(1);
-  }
   const int64_t unit_warps = Kernels<kLanes>::unit_warps(sms);
   const int64_t units = heads_units(tokens, c.layers, c.heads, Kernels<kLanes>::per_unit_of(1, p, sms));
   std::vector<uint8_t> out[kKernels];
@@ -252,7 +266,7 @@ void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush
               Kernels<kLanes>::per_unit_of(0, p, sms), ring);
   for (int which = 1; which < kKernels; ++which) {
     const float unit = tune::median(times[which + 1]) - base;
-    std::printf(", %s (%d heads) %5.2f us (%.2fx)", which >= 2 ? "common form" : "unit",
+    std::printf(", %s (%d heads) %5.2f us (%.2fx)", which >= 2 ? "compiled form" : "unit",
                 Kernels<kLanes>::per_unit_of(which, p, sms), unit, unit / ring);
   }
   std::printf("; cache bytes differing from the ring kernel's %zu%s\n", differ, differ ? " WRONG" : "");
@@ -278,10 +292,13 @@ int main() {
   CHECK(cudaMemset(flush, 1, flush_vectors * 16));
   CHECK(cudaMalloc(&sink, 4));
   const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
+  const Config hf{"Qwen3-8B, HF", 5, 8, 128, kNeoxFrequencies}, complex{"Qwen3-8B, complex", 5, 8, 128, kGptjPairs};
   // one wave at 4 heads per unit up to 158 (Qwen3-8B) / 79 (head_dim 64) tokens, at a batch of heads up to 316
   for (int tokens : {17, 64, 100, 158, 159, 200, 316, 317, 512, 1024, 4096}) {
     run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
   }
   for (int tokens : {17, 64, 159, 317, 512, 4096}) run<8>(hd64, tokens, sms, flush, flush_vectors, sink);
+  for (int tokens : {17, 64, 512}) run<16>(hf, tokens, sms, flush, flush_vectors, sink);
+  for (int tokens : {17, 64, 512}) run<16>(complex, tokens, sms, flush, flush_vectors, sink);
   return 0;
 }

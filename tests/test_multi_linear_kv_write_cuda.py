@@ -182,24 +182,32 @@ def test_wide_tile_setting_that_is_not_a_positive_integer_warns():
 HEADS_KERNELS = ("kv_write_heads_kernel<", "kv_write_heads_unit_kernel<", "kv_write_heads_common_kernel<")
 
 
+COMPILED, GENERAL, RING = HEADS_KERNELS[2], HEADS_KERNELS[1], HEADS_KERNELS[0]
+
+
 @pytest.mark.parametrize(
-    ("tokens", "style", "norm", "kernel"),
+    ("tokens", "style", "overrides", "kernel"),
     [
-        (17, "neox", "weight", "kv_write_heads_common_kernel<"),
-        (1024, "neox", "weight", "kv_write_heads_common_kernel<"),
-        (17, "gptj", "weight", "kv_write_heads_unit_kernel<"),
-        (17, "neox", "fp32-weight", "kv_write_heads_unit_kernel<"),
-        (1024, "gptj", "weight", "kv_write_heads_kernel<"),
+        (17, "neox", {}, COMPILED),
+        (1024, "neox", {}, COMPILED),
+        (17, "neox", {"table_form": "frequencies"}, COMPILED),
+        (17, "gptj", {"table_form": "pairs", "rot": 128}, COMPILED),
+        (17, "gptj", {"rot": 128}, COMPILED),
+        (17, "gptj", {}, GENERAL),
+        (17, "neox", {"norm": "fp32-weight"}, GENERAL),
+        (1024, "gptj", {}, RING),
     ],
+    ids=["neox", "neox-1024", "frequencies", "gptj-pairs", "gptj-halves", "partial", "fp32-norm", "partial-1024"],
 )
-def test_the_heads_kernel_the_rule_names_runs(tokens, style, norm, kernel):
-    """The GEMM path's heads kernel (Qwen3-8B draft dims): the one compiled for the drafts' form (full-head neox RoPE,
-    norm weights of x's dtype) at any T; else the general warp-per-unit kernel while the units fit the GPU at once
-    (17 tokens: 340 units) and the ring kernel beyond (1024 tokens: 10240 units, more warps than 426 SMs hold). The
-    result matches the reference."""
+def test_the_heads_kernel_the_rule_names_runs(tokens, style, overrides, kernel):
+    """The GEMM path's heads kernel (Qwen3-8B draft dims): the one compiled for the call's form (RoPE over the whole
+    head: neox from a halves table or inverse frequencies, GPT-J from a pairs or halves table; norm weights of x's
+    dtype) at any T; else the general warp-per-unit kernel while the units fit the GPU at once (17 tokens: 340
+    units), here for partial rotary or fp32 norm weights, and the ring kernel beyond (1024 tokens: 10240 units, more
+    warps than 426 SMs hold). The result matches the reference."""
     if tokens <= FUSED_MAX_TOKENS:
         pytest.skip("the wide tile takes this call in this process")
-    cpu, cuda = pair(replace(_variant(QWEN3_8B, tokens, "1-D", style), norm=norm))
+    cpu, cuda = pair(replace(_variant(QWEN3_8B, tokens, "1-D", style), **overrides))
     before = [bits(b) for b in cuda.bases]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         cuda.call()

@@ -5,9 +5,9 @@ without torch; here they are compiled with g++ against the shim of tests/multi_l
 CUDA thread, warp shuffles and barriers emulated). The op's kernels run: the fused one (weights loaded into MMA
 fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and both forms
 of the GEMM path's heads kernel, persistent warps through a ring and a warp per unit (any head_dim multiple of 8 up
-to 256, fed the projections rounded to the input dtype as the GEMM path does), the warp per unit compiled for the
-drafts' form (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one), and the op's
-opt-in wide tile (warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So do the experimental kernels in
+to 256, fed the projections rounded to the input dtype as the GEMM path does), the warp per unit compiled for each
+form drafts are written in (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one), and
+the op's opt-in wide tile (warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So do the experimental kernels in
 benchmarks/experimental/, which no op launches, so that a change of one can be checked here first: the streaming
 kernel (kv_write_stream_kernel.cuh: bulk copies completing on mbarriers) and the wide tile with tensor-map copies
 (kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison; written rows
@@ -144,20 +144,31 @@ static void heads(HeadsArgs a) {
                       heads_smem_bytes());
 }
 
-template <typename T, int kLanes>
+template <typename T, int kLanes, int kForm>
 static void common_entry(HeadsArgs a) {
-  kv_write_heads_common_kernel<T, kLanes>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens, a.layers,
-                                          a.per_unit);
+  kv_write_heads_common_kernel<T, kLanes, kForm>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens,
+                                                 a.layers, a.per_unit);
 }
 
-// The unit kernel (or, `common`, the one compiled for the drafts' form, which the case must have): a
-// warp per unit, the last CTA's warps past the last unit idle.
+// The compiled-form kernel for the case's form (which it must have), as the binding picks it.
+template <typename T, int kLanes>
+static void (*common_for(const HeadsArgs& a))(HeadsArgs) {
+  switch (common_form<T, kLanes>(a.kv, a.layers)) {
+    case kNeoxHalves: return &common_entry<T, kLanes, kNeoxHalves>;
+    case kNeoxFrequencies: return &common_entry<T, kLanes, kNeoxFrequencies>;
+    case kGptjPairs: return &common_entry<T, kLanes, kGptjPairs>;
+    case kGptjHalves: return &common_entry<T, kLanes, kGptjHalves>;
+    default: std::abort();
+  }
+}
+
+// The unit kernel (or, `common`, the one compiled for the case's form): a warp per unit, the last CTA's warps past
+// the last unit idle.
 template <typename T, int kLanes>
 static void heads_unit(HeadsArgs a, bool common) {
   a.per_unit = std::min(a.per_unit, head_batch<kLanes>());
   const int64_t units = heads_units(a.tokens, a.layers, a.kv.heads, a.per_unit);
-  if (common && !common_form_fits<T, kLanes>(a.kv, a.layers)) std::abort();
-  run_grid<HeadsArgs>(common ? &common_entry<T, kLanes> : &unit_entry<T, kLanes>, a,
+  run_grid<HeadsArgs>(common ? common_for<T, kLanes>(a) : &unit_entry<T, kLanes>, a,
                       (units + kHeadWarps - 1) / kHeadWarps, 1, 32 * kHeadWarps, 1, 1, unit_smem_bytes());
 }
 
@@ -186,7 +197,7 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
 }
 
 // ints: bf16, path (0 heads (ring), 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps, 5 heads
-//       (a warp per unit), 6 the common-form heads kernel),
+//       (a warp per unit), 6 the compiled-form heads kernel),
 //       split (fused, streaming) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
@@ -355,7 +366,7 @@ def _case(spec: Spec, seed: int) -> dict:
 
 PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6}
 # the GEMM path's heads kernels: persistent warps through a ring, a warp per unit, and a warp per unit compiled for
-# the drafts' form (linear/multi_linear_kv_write_common.cuh; only the tests named heads_common_form run it)
+# the call's form (linear/multi_linear_kv_write_common.cuh; only the tests named heads_common_form run it)
 HEADS_KERNELS = ["heads", "heads_unit", "heads_common"]
 GENERAL_HEADS_KERNELS = HEADS_KERNELS[:2]  # any form
 TABLE_FORMS = {"halves": 0, "pairs": 1, "frequencies": 2}  # kHalves, kPairs, kFrequencies of the kernels
@@ -652,22 +663,55 @@ def _norm_weights_in_x_dtype(*cases: dict) -> None:
         a["k_norm_weights"] = [w.to(a["x"].dtype) for w in a["k_norm_weights"]]
 
 
-@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), [(64, 3, 4), (128, 5, 4), (128, 8, 8), (256, 5, 4)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_heads_common_form(emu, head_dim, heads, per_unit, dtype):
-    """The heads kernel compiled for the drafts' form (full-head neox RoPE from a halves table, norm
-    weights of x's dtype) against the reference, and against the op's unit kernel bit for bit: 64-, 128- and
-    256-wide heads, units of 4 heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
-    spec = Spec(tokens=9, heads=heads, head_dim=head_dim, rot=head_dim, commit=True, dtype=dtype)
-    _check(emu, spec, kernel="heads_common", per_unit=per_unit, edit=_norm_weights_in_x_dtype)
+# The forms the compiled-form kernel has (table form, neox): sglang's and this repository's drafts, HF
+# transformers', DeepSeek's reference (a complex table), and GPT-J rotation from a halves table.
+COMMON_FORMS = [("halves", True), ("frequencies", True), ("pairs", False), ("halves", False)]
+COMMON_SHAPES = [(64, 3, 4), (128, 5, 4), (128, 8, 8), (256, 5, 4)]  # head_dim, heads, heads per unit
+
+
+def _common_against_unit(emu, spec: Spec, per_unit: int, edit=None) -> None:
+    """The compiled-form kernel against the reference, then against the op's general unit kernel bit for bit."""
+
+    def edit_both(got: dict, want: dict) -> None:
+        _norm_weights_in_x_dtype(got, want)
+        if edit is not None:
+            edit(got, want)
+
+    _check(emu, spec, kernel="heads_common", per_unit=per_unit, edit=edit_both)
     caches = {}
     for kernel in ("heads_common", "heads_unit"):
-        case = _case(spec, 0)
-        _norm_weights_in_x_dtype(case)
-        _emulate(emu, case, kernel=kernel, per_unit=per_unit)
-        caches[kernel] = [_bits(c) for c in case["k_caches"] + case["v_caches"]]
+        got, want = _case(spec, 0), _case(spec, 0)
+        edit_both(got, want)
+        _emulate(emu, got, kernel=kernel, per_unit=per_unit)
+        caches[kernel] = [_bits(c) for c in got["k_caches"] + got["v_caches"]]
     for common, unit in zip(caches["heads_common"], caches["heads_unit"], strict=True):
-        assert torch.equal(common, unit), "the common-form kernel wrote other bits than the unit kernel"
+        assert torch.equal(common, unit), "the compiled-form kernel wrote other bits than the unit kernel"
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), COMMON_SHAPES)
+@pytest.mark.parametrize(("form", "neox"), COMMON_FORMS)
+def test_heads_common_form(emu, head_dim, heads, per_unit, form, neox):
+    """The heads kernel compiled for each form drafts are written in (RoPE over the whole head: neox from a halves
+    table or from inverse frequencies, GPT-J from a pairs or a halves table; norm weights of x's dtype), bf16:
+    against the reference, and against the op's unit kernel bit for bit; 64-, 128- and 256-wide heads, units of 4
+    heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
+    spec = Spec(
+        tokens=9,
+        heads=heads,
+        head_dim=head_dim,
+        rot=head_dim,
+        neox=neox,
+        table_form=form,
+        commit=True,
+        dtype=torch.bfloat16,
+    )
+    _common_against_unit(emu, spec, per_unit)
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), COMMON_SHAPES)
+def test_heads_common_form_fp16(emu, head_dim, heads, per_unit):
+    spec = Spec(tokens=9, heads=heads, head_dim=head_dim, rot=head_dim, commit=True, dtype=torch.float16)
+    _common_against_unit(emu, spec, per_unit)
 
 
 def _position_past_the_shortest_table(got: dict, want: dict) -> None:
@@ -702,15 +746,9 @@ def test_wrap_negative_counts_from_the_end(emu, kernel):
 
 @pytest.mark.parametrize("edit", [_position_past_the_shortest_table, _wrap_negative])
 def test_heads_common_form_skips_and_wraps_as_the_general_kernels(emu, edit):
-    """The two tests above on the common-form heads kernel (their case in the drafts' form: full-head neox RoPE,
-    bf16 with bf16 norm weights)."""
-
-    def edit_both(got: dict, want: dict) -> None:
-        _norm_weights_in_x_dtype(got, want)
-        edit(got, want)
-
-    spec = Spec(tokens=6, head_dim=64, rot=64, dtype=torch.bfloat16)
-    _check(emu, spec, kernel="heads_common", per_unit=4, edit=edit_both)
+    """The two tests above on the compiled-form kernel (their case in the drafts' form: full-head neox RoPE from a
+    halves table, bf16 with bf16 norm weights)."""
+    _common_against_unit(emu, Spec(tokens=6, head_dim=64, rot=64, dtype=torch.bfloat16), 4, edit=edit)
 
 
 def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
@@ -736,17 +774,23 @@ def test_table_forms(emu, kernel, form, neox):
     _check(emu, Spec(tokens=6, head_dim=64, rot=40, neox=neox, table_form=form), kernel=kernel)
 
 
+def _angles_past_any_table(got: dict, want: dict) -> None:
+    for a in (got, want):
+        a["wrap_negative"] = True
+        loc, slots = a["cache_loc"].view(-1), a["k_caches"][0].shape[0]
+        loc[loc == -1] = min(set(range(slots)) - set(loc.tolist())) - slots
+        a["positions"][1] = -7
+        a["positions"][4] = 100_000
+
+
 @pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
 def test_frequency_positions_are_angles(emu, kernel):
     """With inverse frequencies a position is an angle: a negative one or one past any table's rows is written
     (rotated by its own angle) and never wrapped, with `wrap_negative` too."""
+    _check(emu, Spec(tokens=6, head_dim=64, table_form="frequencies"), kernel=kernel, edit=_angles_past_any_table)
 
-    def edit(got, want):
-        for a in (got, want):
-            a["wrap_negative"] = True
-            loc, slots = a["cache_loc"].view(-1), a["k_caches"][0].shape[0]
-            loc[loc == -1] = min(set(range(slots)) - set(loc.tolist())) - slots
-            a["positions"][1] = -7
-            a["positions"][4] = 100_000
 
-    _check(emu, Spec(tokens=6, head_dim=64, table_form="frequencies"), kernel=kernel, edit=edit)
+def test_heads_common_form_frequency_positions_are_angles(emu):
+    """The test above on the compiled-form kernel (HF's form: inverse frequencies, neox, over the whole head)."""
+    spec = Spec(tokens=6, head_dim=64, rot=64, table_form="frequencies", dtype=torch.bfloat16)
+    _common_against_unit(emu, spec, 4, edit=_angles_past_any_table)

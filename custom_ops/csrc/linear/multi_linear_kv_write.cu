@@ -596,28 +596,56 @@ int heads_ctas_per_sm(Kernel kernel, int smem, std::array<std::atomic<int>, C10_
   return per_sm;
 }
 
-// The heads kernel. Where the call has the drafts' form (common_form_fits), the warp-per-unit kernel compiled for it
-// (kv_write_heads_common_kernel) at every T: with unit_heads_per_unit's units while they fit the GPU at once, else
-// in waves of units of a batch of heads. Otherwise the general warp-per-unit kernel (kv_write_heads_unit_kernel)
-// while the units fit at once, else the ring kernel's persistent warps (one CTA per resident slot). H100, each kernel
-// after a GEMM-like kernel in a CUDA graph (benchmarks/heads_tune.cu), writing the same bytes, Qwen3-8B draft:
+// The heads kernel's warp-per-unit form for the call: the kernel compiled for its form (common_form) or the general
+// one, with its dynamic shared memory and the per-device cache of its CTAs per SM.
+template <typename T, int kLanes>
+struct UnitKernel {
+  using Kernel = void (*)(KvWrite, const T*, int64_t, int, int, int);
+  Kernel kernel;
+  int smem;
+  std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS>* per_sm;
+  bool compiled_form;
+};
+
+template <typename T, int kLanes>
+UnitKernel<T, kLanes> unit_kernel_for(const KvWrite& kv, int layers) {
+  static std::array<std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS>, 5> per_sm{};
+  switch (common_form<T, kLanes>(kv, layers)) {
+    case kNeoxHalves:
+      return {&kv_write_heads_common_kernel<T, kLanes, kNeoxHalves>, 0, &per_sm[0], true};
+    case kNeoxFrequencies:
+      return {&kv_write_heads_common_kernel<T, kLanes, kNeoxFrequencies>, 0, &per_sm[1], true};
+    case kGptjPairs:
+      return {&kv_write_heads_common_kernel<T, kLanes, kGptjPairs>, 0, &per_sm[2], true};
+    case kGptjHalves:
+      return {&kv_write_heads_common_kernel<T, kLanes, kGptjHalves>, 0, &per_sm[3], true};
+    default:
+      return {&kv_write_heads_unit_kernel<T, kLanes>, unit_smem_bytes(), &per_sm[4], false};
+  }
+}
+
+// The heads kernel. Where the call has one of the forms drafts are written in (common_form: RoPE over the whole
+// head from a neox halves table, neox inverse frequencies, a GPT-J pairs or halves table; norm weights of x's
+// dtype), the warp-per-unit kernel compiled for that form (kv_write_heads_common_kernel) at every T: with
+// unit_heads_per_unit's units while they fit the GPU at once, else in waves of units of a batch of heads. Otherwise
+// the general warp-per-unit kernel (kv_write_heads_unit_kernel) while the units fit at once, else the ring kernel's
+// persistent warps (one CTA per resident slot). H100, each kernel after a GEMM-like kernel in a CUDA graph
+// (benchmarks/heads_tune.cu), writing the same bytes, Qwen3-8B draft, neox halves:
 //   T                            17     64    200    317    512   1024   4096
 //   ring kernel                3.39   3.77   6.27   7.41  13.60  18.03  67.52 us
 //   general unit kernel        2.58   2.92   4.64      (one wave only)
-//   common-form kernel         2.25   2.49   4.17   6.52  11.57  17.65  68.41
+//   compiled-form kernel       2.25   2.49   4.17   6.52  11.57  17.65  68.41
 // (head_dim 64: 66.55 against 67.66 at T = 4096). Beyond one wave the general kernel measured 1.06-1.09x of the
 // ring at T = 317 / 1024 / 4096.
 template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
-  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> ring_per_sm{}, unit_per_sm{}, common_per_sm{};
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> ring_per_sm{};
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  const bool common = common_form_fits<T, kLanes>(kv, layers);
-  const auto unit_kernel = common ? &kv_write_heads_common_kernel<T, kLanes> : &kv_write_heads_unit_kernel<T, kLanes>;
-  const int unit_smem = common ? 0 : unit_smem_bytes();
+  const UnitKernel<T, kLanes> unit = unit_kernel_for<T, kLanes>(kv, layers);
+  const bool common = unit.compiled_form;
   const int64_t unit_warps =
-      int64_t{heads_ctas_per_sm(unit_kernel, unit_smem, common ? common_per_sm : unit_per_sm, device)} * sms *
-      kHeadWarps;
+      int64_t{heads_ctas_per_sm(unit.kernel, unit.smem, *unit.per_sm, device)} * sms * kHeadWarps;
   const int one_wave = unit_heads_per_unit<kLanes>(tokens, layers, kv.heads, sms, unit_warps);
   const bool per_warp = common || one_wave > 0;
   const int per_unit = one_wave > 0 ? one_wave
@@ -631,7 +659,7 @@ void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, 
   cudaLaunchConfig_t config{};
   if (per_warp) {
     config.gridDim = dim3(static_cast<unsigned>((units + kHeadWarps - 1) / kHeadWarps));
-    config.dynamicSmemBytes = unit_smem;
+    config.dynamicSmemBytes = unit.smem;
   } else {
     const int per_sm = heads_ctas_per_sm(ring_kernel, heads_smem_bytes(), ring_per_sm, device);
     config.gridDim = dim3(static_cast<unsigned>(heads_blocks(units, static_cast<int64_t>(per_sm) * sms)));
@@ -641,7 +669,7 @@ void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, 
   config.stream = c10::cuda::getCurrentCUDAStream(device.index());
   config.attrs = &attr;
   config.numAttrs = syncs_on(device) ? 1 : 0;  // the kernels' dependency wait exists only in their sm_90a code
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, per_warp ? unit_kernel : ring_kernel, kv,
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, per_warp ? unit.kernel : ring_kernel, kv,
                                     static_cast<const T*>(projections.data_ptr()), projections.stride(0), tokens,
                                     layers, per_unit));
 }

@@ -17,8 +17,9 @@
 //     does the same per-unit work (a unit: the heads of one (token, layer, K or V), or at small T a group of 4 of
 //     them), with a head in 8, 16 or 32 lanes of 8 elements; V is copied as it is. Three kernels: a warp per unit
 //     (kv_write_heads_unit_kernel) while the units fit the GPU at once, else persistent warps, each through a run
-//     of units copied ahead into a shared-memory ring (kv_write_heads_kernel); for the drafts' form (full-head neox
-//     RoPE, norm weights of the element type) a warp per unit compiled for it at every T
+//     of units copied ahead into a shared-memory ring (kv_write_heads_kernel); for the forms drafts are written in
+//     (RoPE over the whole head from a neox halves table, neox inverse frequencies, a GPT-J pairs or halves table;
+//     norm weights of the element type) a warp per unit compiled for the form, at every T
 //     (kv_write_heads_common_kernel of multi_linear_kv_write_common.cuh).
 //
 // Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
@@ -539,8 +540,8 @@ __host__ __device__ inline int64_t heads_blocks(int64_t units, int64_t resident)
 
 // Heads per unit of kv_write_heads_unit_kernel, whose `resident_warps` warps are resident on the GPU at once: the
 // ring kernel's heads_per_unit, doubled (up to a segment's heads and a batch) until every unit has a resident warp;
-// 0 where they never do (the binding then takes the ring kernel, or for the drafts' form the common-form kernel in
-// waves). Fewer, wider units in one wave beat the ring's narrower units on
+// 0 where they never do (the binding then takes the ring kernel, or for a compiled form the compiled-form kernel
+// in waves). Fewer, wider units in one wave beat the ring's narrower units on
 // its persistent warps: H100, each after a GEMM-like kernel in a CUDA graph (benchmarks/heads_tune.cu), Qwen3-8B
 // draft at T = 158 / 200: 4.28 / 5.00 us with units of 8 heads against 5.68 / 6.50 for the ring's units of 4.
 template <int kLanes>
