@@ -277,6 +277,43 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
     dispatch<__half>(path, split, variant, static_cast<int>(longs[10]), args, h);
   }
 }
+
+// The binding's host rules. unit_heads_per_unit at `lanes` lanes per head:
+extern "C" int emu_unit_heads_per_unit(int lanes, int tokens, int layers, int heads, int sms, int64_t resident) {
+  if (lanes == 8) return unit_heads_per_unit<8>(tokens, layers, heads, sms, resident);
+  if (lanes == 16) return unit_heads_per_unit<16>(tokens, layers, heads, sms, resident);
+  return unit_heads_per_unit<32>(tokens, layers, heads, sms, resident);
+}
+
+// common_form<bf16, head_dim / 8> of 3 layers; ints: head_dim, rotary_dim, table form, neox, has_norm, has_rope, the
+// last layer's norm weight (0 none, 1 bf16, 2 fp32), its byte offset from a 16-byte boundary, the last layer's table
+// offset in bytes and row stride in floats.
+extern "C" int emu_common_form(const int* ints) {
+  alignas(16) static float memory[4096];
+  KvWrite kv{};
+  kv.head_dim = ints[0];
+  kv.rotary_dim = ints[1];
+  kv.table_form = ints[2];
+  kv.neox = ints[3];
+  kv.has_norm = ints[4];
+  kv.has_rope = ints[5];
+  for (int i = 0; i < 3; ++i) {
+    const bool last = i == 2;
+    kv.norm_weight[i] = memory;
+    kv.cos_sin[i] = memory + 1024;
+    kv.table_stride[i] = kv.head_dim;
+    if (last) {
+      kv.norm_weight[i] = ints[6] == 0 ? nullptr : reinterpret_cast<const char*>(memory) + ints[7];
+      kv.norm_fp32[i] = ints[6] == 2;
+      kv.cos_sin[i] = reinterpret_cast<const float*>(reinterpret_cast<const char*>(memory + 1024) + ints[8]);
+      kv.table_stride[i] = ints[9];
+    }
+  }
+  const int lanes = head_lanes(kv.head_dim);
+  if (lanes == 8) return common_form<__nv_bfloat16, 8>(kv, 3);
+  if (lanes == 16) return common_form<__nv_bfloat16, 16>(kv, 3);
+  return common_form<__nv_bfloat16, 32>(kv, 3);
+}
 """
 
 
@@ -712,6 +749,63 @@ def test_heads_common_form(emu, head_dim, heads, per_unit, form, neox):
 def test_heads_common_form_fp16(emu, head_dim, heads, per_unit):
     spec = Spec(tokens=9, heads=heads, head_dim=head_dim, rot=head_dim, commit=True, dtype=torch.float16)
     _common_against_unit(emu, spec, per_unit)
+
+
+@pytest.mark.parametrize(
+    ("lanes", "tokens", "heads", "expected"),
+    [
+        (16, 17, 8, 4),  # 340 units of 4 heads (Qwen3-8B draft: 5 layers, 8 heads of 128)
+        (16, 158, 8, 4),  # 3160 units: the last T at which 4-head units fit 3168 warps
+        (16, 159, 8, 8),  # 4-head units would be 3180: 8 heads, 1590 units
+        (16, 316, 8, 8),
+        (16, 317, 8, 0),  # 3170 units even of a segment's 8 heads: the ring (or the compiled kernel in waves)
+        (8, 79, 16, 4),  # head_dim 64, 16 heads: 3160 units of 4
+        (8, 80, 16, 8),
+        (8, 159, 16, 16),  # 8-head units 3180, 16-head 1590
+        (8, 317, 16, 0),
+        (16, 150, 12, 8),  # 12 heads: 4500 units of 4; of 8 (two per segment, the second of 4 heads) 3000
+        (16, 300, 12, 0),  # 6000 units of 8: never fits, 8 being a batch of 128-wide heads
+        (32, 100, 8, 4),  # 256-wide heads: a batch is 4 heads, so units never widen
+        (32, 200, 8, 0),
+    ],
+)
+def test_unit_heads_per_unit(emu, lanes, tokens, heads, expected):
+    """The binding's heads per unit of the warp-per-unit kernels (5 layers, 132 SMs, 3168 resident warps): the ring's
+    heads per unit (4 while whole segments are fewer than 16 per SM), doubled up to a segment's heads and a batch
+    until every unit has a warp at once; 0 where no width fits."""
+    emu.emu_unit_heads_per_unit.argtypes = [ctypes.c_int] * 5 + [ctypes.c_int64]
+    assert emu.emu_unit_heads_per_unit(lanes, tokens, 5, heads, 132, 3168) == expected
+
+
+COMMON_FORM_CASES = {  # head_dim, rotary dim, table form, neox, norm, rope, last norm weight, its offset, table
+    # offset, table stride -> the form (kNeoxHalves 0, kNeoxFrequencies 1, kGptjPairs 2, kGptjHalves 3) or -1
+    "neox halves": ((128, 128, 0, 1, 1, 1, 1, 0, 0, 128), 0),
+    "neox frequencies": ((128, 128, 2, 1, 1, 1, 1, 0, 0, 0), 1),
+    "GPT-J pairs": ((128, 128, 1, 0, 1, 1, 1, 0, 0, 128), 2),
+    "GPT-J halves": ((128, 128, 0, 0, 1, 1, 1, 0, 0, 128), 3),
+    "head_dim 64": ((64, 64, 0, 1, 1, 1, 1, 0, 0, 64), 0),
+    "head_dim 256, frequencies": ((256, 256, 2, 1, 1, 1, 1, 0, 0, 0), 1),
+    "neox pairs (no such spelling)": ((128, 128, 1, 1, 1, 1, 1, 0, 0, 128), -1),
+    "GPT-J frequencies (not compiled)": ((128, 128, 2, 0, 1, 1, 1, 0, 0, 0), -1),
+    "partial rotary": ((128, 64, 0, 1, 1, 1, 1, 0, 0, 128), -1),
+    "head_dim 96 (lanes past head_dim)": ((96, 96, 0, 1, 1, 1, 1, 0, 0, 96), -1),
+    "no norm": ((128, 128, 0, 1, 0, 1, 1, 0, 0, 128), -1),
+    "no rope": ((128, 128, 0, 1, 1, 0, 1, 0, 0, 128), -1),
+    "a layer without a norm weight": ((128, 128, 0, 1, 1, 1, 0, 0, 0, 128), -1),
+    "a layer's fp32 norm weight": ((128, 128, 0, 1, 1, 1, 2, 0, 0, 128), -1),
+    "a layer's norm weight 8 bytes off": ((128, 128, 0, 1, 1, 1, 1, 8, 0, 128), -1),
+    "a layer's table 4 bytes off": ((128, 128, 0, 1, 1, 1, 1, 0, 4, 128), -1),
+    "a layer's table rows 2 floats apart past 16 bytes": ((128, 128, 0, 1, 1, 1, 1, 0, 0, 130), -1),
+    "frequencies: the row stride does not count": ((128, 128, 2, 1, 1, 1, 1, 0, 0, 3), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(COMMON_FORM_CASES))
+def test_common_form(emu, case):
+    """Which compiled form the binding's host check gives a call of 3 layers (the last one varied), or -1 (the
+    general kernels): the four forms, and each condition that rules a call out."""
+    ints, expected = COMMON_FORM_CASES[case]
+    assert emu.emu_common_form((ctypes.c_int * len(ints))(*ints)) == expected
 
 
 def _position_past_the_shortest_table(got: dict, want: dict) -> None:
