@@ -150,29 +150,32 @@ def multi_linear_kv_write(gen: torch.Generator) -> None:
     """The fused kernel (head_dim 64 / 128, T <= 16; hidden 64 gives each of its 2 k-warps one chunk); the GEMM path
     (T > 16, or head_dim 80; the opt-in wide tile is off here) with the three heads kernels: the general one with a
     warp per unit (up to a few thousand units) or the ring of persistent warps (at 701 tokens, 4206 units, on an
-    H100 or H200), and, where every norm weight is bf16 and RoPE covers the whole head, the one compiled for the
-    call's form (neox from a halves table or inverse frequencies, GPT-J from a pairs or a halves table; in one wave
-    at 17 and 40 tokens, in several at 701): neox and GPT-J with partial rotary, a bias, fp32 and bf16 norm weights,
-    1-D slots and [B, 2] slots with commit lengths, edge slots and positions, both position dtypes, caches with
-    padded rows, x with a row stride."""
+    H100 or H200), and, where every norm weight is bf16 (or there is no norm) and RoPE covers the whole head, the one
+    compiled for the call's form (neox from a halves table or inverse frequencies, GPT-J from a pairs or a halves
+    table; in one wave at 17 and 40 tokens, in several at 701): neox and GPT-J with partial rotary, a bias, fp32 and
+    bf16 norm weights, 1-D slots and [B, 2] slots with commit lengths, edge slots and positions, both position
+    dtypes, caches with padded rows, x with a row stride."""
     layers, heads, slots, bf16 = 3, 2, 96, torch.bfloat16
-    configs = (  # head_dim, hidden, rotary dim, neox, layer 0's norm weight in fp32, table form, token counts
-        (64, 64, 64, True, True, "halves", (0, 1, 7, 16, 17, 40, 64, 65, 701)),  # K 64: a chunk per fused k-warp
-        (64, 64, 64, True, False, "halves", (17, 40, 701)),
-        (64, 64, 64, True, False, "frequencies", (17, 701)),
-        (64, 64, 64, False, False, "pairs", (17, 701)),
-        (64, 64, 64, False, False, "halves", (17,)),
-        (128, 256, 64, False, True, "halves", (5, 33)),
-        (80, 256, 40, True, True, "halves", (3, 19)),
+    configs = (  # head_dim, hidden, rotary dim, neox, norm weights (layer 0's fp32, all bf16, or no norm), table
+        # form, token counts
+        (64, 64, 64, True, "fp32 first", "halves", (0, 1, 7, 16, 17, 40, 64, 65, 701)),  # K 64: a chunk per k-warp
+        (64, 64, 64, True, "bf16", "halves", (17, 40, 701)),
+        (64, 64, 64, True, "bf16", "frequencies", (17, 701)),
+        (64, 64, 64, False, "bf16", "pairs", (17, 701)),
+        (64, 64, 64, False, "bf16", "halves", (17,)),
+        (64, 64, 64, True, "none", "halves", (17, 701)),
+        (128, 256, 64, False, "fp32 first", "halves", (5, 33)),
+        (80, 256, 40, True, "fp32 first", "halves", (3, 19)),
     )
-    for head_dim, hidden, rot, neox, fp32_norm, form, token_counts in configs:
+    for head_dim, hidden, rot, neox, norm, form, token_counts in configs:
         kv = heads * head_dim
         weights = [(torch.randn(3 * kv, hidden, generator=gen) * hidden**-0.5).to(bf16).to(DEV) for _ in range(layers)]
         biases = [torch.randn(3 * kv, generator=gen).to(bf16).to(DEV) if i == 0 else None for i in range(layers)]
         norms = [
-            (torch.rand(head_dim, generator=gen) + 0.5).to(torch.float32 if i == 0 and fp32_norm else bf16).to(DEV)
+            (torch.rand(head_dim, generator=gen) + 0.5).to(torch.float32 if i == 0 and norm == "fp32 first" else bf16)
             for i in range(layers)
         ]
+        norms, eps = ([None] * layers, []) if norm == "none" else ([w.to(DEV) for w in norms], [1e-6] * layers)
         shape = {"halves": (MAX_POS, rot), "pairs": (MAX_POS, rot // 2, 2), "frequencies": (rot // 2,)}[form]
         tables = [torch.randn(*shape, generator=gen).to(DEV) for _ in range(layers)]
         for tokens in token_counts:
@@ -194,7 +197,7 @@ def multi_linear_kv_write(gen: torch.Generator) -> None:
                 [2 * kv] * layers,
                 biases,
                 norms,
-                [1e-6] * layers,
+                eps,
                 tables,
                 pos,
                 neox,

@@ -193,18 +193,29 @@ COMPILED, GENERAL, RING = HEADS_KERNELS[2], HEADS_KERNELS[1], HEADS_KERNELS[0]
         (17, "neox", {"table_form": "frequencies"}, COMPILED),
         (17, "gptj", {"table_form": "pairs", "rot": 128}, COMPILED),
         (17, "gptj", {"rot": 128}, COMPILED),
+        (17, "neox", {"norm": "off"}, COMPILED),
         (17, "gptj", {}, GENERAL),
         (17, "neox", {"norm": "fp32-weight"}, GENERAL),
         (1024, "gptj", {}, RING),
     ],
-    ids=["neox", "neox-1024", "frequencies", "gptj-pairs", "gptj-halves", "partial", "fp32-norm", "partial-1024"],
+    ids=[
+        "neox",
+        "neox-1024",
+        "frequencies",
+        "gptj-pairs",
+        "gptj-halves",
+        "no-norm",
+        "partial",
+        "fp32-norm",
+        "partial-1024",
+    ],
 )
 def test_the_heads_kernel_the_rule_names_runs(tokens, style, overrides, kernel):
     """The GEMM path's heads kernel (Qwen3-8B draft dims): the one compiled for the call's form (RoPE over the whole
     head: neox from a halves table or inverse frequencies, GPT-J from a pairs or halves table; norm weights of x's
-    dtype) at any T; else the general warp-per-unit kernel while the units fit the GPU at once (17 tokens: 340
-    units), here for partial rotary or fp32 norm weights, and the ring kernel beyond (1024 tokens: 10240 units, more
-    warps than 426 SMs hold). The result matches the reference."""
+    dtype, or no norm) at any T; else the general warp-per-unit kernel while the units fit the GPU at once (17
+    tokens: 340 units), here for partial rotary or fp32 norm weights, and the ring kernel beyond (1024 tokens: 10240
+    units, more warps than 426 SMs hold). The result matches the reference."""
     if tokens <= FUSED_MAX_TOKENS:
         pytest.skip("the wide tile takes this call in this process")
     cpu, cuda = pair(replace(_variant(QWEN3_8B, tokens, "1-D", style), **overrides))
@@ -259,6 +270,7 @@ LAYOUTS = {
     ),
     "norm without weight": dict(norm="no-weight"),
     "no norm": dict(norm="off"),
+    "no norm, full rotary": dict(norm="off", rot=64),
     "no rope": dict(rot=None),
     "pairs tables (a complex table's real view)": dict(table_form="pairs"),
     "inverse frequencies, int32 positions": dict(table_form="frequencies", pos_dtype=torch.int32),

@@ -144,22 +144,28 @@ static void heads(HeadsArgs a) {
                       heads_smem_bytes());
 }
 
-template <typename T, int kLanes, int kForm>
+template <typename T, int kLanes, int kForm, bool kNorm>
 static void common_entry(HeadsArgs a) {
-  kv_write_heads_common_kernel<T, kLanes, kForm>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens,
-                                                 a.layers, a.per_unit);
+  kv_write_heads_common_kernel<T, kLanes, kForm, kNorm>(a.kv, static_cast<const T*>(a.projections), a.ld, a.tokens,
+                                                        a.layers, a.per_unit);
+}
+
+template <typename T, int kLanes, bool kNorm>
+static void (*common_for_norm(int form))(HeadsArgs) {
+  switch (form) {
+    case kNeoxHalves: return &common_entry<T, kLanes, kNeoxHalves, kNorm>;
+    case kNeoxFrequencies: return &common_entry<T, kLanes, kNeoxFrequencies, kNorm>;
+    case kGptjPairs: return &common_entry<T, kLanes, kGptjPairs, kNorm>;
+    case kGptjHalves: return &common_entry<T, kLanes, kGptjHalves, kNorm>;
+    default: std::abort();
+  }
 }
 
 // The compiled-form kernel for the case's form (which it must have), as the binding picks it.
 template <typename T, int kLanes>
 static void (*common_for(const HeadsArgs& a))(HeadsArgs) {
-  switch (common_form<T, kLanes>(a.kv, a.layers)) {
-    case kNeoxHalves: return &common_entry<T, kLanes, kNeoxHalves>;
-    case kNeoxFrequencies: return &common_entry<T, kLanes, kNeoxFrequencies>;
-    case kGptjPairs: return &common_entry<T, kLanes, kGptjPairs>;
-    case kGptjHalves: return &common_entry<T, kLanes, kGptjHalves>;
-    default: std::abort();
-  }
+  const int form = common_form<T, kLanes>(a.kv, a.layers);
+  return a.kv.has_norm ? common_for_norm<T, kLanes, true>(form) : common_for_norm<T, kLanes, false>(form);
 }
 
 // The unit kernel (or, `common`, the one compiled for the case's form): a warp per unit, the last CTA's warps past
@@ -697,7 +703,7 @@ def test_heads_kernel_fp16_without_norm(emu, kernel):
 
 def _norm_weights_in_x_dtype(*cases: dict) -> None:
     for a in cases:
-        a["k_norm_weights"] = [w.to(a["x"].dtype) for w in a["k_norm_weights"]]
+        a["k_norm_weights"] = [w if w is None else w.to(a["x"].dtype) for w in a["k_norm_weights"]]
 
 
 # The forms the compiled-form kernel has (table form, neox): sglang's and this repository's drafts, HF
@@ -740,6 +746,24 @@ def test_heads_common_form(emu, head_dim, heads, per_unit, form, neox):
         neox=neox,
         table_form=form,
         commit=True,
+        dtype=torch.bfloat16,
+    )
+    _common_against_unit(emu, spec, per_unit)
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), COMMON_SHAPES[1:3])
+@pytest.mark.parametrize(("form", "neox"), COMMON_FORMS)
+def test_heads_common_form_without_norm(emu, head_dim, heads, per_unit, form, neox):
+    """The compiled forms for a write without k_norm (Llama-style drafts: K only rotated)."""
+    spec = Spec(
+        tokens=9,
+        heads=heads,
+        head_dim=head_dim,
+        rot=head_dim,
+        neox=neox,
+        table_form=form,
+        commit=True,
+        norm=False,
         dtype=torch.bfloat16,
     )
     _common_against_unit(emu, spec, per_unit)
@@ -789,7 +813,8 @@ COMMON_FORM_CASES = {  # head_dim, rotary dim, table form, neox, norm, rope, las
     "GPT-J frequencies (not compiled)": ((128, 128, 2, 0, 1, 1, 1, 0, 0, 0), -1),
     "partial rotary": ((128, 64, 0, 1, 1, 1, 1, 0, 0, 128), -1),
     "head_dim 96 (lanes past head_dim)": ((96, 96, 0, 1, 1, 1, 1, 0, 0, 96), -1),
-    "no norm": ((128, 128, 0, 1, 0, 1, 1, 0, 0, 128), -1),
+    "no norm (Llama-style)": ((128, 128, 0, 1, 0, 1, 1, 0, 0, 128), 0),
+    "no norm: the weights do not count": ((128, 128, 2, 1, 0, 1, 2, 8, 0, 0), 1),
     "no rope": ((128, 128, 0, 1, 1, 0, 1, 0, 0, 128), -1),
     "a layer without a norm weight": ((128, 128, 0, 1, 1, 1, 0, 0, 0, 128), -1),
     "a layer's fp32 norm weight": ((128, 128, 0, 1, 1, 1, 2, 0, 0, 128), -1),

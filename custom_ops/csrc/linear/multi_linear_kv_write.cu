@@ -607,26 +607,32 @@ struct UnitKernel {
   bool compiled_form;
 };
 
+template <typename T, int kLanes, bool kNorm>
+UnitKernel<T, kLanes> compiled_kernel_for(int form) {
+  static std::array<std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS>, 4> per_sm{};
+  switch (form) {
+    case kNeoxHalves:
+      return {&kv_write_heads_common_kernel<T, kLanes, kNeoxHalves, kNorm>, 0, &per_sm[0], true};
+    case kNeoxFrequencies:
+      return {&kv_write_heads_common_kernel<T, kLanes, kNeoxFrequencies, kNorm>, 0, &per_sm[1], true};
+    case kGptjPairs:
+      return {&kv_write_heads_common_kernel<T, kLanes, kGptjPairs, kNorm>, 0, &per_sm[2], true};
+    default:
+      return {&kv_write_heads_common_kernel<T, kLanes, kGptjHalves, kNorm>, 0, &per_sm[3], true};
+  }
+}
+
 template <typename T, int kLanes>
 UnitKernel<T, kLanes> unit_kernel_for(const KvWrite& kv, int layers) {
-  static std::array<std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS>, 5> per_sm{};
-  switch (common_form<T, kLanes>(kv, layers)) {
-    case kNeoxHalves:
-      return {&kv_write_heads_common_kernel<T, kLanes, kNeoxHalves>, 0, &per_sm[0], true};
-    case kNeoxFrequencies:
-      return {&kv_write_heads_common_kernel<T, kLanes, kNeoxFrequencies>, 0, &per_sm[1], true};
-    case kGptjPairs:
-      return {&kv_write_heads_common_kernel<T, kLanes, kGptjPairs>, 0, &per_sm[2], true};
-    case kGptjHalves:
-      return {&kv_write_heads_common_kernel<T, kLanes, kGptjHalves>, 0, &per_sm[3], true};
-    default:
-      return {&kv_write_heads_unit_kernel<T, kLanes>, unit_smem_bytes(), &per_sm[4], false};
-  }
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> general_per_sm{};
+  const int form = common_form<T, kLanes>(kv, layers);
+  if (form < 0) return {&kv_write_heads_unit_kernel<T, kLanes>, unit_smem_bytes(), &general_per_sm, false};
+  return kv.has_norm ? compiled_kernel_for<T, kLanes, true>(form) : compiled_kernel_for<T, kLanes, false>(form);
 }
 
 // The heads kernel. Where the call has one of the forms drafts are written in (common_form: RoPE over the whole
 // head from a neox halves table, neox inverse frequencies, a GPT-J pairs or halves table; norm weights of x's
-// dtype), the warp-per-unit kernel compiled for that form (kv_write_heads_common_kernel) at every T: with
+// dtype, or no norm), the warp-per-unit kernel compiled for that form (kv_write_heads_common_kernel) at every T: with
 // unit_heads_per_unit's units while they fit the GPU at once, else in waves of units of a batch of heads. Otherwise
 // the general warp-per-unit kernel (kv_write_heads_unit_kernel) while the units fit at once, else the ring kernel's
 // persistent warps (one CTA per resident slot). H100, each kernel after a GEMM-like kernel in a CUDA graph

@@ -6,7 +6,7 @@
 //     - inverse frequencies ([head_dim / 2] fp32, the angle position x frequency), neox style (HF transformers),
 //     - a pairs table ([P, head_dim / 2, 2] fp32, a complex table's real view), GPT-J style (DeepSeek's reference),
 //     - a halves table, GPT-J style;
-//   * every layer with an RMSNorm weight of the element type;
+//   * every layer with an RMSNorm weight of the element type, or no norm (Llama-style drafts: no k_norm);
 //   * tables and norm weights 16-byte aligned (table rows too).
 // The same units, loads and values, bit for bit (tests/test_multi_linear_kv_write_emulation.py); what goes is the
 // general kernel's run-time choice between the table forms, RoPE styles, partial rotary, lanes past head_dim and
@@ -28,22 +28,23 @@ constexpr int kNeoxFrequencies = 1;
 constexpr int kGptjPairs = 2;
 constexpr int kGptjHalves = 3;
 
-// The form of kv_write_heads_common_kernel<T, kLanes, form> that `kv` (layers [0, layers)) has, or -1.
+// The form of kv_write_heads_common_kernel<T, kLanes, form, kv.has_norm> that `kv` (layers [0, layers)) has, or -1.
 template <typename T, int kLanes>
 int common_form(const KvWrite& kv, int layers) {
   const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
-  if (!kv.has_rope || !kv.has_norm || kv.head_dim != 8 * kLanes || kv.rotary_dim != kv.head_dim) return -1;
+  if (!kv.has_rope || kv.head_dim != 8 * kLanes || kv.rotary_dim != kv.head_dim) return -1;
   const int form = kv.table_form == kFrequencies ? (kv.neox ? kNeoxFrequencies : -1)
                    : kv.table_form == kPairs     ? (kv.neox ? -1 : kGptjPairs)
                                                  : (kv.neox ? kNeoxHalves : kGptjHalves);
   for (int i = 0; i < layers && form >= 0; ++i) {
-    if (kv.norm_weight[i] == nullptr || kv.norm_fp32[i] || !aligned(kv.norm_weight[i])) return -1;
+    if (kv.has_norm && (kv.norm_weight[i] == nullptr || kv.norm_fp32[i] || !aligned(kv.norm_weight[i]))) return -1;
     if (!aligned(kv.cos_sin[i]) || (kv.table_form != kFrequencies && kv.table_stride[i] % 4 != 0)) return -1;
   }
   return form;
 }
 
-template <typename T, int kLanes, int kForm>
+// kNorm: the call has the norm (kv.has_norm); without it K is only rotated.
+template <typename T, int kLanes, int kForm, bool kNorm = true>
 __global__ void __launch_bounds__(32 * kHeadWarps, 3)
     kv_write_heads_common_kernel(const __grid_constant__ KvWrite kv, const T* projections, int64_t ld, int tokens,
                                  int layers, int per_unit) {
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 3)
   uint4 pieces[kHeadSteps];
   load_unit<T, kLanes>(pieces, kv, projections, ld, w, group, e0);
   float g[V];
-  if (kind == 0) {
+  if (kNorm && kind == 0) {
     const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(kv.norm_weight[layer]) + e0);
     const uint32_t words[V / 2] = {raw.x, raw.y, raw.z, raw.w};
     unpack_words<T, V>(words, g);
@@ -120,12 +121,14 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 3)
     const uint32_t words[V / 2] = {pieces[step].x, pieces[step].y, pieces[step].z, pieces[step].w};
     float v[V];
     unpack_words<T, V>(words, v);
-    float ss = 0.f;
+    if constexpr (kNorm) {
+      float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < V; ++i) ss += v[i] * v[i];
-    const float scale = rsqrtf(group_sum<kLanes>(ss) / static_cast<float>(kHeadDim) + eps);
+      for (int i = 0; i < V; ++i) ss += v[i] * v[i];
+      const float scale = rsqrtf(group_sum<kLanes>(ss) / static_cast<float>(kHeadDim) + eps);
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] *= scale * g[i];
+      for (int i = 0; i < V; ++i) v[i] *= scale * g[i];
+    }
     if constexpr (kNeox) {  // the partner of element e is e +- R/2: the same element of the lane kLanes / 2 away
 #pragma unroll
       for (int i = 0; i < V; ++i) {

@@ -19,7 +19,7 @@
 //     (kv_write_heads_unit_kernel) while the units fit the GPU at once, else persistent warps, each through a run
 //     of units copied ahead into a shared-memory ring (kv_write_heads_kernel); for the forms drafts are written in
 //     (RoPE over the whole head from a neox halves table, neox inverse frequencies, a GPT-J pairs or halves table;
-//     norm weights of the element type) a warp per unit compiled for the form, at every T
+//     norm weights of the element type, or no norm) a warp per unit compiled for the form, at every T
 //     (kv_write_heads_common_kernel of multi_linear_kv_write_common.cuh).
 //
 // Per (token, head) unit, in fp32 (each lane of the head's lanes holds V consecutive elements: V = head_dim / 32 in
