@@ -26,9 +26,9 @@
 #   check     one call for a session short of device time: every CUDA test, then the write table at
 #             T = 8 / 64 / 512 (or CHECK_TOKENS; benchmarks/dspark_write.py --variants compile hand dspark
 #             --rounds 30), then the draft step (benchmarks/draft_step.py), each stopped after its share of the 600 s
-#             a device call may take (CHECK_TIMEOUTS="tests write draft" seconds, default "400 110 0"; 0 skips a
-#             part). On a fresh H100 the build takes 75-95 s, every CUDA test about 360 s in one process (most of it
-#             Inductor compiling the first tests; 123 s with CUDA_TEST_WORKERS=4) and that write table about 100 s
+#             a device call may take (CHECK_TIMEOUTS="tests write draft" seconds, default "200 110 140"; 0 skips a
+#             part). On a fresh H100: the build 70-95 s, every CUDA test 123 s in 4 processes (the default), that
+#             write table about 100 s, the draft step about 100 s
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -45,11 +45,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 } 2>&1 | tee "$OUT/env.txt"
 status=0
-# CUDA_TEST_WORKERS=N (> 1): the CUDA tests in N pytest-xdist processes sharing the GPU, a test file per process
-# (on a fresh machine most of the suite's time is Inductor compiling the first files' models: 4 workers took 123 s
-# where one process takes about 360 on an H100); default 1, one process
+# CUDA_TEST_WORKERS=N: the CUDA tests in N pytest-xdist processes sharing the GPU, a test file per process (on a
+# fresh machine most of the suite's time is Inductor compiling the first files' models: 4 processes took 123 s where
+# one takes about 360 on an H100, every test passing either way); default 4, 1 for one process
 cuda_tests=(python3 -m pytest -m cuda -q -p no:cacheprovider)
-[ "${CUDA_TEST_WORKERS:-1}" -gt 1 ] && cuda_tests+=(-n "$CUDA_TEST_WORKERS" --dist loadfile)
+[ "${CUDA_TEST_WORKERS:-4}" -gt 1 ] && cuda_tests+=(-n "${CUDA_TEST_WORKERS:-4}" --dist loadfile)
 if [ "$what" != bench ] && [ "$what" != tune ]; then
   (time python3 -m custom_ops.build) 2>&1 | tee "$OUT/build.log" || status=1
 fi
@@ -132,7 +132,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       status=1
     ;;
   check)
-    read -r t_tests t_write t_draft <<<"${CHECK_TIMEOUTS:-400 110 0}"
+    read -r t_tests t_write t_draft <<<"${CHECK_TIMEOUTS:-200 110 140}"
     if [ "$t_tests" -gt 0 ]; then
       timeout "$t_tests" "${cuda_tests[@]}" tests 2>&1 | tee "$OUT/cuda_tests.log" ||
         status=1
