@@ -4,7 +4,7 @@
 // T (the op takes a warp-per-unit kernel while the units fit the GPU at once), on the draft configs of
 // benchmarks/dspark_write.py (the heads kernel sees only the layers, K/V heads and head_dim: the Qwen3-8B and
 // Qwen3-4B drafts launch the same grid) with a neox halves table, and on the Qwen3-8B dims with HF's RoPE (inverse
-// frequencies) and DeepSeek's (a complex table: GPT-J pairs).
+// frequencies) and DeepSeek's (a complex table: GPT-J pairs), and HF's RoPE without a k_norm (Llama-style).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
 //        benchmarks/heads_tune.cu -o heads_tune && ./heads_tune
@@ -37,6 +37,7 @@ struct Config {
   const char* name;
   int layers, heads, head_dim;
   int form = kNeoxHalves;  // the RoPE table's form and style (kNeoxHalves, kNeoxFrequencies or kGptjPairs)
+  bool norm = true;        // false: no k_norm (Llama-style drafts)
 };
 
 // The RoPE table of `form` for positions [0, rows): halves [rows, rot] (cos then sin), pairs [rows, rot / 2, 2]
@@ -123,7 +124,7 @@ struct Problem {
     kv.head_dim = c.head_dim;
     kv.rotary_dim = c.head_dim;
     kv.neox = c.form == kGptjPairs ? 0 : 1;
-    kv.has_norm = 1;
+    kv.has_norm = c.norm ? 1 : 0;
     kv.has_rope = 1;
     projections_kernel<<<264, 256>>>(projections, tokens * ld, 1234);
     CHECK(cudaDeviceSynchronize());
@@ -161,14 +162,19 @@ struct Kernels {
   }
 
   // The compiled-form kernel for the problem's form.
-  static void (*common_kernel(const Problem& p))(KvWrite, const T*, int64_t, int, int, int) {
-    switch (common_form<T, kLanes>(p.kv, p.cfg.layers)) {
-      case kNeoxHalves: return &kv_write_heads_common_kernel<T, kLanes, kNeoxHalves>;
-      case kNeoxFrequencies: return &kv_write_heads_common_kernel<T, kLanes, kNeoxFrequencies>;
-      case kGptjPairs: return &kv_write_heads_common_kernel<T, kLanes, kGptjPairs>;
+  template <bool kNorm>
+  static void (*common_kernel_of(int form))(KvWrite, const T*, int64_t, int, int, int) {
+    switch (form) {
+      case kNeoxHalves: return &kv_write_heads_common_kernel<T, kLanes, kNeoxHalves, kNorm>;
+      case kNeoxFrequencies: return &kv_write_heads_common_kernel<T, kLanes, kNeoxFrequencies, kNorm>;
+      case kGptjPairs: return &kv_write_heads_common_kernel<T, kLanes, kGptjPairs, kNorm>;
     }
     std::fprintf(stderr, "the problem has no compiled form\n");
     std::exit(1);
+  }
+  static void (*common_kernel(const Problem& p))(KvWrite, const T*, int64_t, int, int, int) {
+    const int form = common_form<T, kLanes>(p.kv, p.cfg.layers);
+    return p.kv.has_norm ? common_kernel_of<true>(form) : common_kernel_of<false>(form);
   }
 
   // Warps of the unit kernel resident on the GPU at once.
@@ -293,6 +299,7 @@ int main() {
   CHECK(cudaMalloc(&sink, 4));
   const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
   const Config hf{"Qwen3-8B, HF", 5, 8, 128, kNeoxFrequencies}, complex{"Qwen3-8B, complex", 5, 8, 128, kGptjPairs};
+  const Config llama{"Llama-style, HF, no norm", 5, 8, 128, kNeoxFrequencies, false};
   // one wave at 4 heads per unit up to 158 (Qwen3-8B) / 79 (head_dim 64) tokens, at a batch of heads up to 316
   for (int tokens : {17, 64, 100, 158, 159, 200, 316, 317, 512, 1024, 4096}) {
     run<16>(qwen, tokens, sms, flush, flush_vectors, sink);
@@ -300,5 +307,6 @@ int main() {
   for (int tokens : {17, 64, 159, 317, 512, 4096}) run<8>(hd64, tokens, sms, flush, flush_vectors, sink);
   for (int tokens : {17, 64, 512}) run<16>(hf, tokens, sms, flush, flush_vectors, sink);
   for (int tokens : {17, 64, 512}) run<16>(complex, tokens, sms, flush, flush_vectors, sink);
+  for (int tokens : {17, 64, 512}) run<16>(llama, tokens, sms, flush, flush_vectors, sink);
   return 0;
 }
