@@ -1,9 +1,10 @@
 """Draft context-K/V writers spelled the ways models are written, and the fp64 caches they must all produce.
 
 Every writer has `forward(ctx [T, hidden], positions [T], cache_loc [T])`: each layer projects the same `ctx` to K
-and V, K goes through the layer's k_norm (RMSNorm per head) and RoPE at `positions`, and both are written to the
-layer's caches `k_cache_{i}` / `v_cache_{i}` `[num_slots, num_kv_heads, head_dim]` at `cache_loc`. The math is the
-same in every spelling (that of `dspark::multi_linear_kv_write` with the spelling's rope style); the code is not:
+and V, K goes through the layer's k_norm (RMSNorm per head; `llama` has none) and RoPE at `positions`, and both are
+written to the layer's caches `k_cache_{i}` / `v_cache_{i}` `[num_slots, num_kv_heads, head_dim]` at `cache_loc`. The
+math is the same in every spelling (that of `dspark::multi_linear_kv_write` with the spelling's rope style); the code
+is not:
 
 - `reference`: `DraftKVWriter` of `dspark_fx/reference_draft.py` as its config says, `write="cache_loc"`.
 - `sglang` (sglang-native): one `kv_proj` linear + `split`; RMSNorm `forward_native` over `k.reshape(-1, head_dim)`
@@ -14,6 +15,7 @@ same in every spelling (that of `dspark::multi_linear_kv_write` with the spellin
   the model dtype), `rotate_half` (neox).
 - `hf_static`: `hf` writing HF's static cache: per layer `[1, heads, num_slots, head_dim]` buffers, written along
   the slot dim (`cache.index_copy_(2, cache_loc, k)`); `caches()` gives their `[num_slots, heads, head_dim]` views.
+- `llama` (HF transformers' Llama: an EAGLE-style draft): `hf` without a k_norm, K only rotated.
 - `complex` (DeepSeek / Llama reference): `wk` / `wv`, `F.rms_norm`; a complex64 `freqs_cis` table, rotation by a
   complex multiply on `view_as_complex` pairs (GPT-J pairs).
 - `gptj_stack`: one `qkv_proj` linear + `split` (Q unused); hand-written fp32 norm, `* weight` in fp32; cos/sin by
@@ -22,8 +24,9 @@ same in every spelling (that of `dspark::multi_linear_kv_write` with the spellin
 `build_spelling(name, cfg, device)` takes a `DraftKVConfig` (layers, hidden, heads, head_dim, dtype, qkv_bias, eps,
 rope_theta, max_position, num_slots, seed); the non-reference spellings use one eps / theta / bias for all layers,
 rotate all of `head_dim` and set the rope style themselves. Every writer gives `caches()`, `kv_params()` (per layer
-the K/V weight rows, biases, norm weight and eps) and `rope_tables()` (per layer the `[max_position, head_dim]`
-`[cos | sin]` fp32 table of its theta), which `expected_caches` and the benchmarks' hand-stacked variant read.
+the K/V weight rows, biases, norm weight (None without a k_norm) and eps) and `rope_tables()` (per layer the
+`[max_position, head_dim]` `[cos | sin]` fp32 table of its theta), which `expected_caches` and the benchmarks'
+hand-stacked variant read.
 """
 
 from __future__ import annotations
@@ -38,8 +41,15 @@ from torch import nn
 from custom_ops.linear.multi_linear_kv_write import layer_kv
 from dspark_fx.reference_draft import DraftKVConfig, DraftKVWriter, rope_cos_sin_table
 
-SPELLINGS = ("reference", "sglang", "hf", "hf_static", "complex", "gptj_stack")
-ROPE_STYLE = {"sglang": "neox", "hf": "neox", "hf_static": "neox", "complex": "gptj", "gptj_stack": "gptj"}
+SPELLINGS = ("reference", "sglang", "hf", "hf_static", "llama", "complex", "gptj_stack")
+ROPE_STYLE = {
+    "sglang": "neox",
+    "hf": "neox",
+    "hf_static": "neox",
+    "llama": "neox",
+    "complex": "gptj",
+    "gptj_stack": "gptj",
+}
 
 Rows = tuple[torch.Tensor, int, torch.Tensor | None]  # (weight, first row, bias or None), as `layer_kv` takes them
 
@@ -47,7 +57,7 @@ Rows = tuple[torch.Tensor, int, torch.Tensor | None]  # (weight, first row, bias
 class LayerKV(NamedTuple):
     k_rows: Rows
     v_rows: Rows
-    norm_weight: torch.Tensor
+    norm_weight: torch.Tensor | None  # None: the layer has no k_norm
     eps: float
 
 
@@ -259,19 +269,24 @@ def apply_rotary_pos_emb(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 class HFLayer(nn.Module):
-    def __init__(self, cfg: DraftKVConfig) -> None:
+    """Qwen3's attention as far as K/V go; `k_norm=False`: Llama's (no k_norm)."""
+
+    def __init__(self, cfg: DraftKVConfig, k_norm: bool = True) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_size, bias=cfg.qkv_bias, dtype=cfg.dtype)
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_size, bias=cfg.qkv_bias, dtype=cfg.dtype)
-        self.k_norm = Qwen3StyleRMSNorm(cfg.head_dim, cfg.eps, cfg.dtype)
+        self.k_norm = Qwen3StyleRMSNorm(cfg.head_dim, cfg.eps, cfg.dtype) if k_norm else None
 
     def forward(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = hidden_states.shape[0]
         hidden_shape = (1, tokens, -1, self.head_dim)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.k_norm is not None:
+            key_states = self.k_norm(key_states)
+        key_states = key_states.transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         key_states = apply_rotary_pos_emb(key_states, cos, sin)
@@ -283,9 +298,11 @@ class HFLayer(nn.Module):
 
 
 class HFSpelling(_SpellingWriter):
+    k_norm = True  # whether the layers have a k_norm
+
     def __init__(self, cfg: DraftKVConfig, device: torch.device | str = "cpu") -> None:
         super().__init__(cfg)
-        self.layers = nn.ModuleList(HFLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(HFLayer(cfg, self.k_norm) for _ in range(cfg.num_layers))
         self.rotary_emb = HFRotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self._finish(device)
 
@@ -294,8 +311,8 @@ class HFSpelling(_SpellingWriter):
             LayerKV(
                 (layer.k_proj.weight, 0, layer.k_proj.bias),
                 (layer.v_proj.weight, 0, layer.v_proj.bias),
-                layer.k_norm.weight,
-                layer.k_norm.variance_epsilon,
+                None if layer.k_norm is None else layer.k_norm.weight,
+                self.cfg.eps,
             )
             for layer in self.layers
         ]
@@ -319,6 +336,12 @@ class HFStaticCacheSpelling(HFSpelling):
         for i, (k, v) in enumerate(self.layer_kv(ctx, positions)):
             for kind, value in (("k", k), ("v", v)):
                 getattr(self, f"{kind}_cache_{i}").index_copy_(2, cache_loc, value.transpose(0, 1)[None])
+
+
+class LlamaSpelling(HFSpelling):
+    """HF transformers' Llama attention as far as K/V go (an EAGLE-style draft): no k_norm, K only rotated."""
+
+    k_norm = False
 
 
 # DeepSeek / Llama reference style (complex rotation) --------------------------------------------------------------
@@ -432,6 +455,7 @@ _CLASSES = {
     "sglang": SglangSpelling,
     "hf": HFSpelling,
     "hf_static": HFStaticCacheSpelling,
+    "llama": LlamaSpelling,
     "complex": ComplexSpelling,
     "gptj_stack": GptjStackSpelling,
 }
@@ -464,7 +488,7 @@ def expected_caches(
             xs,
             params.k_rows,
             params.v_rows,
-            (params.norm_weight, params.eps),
+            None if params.norm_weight is None else (params.norm_weight, params.eps),
             table.double()[positions],
             is_neox(model),
             cfg.num_kv_heads,

@@ -19,8 +19,8 @@ slots, random positions), `DraftKVWriter` of `dspark_fx/reference_draft.py`:
 T in {1, 8, 64, 512, 4096}.
 
 Spellings (`--spellings`, default `reference` only): the same draft written the ways models are written, from
-`benchmarks/_spellings.py` (reference = `DraftKVWriter` as above; sglang, hf, hf_static, complex, gptj_stack: see that
-module);
+`benchmarks/_spellings.py` (reference = `DraftKVWriter` as above; sglang, hf, hf_static, llama, complex, gptj_stack: see
+that module);
 one table per config and spelling, all columns measured on that spelling's module, every spelling's cells of a row
 timed in one interleave; with the reference among several, a first table per config gives, per T and spelling,
 dspark_backend ÷ the reference spelling's dspark_backend and dspark_backend (lowered, never lowered) ÷ torch.compile.
@@ -140,8 +140,9 @@ BENCH = dict(warmup=10, rep=50)  # do_bench budgets in ms, per cell
 
 class HandStacked(torch.nn.Module):
     """What a user writes by hand (sglang's stacked path): the layers' K/V weight rows concatenated once (a copy made
-    here), one GEMM, one k_norm over `[T, layers * heads, head_dim]` with the layers' norm weights stacked, one RoPE,
-    per-layer cache writes. Needs one eps and one RoPE table for all layers, and a bias on all layers or none."""
+    here), one GEMM, one k_norm over `[T, layers * heads, head_dim]` with the layers' norm weights stacked (none where
+    the layers have none), one RoPE, per-layer cache writes. Needs one eps and one RoPE table for all layers, and a
+    bias and a k_norm on all layers or none."""
 
     def __init__(self, model: SpellingModel) -> None:
         super().__init__()
@@ -161,16 +162,21 @@ class HandStacked(torch.nn.Module):
         self.model = model
         self.w_all = torch.cat([w for w, _ in rows]).detach().clone()
         self.b_all = None if rows[0][1] is None else torch.cat([b for _, b in rows]).detach().clone()
-        self.norm_w = torch.stack([p.norm_weight.float() for p in params]).detach()
+        if len({p.norm_weight is None for p in params}) != 1:
+            raise ValueError("HandStacked: a k_norm on every layer or on none")
+        norms = [p.norm_weight for p in params]
+        self.norm_w = None if norms[0] is None else torch.stack([w.float() for w in norms]).detach()
         self.eps, self.table, self.style = params[0].eps, tables[0], model.cfg.rope_style
 
     def forward(self, ctx, positions, cache_loc):
         cfg = self.model.cfg
         n = cfg.num_layers
         kv = torch.nn.functional.linear(ctx, self.w_all, self.b_all).view(-1, n, 2, cfg.num_kv_heads, cfg.head_dim)
-        k = kv[:, :, 0].float()
-        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w[None, :, None]
-        k = apply_rope(k.to(ctx.dtype).flatten(1, 2), self.table[positions], self.style)
+        k = kv[:, :, 0]
+        if self.norm_w is not None:
+            k = k.float()
+            k = (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w[None, :, None]).to(ctx.dtype)
+        k = apply_rope(k.flatten(1, 2), self.table[positions], self.style)
         k = k.view(-1, n, cfg.num_kv_heads, cfg.head_dim)
         for i, (k_cache, v_cache) in enumerate(self.model.caches()):
             k_cache[cache_loc] = k[:, i]

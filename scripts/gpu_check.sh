@@ -118,7 +118,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
       -o /tmp/kv_write_tune && /tmp/kv_write_tune; } 2>&1 | tee "$OUT/kv_write_tune.log" || status=1
     ;;
   spellings)
-    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf hf_static complex gptj_stack \
+    python3 benchmarks/dspark_write.py --configs qwen3-8b --spellings reference sglang hf hf_static llama complex gptj_stack \
       --variants compile hand dspark never --tokens 1 8 64 512 1024 4096 \
       --out "$OUT/dspark_write_spellings.md" 2>&1 | tee "$OUT/dspark_write_spellings.log" || status=1
     ;;
