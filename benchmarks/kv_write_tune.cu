@@ -10,7 +10,7 @@
 // from the math.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
-//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | profile [config [T [all]]]]
+//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | forms | profile [config [T [all]]]]
 //
 // (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this, TUNE_ARGS=regs for
 // `regs`). Per config and T in {1, 8, 16, 32, 64}: every candidate's caches are checked three times against
@@ -26,14 +26,18 @@
 // and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B; and the streaming kernel's own copy sequence
 // with a consumer that only frees the slots (its weight traffic without its math).
 // `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
-// 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `profile`: one config (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`,
-// every candidate, one check and three launches each, no timing: for ncu or compute-sanitizer.
+// 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `forms`: the op's fused kernel at 1, 8 and 16
+// tokens with the K/V weights in one slab, inside q/k/v weights or each in its own allocation, and its epilogue
+// reading a halves table or inverse frequencies, with or without a norm (`measure_forms`). `profile`: one config
+// (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`, every candidate, one check and
+// three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -357,6 +361,89 @@ void regs_candidates(std::vector<Candidate>& out, int64_t heads) {
   }
 }
 
+// `forms`: where the K/V weights lie, for the op's fused kernel (its configuration, one CTA per head, as the binding
+// launches it): one slab of every layer's K/V rows (the other modes' weights); each layer's K/V rows inside a
+// [q + 2 kv, k] q/k/v weight (q = 4 kv), as a qkv_proj holds them; every K and V weight its own allocation. The
+// same values in each (copied from the slab).
+struct Placement {
+  const char* name;
+  std::vector<std::vector<const T*>> segments;  // per weight copy, per segment (layer s / 2, K or V) its first row
+};
+
+std::vector<Placement> placements(const std::vector<T*>& slabs, int layers, int kv, int k, std::vector<void*>& owned) {
+  const int64_t segment = int64_t(kv) * k, q = 4 * int64_t(kv), layer_rows = q + 2 * int64_t(kv);
+  std::vector<Placement> out{{"one slab", {}}, {"inside q/k/v weights", {}}, {"a weight per segment", {}}};
+  for (T* slab : slabs) {
+    T* qkv;
+    CHECK(cudaMalloc(&qkv, layers * layer_rows * k * sizeof(T)));
+    owned.push_back(qkv);
+    tune::fill_kernel<<<1024, 256>>>(qkv, layers * layer_rows * k, 5, 0.01f);
+    std::vector<const T*> in_slab, in_qkv, apart;
+    for (int s = 0; s < 2 * layers; ++s) {
+      const T* source = slab + s * segment;
+      T* in_layer = qkv + ((s / 2) * layer_rows + q + (s % 2) * kv) * k;
+      T* own;
+      CHECK(cudaMalloc(&own, segment * sizeof(T)));
+      owned.push_back(own);
+      CHECK(cudaMemcpy(in_layer, source, segment * sizeof(T), cudaMemcpyDeviceToDevice));
+      CHECK(cudaMemcpy(own, source, segment * sizeof(T), cudaMemcpyDeviceToDevice));
+      in_slab.push_back(source);
+      in_qkv.push_back(in_layer);
+      apart.push_back(own);
+    }
+    out[0].segments.push_back(in_slab);
+    out[1].segments.push_back(in_qkv);
+    out[2].segments.push_back(apart);
+  }
+  return out;
+}
+
+// The epilogue's forms: the RoPE factors read from a halves table or computed from inverse frequencies (HF's
+// spellings), with or without a norm weight (Llama's).
+struct EpilogueForm {
+  const char* name;
+  bool frequencies, norm;
+};
+constexpr EpilogueForm kEpilogueForms[] = {{"table, norm", false, true},
+                                           {"frequencies, norm", true, true},
+                                           {"table, no norm", false, false},
+                                           {"frequencies, no norm", true, false}};
+
+// What `forms` measures of one config at one T: the op's fused kernel with every placement and form, warm and cold;
+// each placement's caches checked bit for bit against the slab's of the same form.
+template <int V, int NT>
+void measure_forms(const std::vector<Placement>& places, const std::function<KvWriteArgs(int)>& args_for,
+                   const float* inv_freq, int64_t heads, int copies, void* caches, size_t cache_bytes, void* flush,
+                   size_t flush_bytes, double floor_us) {
+  std::vector<Candidate> op;
+  regs_candidate<V, NT, kFusedKWarps, kFusedCols, kFusedDepth>(op, heads);  // op[0]: split 1, as the op launches
+  std::vector<uint8_t> want(cache_bytes), got(cache_bytes);
+  for (const EpilogueForm& form : kEpilogueForms) {
+    for (size_t p = 0; p < places.size(); ++p) {
+      auto args = [&](int i) {
+        KvWriteArgs a = args_for(i);
+        for (int s = 0; s < a.gemm.num_segments; ++s) a.gemm.weight[s] = places[p].segments[i][s];
+        for (int l = 0; l < a.gemm.num_segments / 2; ++l) {
+          if (form.frequencies) a.kv.cos_sin[l] = inv_freq;
+          if (!form.norm) a.kv.norm_weight[l] = nullptr;
+        }
+        if (form.frequencies) a.kv.table_form = kFrequencies;
+        a.kv.has_norm = form.norm;
+        return a;
+      };
+      CHECK(cudaMemset(caches, 0xff, cache_bytes));
+      op[0].run(args(0));
+      CHECK(cudaDeviceSynchronize());
+      CHECK(cudaMemcpy(p == 0 ? want.data() : got.data(), caches, cache_bytes, cudaMemcpyDeviceToHost));
+      const bool same = p == 0 || std::memcmp(want.data(), got.data(), cache_bytes) == 0;
+      auto call = [&](int i) { op[0].run(args(i)); };
+      const float warm = warm_us(call, copies, 5), cold = cold_us(call, copies, flush, flush_bytes);
+      std::printf("  %-22s %-22s warm %6.1f us (%3.0f%% of copy)  cold %6.1f us  %s\n", form.name, places[p].name,
+                  warm, 100.0 * floor_us / warm, cold, same ? "ok" : "WRONG (not the slab's bits)");
+    }
+  }
+}
+
 // Candidate 0 is the reference the others are checked against: the previous fused tile up to 16 tokens (an
 // independent main loop), the op's wide tile above.
 template <int V>
@@ -499,6 +586,8 @@ int main(int argc, char** argv) {
   const bool profile_all = argc > 4 && std::strcmp(argv[4], "all") == 0;
   // `regs`: the fused kernel's configurations and their reference tiles only, and the 16-byte-load read
   const bool regs_only = argc > 1 && std::strcmp(argv[1], "regs") == 0;
+  // `forms`: the op's fused kernel at 1 / 8 / 16 tokens, its weights placed three ways, its epilogue in four forms
+  const bool forms = argc > 1 && std::strcmp(argv[1], "forms") == 0;
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
@@ -554,6 +643,15 @@ int main(int argc, char** argv) {
     const double floor_us = 1e6 * bytes / copy_rate;
     std::printf("\n## %s: hidden %d, %d kv heads x %d, %d layers: %.1f MB of K/V weights, floor %.1f us; copies %d\n",
                 cfg.name, k, cfg.heads, cfg.head_dim, layers, bytes / 1e6, floor_us, copies);
+    std::vector<void*> owned;  // `forms`: the placements' buffers
+    const std::vector<Placement> places = forms ? placements(w, layers, kv, k, owned) : std::vector<Placement>{};
+    float* inv_freq = nullptr;
+    if (forms) {
+      std::vector<float> host(cfg.head_dim / 2);
+      for (int j = 0; j < cfg.head_dim / 2; ++j) host[j] = std::pow(1e6f, -2.f * j / cfg.head_dim);
+      CHECK(cudaMalloc(&inv_freq, host.size() * sizeof(float)));
+      CHECK(cudaMemcpy(inv_freq, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
     if (regs_only) {
       const float loads = warm_us(
           [&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); }, copies, 5);
@@ -561,11 +659,12 @@ int main(int argc, char** argv) {
                   100.0 * floor_us / loads,
                   cold_us([&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); },
                           copies, flush, flush_bytes));
-    } else if (!profile) {
+    } else if (!profile && !forms) {
       measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
     }
     for (int tokens : {1, 8, 16, 32, 64}) {
       if (profile && tokens != profile_tokens) continue;
+      if (forms && tokens > 16) continue;
       auto args_for = [&](int i) {
         KvWriteArgs a{};
         Params& p = a.gemm;
@@ -607,6 +706,14 @@ int main(int argc, char** argv) {
         q.has_rope = 1;
         return a;
       };
+      if (forms) {
+        const size_t cache_bytes = 2 * layers * cache_elems * sizeof(T);
+        std::printf("T=%2d\n", tokens);
+        auto measure = cfg.head_dim == 64 ? (tokens <= 8 ? &measure_forms<2, 1> : &measure_forms<2, 2>)
+                                          : (tokens <= 8 ? &measure_forms<4, 1> : &measure_forms<4, 2>);
+        measure(places, args_for, inv_freq, heads, copies, caches, cache_bytes, flush, flush_bytes, floor_us);
+        continue;
+      }
       const std::vector<Candidate> cands =
           cfg.head_dim == 64 ? candidates<2>(heads, tokens, k, sms, regs_only)
                              : candidates<4>(heads, tokens, k, sms, regs_only);
@@ -654,6 +761,8 @@ int main(int argc, char** argv) {
       }
     }
     for (T* p : w) CHECK(cudaFree(p));
+    for (void* p : owned) CHECK(cudaFree(p));
+    if (inv_freq != nullptr) CHECK(cudaFree(inv_freq));
     CHECK(cudaFree(x));
     CHECK(cudaFree(norm));
     CHECK(cudaFree(caches));
