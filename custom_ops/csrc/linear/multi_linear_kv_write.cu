@@ -642,7 +642,8 @@ UnitKernel<T, kLanes> unit_kernel_for(const KvWrite& kv, int layers) {
 //   general unit kernel        2.58   2.92   4.64      (one wave only)
 //   compiled-form kernel       2.25   2.49   4.17   6.52  11.57  17.65  68.41
 // (head_dim 64: 66.55 against 67.66 at T = 4096). Beyond one wave the general kernel measured 1.06-1.09x of the
-// ring at T = 317 / 1024 / 4096.
+// ring at T = 317 / 1024 / 4096. Without a norm (Llama-style, HF's frequencies) at T = 17 / 64 / 512: compiled 2.49 /
+// 2.94 / 11.38 us, general unit kernel 3.63 / 3.80 / 13.97, ring 4.51 / 4.55 / 14.80.
 template <typename T, int kLanes>
 void launch_heads(const KvWrite& kv, const at::Tensor& projections, int tokens, int layers,
                   const at::Device& device) {
