@@ -710,6 +710,8 @@ def _norm_weights_in_x_dtype(*cases: dict) -> None:
 # transformers', DeepSeek's reference (a complex table), and GPT-J rotation from a halves table.
 COMMON_FORMS = [("halves", True), ("frequencies", True), ("pairs", False), ("halves", False)]
 COMMON_SHAPES = [(64, 3, 4), (128, 5, 4), (128, 8, 8), (256, 5, 4)]  # head_dim, heads, heads per unit
+# (head_dim, heads, heads per unit, k_norm): every shape with a norm, two without
+COMMON_CASES = [(*shape, True) for shape in COMMON_SHAPES] + [(*shape, False) for shape in COMMON_SHAPES[1:3]]
 
 
 def _common_against_unit(emu, spec: Spec, per_unit: int, edit=None) -> None:
@@ -731,13 +733,14 @@ def _common_against_unit(emu, spec: Spec, per_unit: int, edit=None) -> None:
         assert torch.equal(common, unit), "the compiled-form kernel wrote other bits than the unit kernel"
 
 
-@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), COMMON_SHAPES)
+@pytest.mark.parametrize(("head_dim", "heads", "per_unit", "norm"), COMMON_CASES)
 @pytest.mark.parametrize(("form", "neox"), COMMON_FORMS)
-def test_heads_common_form(emu, head_dim, heads, per_unit, form, neox):
+def test_heads_common_form(emu, head_dim, heads, per_unit, norm, form, neox):
     """The heads kernel compiled for each form drafts are written in (RoPE over the whole head: neox from a halves
-    table or from inverse frequencies, GPT-J from a pairs or a halves table; norm weights of x's dtype), bf16:
-    against the reference, and against the op's unit kernel bit for bit; 64-, 128- and 256-wide heads, units of 4
-    heads (the last one short) or a whole segment, a commit mask with skipped tokens."""
+    table or from inverse frequencies, GPT-J from a pairs or a halves table; norm weights of x's dtype, or no k_norm
+    as in Llama-style drafts), bf16: against the reference, and against the op's unit kernel bit for bit; 64-, 128-
+    and 256-wide heads, units of 4 heads (the last one short) or a whole segment, a commit mask with skipped
+    tokens."""
     spec = Spec(
         tokens=9,
         heads=heads,
@@ -746,24 +749,7 @@ def test_heads_common_form(emu, head_dim, heads, per_unit, form, neox):
         neox=neox,
         table_form=form,
         commit=True,
-        dtype=torch.bfloat16,
-    )
-    _common_against_unit(emu, spec, per_unit)
-
-
-@pytest.mark.parametrize(("head_dim", "heads", "per_unit"), COMMON_SHAPES[1:3])
-@pytest.mark.parametrize(("form", "neox"), COMMON_FORMS)
-def test_heads_common_form_without_norm(emu, head_dim, heads, per_unit, form, neox):
-    """The compiled forms for a write without k_norm (Llama-style drafts: K only rotated)."""
-    spec = Spec(
-        tokens=9,
-        heads=heads,
-        head_dim=head_dim,
-        rot=head_dim,
-        neox=neox,
-        table_form=form,
-        commit=True,
-        norm=False,
+        norm=norm,
         dtype=torch.bfloat16,
     )
     _common_against_unit(emu, spec, per_unit)
