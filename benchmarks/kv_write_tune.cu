@@ -28,7 +28,7 @@
 // `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
 // 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `forms`: the op's fused kernel at 1, 8 and 16
 // tokens with the K/V weights in one slab, inside q/k/v weights or each in its own allocation, and its epilogue
-// reading a halves table or inverse frequencies, with or without a norm (`measure_forms`). `profile`: one config
+// reading a halves or pairs table or inverse frequencies, or no RoPE, with or without a norm (`measure_forms`). `profile`: one config
 // (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`, every candidate, one check and
 // three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
@@ -398,16 +398,19 @@ std::vector<Placement> placements(const std::vector<T*>& slabs, int layers, int 
   return out;
 }
 
-// The epilogue's forms: the RoPE factors read from a halves table or computed from inverse frequencies (HF's
-// spellings), with or without a norm weight (Llama's).
+// The epilogue's forms: the RoPE factors read from a halves table (sglang's spelling, this repository's), from a
+// pairs table (DeepSeek's complex table; GPT-J rotation) or computed from inverse frequencies (HF's spellings), or no
+// RoPE; with or without a norm weight (Llama's has none). Each table row is copied by its token's thread before the
+// main loop; frequencies are turned into factors there by every thread; without RoPE nothing is staged.
 struct EpilogueForm {
   const char* name;
-  bool frequencies, norm;
+  int table_form;  // kHalves, kPairs, kFrequencies, or -1: no RoPE
+  bool norm;
 };
-constexpr EpilogueForm kEpilogueForms[] = {{"table, norm", false, true},
-                                           {"frequencies, norm", true, true},
-                                           {"table, no norm", false, false},
-                                           {"frequencies, no norm", true, false}};
+constexpr EpilogueForm kEpilogueForms[] = {
+    {"halves table, norm", kHalves, true},     {"pairs table, norm", kPairs, true},
+    {"frequencies, norm", kFrequencies, true}, {"no RoPE, norm", -1, true},
+    {"halves table, no norm", kHalves, false}, {"frequencies, no norm", kFrequencies, false}};
 
 // What `forms` measures of one config at one T: the op's fused kernel with every placement and form, warm and cold;
 // each placement's caches checked bit for bit against the slab's of the same form.
@@ -424,10 +427,12 @@ void measure_forms(const std::vector<Placement>& places, const std::function<KvW
         KvWriteArgs a = args_for(i);
         for (int s = 0; s < a.gemm.num_segments; ++s) a.gemm.weight[s] = places[p].segments[i][s];
         for (int l = 0; l < a.gemm.num_segments / 2; ++l) {
-          if (form.frequencies) a.kv.cos_sin[l] = inv_freq;
+          if (form.table_form == kFrequencies) a.kv.cos_sin[l] = inv_freq;
           if (!form.norm) a.kv.norm_weight[l] = nullptr;
         }
-        if (form.frequencies) a.kv.table_form = kFrequencies;
+        a.kv.table_form = form.table_form < 0 ? kHalves : form.table_form;
+        a.kv.neox = form.table_form != kPairs;  // a pairs table: the halves table's values read as pairs
+        a.kv.has_rope = form.table_form >= 0;
         a.kv.has_norm = form.norm;
         return a;
       };
@@ -586,7 +591,7 @@ int main(int argc, char** argv) {
   const bool profile_all = argc > 4 && std::strcmp(argv[4], "all") == 0;
   // `regs`: the fused kernel's configurations and their reference tiles only, and the 16-byte-load read
   const bool regs_only = argc > 1 && std::strcmp(argv[1], "regs") == 0;
-  // `forms`: the op's fused kernel at 1 / 8 / 16 tokens, its weights placed three ways, its epilogue in four forms
+  // `forms`: the op's fused kernel at 1 / 8 / 16 tokens, its weights placed three ways, its epilogue in six forms
   const bool forms = argc > 1 && std::strcmp(argv[1], "forms") == 0;
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
