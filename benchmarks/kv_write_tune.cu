@@ -363,8 +363,9 @@ void regs_candidates(std::vector<Candidate>& out, int64_t heads) {
 
 // `forms`: where the K/V weights lie, for the op's fused kernel (its configuration, one CTA per head, as the binding
 // launches it): one slab of every layer's K/V rows (the other modes' weights); each layer's K/V rows inside a
-// [q + 2 kv, k] q/k/v weight (q = 4 kv), as a qkv_proj holds them; every K and V weight its own allocation. The
-// same values in each (copied from the slab).
+// [q + 2 kv, k] q/k/v weight (q = 4 kv), as a qkv_proj holds them; every K and V weight its own allocation (none
+// continuing another). The same values in each (copied from the slab). The op's binding merges segments that
+// continue one another into one run (collect_runs), and so does `measure_forms`: 1, 5 and 10 runs.
 struct Placement {
   const char* name;
   std::vector<std::vector<const T*>> segments;  // per weight copy, per segment (layer s / 2, K or V) its first row
@@ -382,8 +383,8 @@ std::vector<Placement> placements(const std::vector<T*>& slabs, int layers, int 
     for (int s = 0; s < 2 * layers; ++s) {
       const T* source = slab + s * segment;
       T* in_layer = qkv + ((s / 2) * layer_rows + q + (s % 2) * kv) * k;
-      T* own;
-      CHECK(cudaMalloc(&own, segment * sizeof(T)));
+      T* own;  // 1 MB past its rows, so that no two of them continue one another
+      CHECK(cudaMalloc(&own, segment * sizeof(T) + (size_t(1) << 20)));
       owned.push_back(own);
       CHECK(cudaMemcpy(in_layer, source, segment * sizeof(T), cudaMemcpyDeviceToDevice));
       CHECK(cudaMemcpy(own, source, segment * sizeof(T), cudaMemcpyDeviceToDevice));
@@ -425,8 +426,28 @@ void measure_forms(const std::vector<Placement>& places, const std::function<KvW
     for (size_t p = 0; p < places.size(); ++p) {
       auto args = [&](int i) {
         KvWriteArgs a = args_for(i);
-        for (int s = 0; s < a.gemm.num_segments; ++s) a.gemm.weight[s] = places[p].segments[i][s];
-        for (int l = 0; l < a.gemm.num_segments / 2; ++l) {
+        Params& g = a.gemm;
+        const int layers = g.num_segments / 2;
+        const int64_t segment_rows = g.segment_end[0];  // every segment: one layer's K or V rows
+        // the placement's segments, those that continue the one before merged into it (as the binding's
+        // collect_runs does: one run for the slab, one per layer inside q/k/v weights)
+        int runs = 0;
+        for (int s = 0; s < 2 * layers; ++s) {
+          const T* first_row = places[p].segments[i][s];
+          const int64_t end = int64_t(s + 1) * segment_rows;
+          if (runs > 0) {
+            const int64_t rows = g.segment_end[runs - 1] - (runs > 1 ? g.segment_end[runs - 2] : 0);
+            if (static_cast<const T*>(g.weight[runs - 1]) + rows * g.k == first_row) {
+              g.segment_end[runs - 1] = end;
+              continue;
+            }
+          }
+          g.weight[runs] = first_row;
+          g.weight_stride[runs] = g.k;
+          g.segment_end[runs++] = end;
+        }
+        g.num_segments = runs;
+        for (int l = 0; l < layers; ++l) {
           if (form.table_form == kFrequencies) a.kv.cos_sin[l] = inv_freq;
           if (!form.norm) a.kv.norm_weight[l] = nullptr;
         }
@@ -443,8 +464,9 @@ void measure_forms(const std::vector<Placement>& places, const std::function<KvW
       const bool same = p == 0 || std::memcmp(want.data(), got.data(), cache_bytes) == 0;
       auto call = [&](int i) { op[0].run(args(i)); };
       const float warm = warm_us(call, copies, 5), cold = cold_us(call, copies, flush, flush_bytes);
-      std::printf("  %-22s %-22s warm %6.1f us (%3.0f%% of copy)  cold %6.1f us  %s\n", form.name, places[p].name,
-                  warm, 100.0 * floor_us / warm, cold, same ? "ok" : "WRONG (not the slab's bits)");
+      std::printf("  %-22s %-22s %2d runs  warm %6.1f us (%3.0f%% of copy)  cold %6.1f us  %s\n", form.name,
+                  places[p].name, args(0).gemm.num_segments, warm, 100.0 * floor_us / warm, cold,
+                  same ? "ok" : "WRONG (not the slab's bits)");
     }
   }
 }
