@@ -29,11 +29,16 @@
 #             a device call may take (CHECK_TIMEOUTS="tests write draft" seconds, default "200 110 140"; 0 skips a
 #             part). On a fresh H100: the build 70-95 s, every CUDA test 123 s in 4 processes (the default), that
 #             write table about 100 s, the draft step about 100 s
+#   acceptance one call for the performance targets, no tests (`check` runs them): the write table at
+#             T = 1 / 8 / 64 / 512 / 4096 (every config; torch.compile, hand-stacked, dspark_backend; --rounds 30), the
+#             draft step (benchmarks/draft_step.py) and the multi_linear table (benchmarks/multi_linear.py; each row
+#             printed as it is timed), each stopped after its share of the 600 s a device call may take
+#             (ACCEPT_TIMEOUTS="write draft multi_linear" seconds, default "210 120 110"; 0 skips a part)
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
 # Usage on the GPU machine: bash scripts/gpu_check.sh
-#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|check|profile]
+#   [tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|check|acceptance|profile]
 # (logs under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -147,6 +152,21 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
         tee "$OUT/draft_step.log" || status=1
     fi
     ;;
+  acceptance)
+    read -r t_write t_draft t_multi <<<"${ACCEPT_TIMEOUTS:-210 120 110}"
+    if [ "$t_write" -gt 0 ]; then
+      timeout "$t_write" python3 benchmarks/dspark_write.py --variants compile hand dspark --tokens 1 8 64 512 4096 \
+        --rounds 30 --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
+    fi
+    if [ "$t_draft" -gt 0 ]; then
+      timeout "$t_draft" python3 benchmarks/draft_step.py --out "$OUT/draft_step.md" 2>&1 |
+        tee "$OUT/draft_step.log" || status=1
+    fi
+    if [ "$t_multi" -gt 0 ]; then
+      timeout "$t_multi" python3 benchmarks/multi_linear.py --out "$OUT/multi_linear.md" 2>&1 |
+        tee "$OUT/multi_linear.log" || status=1
+    fi
+    ;;
   profile)
     TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" python3 benchmarks/dspark_write.py \
       --configs qwen3-8b --spellings ${PROFILE_SPELLINGS:-reference sglang hf complex} --breakdown ${PROFILE_VARIANTS:-dspark never compile} \
@@ -185,7 +205,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     fi
     ;;
   *)
-    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|check|profile)" >&2
+    echo "unknown mode: $what (tests|bench|all|sanitize|sweep|placement|tune|write|spellings|tp|check|acceptance|profile)" >&2
     exit 2
     ;;
 esac
