@@ -624,9 +624,11 @@ __global__ void __launch_bounds__(32 * kHeadWarps, 2)
   float* scratch = reinterpret_cast<float*>(reinterpret_cast<uint4*>(cta_smem()) + kHeadWarps * kHeadRingWords) +
                    warp * 32 * V + group * kLanes * V;
   const int segments = 2 * layers, groups = (kv.heads + per_unit - 1) / per_unit;
-  // This warp's run [begin, end) of the units (< 2^31: the binding checks); runs differ by at most one unit. At small
-  // T the grid has a warp per unit (heads_blocks) and the run is the warp's own unit, without the 64-bit divisions:
-  // a warp does one unit there, so its prologue is on the kernel's critical path.
+  // This warp's run [begin, end) of the units (< 2^31: the binding checks); runs differ by at most one unit. Where
+  // the grid has a warp per unit, the run is the warp's own unit, without the 64-bit divisions (a warp then does one
+  // unit, so its prologue is on the kernel's critical path). The binding launches this kernel only where the units
+  // outnumber its resident warps (launch_heads: smaller calls take a warp-per-unit kernel); the emulation and
+  // benchmarks/heads_tune.cu launch it with a warp per unit too.
   const int64_t units = static_cast<int64_t>(tokens) * segments * groups, warps = int64_t{gridDim.x} * kHeadWarps;
   const int64_t me = int64_t{blockIdx.x} * kHeadWarps + warp;
   const bool own_unit = units <= warps;
