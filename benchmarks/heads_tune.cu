@@ -18,10 +18,14 @@
 // unit (heads_per_unit), the general unit kernel with the op's (unit_heads_per_unit), the compiled-form kernel with
 // the op's and with half and twice as many. Beyond one wave the warp-per-unit kernels run in several waves (the op
 // takes the compiled-form kernel there too, and the ring kernel for forms it has not compiled).
+// `heads_tune profile T` instead launches the ring kernel and the compiled-form kernel once each at T tokens on the
+// Qwen3-8B dims (after the same L2-evicting read and projection-writing kernel), untimed: a program for ncu.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "linear/multi_linear_kv_write_common.cuh"
@@ -282,9 +286,21 @@ void run(const Config& c, int tokens, int sms, const uint4* flush, int64_t flush
   CHECK(cudaEventDestroy(b));
 }
 
+// `profile T`: the ring kernel and the compiled-form kernel (the op's heads per unit) once each on the Qwen3-8B
+// dims, each after the L2-evicting read and the projection-writing kernel as in the timed graphs, no timing: for ncu.
+void profile(int tokens, int sms, const uint4* flush, int64_t flush_vectors, uint32_t* sink) {
+  const Problem p(Config{"Qwen3-8B/4B", 5, 8, 128}, tokens);
+  for (int which : {0, 2}) {
+    tune::read_kernel<<<264, 512>>>(flush, flush_vectors, sink);
+    projections_kernel<<<264, 256>>>(p.projections, tokens * p.ld, 99);
+    Kernels<16>::launch(which, p, sms, 0);
+    CHECK(cudaDeviceSynchronize());
+  }
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
@@ -297,6 +313,10 @@ int main() {
   CHECK(cudaMalloc(&flush, flush_vectors * 16));
   CHECK(cudaMemset(flush, 1, flush_vectors * 16));
   CHECK(cudaMalloc(&sink, 4));
+  if (argc > 1 && std::strcmp(argv[1], "profile") == 0) {
+    profile(argc > 2 ? std::atoi(argv[2]) : 512, sms, flush, flush_vectors, sink);
+    return 0;
+  }
   const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
   const Config hf{"Qwen3-8B, HF", 5, 8, 128, kNeoxFrequencies}, complex{"Qwen3-8B, complex", 5, 8, 128, kGptjPairs};
   const Config llama{"Llama-style, HF, no norm", 5, 8, 128, kNeoxFrequencies, false};
