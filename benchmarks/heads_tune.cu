@@ -314,7 +314,12 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(flush, 1, flush_vectors * 16));
   CHECK(cudaMalloc(&sink, 4));
   if (argc > 1 && std::strcmp(argv[1], "profile") == 0) {
-    profile(argc > 2 ? std::atoi(argv[2]) : 512, sms, flush, flush_vectors, sink);
+    const int tokens = argc > 2 ? std::atoi(argv[2]) : 512;
+    if (tokens < 1) {
+      std::fprintf(stderr, "usage: heads_tune [profile [T >= 1, default 512]]\n");
+      return 2;
+    }
+    profile(tokens, sms, flush, flush_vectors, sink);
     return 0;
   }
   const Config qwen{"Qwen3-8B/4B", 5, 8, 128}, hd64{"head_dim 64", 5, 16, 64};
