@@ -184,7 +184,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     for src in "${sources[@]}"; do names+=("$(basename "$src" .cu)"); done
     for name in "${names[@]}"; do  # the builds in parallel, then the runs one at a time
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc -I"$cu/include" \
-        "benchmarks/$name.cu" -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -Xlinker -rpath="$cu/lib" \
+        "benchmarks/$name.cu" -o "/tmp/$name" -L"$cu/lib" -l:libcublas.so.13 -l:libcublasLt.so.13 -Xlinker -rpath="$cu/lib" \
         >"$OUT/$name.build.log" 2>&1 &
     done
     wait
