@@ -73,6 +73,10 @@ OTHER_KERNEL_ROWS = 25  # rows of the table of the step's other (non-GEMM) kerne
 # dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its own slice of the
 # fused GEMM's output (no [layers, ...] tensors between the GEMM and the per-layer consumers)
 UNBATCHED = "dspark_backend, no batched regions"
+# dspark_backend with DsparkConfig(colocate_weights=True): each group's weights moved into one allocation when it
+# compiles (the context K/V of all layers, each layer's gate/up; a layer's q/k/v keep their own, as its k_proj and
+# v_proj are in the larger context group)
+COLOCATED = "dspark_backend, colocated weights"
 HAND = "hand-stacked torch.compile"  # HandStackedDraft under plain torch.compile
 
 
@@ -474,6 +478,7 @@ def main() -> None:
         "torch.compile": torch.compile(copy.deepcopy(eager)),
         "dspark_backend": torch.compile(copy.deepcopy(eager), backend=dspark_fx.dspark_backend),
         UNBATCHED: torch.compile(copy.deepcopy(eager), backend=dspark_fx.make_backend({"batch_regions": False})),
+        COLOCATED: torch.compile(copy.deepcopy(eager), backend=dspark_fx.make_backend({"colocate_weights": True})),
         HAND: torch.compile(HandStackedDraft(eager)),
     }
     compiled = [name for name in variants if name != "eager"]

@@ -41,6 +41,9 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      the stacked eager module under plain torch.compile: what a user writes by hand for this path
   torch.compile RO   torch.compile(model, mode="reduce-overhead")
   dspark_backend     torch.compile(model, backend=dspark_fx.dspark_backend)
+  dspark_backend, colocated weights
+                     the same with DsparkConfig(colocate_weights=True): the layers' K/V weights moved into one
+                     allocation when it compiles (each parameter a view of it), so the op's GEMM is one GEMM
   dspark_backend, never lowered
                      the same with DsparkConfig(kv_write_op="never"): the fused GEMM path a model gets where its K/V
                      writes do not lower (the fallback)
@@ -49,6 +52,7 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      (triton.cudagraphs=True), so Inductor wraps its output in CUDA graph trees as for plain RO
   dspark ÷ floor     the dspark_backend and dspark_backend RO times ÷ the floor
   dspark ÷ hand      the dspark_backend time ÷ the hand-stacked torch.compile time
+  colocated ÷ hand   the same for dspark_backend with colocated weights
   dspark ÷ read      the dspark_backend time ÷ the one-launch read, in rows whose floor is the copy
   dspark path        the op the dspark passes lowered the layers' K/V to: multi_linear_kv_write (GEMM, k_norm, RoPE
                      and cache writes in one op) or multi_linear (one GEMM; norm, RoPE and writes left to Inductor),
@@ -204,6 +208,11 @@ VARIANTS = (
     ),
     Variant("dspark", "dspark_backend", functools.partial(torch.compile, backend=dspark_fx.dspark_backend)),
     Variant(
+        "colocated",
+        "dspark_backend, colocated weights",
+        functools.partial(torch.compile, backend=dspark_fx.make_backend({"colocate_weights": True})),
+    ),
+    Variant(
         "never",
         "dspark_backend, never lowered",
         functools.partial(torch.compile, backend=dspark_fx.make_backend({"kv_write_op": "never"})),
@@ -220,6 +229,7 @@ CONTROL = Variant("control", "torch.compile, second copy", torch.compile)
 FLOOR_RATIOS = ("dspark_backend", "dspark_backend RO")
 READ_RATIO = "dspark_backend"
 HAND_RATIO = ("dspark_backend", "hand-stacked torch.compile")
+COLOCATED_RATIO = ("dspark_backend, colocated weights", "hand-stacked torch.compile")
 
 
 @dataclass
@@ -578,6 +588,7 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
         *names,
         *(f"{name} ÷ floor" for name in FLOOR_RATIOS),
         "dspark_backend ÷ hand-stacked",
+        "colocated ÷ hand-stacked",
         f"{READ_RATIO} ÷ read",
         "control",
         "dspark path",
@@ -596,6 +607,7 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
             f"{row.times[n] / row.floor_us:.2f}x" if isinstance(row.times.get(n), float) else "—" for n in FLOOR_RATIOS
         ]
         ratios.append(_ratio(row.times, *HAND_RATIO))
+        ratios.append(_ratio(row.times, *COLOCATED_RATIO))
         dspark = row.times.get(READ_RATIO)
         if run.read_us is None:
             read, by_read = "n/a (cpu)", "—"

@@ -39,7 +39,9 @@ class DsparkBackend:
     """A torch.compile backend running the dspark_fx passes; `inner="aot_eager"` skips Inductor codegen.
 
     Accepts `mode=`/`options=` as `torch.compile` passes them. A post-grad pass already installed in
-    `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs first."""
+    `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs first.
+    `move_weights=False`: with `colocate_weights` on, judge and report the weight groups but move nothing
+    (`explain`)."""
 
     def __init__(
         self,
@@ -47,6 +49,7 @@ class DsparkBackend:
         *,
         inner: str = "inductor",
         observer: Observer | None = None,
+        move_weights: bool = True,
     ) -> None:
         if inner not in INNER_MODES:
             raise ValueError(f"make_backend: inner must be one of {INNER_MODES}, got {inner!r}")
@@ -55,6 +58,7 @@ class DsparkBackend:
         self.config = as_config(config, "make_backend")
         self.inner = inner
         self.observer = observer
+        self.move_weights = move_weights
 
     def __repr__(self) -> str:
         return f"DsparkBackend({self.config}, inner={self.inner!r})"
@@ -72,9 +76,20 @@ class DsparkBackend:
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         manager = DsparkPassManager(self.config, user_pass=user_pass, observer=self.observer)
         manager.input_names = _input_names(gm, example_inputs)
+        groups = []
+        if self.config.colocate_weights:
+            from dspark_fx.colocate import colocate_weights, find_weight_groups
+
+            groups = find_weight_groups(gm, example_inputs, self.config.min_branches)
+            manager.colocated[:] = colocate_weights(groups, _fusing_devices(self.config), move=False)
         if self.inner == "aot_eager":
-            return _aot_eager(gm, example_inputs, manager)
-        return _inductor(gm, example_inputs, manager, mode, options)
+            compiled = _aot_eager(gm, example_inputs, manager)
+        else:
+            compiled = _inductor(gm, example_inputs, manager, mode, options)
+        if groups and self.move_weights:
+            # in place: the reports (and what an observer kept of them) hold this list
+            manager.colocated[:] = _colocate(groups, self.config)
+        return compiled
 
 
 def _input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
@@ -97,6 +112,25 @@ def _flat(name: str, value: Any) -> list[str]:
     for attr in attrs:
         names += _flat(name if tensors == [attr] else f"{name}.{attr}", getattr(value, attr))
     return names
+
+
+def _fusing_devices(config: DsparkConfig) -> tuple[str, ...]:
+    from dspark_fx.passes.horizontal import GROUP_GEMM_DEVICES
+
+    return (*GROUP_GEMM_DEVICES, "cpu") if config.fuse_on_cpu else GROUP_GEMM_DEVICES
+
+
+def _colocate(groups: list[Any], config: DsparkConfig) -> list[Any]:
+    """`DsparkConfig.colocate_weights`: move the weights of the graph's groups of linears (`find_weight_groups`)."""
+    from torch._dynamo.utils import counters
+
+    from dspark_fx.colocate import colocate_weights
+
+    outcome = colocate_weights(groups, _fusing_devices(config))
+    for group in outcome:
+        log.info("dspark_fx: colocate_weights: %s", group)
+        counters["dspark_fx"]["weight_groups_colocated" if group.moved else "weight_groups_left"] += 1
+    return outcome
 
 
 def make_backend(

@@ -42,6 +42,12 @@ class DsparkConfig:
     4-18 % slower than under plain torch.compile (BENCHMARKS.md, "On the CPU the pass made the draft step slower"),
     so by default the pass leaves a CPU graph's GEMMs as they are (`explain()` says so for each). On, the CPU graph
     fuses as a CUDA one would: to look at the rewrite on a CPU, and for tests.
+    `colocate_weights`: when the backend compiles a graph, move the weights of the linears that share an activation
+    (on the devices where groups fuse) into one allocation each, back to back in graph order, each parameter becoming
+    a view of it (`dspark_fx/colocate.py`): the fused GEMM then runs as one GEMM, as over a hand-concatenated
+    weight. Off by default because it changes where the model's parameters live: a weight that shares its storage
+    with another tensor is left where it is (so nothing can keep stale values), but a CUDA graph captured before
+    the compile would keep reading the old allocations. `explain()` reports what it would move and moves nothing.
     `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles
     `inv_freq @ position_ids`) as a broadcast multiply, the same bits, which Inductor fuses into its readers
     (`passes/outer_products.py`; on CUDA Inductor otherwise keeps a GEMM whose output its RoPE kernels read
@@ -57,6 +63,7 @@ class DsparkConfig:
     kv_write_op: str = "auto"
     outer_products: bool = True
     fuse_on_cpu: bool = False
+    colocate_weights: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dspark_fx.backend import make_backend
+from dspark_fx.backend import DsparkBackend
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.report import FusionReport
 
@@ -35,14 +35,17 @@ def explain(
     that require grad, AOTAutograd makes a training graph, which writes no cache in the graph (the report says
     why nothing is lowered). Afterwards the module's parameters and buffers (persistent or not: a KV cache), its
     attributes, the tensors passed in and `counters["dspark_fx"]` are as they were (tensors a function reaches
-    otherwise, e.g. globals, are not restored)."""
+    otherwise, e.g. globals, are not restored). With `colocate_weights` on, the report says which weight groups a
+    compile would move (`colocated`), and none is moved."""
     config = as_config(config, "explain")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile(module): explain the module
         model = model._orig_mod
     if not callable(model):
         raise TypeError(f"explain: model must be an nn.Module or a function, got {type(model).__name__}")
     reports: list[FusionReport] = []
-    backend = make_backend(config, inner="aot_eager", observer=lambda _before, _after, report: reports.append(report))
+    backend = DsparkBackend(
+        config, inner="aot_eager", observer=lambda _before, _after, report: reports.append(report), move_weights=False
+    )
     # automatic_dynamic_shapes=False: neither read nor update the sizes other compiles of the same code recorded
     with (
         _restored(model, (example_args, example_kwargs)),

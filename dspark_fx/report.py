@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -118,6 +119,9 @@ class FusionReport:
     kv_writes: list[KVWriteReport] = field(default_factory=list)  # cache writes lowered to multi_linear_kv_write
     kv_kept: list[KVKept] = field(default_factory=list)  # cache writes of projections left on today's path, and why
     outer_products: list[str] = field(default_factory=list)  # one-element-wide matmuls computed as multiplies
+    # DsparkConfig.colocate_weights: the groups of linears on one activation whose weights moved (or would, under
+    # explain) into one allocation, and those left as they are (dspark_fx.colocate.ColocatedGroup)
+    colocated: list[Any] = field(default_factory=list)
 
     @property
     def n_groups(self) -> int:
@@ -134,6 +138,7 @@ class FusionReport:
         self.kv_writes += other.kv_writes
         self.kv_kept += other.kv_kept
         self.outer_products += other.outer_products
+        self.colocated += other.colocated
 
     def __str__(self) -> str:
         lines = [f"dspark_fx horizontal fusion: {self.n_groups} fused GEMM group(s)"]
@@ -165,6 +170,9 @@ class FusionReport:
         if self.outer_products:
             lines.append("  outer products (matmuls over one element) computed as broadcast multiplies:")
             lines += [f"    {p}" for p in self.outer_products]
+        if self.colocated:
+            lines.append("  weights of linears on one activation (colocate_weights):")
+            lines += [f"    {group}" for group in self.colocated]
         if self.rejected:
             lines.append("  not fused:")
             lines += [f"    {r.node}: {r.reason}" for r in self.rejected]

@@ -1,5 +1,7 @@
 """GPU checks of the horizontal fusion: bf16 parity on CUDA and CUDA-graph capture under reduce-overhead."""
 
+import copy
+
 import pytest
 import torch
 from helpers import draft_inputs, eager_and_compiled, small_config
@@ -52,6 +54,38 @@ def test_lowered_write_copies_no_weights():
     for (k_r, v_r), (k_c, v_c) in zip(reference.caches(), model.caches(), strict=True):
         assert_close_for_dtype(k_c, k_r, torch.bfloat16)
         assert_close_for_dtype(v_c, v_r, torch.bfloat16)
+
+
+def test_colocated_weights_write_what_separate_weights_write():
+    """`colocate_weights=True` on a draft with separate k_proj / v_proj: the weights move into one allocation after
+    the first compile, and the lowered write (fused kernel at 8 tokens, GEMM path at 64 and 300, one symbolic graph
+    for both) writes the caches a compile of an unmoved copy writes; an in-place update after the move is seen."""
+    torch._dynamo.reset()
+    cfg = DraftKVConfig(
+        num_layers=5, hidden=1024, num_heads=8, num_kv_heads=4, head_dim=128, num_slots=2048, proj="kv_separate"
+    )
+    moved = DraftKVWriter(cfg, "cuda")
+    plain = copy.deepcopy(moved)
+    capture = CaptureBackend(config={"colocate_weights": True}, inner="inductor")
+    moved_compiled = torch.compile(moved, backend=capture)
+    plain_compiled = torch.compile(plain, backend=dspark_fx.dspark_backend)
+    weights = [w for layer in moved.layers for w in (layer.k_proj.weight, layer.v_proj.weight)]
+    for step, tokens in enumerate((8, 64, 300)):
+        args = draft_inputs(cfg, tokens, "cuda", seed=step + 1)
+        with torch.no_grad():
+            if step == 2:  # an update through the parameters lands in the allocation the op reads
+                for model in (moved, plain):
+                    model.layers[3].v_proj.weight.mul_(-0.5)
+            moved_compiled(*args)
+            plain_compiled(*args)
+        storage = weights[0].untyped_storage().data_ptr()
+        assert all(w.untyped_storage().data_ptr() == storage for w in weights)
+        assert [w.storage_offset() for w in weights] == [i * weights[0].numel() for i in range(len(weights))]
+        for (k_m, v_m), (k_p, v_p) in zip(moved.caches(), plain.caches(), strict=True):
+            assert_close_for_dtype(k_m, k_p, torch.bfloat16)
+            assert_close_for_dtype(v_m, v_p, torch.bfloat16)
+    assert all(len(r.kv_writes) == 1 for r in capture.reports), capture.reports
+    assert capture.reports[0].colocated[0].moved
 
 
 def _cudagraph_counters():

@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 import custom_ops.linear.multi_linear
 import custom_ops.linear.multi_linear_kv_write
+from dspark_fx.colocate import ColocatedGroup
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.graph_utils import copy_graph
 from dspark_fx.passes.horizontal import fuse_kv_branches
@@ -53,6 +54,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         self.user_passes = _user_passes(user_pass)
         self.observer = observer
         self.input_names: list[str] | None = None
+        self.colocated: list[ColocatedGroup] = []  # the backend's colocate_weights step, for the report
         self.reports: list[FusionReport] = []
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
@@ -69,6 +71,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
         report.outer_products = outer_products
+        report.colocated = self.colocated
         self.reports.append(report)
         count(report)
         if report.groups or report.kv_writes or report.kv_kept or report.outer_products:

@@ -16,7 +16,7 @@ class Namer:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.names = {}
         if input_names and len(input_names) == len(placeholders):
-            self.names = {p: _clean(name) for p, name in zip(placeholders, input_names, strict=True)}
+            self.names = {p: readable_name(name) for p, name in zip(placeholders, input_names, strict=True)}
 
     def of(self, node: fx.Node) -> str:
         return self.names.get(node, node.name)
@@ -40,7 +40,8 @@ class Namer:
         return ", ".join(found) if found else gemm.name
 
 
-def _clean(name: str) -> str:
+def readable_name(name: str) -> str:
+    """A Dynamo input name as the parameter path it stands for (`L_self_modules_k_parameters_weight_` -> `k.weight`)."""
     name = next((name[2:] for p in ("L_", "l_", "G_", "g_") if name.startswith(p)), name).removeprefix("self_")
     for part in ("_modules_", "_parameters_", "_buffers_"):
         name = name.replace(part, ".")
