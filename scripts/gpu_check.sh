@@ -30,10 +30,11 @@
 #             part). On a fresh H100: the build 70-95 s, every CUDA test 123 s in 4 processes (the default), that
 #             write table about 100 s, the draft step about 100 s
 #   acceptance one call for the performance targets, no tests (`check` runs them): the write table at
-#             T = 1 / 8 / 64 / 512 / 4096 (every config; torch.compile, hand-stacked, dspark_backend; --rounds 30), the
-#             draft step (benchmarks/draft_step.py) and the multi_linear table (benchmarks/multi_linear.py; each row
-#             printed as it is timed), each stopped after its share of the 600 s a device call may take
-#             (ACCEPT_TIMEOUTS="write draft multi_linear" seconds, default "210 120 110"; 0 skips a part)
+#             T = 1 / 8 / 64 / 512 / 4096 (every config, the reference and HF spellings; torch.compile, hand-stacked,
+#             dspark_backend and dspark_backend with colocate_weights; --rounds 30), the draft step
+#             (benchmarks/draft_step.py) and the multi_linear table (benchmarks/multi_linear.py; each row printed as it
+#             is timed), each stopped after its share of the 600 s a device call may take
+#             (ACCEPT_TIMEOUTS="write draft multi_linear" seconds, default "290 120 80"; 0 skips a part)
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -153,9 +154,10 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     fi
     ;;
   acceptance)
-    read -r t_write t_draft t_multi <<<"${ACCEPT_TIMEOUTS:-210 120 110}"
+    read -r t_write t_draft t_multi <<<"${ACCEPT_TIMEOUTS:-290 120 80}"
     if [ "$t_write" -gt 0 ]; then
-      timeout "$t_write" python3 benchmarks/dspark_write.py --variants compile hand dspark --tokens 1 8 64 512 4096 \
+      timeout "$t_write" python3 benchmarks/dspark_write.py --spellings reference hf \
+        --variants compile hand dspark colocated --tokens 1 8 64 512 4096 \
         --rounds 30 --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
     fi
     if [ "$t_draft" -gt 0 ]; then
