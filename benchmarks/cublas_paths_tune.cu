@@ -237,14 +237,9 @@ int main() {
         call(0, out);
         CHECK(cudaStreamSynchronize(stream));
         CHECK(cudaMemcpy(got.data(), out, got.size() * sizeof(T), cudaMemcpyDeviceToHost));
-        double err = 0, norm = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          const double d = (double)__bfloat162float(got[i]) - __bfloat162float(want[i]);
-          err += d * d;
-          norm += (double)__bfloat162float(want[i]) * __bfloat162float(want[i]);
-        }
-        if (!(err <= 1e-4 * norm)) {
-          std::printf("M=%d %s: WRONG (relative squared error %.3g)\n", tokens, name.c_str(), err / norm);
+        const double error = tune::relative_squared_error(got, want);
+        if (!(error <= 1e-4)) {
+          std::printf("M=%d %s: WRONG (relative squared error %.3g)\n", tokens, name.c_str(), error);
           us[name] = -1;
           continue;
         }

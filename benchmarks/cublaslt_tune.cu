@@ -160,13 +160,7 @@ int main() {
         if (call(0) != CUBLAS_STATUS_SUCCESS) return -1;
         CHECK(cudaStreamSynchronize(stream));
         CHECK(cudaMemcpy(got.data(), out, got.size() * sizeof(T), cudaMemcpyDeviceToHost));
-        double err = 0, norm = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          const double d = (double)__bfloat162float(got[i]) - __bfloat162float(want[i]);
-          err += d * d;
-          norm += (double)__bfloat162float(want[i]) * __bfloat162float(want[i]);
-        }
-        if (!(err <= 1e-4 * norm)) return -1;
+        if (!(tune::relative_squared_error(got, want) <= 1e-4)) return -1;
         std::vector<cudaGraphExec_t> execs(copies);
         for (int c = 0; c < copies; ++c) {
           cudaGraph_t graph;

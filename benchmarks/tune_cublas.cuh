@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "tune_common.cuh"
 
@@ -35,6 +36,17 @@ inline cublasHandle_t cublas_handle() {
   CHECK(cudaMalloc(&workspace, 32 << 20));
   CUBLAS_CHECK(cublasSetWorkspace(handle, workspace, 32 << 20));
   return handle;
+}
+
+// sum((got - want)^2) / sum(want^2) of two bf16 outputs: a GEMM way's output against the reference GEMM's.
+inline double relative_squared_error(const std::vector<__nv_bfloat16>& got, const std::vector<__nv_bfloat16>& want) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = (double)__bfloat162float(got[i]) - __bfloat162float(want[i]);
+    err += d * d;
+    norm += (double)__bfloat162float(want[i]) * __bfloat162float(want[i]);
+  }
+  return err / norm;
 }
 
 }  // namespace tune
