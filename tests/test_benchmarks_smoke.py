@@ -84,13 +84,14 @@ def test_dspark_write_small_cpu(tmp_path):
             assert TIME_CELL.fullmatch(cells[name]), f"T={cells['T']} {name}: {cells[name]!r}"
         assert cells["torch.compile"].endswith("(1.00x)")
         assert cells["torch.compile RO"] == cells["dspark_backend RO"] == "n/a (cpu)"
-        for ratio in ("dspark_backend ÷ floor", "dspark_backend ÷ hand-stacked"):
+        for ratio in ("dspark_backend ÷ floor", "dspark_backend ÷ hand-stacked", "colocated ÷ hand-stacked"):
             assert re.fullmatch(r"\d+\.\d\dx", cells[ratio]), f"{ratio}: {cells[ratio]!r}"
         assert cells["dspark path"] == "unfused"  # on CPU the pass leaves the GEMMs by default (fuse_on_cpu)
     parity = [line for line in report.splitlines() if "parity at T=8" in line]
-    assert len(parity) == 2 * 6 and not any("WRONG" in line for line in parity), "\n".join(parity)
+    assert len(parity) == 2 * 7 and not any("WRONG" in line for line in parity), "\n".join(parity)
     assert sum("hand-stacked torch.compile: parity" in line for line in parity) == 2
-    assert sum("1 graph(s) compiled" in line for line in parity) == 2 * 4  # one dynamic graph for T = 8
+    assert sum("colocated weights: parity" in line for line in parity) == 2
+    assert sum("1 graph(s) compiled" in line for line in parity) == 2 * 5  # one dynamic graph for T = 8
     kept = [line for line in report.splitlines() if line.startswith("- dspark path: K/V writes kept off")]
     assert len(kept) == 2 and all("the tensors are on cpu" in line for line in kept), "\n".join(kept)  # CUDA only
     assert "  - error:" not in report
