@@ -1,5 +1,6 @@
 """A whole DFlash-style draft step, written as plain HF-style modules: eager vs torch.compile vs dspark_backend
-(and dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its slice), and the
+(and dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its slice; and with
+`colocate_weights=True`: each fused group's weights moved into one allocation when it compiles), and the
 same draft stacked by hand under plain torch.compile (`HandStackedDraft`: per layer one q/k/v and one gate/up
 weight, the context K/V of all layers one weight; the weights concatenated once, as vLLM and sglang load them).
 
