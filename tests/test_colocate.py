@@ -244,3 +244,19 @@ def test_the_lowered_kv_write_reads_moved_weights():
     for (k_m, v_m), (k_p, v_p) in zip(moved.caches(), plain.caches(), strict=True):
         torch.testing.assert_close(k_m, k_p)
         torch.testing.assert_close(v_m, v_p)
+
+
+def test_a_training_graph_reports_the_group_once_and_its_gradients_are_eager_ones(inputs):
+    """With grad enabled the compile makes a forward and a backward graph (the pass runs on both); the weights move
+    after it, and the gradients through the moved parameters are eager's."""
+    torch.manual_seed(0)
+    model, reference = KV(), KV()
+    reference.load_state_dict(model.state_dict())
+    capture = CaptureBackend(config=ON, inner="aot_eager")
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(*inputs).square().sum().backward()
+    reference(*inputs).square().sum().backward()
+    assert len(capture.reports) == 2 and [g.moved for g in capture.report.colocated] == [True]
+    assert _back_to_back(model.graph_order())
+    for moved, plain in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(moved.grad, plain.grad)

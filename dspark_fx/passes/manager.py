@@ -71,7 +71,8 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         if self.config.horizontal_fusion:
             report = fuse_kv_branches(graph, self.config, self.input_names)
         report.outer_products = outer_products
-        report.colocated = self.colocated
+        if not self.reports:  # a training compile runs the pass twice (forward, backward): report the groups once
+            report.colocated = self.colocated
         self.reports.append(report)
         count(report)
         if report.groups or report.kv_writes or report.kv_kept or report.outer_products:
