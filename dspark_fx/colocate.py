@@ -176,12 +176,14 @@ def _back_to_back(tensors: list[torch.Tensor]) -> bool:
 
 
 def _move(tensors: list[torch.Tensor]) -> None:
-    """Copy `tensors` (one dtype and trailing shape) into one new allocation and make each a view of its part."""
+    """Copy `tensors` (one dtype and trailing shape) into one new allocation and make each a view of its part. Made
+    outside inference mode, should a caller be in it: parameters turned into inference tensors could not be updated
+    in place (a weight reload) or used with autograd outside it."""
     rows = sum(t.shape[0] for t in tensors)
     first = tensors[0]
-    stacked = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
     start = 0
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
+        stacked = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
         for t in tensors:
             part = stacked.narrow(0, start, t.shape[0])
             part.copy_(t)

@@ -260,3 +260,34 @@ def test_a_training_graph_reports_the_group_once_and_its_gradients_are_eager_one
     assert _back_to_back(model.graph_order())
     for moved, plain in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(moved.grad, plain.grad)
+
+
+def test_weights_moved_at_a_call_under_inference_mode_stay_normal_tensors(inputs):
+    """Servers call the model (and so compile it) under `torch.inference_mode()`: the new allocation is made outside
+    it, so the parameters can still be updated in place (a weight reload) and used with autograd afterwards."""
+    model = KV()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=make_backend(ON, inner="aot_eager"))
+    with torch.inference_mode():
+        compiled(*inputs)
+    assert _back_to_back(model.graph_order())
+    assert not any(w.is_inference() for w in model.graph_order())
+    with torch.no_grad():
+        model.k[0].weight.mul_(2.0)
+        expected = model(*inputs)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(*inputs), expected)
+
+
+def test_a_move_made_in_inference_mode_makes_no_inference_tensors():
+    """`colocate_weights` itself, called in inference mode (the backend is reached from Dynamo, which leaves it),
+    allocates outside it."""
+    from dspark_fx.colocate import WeightGroup, colocate_weights
+
+    weights = [nn.Parameter(torch.randn(8, 16)) for _ in range(3)]
+    with torch.inference_mode():
+        (group,) = colocate_weights([WeightGroup("x", ["a", "b", "c"], weights, [None] * 3)], ("cpu",))
+    assert group.moved and _back_to_back(weights)
+    assert not any(w.is_inference() for w in weights)
+    with torch.no_grad():
+        weights[1].add_(1.0)
