@@ -79,9 +79,10 @@ class DsparkBackend:
         groups = []
         if self.config.colocate_weights:
             from dspark_fx.colocate import colocate_weights, find_weight_groups
+            from dspark_fx.passes.horizontal import group_gemm_devices
 
             groups = find_weight_groups(gm, example_inputs, self.config.min_branches)
-            manager.colocated[:] = colocate_weights(groups, _fusing_devices(self.config), move=False)
+            manager.colocated[:] = colocate_weights(groups, group_gemm_devices(self.config), move=False)
         if self.inner == "aot_eager":
             compiled = _aot_eager(gm, example_inputs, manager)
         else:
@@ -114,19 +115,14 @@ def _flat(name: str, value: Any) -> list[str]:
     return names
 
 
-def _fusing_devices(config: DsparkConfig) -> tuple[str, ...]:
-    from dspark_fx.passes.horizontal import GROUP_GEMM_DEVICES
-
-    return (*GROUP_GEMM_DEVICES, "cpu") if config.fuse_on_cpu else GROUP_GEMM_DEVICES
-
-
 def _colocate(groups: list[Any], config: DsparkConfig) -> list[Any]:
     """`DsparkConfig.colocate_weights`: move the weights of the graph's groups of linears (`find_weight_groups`)."""
     from torch._dynamo.utils import counters
 
     from dspark_fx.colocate import colocate_weights
+    from dspark_fx.passes.horizontal import group_gemm_devices
 
-    outcome = colocate_weights(groups, _fusing_devices(config))
+    outcome = colocate_weights(groups, group_gemm_devices(config))
     for group in outcome:
         log.info("dspark_fx: colocate_weights: %s", group)
         counters["dspark_fx"]["weight_groups_colocated" if group.moved else "weight_groups_left"] += 1

@@ -139,10 +139,15 @@ def _routes_lone_gemms(group: gemm_branches.GemmGroup) -> bool:
     return tensor_val(group.activation).device.type in LONE_GEMM_DEVICES
 
 
+def group_gemm_devices(config: DsparkConfig) -> tuple[str, ...]:
+    """The device types on which GEMM groups fuse: `GROUP_GEMM_DEVICES`, and the CPU with `fuse_on_cpu`."""
+    return (*GROUP_GEMM_DEVICES, "cpu") if config.fuse_on_cpu else GROUP_GEMM_DEVICES
+
+
 def _not_fused_on_device(group: gemm_branches.GemmGroup, config: DsparkConfig) -> str:
-    """Why a GEMM group is not fused on its activation's device (`GROUP_GEMM_DEVICES`, `fuse_on_cpu`), or ""."""
+    """Why a GEMM group is not fused on its activation's device (`group_gemm_devices`), or ""."""
     device = tensor_val(group.activation).device.type
-    if device in GROUP_GEMM_DEVICES or (device == "cpu" and config.fuse_on_cpu):
+    if device in group_gemm_devices(config):
         return ""
     if device == "cpu":
         return (
