@@ -32,9 +32,11 @@
 #   acceptance one call for the performance targets, no tests (`check` runs them): the write table at
 #             T = 1 / 8 / 64 / 512 / 4096 (every config, the reference and HF spellings; torch.compile, hand-stacked,
 #             dspark_backend and dspark_backend with colocate_weights; --rounds 30), the draft step
-#             (benchmarks/draft_step.py) and the multi_linear table (benchmarks/multi_linear.py; each row printed as it
-#             is timed), each stopped after its share of the 600 s a device call may take
-#             (ACCEPT_TIMEOUTS="write draft multi_linear" seconds, default "290 120 80"; 0 skips a part)
+#             (benchmarks/draft_step.py), the multi_linear table (benchmarks/multi_linear.py; each row printed as it
+#             is timed), the lone-linears model (benchmarks/lone_linears.py) and the binding's host time per eager
+#             call (benchmarks/host_cost.py), each stopped after its share of the 600 s a device call may take
+#             (ACCEPT_TIMEOUTS="write draft multi_linear lone host" seconds, default "250 120 80 40 20"; 0 skips a
+#             part)
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
 #             compile"; PROFILE_TOKENS, default "64 4096"), with Inductor's generated code in $OUT/output_code.log
@@ -154,7 +156,7 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     fi
     ;;
   acceptance)
-    read -r t_write t_draft t_multi <<<"${ACCEPT_TIMEOUTS:-290 120 80}"
+    read -r t_write t_draft t_multi t_lone t_host <<<"${ACCEPT_TIMEOUTS:-250 120 80 40 20}"
     if [ "$t_write" -gt 0 ]; then
       timeout "$t_write" python3 benchmarks/dspark_write.py --spellings reference hf \
         --variants compile hand dspark colocated --tokens 1 8 64 512 4096 \
@@ -167,6 +169,14 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     if [ "$t_multi" -gt 0 ]; then
       timeout "$t_multi" python3 benchmarks/multi_linear.py --out "$OUT/multi_linear.md" 2>&1 |
         tee "$OUT/multi_linear.log" || status=1
+    fi
+    if [ "${t_lone:-0}" -gt 0 ]; then
+      timeout "$t_lone" python3 benchmarks/lone_linears.py --out "$OUT/lone_linears.md" 2>&1 |
+        tee "$OUT/lone_linears.log" || status=1
+    fi
+    if [ "${t_host:-0}" -gt 0 ]; then
+      timeout "$t_host" python3 benchmarks/host_cost.py --out "$OUT/host_cost.md" 2>&1 |
+        tee "$OUT/host_cost.log" || status=1
     fi
     ;;
   profile)
