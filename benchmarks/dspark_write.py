@@ -43,7 +43,9 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
   dspark_backend     torch.compile(model, backend=dspark_fx.dspark_backend)
   dspark_backend, colocated weights
                      the same with DsparkConfig(colocate_weights=True): the layers' K/V weights moved into one
-                     allocation when it compiles (each parameter a view of it), so the op's GEMM is one GEMM
+                     allocation when it compiles (each parameter a view of it), so the op's GEMM is one GEMM; below
+                     the table, how many groups it moved and left (a spelling that slices its K/V rows out of a
+                     fused qkv weight has nothing to move: its column is then the spread of two compiles)
   dspark_backend, never lowered
                      the same with DsparkConfig(kv_write_op="never"): the fused GEMM path a model gets where its K/V
                      writes do not lower (the fallback)
@@ -244,6 +246,7 @@ class Entry:
     wrong: bool = False  # failed the parity check
     no_cuda_graph: bool = False  # an RO call ran without launching a CUDA graph
     error: str | None = None
+    weight_groups: tuple[int, int] = (0, 0)  # colocate_weights in its first calls: groups moved, groups left
 
 
 @dataclass
@@ -453,12 +456,21 @@ def first_calls(entries: list[Entry], inputs: dict[int, tuple]) -> None:
         if "eager" in entry.variant.name:
             continue
         try:
+            moved, left = _weight_group_counts()
             with compile_counts() as counts:
                 for tokens in sorted(inputs, reverse=True):
                     entry.fn(*inputs[tokens])
             entry.graphs += counts["frames"]
+            now_moved, now_left = _weight_group_counts()
+            entry.weight_groups = (now_moved - moved, now_left - left)
         except Exception as exc:
             fail(entry, exc, "first calls")
+
+
+def _weight_group_counts() -> tuple[int, int]:
+    """dspark_fx's counts so far of the weight groups that `colocate_weights` moved and left."""
+    ours = torch._dynamo.utils.counters["dspark_fx"]
+    return ours["weight_groups_colocated"], ours["weight_groups_left"]
 
 
 def time_row(
@@ -629,6 +641,12 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
             lines.append(f"  - error: {entry.error}")
         if entry.no_cuda_graph:
             lines.append("  - †: at least one call launched no CUDA graph (Inductor skipped them: see the log)")
+        if any(entry.weight_groups):
+            moved, left = entry.weight_groups
+            lines.append(
+                f"  - colocate_weights: {moved} group(s) of weights moved into one allocation, {left} left as they"
+                " were (which and why: DSPARK_FX_LOG=info)"
+            )
     lines += [f"- dspark path: K/V writes kept off multi_linear_kv_write: {why}" for why in run.kept]
     if run.reader:
         lines.append(f"- one-launch read: {run.reader}")

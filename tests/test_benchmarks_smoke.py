@@ -92,6 +92,16 @@ def test_dspark_write_small_cpu(tmp_path):
     assert sum("hand-stacked torch.compile: parity" in line for line in parity) == 2
     assert sum("colocated weights: parity" in line for line in parity) == 2
     assert sum("1 graph(s) compiled" in line for line in parity) == 2 * 5  # one dynamic graph for T = 8
+    colocated = [line for line in report.splitlines() if line.startswith("  - colocate_weights:")]
+    # on CPU the pass fuses no GEMM groups by default, so colocate_weights moves nothing: one group left per spelling
+    assert (
+        colocated
+        == [
+            "  - colocate_weights: 0 group(s) of weights moved into one allocation, 1 left as they were"
+            " (which and why: DSPARK_FX_LOG=info)"
+        ]
+        * 2
+    ), "\n".join(colocated)
     kept = [line for line in report.splitlines() if line.startswith("- dspark path: K/V writes kept off")]
     assert len(kept) == 2 and all("the tensors are on cpu" in line for line in kept), "\n".join(kept)  # CUDA only
     assert "  - error:" not in report
