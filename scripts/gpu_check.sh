@@ -160,27 +160,20 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     ;;
   acceptance)
     read -r t_write t_draft t_multi t_lone t_host <<<"${ACCEPT_TIMEOUTS:-320 0 80 40 20}"
-    if [ "$t_write" -gt 0 ]; then
-      timeout "$t_write" python3 benchmarks/dspark_write.py --spellings reference hf \
-        --variants compile hand dspark colocated --tokens 1 8 64 512 4096 \
-        --rounds 30 --out "$OUT/dspark_write.md" 2>&1 | tee "$OUT/dspark_write.log" || status=1
-    fi
-    if [ "$t_draft" -gt 0 ]; then
-      timeout "$t_draft" python3 benchmarks/draft_step.py --out "$OUT/draft_step.md" 2>&1 |
-        tee "$OUT/draft_step.log" || status=1
-    fi
-    if [ "$t_multi" -gt 0 ]; then
-      timeout "$t_multi" python3 benchmarks/multi_linear.py --out "$OUT/multi_linear.md" 2>&1 |
-        tee "$OUT/multi_linear.log" || status=1
-    fi
-    if [ "${t_lone:-0}" -gt 0 ]; then
-      timeout "$t_lone" python3 benchmarks/lone_linears.py --out "$OUT/lone_linears.md" 2>&1 |
-        tee "$OUT/lone_linears.log" || status=1
-    fi
-    if [ "${t_host:-0}" -gt 0 ]; then
-      timeout "$t_host" python3 benchmarks/host_cost.py --out "$OUT/host_cost.md" 2>&1 |
-        tee "$OUT/host_cost.log" || status=1
-    fi
+    # timed_benchmark SECONDS NAME ARGS...: benchmarks/NAME.py ARGS, its table in $OUT/NAME.md (0 seconds: skipped)
+    timed_benchmark() {
+      local seconds=${1:-0} name=$2
+      shift 2
+      [ "$seconds" -gt 0 ] || return 0
+      timeout "$seconds" python3 "benchmarks/$name.py" "$@" --out "$OUT/$name.md" 2>&1 | tee "$OUT/$name.log" ||
+        status=1
+    }
+    timed_benchmark "$t_write" dspark_write --spellings reference hf --variants compile hand dspark colocated \
+      --tokens 1 8 64 512 4096 --rounds 30
+    timed_benchmark "$t_draft" draft_step
+    timed_benchmark "$t_multi" multi_linear
+    timed_benchmark "$t_lone" lone_linears
+    timed_benchmark "$t_host" host_cost
     ;;
   profile)
     TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" python3 benchmarks/dspark_write.py \
