@@ -78,18 +78,17 @@ class DsparkBackend:
         manager.input_names = _input_names(gm, example_inputs)
         groups = []
         if self.config.colocate_weights:
-            from dspark_fx.colocate import colocate_weights, find_weight_groups
-            from dspark_fx.passes.horizontal import group_gemm_devices
+            from dspark_fx.colocate import find_weight_groups
 
             groups = find_weight_groups(gm, example_inputs, self.config.min_branches)
-            manager.colocated[:] = colocate_weights(groups, group_gemm_devices(self.config), move=False)
+            manager.colocated[:] = _colocate(groups, self.config, move=False)
         if self.inner == "aot_eager":
             compiled = _aot_eager(gm, example_inputs, manager)
         else:
             compiled = _inductor(gm, example_inputs, manager, mode, options)
         if groups and self.move_weights:
             # in place: the reports (and what an observer kept of them) hold this list
-            manager.colocated[:] = _colocate(groups, self.config)
+            manager.colocated[:] = _colocate(groups, self.config, move=True)
         return compiled
 
 
@@ -115,14 +114,17 @@ def _flat(name: str, value: Any) -> list[str]:
     return names
 
 
-def _colocate(groups: list[Any], config: DsparkConfig) -> list[Any]:
-    """`DsparkConfig.colocate_weights`: move the weights of the graph's groups of linears (`find_weight_groups`)."""
+def _colocate(groups: list[Any], config: DsparkConfig, move: bool) -> list[Any]:
+    """`DsparkConfig.colocate_weights`: judge the graph's groups of linears (`find_weight_groups`) and, with `move`,
+    move the weights of those that qualify, logging and counting what moved and what was left."""
     from torch._dynamo.utils import counters
 
     from dspark_fx.colocate import colocate_weights
     from dspark_fx.passes.horizontal import group_gemm_devices
 
-    outcome = colocate_weights(groups, group_gemm_devices(config))
+    outcome = colocate_weights(groups, group_gemm_devices(config), move=move)
+    if not move:
+        return outcome
     for group in outcome:
         log.info("dspark_fx: colocate_weights: %s", group)
         counters["dspark_fx"]["weight_groups_colocated" if group.moved else "weight_groups_left"] += 1
