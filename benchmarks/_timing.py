@@ -95,6 +95,20 @@ def _cpu_sample(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s read + written by a device-to-device copy of 2 GiB (64 MiB on CPU), `median_us` of the copy."""
+    src = torch.empty((2 << 30) if device == "cuda" else (64 << 20), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (1e-6 * median_us(lambda: dst.copy_(src), device))
+
+
+def gemm_rate(device: str, dtype: torch.dtype) -> float:
+    """FLOP/s of a square `dtype` GEMM, 8192^3 on CUDA (512^3 on CPU), `median_us` of the product."""
+    n = 8192 if device == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (1e-6 * median_us(lambda: a @ b, device))
+
+
 # The ops' opt-in paths, read from the environment once per process: a table timed with one set must say so.
 OPT_INS = ("DSPARK_KV_WRITE_WIDE_FROM",)
 

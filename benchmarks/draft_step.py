@@ -15,8 +15,11 @@ before it is joined with the block's K, as an engine that writes the context K/V
 Qwen3-8B draft dims (5 layers, hidden 4096, 32/8 heads x 128, intermediate 12288, bf16), block 16, T in {16, 512}.
 T is marked dynamic, so each compiled variant compiles one graph for both T (the graph that automatic dynamic
 shapes switch to at the second T anyway). Parity with eager is checked first; then every variant is captured in a
-`torch.cuda.CUDAGraph` and timed by replay (medians of `triton.testing.do_bench`). The floor is the step's weight
-bytes (each weight read once) / the copy bandwidth measured in the same run.
+`torch.cuda.CUDAGraph` and timed by replay (medians of `triton.testing.do_bench`). The floor and the roofline bound
+the step's GEMMs with the copy bandwidth and GEMM rate measured in the same run (`gemm_bounds`): each weight read
+once, each GEMM's FLOPs over every row it multiplies. Under the table (CUDA), per T, what `TARGET_SPEEDUP` over
+torch.compile asks of the step against dspark_backend's GEMMs at their roofline plus its other kernels as profiled
+(`speedup_bound`).
 
 Below the step table, per T and compiled variant, the step's GEMMs (`gemm_profile`): every GEMM op the compiled code
 calls (`aten::mm`, `aten::addmm`, `dspark::multi_linear`) in `PROFILED_CALLS` profiled calls of the compiled model
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import graphed, median_us, opt_in_note
+from _timing import copy_bandwidth, gemm_rate, graphed, median_us, opt_in_note
 from torch import nn
 
 import dspark_fx
@@ -70,6 +73,7 @@ BLOCK = 16
 CONTEXTS = (16, 512)
 GEMM_OPS = ("aten.mm", "aten.addmm", "dspark.multi_linear")
 PROFILED_CALLS = 5  # calls of a compiled model that `gemm_profile` profiles
+TARGET_SPEEDUP = 1.3  # over torch.compile, what dspark_backend's step is measured against (`speedup_bound`)
 OTHER_KERNEL_ROWS = 25  # rows of the table of the step's other (non-GEMM) kernels; the rest summed in one row
 # dspark_backend without batched regions: the same fused GEMMs, each layer's norm/RoPE on its own slice of the
 # fused GEMM's output (no [layers, ...] tensors between the GEMM and the per-layer consumers)
@@ -444,11 +448,40 @@ def assert_parity(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     return f"relative RMS error {error:.1e}, max abs error {(actual - expected).abs().max():.1e}"
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s (read + write) of a device-to-device copy of 2 GiB (64 MiB on CPU)."""
-    src = torch.empty((2 << 30) if device == "cuda" else (64 << 20), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (1e-6 * median_us(lambda: dst.copy_(src), device))
+def step_gemm_work(model: DraftModel, ctx_len: int) -> list[tuple[int, int]]:
+    """`(weight bytes, FLOPs)` of each nn.Linear of `model` in one step at context `ctx_len`: its weight read once,
+    its FLOPs over every row it multiplies (k_proj and v_proj: the context's and the block's, the others: the
+    block's)."""
+    work = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            rows = BLOCK + (ctx_len if name.rsplit(".", 1)[-1] in ("k_proj", "v_proj") else 0)
+            weight = module.weight
+            work.append((weight.numel() * weight.element_size(), 2 * rows * module.in_features * module.out_features))
+    return work
+
+
+def gemm_bounds(work: list[tuple[int, int]], bandwidth: float, gemm_rate: float) -> tuple[float, float]:
+    """`(floor, roofline)` in µs of the GEMMs of `step_gemm_work`: the floor max(all weight bytes ÷ the copy rate,
+    all FLOPs ÷ the GEMM rate), which no way of running them beats; the roofline the sum over the GEMMs of each
+    one's max(bytes ÷ copy rate, FLOPs ÷ GEMM rate), what they take one after another, each at its own bound."""
+    weight_bytes, flops = (sum(column) for column in zip(*work, strict=True))
+    floor = 1e6 * max(weight_bytes / bandwidth, flops / gemm_rate)
+    roofline = 1e6 * sum(max(b / bandwidth, f / gemm_rate) for b, f in work)
+    return floor, roofline
+
+
+def speedup_bound(ctx_len: int, compile_us: float, roofline_us: float, gemm_us: float, other_us: float) -> str:
+    """What `TARGET_SPEEDUP` over torch.compile asks of dspark_backend's step at `ctx_len`, against its GEMMs at their
+    roofline (`gemm_bounds`) plus its other kernels as profiled (`gemm_profile`, µs per step)."""
+    target = compile_us / TARGET_SPEEDUP
+    bound = roofline_us + other_us
+    verdict = "above" if bound > target else "below"
+    return (
+        f"Context {ctx_len}: {TARGET_SPEEDUP}x faster than torch.compile is {target:.1f} µs per step; dspark_backend's "
+        f"GEMMs at their roofline ({roofline_us:.1f}) plus its other kernels as profiled ({other_us:.1f}) take "
+        f"{bound:.1f}, {verdict} it (its GEMM kernels took {gemm_us:.1f}, {gemm_us / roofline_us:.2f}x the roofline)."
+    )
 
 
 def main() -> None:
@@ -466,7 +499,7 @@ def main() -> None:
     if args.hidden:
         cfg = dataclasses.replace(SMALL, hidden=args.hidden, head_dim=args.hidden // 4, intermediate=2 * args.hidden)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bandwidth = copy_bandwidth(device)
+    bandwidth, rate = copy_bandwidth(device), gemm_rate(device, dtype)
     eager = build_draft(cfg, device, dtype)
     inputs = {ctx_len: draft_inputs(cfg, ctx_len, device, dtype) for ctx_len in CONTEXTS}
     for _, target_hidden, _, ctx_positions in inputs.values():
@@ -484,8 +517,7 @@ def main() -> None:
     }
     compiled = [name for name in variants if name != "eager"]
     weight_bytes = sum(p.numel() * p.element_size() for p in eager.parameters())
-    floor_us = 1e6 * weight_bytes / bandwidth
-    rows, gemm_lines = [], []
+    rows, gemm_lines, bound_lines = [], [], []
     with torch.no_grad():
         for ctx_len, step_inputs in inputs.items():
             expected = eager(*step_inputs)
@@ -500,31 +532,41 @@ def main() -> None:
             for name, model in variants.items():
                 step = graphed(model, step_inputs) if device == "cuda" else partial(model, *step_inputs)
                 times[name] = median_us(step, device)
-            rows.append((ctx_len, times))
             print(f"T={ctx_len} µs:", {k: round(v, 1) for k, v in times.items()}, flush=True)
+            floor_us, roofline_us = gemm_bounds(step_gemm_work(eager, ctx_len), bandwidth, rate)
             for name in compiled:
                 profiled = gemm_profile(variants[name], step_inputs, variants[name]._orig_mod, device)
                 table = gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
                 gemm_lines += table
                 print("\n".join(table), flush=True)
+                if name == "dspark_backend" and device == "cuda":
+                    families, _, _, others = profiled
+                    gemm_us = sum(f.us for f in families) / PROFILED_CALLS
+                    other_us = sum(us for _, us in others.values()) / PROFILED_CALLS
+                    bound_lines.append(speedup_bound(ctx_len, times["torch.compile"], roofline_us, gemm_us, other_us))
+                    print(bound_lines[-1], flush=True)
+            rows.append((ctx_len, floor_us, roofline_us, times))
     where = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else f"CPU {platform.machine()}"
     timing = "CUDA-graph replay" if device == "cuda" else "wall clock, no CUDA graph"
     lines = [
-        f"{where}, torch {torch.__version__}{opt_in_note()}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
-        f"µs per draft step, {timing} (time ÷ torch.compile, time ÷ floor)",
+        f"{where}, torch {torch.__version__}{opt_in_note()}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+        f"GEMM rate {rate / 1e12:.3g} TFLOP/s; µs per draft step, {timing} (time ÷ torch.compile, time ÷ floor)",
         "",
         f"Draft: {cfg.num_layers} layers, hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "
         f"{cfg.head_dim}, intermediate {cfg.intermediate}, block {BLOCK}, {str(dtype).removeprefix('torch.')}; "
-        f"weights {weight_bytes / 1e6:.1f} MB, floor = weight bytes / copy bandwidth. {gemms}.",
+        f"weights {weight_bytes / 1e6:.1f} MB. Floor: the GEMMs' weights read once at the copy rate or their FLOPs at "
+        "the GEMM rate, the larger; roofline: each GEMM at the larger of the two, one after another (`gemm_bounds`). "
+        f"{gemms}.",
         "",
-        "| T | floor µs | " + " | ".join(variants) + " | dspark_backend ÷ hand-stacked |",
-        "|" + "---|" * (len(variants) + 3),
+        "| T | floor µs | roofline µs | " + " | ".join(variants) + " | dspark_backend ÷ hand-stacked |",
+        "|" + "---|" * (len(variants) + 4),
     ]
-    for ctx_len, times in rows:
+    for ctx_len, floor_us, roofline_us, times in rows:
         cells = [f"{t:.1f} ({t / times['torch.compile']:.2f}x, {t / floor_us:.2f}x)" for t in times.values()]
         cells.append(f"{times['dspark_backend'] / times[HAND]:.2f}x")
-        lines.append(f"| {ctx_len} | {floor_us:.1f} | " + " | ".join(cells) + " |")
-    table = "\n".join([*lines, "", *gemm_lines])
+        lines.append(f"| {ctx_len} | {floor_us:.1f} | {roofline_us:.1f} | " + " | ".join(cells) + " |")
+    bounds = ["", *bound_lines] if bound_lines else []
+    table = "\n".join([*lines, *bounds, "", *gemm_lines])
     print(table)
     if args.out:
         args.out.write_text(table + "\n")

@@ -119,7 +119,7 @@ from unittest import mock
 
 import torch
 from _spellings import SPELLINGS, SpellingModel, build_spelling
-from _timing import graphed, interleaved_median_us, median_us, opt_in_note
+from _timing import copy_bandwidth, gemm_rate, graphed, interleaved_median_us, median_us, opt_in_note
 
 import dspark_fx
 from dspark_fx.reference_draft import DraftKVConfig, apply_rope
@@ -292,15 +292,8 @@ def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Ten
 
 
 def measure_ceilings(device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s, read + write; GEMM rate in FLOP/s of `dtype`): 2 GiB copy and 8192^3 GEMM on
-    CUDA, 64 MiB and 512^3 on CPU."""
-    n_bytes, n = ((2 << 30), 8192) if device == "cuda" else ((64 << 20), 512)
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_us = median_us(lambda: dst.copy_(src), device)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    gemm_us = median_us(lambda: a @ b, device)
-    return 2 * n_bytes / (1e-6 * copy_us), 2 * n**3 / (1e-6 * gemm_us)
+    """(copy bandwidth in bytes/s, read + write; GEMM rate in FLOP/s of `dtype`): `_timing`'s measurements."""
+    return copy_bandwidth(device), gemm_rate(device, dtype)
 
 
 def kv_weight_bytes(cfg: DraftKVConfig) -> int:

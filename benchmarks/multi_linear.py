@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _timing import copy_bandwidth
 from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
@@ -127,14 +128,6 @@ def placed_weights(placement: str, count: int, rows: int, k: int) -> list[torch.
     for _ in range(count // per_buffer):
         weights += separate_weight(per_buffer * rows, k).split(rows)
     return weights
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def us_per_call(call: Callable[[int], torch.Tensor], copies: int, warmup: int, rep: int) -> float:
@@ -343,7 +336,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda")
     groups = [] if args.placement else [Group.make(name, s, props.L2_cache_size) for name, s in GROUPS.items()]
     header = (
         f"GPU {props.name}, torch {torch.__version__}; copy rate {bandwidth / 1e12:.2f} TB/s (read + write); "

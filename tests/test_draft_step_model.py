@@ -192,3 +192,36 @@ def test_the_merged_kv_probe_is_the_same_draft(with_q, ctx_len):
     with torch.no_grad():
         inputs = _inputs(ctx_len)
         assert_close_for_dtype(merged_kv_draft.MergedKVDraft(model, with_q)(*inputs), model(*inputs))
+
+
+def test_step_gemm_work_reads_each_weight_once_and_multiplies_every_row():
+    """`step_gemm_work`: one entry per nn.Linear, its weight's bytes once, its FLOPs over the block's rows, plus the
+    context's for k_proj and v_proj (they also project `target_hidden`)."""
+    model = draft_step.build_draft(CFG, "cpu", torch.float32)
+    ctx_len, block = 9, draft_step.BLOCK
+    work = draft_step.step_gemm_work(model, ctx_len)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(work) == len(linears) == 7 * LAYERS
+    for (name, linear), (weight_bytes, flops) in zip(linears, work, strict=True):
+        rows = block + ctx_len if name.endswith(("k_proj", "v_proj")) else block
+        assert weight_bytes == linear.in_features * linear.out_features * 4
+        assert flops == 2 * rows * linear.in_features * linear.out_features
+
+
+def test_gemm_bounds_floor_and_roofline():
+    """`gemm_bounds`: the floor is the larger of all bytes at the copy rate and all FLOPs at the GEMM rate; the
+    roofline sums each GEMM's larger one (a memory-bound and a compute-bound GEMM: both counted in full)."""
+    bandwidth = rate = 1e6  # bytes/s and FLOP/s: 1 µs per byte and per FLOP
+    floor, roofline = draft_step.gemm_bounds([(100, 10), (10, 1000)], bandwidth, rate)
+    assert floor == pytest.approx(1010.0) and roofline == pytest.approx(1100.0)
+
+
+@pytest.mark.parametrize(("other_us", "verdict"), [(150.0, "above"), (50.0, "below")])
+def test_speedup_bound_says_what_the_target_asks_against_the_roofline(other_us, verdict):
+    """`speedup_bound`: the target time (torch.compile's ÷ `TARGET_SPEEDUP`) against the GEMMs' roofline plus the
+    other kernels, and how far the GEMM kernels were from their roofline."""
+    compile_us = 1000.0 * draft_step.TARGET_SPEEDUP
+    line = draft_step.speedup_bound(512, compile_us, 900.0, 990.0, other_us)
+    assert line.startswith(f"Context 512: {draft_step.TARGET_SPEEDUP}x faster than torch.compile is 1000.0 µs")
+    assert f"take {900.0 + other_us:.1f}, {verdict} it" in line
+    assert "its GEMM kernels took 990.0, 1.10x the roofline" in line
