@@ -9,6 +9,7 @@ A write that reads B bytes of weights in one launch pays what one launch that on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -66,24 +67,36 @@ def cublas_read_us(n_bytes: int, k: int, tokens: int, bench: dict[str, int]) -> 
     return us
 
 
+def read_launch(src: torch.Tensor, shape: tuple[int, int, int]) -> tuple[Callable[[], None], torch.Tensor]:
+    """A launch of the load kernel of `shape` (one of SHAPES) over the int32 words of `src` (contiguous), and the
+    tensor of per-program sums it writes (`words_read` checks them)."""
+    block, steps, warps = shape
+    words = src.numel()
+    programs = triton.cdiv(words, block * steps)
+    out = torch.empty(programs, dtype=torch.int32, device=src.device)
+
+    def launch() -> None:
+        _read_words[(programs,)](src, out, words, BLOCK=block, STEPS=steps, num_warps=warps)
+
+    return launch, out
+
+
+def words_read(src: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the sums `out` of a `read_launch` over `src` add up to the sum of every word of `src`."""
+    return out.long().sum().item() % 2**32 == src.long().sum().item() % 2**32
+
+
 def triton_read_us(n_bytes: int, bench: dict[str, int]) -> float:
     """Median µs of the fastest of SHAPES reading `n_bytes` (rounded up to 16) of one random buffer, each launch
     captured alone in a CUDA graph and timed by replay with `median_us(**bench)`."""
     words = -(-n_bytes // 16) * 4
     src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
-    total = src.long().sum().item() % 2**32
     best = float("inf")
-    for block, steps, warps in SHAPES:
-        programs = triton.cdiv(words, block * steps)
-        out = torch.empty(programs, dtype=torch.int32, device="cuda")
-
-        def launch(block=block, steps=steps, warps=warps, programs=programs, out=out):
-            _read_words[(programs,)](src, out, words, BLOCK=block, STEPS=steps, num_warps=warps)
-
-        replay = graphed(launch, ())
-        best = min(best, median_us(replay, "cuda", **bench))
-        if out.long().sum().item() % 2**32 != total:  # every word was read
-            raise AssertionError(f"the read kernel of shape {(block, steps, warps)} missed words")
+    for shape in SHAPES:
+        launch, out = read_launch(src, shape)
+        best = min(best, median_us(graphed(launch, ()), "cuda", **bench))
+        if not words_read(src, out):
+            raise AssertionError(f"the read kernel of shape {shape} missed words")
     return best
 
 
