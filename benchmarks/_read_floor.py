@@ -100,6 +100,35 @@ def triton_read_us(n_bytes: int, bench: dict[str, int]) -> float:
     return best
 
 
+def back_to_back_read_us(sources: list[torch.Tensor], warmup: int = 25, rep: int = 100) -> float:
+    """Median µs per source of the fastest of SHAPES reading each of `sources` once, back to back in one CUDA graph
+    (`median_us` of its replay ÷ the number of sources): what a kernel that only reads a GEMM's weights takes in a
+    stream of kernels, without a replay's own cost. `sources`: contiguous copies of the same size whose bytes add up
+    to more than the L2 (`read_sources`), so that none is read from it; each shape is checked to read every word."""
+    words = [src.view(torch.int32) for src in sources]
+    best = float("inf")
+    for shape in SHAPES:
+        launches = [read_launch(src, shape) for src in words]
+        for launch, _ in launches:  # compiles the shape before the capture
+            launch()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for launch, _ in launches:
+                launch()
+        best = min(best, median_us(graph.replay, "cuda", warmup, rep) / len(sources))
+        if not all(words_read(src, out) for src, (_, out) in zip(words, launches, strict=True)):
+            raise AssertionError(f"the read kernel of shape {shape} missed words")
+    return best
+
+
+def read_sources(n_bytes: int) -> list[torch.Tensor]:
+    """Random copies of `n_bytes` (rounded up to 16), enough of them (at least 2) for 3x the device's L2."""
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    copies = max(2, -(-3 * l2_bytes // n_bytes))
+    words = -(-n_bytes // 16) * 4
+    return [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+
+
 def trivial_replay_us(bench: dict[str, int]) -> float:
     """Median µs of the replay of a graph of one trivial kernel (a one-element add): the harness's own cost."""
     counter = torch.zeros(1, device="cuda")

@@ -16,9 +16,9 @@ row blocks of one height in one `cublasGemmBatchedEx`, or ranges of one shape ba
 >= 4096 rows at M <= 64 as a strided batched GEMM of row blocks), cuBLAS per weight (one `mm` per weight), cuBLAS
 concat (one `mm` on a concatenated copy: a bound, not an option, since it needs a second copy of the weights), and
 read (the fastest shape of `_read_floor`'s load kernel reading each copy's concatenated weight, timed the same way: a
-kernel that only reads the bytes the op reads, in one launch per call; per group, as it does not depend on M). "op vs
-X": X's time ÷ the op's (below 1.00x the op is slower); against the faster of concat and read, what a group's "% copy"
-can reach in this harness.
+kernel that only reads the weight bytes the op reads, in one launch per call; per group, as it does not depend on M;
+its "% copy" of those bytes alone). "op vs X": X's time ÷ the op's (below 1.00x the op is slower); against the
+faster of concat and read, what a group's "% copy" can reach in this harness.
 
     python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _read_floor import SHAPES, read_launch, words_read
+from _read_floor import back_to_back_read_us
 from _timing import copy_bandwidth
 from triton.testing import do_bench
 
@@ -194,17 +194,9 @@ def cublas_path(rows: list[int]) -> str:
 
 
 def read_us(group: Group) -> float:
-    """Median µs per copy of the fastest load kernel of `_read_floor.SHAPES` reading each copy's concatenated weight
-    (a kernel that only reads the bytes the op reads, in one launch), timed as the GEMMs (`us_per_call`); every shape
-    is checked to read every word."""
-    sources = [weight.view(torch.int32) for weight in group.concatenated]
-    best = math.inf
-    for shape in SHAPES:
-        launches = [read_launch(src, shape) for src in sources]
-        best = min(best, us_per_call(lambda i, launches=launches: launches[i][0](), len(sources), 25, 100))
-        if not all(words_read(src, out) for src, (_, out) in zip(sources, launches, strict=True)):
-            raise AssertionError(f"the load kernel of shape {shape} missed words of group {group.name}")
-    return best
+    """Median µs per copy of a kernel that only reads each copy's concatenated weight (`back_to_back_read_us`: the
+    bytes the op reads, in one launch per call, timed as the GEMMs are)."""
+    return back_to_back_read_us(group.concatenated)
 
 
 def main_table(groups: list[Group], bandwidth: float) -> str:
@@ -232,7 +224,7 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
                     continue
                 times[name] = us_per_call(call, len(group.copies), warmup=25, rep=100)
                 cells.append(f"{times[name]:.1f} ({100 * floor / times[name]:.0f}%)")
-            cells.append(f"{read:.1f} ({100 * floor / read:.0f}%)")
+            cells.append(f"{read:.1f} ({100 * group.bytes_moved(0) / bandwidth * 1e6 / read:.0f}%)")  # weights only
             times["read"] = read
             ratios = [
                 f"{times[base] / times['op']:.2f}x" if {"op", base} <= times.keys() else "-"
