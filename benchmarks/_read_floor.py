@@ -3,6 +3,10 @@ L2 flush, the replay's own cost included. The readers: a few shapes of one Trito
 and cuBLAS multiplying 1, 8 or 16 tokens by the bytes as one concatenated bf16 weight (what a hand-stacked model's
 GEMM reads); the fastest counts.
 
+Also the same load kernel over copies of the bytes back to back in one graph (`back_to_back_read_us`): what a
+kernel that only reads a GEMM's weights takes among other kernels, as `multi_linear.py` times the GEMMs and as a
+draft step runs them.
+
 Not a benchmark itself (scripts/gpu_check.sh skips `_*.py`); CUDA only (Triton, imported here and nowhere on CPU).
 A write that reads B bytes of weights in one launch pays what one launch that only reads them pays, and more.
 """

@@ -193,12 +193,6 @@ def cublas_path(rows: list[int]) -> str:
     return "cuBLAS batched" if cublas_batches(rows) else "cuBLAS"
 
 
-def read_us(group: Group) -> float:
-    """Median µs per copy of a kernel that only reads each copy's concatenated weight (`back_to_back_read_us`: the
-    bytes the op reads, in one launch per call, timed as the GEMMs are)."""
-    return back_to_back_read_us(group.concatenated)
-
-
 def main_table(groups: list[Group], bandwidth: float) -> str:
     names = list(METHODS)
     lines = [
@@ -207,7 +201,7 @@ def main_table(groups: list[Group], bandwidth: float) -> str:
         "|---|---:|---|---:|" + "---:|" * (len(names) + 4),
     ]
     for group in groups:
-        read = read_us(group)
+        read = back_to_back_read_us(group.concatenated)  # per copy, each read once per replay, as the GEMMs
         for tokens in TOKENS:
             x = torch.randn(tokens, group.k, device="cuda", dtype=DTYPE)
             ref = torch.mm(x, group.concatenated[0].t())
