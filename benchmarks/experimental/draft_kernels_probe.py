@@ -89,11 +89,15 @@ def main() -> None:
                 "kernels, "
                 f"{sum(us for _, us in outside):.1f} µs\n"
             )
-            print("| # | kernel | µs in the graph | µs outside |\n|---|---|---|---|")
-            if [name for name, _ in in_graph] != [name for name, _ in outside]:
-                outside = [(name, float("nan")) for name, _ in in_graph]  # not the same kernels: no pairing
-            for index, ((kernel, us), (_, us_out)) in enumerate(zip(in_graph, outside, strict=True)):
-                print(f"| {index} | `{short_kernel_name(kernel, 110)}` | {us:.1f} | {us_out:.1f} |")
+            if [kernel for kernel, _ in in_graph] == [kernel for kernel, _ in outside]:
+                print("| # | kernel | µs in the graph | µs outside |\n|---|---|---|---|")
+                for index, ((kernel, us), (_, us_out)) in enumerate(zip(in_graph, outside, strict=True)):
+                    print(f"| {index} | `{short_kernel_name(kernel, 110)}` | {us:.1f} | {us_out:.1f} |")
+            else:  # not the same kernels (work a graph does once per capture): one table each
+                for where, sequence in (("in the graph", in_graph), ("outside", outside)):
+                    print(f"\n| # | kernel | µs {where} |\n|---|---|---|")
+                    for index, (kernel, us) in enumerate(sequence):
+                        print(f"| {index} | `{short_kernel_name(kernel, 110)}` | {us:.1f} |")
             sys.stdout.flush()
 
 
