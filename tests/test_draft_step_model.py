@@ -228,3 +228,13 @@ def test_speedup_bound_says_what_the_target_asks_against_the_read(read_us, verdi
     )
     assert f"and {read_us + 150.0:.1f} at the rate of a kernel that only reads their weights ({read_us:.1f}), " in line
     assert f"{verdict} the target; its GEMM kernels took 990.0 ({990.0 / read_us:.2f}x that read)" in line
+
+
+def test_gemm_read_us_weighs_each_family_by_its_calls_per_step():
+    """`gemm_read_us`: each family's read time (cached per byte count, as measured once per run) times its calls per
+    step (`calls` counts every profiled call)."""
+    calls = draft_step.PROFILED_CALLS
+    qkv = draft_step.GemmFamily("dspark::multi_linear", 16, 64, (64, 32, 32), "q_proj", calls=5 * calls)
+    context = draft_step.GemmFamily("dspark::multi_linear", 9, 64, (32,) * 6, "k_proj/v_proj", calls=calls)
+    reads = {qkv.weight_bytes(2): 3.0, context.weight_bytes(2): 7.0}
+    assert draft_step.gemm_read_us([qkv, context], 2, reads) == pytest.approx(5 * 3.0 + 7.0)
