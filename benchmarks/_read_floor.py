@@ -93,8 +93,7 @@ def words_read(src: torch.Tensor, out: torch.Tensor) -> bool:
 def triton_read_us(n_bytes: int, bench: dict[str, int]) -> float:
     """Median µs of the fastest of SHAPES reading `n_bytes` (rounded up to 16) of one random buffer, each launch
     captured alone in a CUDA graph and timed by replay with `median_us(**bench)`."""
-    words = -(-n_bytes // 16) * 4
-    src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
+    src = _random_words(n_bytes)
     best = float("inf")
     for shape in SHAPES:
         launch, out = read_launch(src, shape)
@@ -129,8 +128,12 @@ def read_sources(n_bytes: int) -> list[torch.Tensor]:
     """Random copies of `n_bytes` (rounded up to 16), enough of them (at least 2) for 3x the device's L2."""
     l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     copies = max(2, -(-3 * l2_bytes // n_bytes))
-    words = -(-n_bytes // 16) * 4
-    return [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+    return [_random_words(n_bytes) for _ in range(copies)]
+
+
+def _random_words(n_bytes: int) -> torch.Tensor:
+    """Random int32 words on the GPU filling `n_bytes` rounded up to 16."""
+    return torch.randint(-(2**31), 2**31 - 1, (-(-n_bytes // 16) * 4,), dtype=torch.int32, device="cuda")
 
 
 def trivial_replay_us(bench: dict[str, int]) -> float:

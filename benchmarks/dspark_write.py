@@ -291,11 +291,6 @@ def make_inputs(cfg: DraftKVConfig, tokens: int, device: str) -> tuple[torch.Ten
     return inputs
 
 
-def measure_ceilings(device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s, read + write; GEMM rate in FLOP/s of `dtype`): `_timing`'s measurements."""
-    return copy_bandwidth(device), gemm_rate(device, dtype)
-
-
 def kv_weight_bytes(cfg: DraftKVConfig) -> int:
     return cfg.num_layers * 2 * cfg.kv_size * cfg.hidden * cfg.dtype.itemsize
 
@@ -679,7 +674,7 @@ def report(
     harness_us: float | None,
 ) -> str:
     """The markdown report; `runs`: per config, its tables (one per spelling, timed together)."""
-    bandwidth, gemm_rate = ceilings
+    bandwidth, rate = ceilings
     if device == "cuda":
         import triton
 
@@ -700,7 +695,7 @@ def report(
         "",
         f"{where}; {datetime.date.today().isoformat()}; command `{command}`. Measured copy bandwidth "
         f"{bandwidth / 1e12:.3g} TB/s (read + write), {str(dtype).removeprefix('torch.')} GEMM "
-        f"{gemm_rate / 1e12:.3g} TFLOP/s. Times: {timing}.",
+        f"{rate / 1e12:.3g} TFLOP/s. Times: {timing}.",
         "",
         "- Cells: µs per call (time ÷ torch.compile in the same row; below 1.00x is faster). eager per-layer, "
         "stacked eager, both torch.compile columns and dspark_backend: replay of a manual `torch.cuda.CUDAGraph` "
@@ -801,7 +796,7 @@ def run_configs(
     `args.configs` timed (`run_config`), each sharded `ways` ways (`shard`; 1: whole), its label followed by `suffix`
     (if any); returns the configs' tables, the ceilings and the harness cost."""
     start = time.perf_counter()
-    ceilings = measure_ceilings(args.device, dtype)
+    ceilings = copy_bandwidth(args.device), gemm_rate(args.device, dtype)
     harness_us = None
     if args.device == "cuda":
         from _read_floor import trivial_replay_us
