@@ -489,8 +489,8 @@ def speedup_bound(
 
 
 def gemm_read_us(families: list[GemmFamily], itemsize: int, reads: dict[int, float]) -> float:
-    """µs per step that `_read_floor`'s load kernel takes to read the weights of every GEMM call of `families` once,
-    back to back (`back_to_back_read_us`; CUDA only, Triton); `reads` caches the time per byte count."""
+    """µs per step that the fastest of `_read_floor`'s read kernels takes to read the weights of every GEMM call of
+    `families` once, back to back (`back_to_back_read_us`; CUDA only); `reads` caches the time per byte count."""
     total = 0.0
     for family in families:
         n_bytes = family.weight_bytes(itemsize)

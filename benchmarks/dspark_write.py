@@ -30,8 +30,9 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
   floor µs           max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), both measured in the same run
                      (which one binds in brackets); reading ctx and writing the caches are not counted
   one-launch read µs CUDA: the fastest reader of the K/V weight bytes, timed as the other cells (graph replay after
-                     an L2 flush): a few shapes of one Triton kernel that only loads them (one buffer of that
-                     size), and cuBLAS multiplying 1, 8 or 16 tokens by them as one concatenated weight; what one launch
+                     an L2 flush): a few shapes of one Triton kernel that only loads them and of the copy engine
+                     (1-D bulk copies; sm_90) reading them (one buffer of that size), and cuBLAS multiplying 1, 8 or
+                     16 tokens by them as one concatenated weight; what one launch
                      that reads the weights measures here (the reader is named below the table)
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
@@ -711,7 +712,8 @@ def report(
         "- floor: max(K/V weight bytes / copy bandwidth, GEMM FLOPs / GEMM rate), the binding one in brackets; "
         "reading ctx and writing the caches are not counted. `÷ floor`: time ÷ floor. one-launch read (CUDA): the "
         "fastest reader of the K/V weight bytes, timed as the cells (graph replay after an L2 flush): a few shapes "
-        "of one Triton kernel that only loads them, and cuBLAS multiplying 1, 8 or 16 tokens by them as one "
+        "of one Triton kernel that only loads them and of the copy engine reading them (1-D bulk copies; sm_90), "
+        "and cuBLAS multiplying 1, 8 or 16 tokens by them as one "
         "concatenated weight (the reader of each table is named below it); what one launch that reads the weights "
         "measures here; "
         "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",

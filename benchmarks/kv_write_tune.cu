@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "bulk_read.cuh"
 #include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
 #include "linear/multi_linear_kv_write_fused.cuh"
@@ -66,42 +67,9 @@ __global__ void table_kernel(float* t, int rows, int rot) {
   t[i] = c < half ? cosf(angle) : sinf(angle);
 }
 
-// Pure read through the copy engine: CTA b streams its share of the buffer (whole 16 KB stages) through 8
-// shared-memory stages in 1-D bulk copies of kBytes, issued by the warp's lanes (what the size of one copy costs).
-constexpr int kReadStages = 8, kReadStage = 16384;
-template <int kBytes>
-__global__ void bulk_read_sized_kernel(const char* p, int64_t n, uint32_t* sink) {
-  extern __shared__ float4 dynamic_smem[];
-  char* ring = reinterpret_cast<char*>(dynamic_smem);
-  __shared__ uint64_t full[kReadStages];
-  const int64_t begin = n * blockIdx.x / gridDim.x / 16 * 16, end = n * (blockIdx.x + 1) / gridDim.x / 16 * 16;
-  constexpr int kPerStage = kReadStage / kBytes;  // copies per 16 KB stage
-  const int64_t steps = (end - begin) / kReadStage;
-  if (threadIdx.x == 0) {
-    for (int d = 0; d < kReadStages; ++d) mbar_init(full + d, 1);
-    mbar_init_fence();
-  }
-  __syncwarp();
-  const uint64_t once = evict_first_policy();
-  auto issue = [&](int64_t s) {
-    uint64_t* bar = full + s % kReadStages;
-    if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, kReadStage);
-    __syncwarp();
-    for (int c = threadIdx.x; c < kPerStage; c += 32) {
-      bulk_copy(ring + (s % kReadStages) * kReadStage + c * kBytes, p + begin + s * kReadStage + c * kBytes, kBytes,
-                bar, once);
-    }
-  };
-  uint32_t acc = 0;
-  for (int64_t s = 0; s < steps && s < kReadStages; ++s) issue(s);
-  for (int64_t s = 0; s < steps; ++s) {
-    mbar_wait(full + s % kReadStages, (s / kReadStages) & 1);
-    acc ^= reinterpret_cast<const uint32_t*>(ring + (s % kReadStages) * kReadStage)[threadIdx.x];
-    __syncwarp();
-    if (s + kReadStages < steps) issue(s + kReadStages);
-  }
-  if (acc == 0x12345678u) *sink = acc;
-}
+// Reads through the copy engine in 1-D bulk copies: bulk_read_kernel (bulk_read.cuh). Pure read through the
+// copy engine in 2-D boxes: below.
+constexpr int kReadStages = 8;
 
 // Pure read through the copy engine with a 2-D tensor map over the weights [rows, k] (box kBoxRows x 64 columns,
 // 128-byte swizzle, 8 stages): CTA b reads rows [b rows_per_cta, (b + 1) rows_per_cta), all columns.
@@ -550,19 +518,20 @@ void measure_reads(const ReadSetup& r) {
                 cold_us(call, copies, r.flush, r.flush_bytes));
   };
   char what[96];
+  uint32_t* sums;  // the bulk reads' per-CTA sums
+  CHECK(cudaMalloc(&sums, 2 * r.sms * sizeof(uint32_t)));
   auto sized = [&](auto kernel, int bytes_per_copy) {
-    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kReadStages * kReadStage));
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
     for (int ctas : {80, r.sms, 160, 2 * r.sms}) {
       std::snprintf(what, sizeof(what), "1-D copies of %5d B, %3d CTAs", bytes_per_copy, ctas);
-      report(what, [&](int i) {
-        kernel<<<ctas, 32, kReadStages * kReadStage>>>((const char*)r.w[i], r.bytes, r.sink);
-      });
+      report(what, [&](int i) { kernel<<<ctas, 32, kBulkSmemBytes>>>((const char*)r.w[i], r.bytes, sums); });
     }
   };
-  sized(bulk_read_sized_kernel<512>, 512);
-  sized(bulk_read_sized_kernel<1024>, 1024);
-  sized(bulk_read_sized_kernel<4096>, 4096);
-  sized(bulk_read_sized_kernel<16384>, 16384);
+  sized(bulk_read_kernel<512>, 512);
+  sized(bulk_read_kernel<1024>, 1024);
+  sized(bulk_read_kernel<4096>, 4096);
+  sized(bulk_read_kernel<16384>, 16384);
+  CHECK(cudaFree(sums));
   const int64_t total_rows = r.bytes / 2 / k;
   auto tensor = [&](auto kernel, int box_rows) {
     const int smem = kReadStages * box_rows * 128;

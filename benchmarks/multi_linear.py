@@ -15,10 +15,10 @@ M <= 64), cuBLAS batched (`_multi_linear_cublas(..., batched=True)`, the op's cu
 row blocks of one height in one `cublasGemmBatchedEx`, or ranges of one shape batched whole, and a single range of
 >= 4096 rows at M <= 64 as a strided batched GEMM of row blocks), cuBLAS per weight (one `mm` per weight), cuBLAS
 concat (one `mm` on a concatenated copy: a bound, not an option, since it needs a second copy of the weights), and
-read (the fastest shape of `_read_floor`'s load kernel reading each copy's concatenated weight, timed the same way: a
-kernel that only reads the weight bytes the op reads, in one launch per call; per group, as it does not depend on M;
-its "% copy" of those bytes alone). "op vs X": X's time ÷ the op's (below 1.00x the op is slower); against the
-faster of concat and read, what a group's "% copy" can reach in this harness.
+read (the fastest of `_read_floor`'s read kernels, loads or the copy engine, reading each copy's concatenated weight,
+timed the same way: a kernel that only reads the weight bytes the op reads, in one launch per call; per group, as it
+does not depend on M; its "% copy" of those bytes alone). "op vs X": X's time ÷ the op's (below 1.00x the op is
+slower); against the faster of concat and read, what a group's "% copy" can reach in this harness.
 
     python benchmarks/multi_linear.py --out multi_linear.md           # the table (about a minute)
     python benchmarks/multi_linear.py --sweep --out sweep.md          # every kernel variant x split, M <= 64
