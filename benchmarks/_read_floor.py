@@ -117,9 +117,9 @@ def bulk_ctas(shape: tuple[int, int]) -> int:
 
 def bulk_launch(src: torch.Tensor, shape: tuple[int, int]) -> ReadLaunch:
     """A launch of the copy-engine read of `shape` (one of BULK_SHAPES) over the int32 words of `src` (contiguous)
-    on the current stream, and the tensor of per-CTA sums it writes (`words_read` checks them)."""
+    on the current stream, and the tensor of per-lane sums it writes (`words_read` checks them)."""
     copy_bytes, ctas = shape[0], bulk_ctas(shape)
-    out = torch.empty(ctas, dtype=torch.int32, device=src.device)
+    out = torch.empty(32 * ctas, dtype=torch.int32, device=src.device)
     library = _bulk_library()
 
     def launch() -> None:

@@ -26,8 +26,8 @@ cudaError_t launch(const char* src, int64_t n, int ctas, uint32_t* sums, cudaStr
 }  // namespace
 
 // Reads the `n` bytes at `src` (both multiples of 16) with `ctas` CTAs in copies of `copy_bytes` (4096 or 16384) on
-// `stream`, writing each CTA's sum of the 32-bit words it read to sums[0..ctas). Returns a cudaError_t (0: launched;
-// cudaErrorInvalidValue for arguments outside those).
+// `stream`, writing each lane's sum of the 32-bit words it read to sums[0..32 ctas). Returns a cudaError_t (0:
+// launched; cudaErrorInvalidValue for arguments outside those).
 extern "C" __attribute__((visibility("default"))) int dspark_bulk_read(const void* src, int64_t n, int ctas,
                                                                         int copy_bytes, uint32_t* sums,
                                                                         void* stream) {

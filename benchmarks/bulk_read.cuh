@@ -1,8 +1,10 @@
 // A read of a buffer through the copy engine, nothing else (sm_90): the CTAs split the buffer into stages of 16 KB
 // (the last one shorter), and each CTA streams its contiguous share of them through kBulkStages shared-memory slots
 // in 1-D bulk copies (cp.async.bulk) of kBytes each, completing on one mbarrier per slot, issued by the lanes of its
-// one warp. The warp adds up every 32-bit word of every stage (wrapping) and writes the CTA's sum to sums[blockIdx.x],
-// so a caller can check that every byte was read. The copies carry the evict-first L2 policy (the bytes are read once).
+// one warp. Each lane adds up its 32-bit words of every stage (wrapping) into sums[32 * blockIdx.x + lane], so a
+// caller can check that every byte was read. The copies carry the evict-first L2 policy (the bytes are read once).
+// tests/test_bulk_read_emulation.py runs it on the host (DSPARK_KERNEL_EMULATION: copies landing late and out of
+// order).
 //
 // A reader for the read floors of the benchmarks (benchmarks/bulk_read.cu, through benchmarks/_read_floor.py) and
 // for benchmarks/kv_write_tune.cu: per copy the copy engine costs a fixed time, so copies of a few KB let few CTAs
@@ -18,14 +20,24 @@
 namespace dspark {
 
 constexpr int kBulkStages = 8, kBulkStageBytes = 16384;
-constexpr int kBulkSmemBytes = kBulkStages * kBulkStageBytes;
+// Dynamic shared memory: the slots, then one mbarrier per slot.
+constexpr int kBulkSmemBytes = kBulkStages * kBulkStageBytes + kBulkStages * 8;
 
-// `n` bytes at `p` (n and p multiples of 16); `sums` holds gridDim.x words. kBytes divides the stage.
+__device__ __forceinline__ uint4* bulk_smem() {
+#if defined(DSPARK_KERNEL_EMULATION)
+  return reinterpret_cast<uint4*>(emu_cta_smem());
+#else
+  extern __shared__ uint4 bulk_dynamic_smem[];
+  return bulk_dynamic_smem;
+#endif
+}
+
+// `n` bytes at `p` (n and p multiples of 16); `sums` holds 32 * gridDim.x words. kBytes divides the stage.
 template <int kBytes>
 __global__ void __launch_bounds__(32) bulk_read_kernel(const char* p, int64_t n, uint32_t* sums) {
   static_assert(kBulkStageBytes % kBytes == 0 && kBytes % 16 == 0, "copies of whole 16-byte units, a stage apart");
-  extern __shared__ uint4 bulk_ring[];
-  __shared__ uint64_t full[kBulkStages];
+  uint4* const bulk_ring = bulk_smem();
+  uint64_t* const full = reinterpret_cast<uint64_t*>(bulk_ring + kBulkStages * (kBulkStageBytes / 16));
   const int64_t stages = (n + kBulkStageBytes - 1) / kBulkStageBytes;
   const int64_t first = stages * blockIdx.x / gridDim.x, last = stages * (blockIdx.x + 1) / gridDim.x;
   const int lane = static_cast<int>(threadIdx.x);
@@ -44,7 +56,7 @@ __global__ void __launch_bounds__(32) bulk_read_kernel(const char* p, int64_t n,
     const uint32_t bytes = stage_bytes(s);
     uint64_t* bar = full + slot;
     if (lane == 0) mbar_arrive_expect_tx(bar, bytes);
-    __syncwarp();
+    __syncwarp();  // the stage's bytes announced, and every lane done reading the slot's previous stage
     char* dst = reinterpret_cast<char*>(bulk_ring) + slot * kBulkStageBytes;
     const char* src = p + s * kBulkStageBytes;
     for (uint32_t at = static_cast<uint32_t>(lane) * kBytes; at < bytes; at += 32u * kBytes) {
@@ -59,11 +71,9 @@ __global__ void __launch_bounds__(32) bulk_read_kernel(const char* p, int64_t n,
     const uint4* stage = bulk_ring + slot * (kBulkStageBytes / 16);
     const int vectors = static_cast<int>(stage_bytes(s) / 16);
     for (int v = lane; v < vectors; v += 32) sum += stage[v].x + stage[v].y + stage[v].z + stage[v].w;
-    __syncwarp();  // every lane has read the slot before it is refilled
     if (s + kBulkStages < last) issue(s + kBulkStages);
   }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) sums[blockIdx.x] = sum;
+  sums[32 * blockIdx.x + lane] = sum;
 }
 
 }  // namespace dspark

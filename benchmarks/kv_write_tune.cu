@@ -518,8 +518,8 @@ void measure_reads(const ReadSetup& r) {
                 cold_us(call, copies, r.flush, r.flush_bytes));
   };
   char what[96];
-  uint32_t* sums;  // the bulk reads' per-CTA sums
-  CHECK(cudaMalloc(&sums, 2 * r.sms * sizeof(uint32_t)));
+  uint32_t* sums;  // the bulk reads' per-lane sums
+  CHECK(cudaMalloc(&sums, 32 * 2 * r.sms * sizeof(uint32_t)));
   auto sized = [&](auto kernel, int bytes_per_copy) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
     for (int ctas : {80, r.sms, 160, 2 * r.sms}) {
