@@ -95,7 +95,9 @@ def _bulk_library() -> ctypes.CDLL:
     target = Path(tempfile.mkdtemp(prefix="dspark_bulk_read_")) / "bulk_read.so"
     command = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared"]
     command += ["-gencode=arch=compute_90a,code=sm_90a", str(source), "-o", str(target)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    built = subprocess.run(command, capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"nvcc could not build {source}:\n{built.stderr[-2000:]}")
     library = ctypes.CDLL(str(target))
     library.dspark_bulk_read.restype = ctypes.c_int
     library.dspark_bulk_read.argtypes = [
