@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import pytest
+import torch
 from multi_linear_emulation_shim import build
 
 pytestmark = pytest.mark.slow  # builds a C++ library (seconds cold)
@@ -66,16 +66,17 @@ def emu(emulation_cache):
     ],
 )
 def test_every_word_is_added_once(emu, n_bytes, ctas, copy_bytes):
-    words = np.random.default_rng(n_bytes).integers(0, 2**32, n_bytes // 4, dtype=np.uint32)
-    sums = np.full(32 * ctas, 0xDEADBEEF, dtype=np.uint32)
-    assert emu.emu_bulk_read(words.ctypes.data, n_bytes, ctas, copy_bytes, sums.ctypes.data) == 0
-    assert int(sums.astype(np.uint64).sum()) % 2**32 == int(words.astype(np.uint64).sum()) % 2**32
+    torch.manual_seed(n_bytes)
+    words = torch.randint(-(2**31), 2**31 - 1, (n_bytes // 4,), dtype=torch.int32)
+    sums = torch.full((32 * ctas,), -0x21524111, dtype=torch.int32)  # 0xDEADBEEF: a lane that writes nothing shows
+    assert emu.emu_bulk_read(words.data_ptr(), n_bytes, ctas, copy_bytes, sums.data_ptr()) == 0
+    assert sums.long().sum() % 2**32 == words.long().sum() % 2**32
     # each word to the lane that reads its 16-byte vector: vector v of a stage goes to lane v % 32
     stage_words = 16384 // 4
     stages = -(-n_bytes // 16384)
-    expected = np.zeros(32 * ctas, dtype=np.uint64)
+    expected = torch.zeros(32 * ctas, dtype=torch.int64)
     for cta in range(ctas):
         for stage in range(stages * cta // ctas, stages * (cta + 1) // ctas):
-            part = words[stage * stage_words : (stage + 1) * stage_words].astype(np.uint64).reshape(-1, 4).sum(1)
-            np.add.at(expected, 32 * cta + np.arange(part.size) % 32, part)
-    assert np.array_equal(sums, (expected % 2**32).astype(np.uint32))
+            part = words[stage * stage_words : (stage + 1) * stage_words].long().view(-1, 4).sum(1)
+            expected.index_add_(0, 32 * cta + torch.arange(part.numel()) % 32, part)
+    assert torch.equal(sums.long() % 2**32, expected % 2**32)

@@ -146,7 +146,8 @@ def test_every_project_include_resolves_relative_to_csrc():
     """`#include "<family>/<header>"` everywhere (the build passes -I csrc; the emulation tests and the benchmark
     programs do the same). The benchmark programs' own headers (benchmarks/tune_*.cuh, and the experimental
     kernels of benchmarks/experimental/ that no op uses) are named from the including file's folder or, for
-    `experimental/<header>`, from benchmarks/."""
+    `experimental/<header>`, from benchmarks/; the emulation tests, built with -I benchmarks too, name the benchmark
+    headers from there."""
     benchmarks = ROOT / "benchmarks"
     users = [*CSRC.rglob("*.c*"), *CSRC.rglob("*.h"), *benchmarks.glob("*.cu"), *benchmarks.glob("experimental/*")]
     users += [p for p in (ROOT / "tests").glob("test_*emulation*.py")]
@@ -155,7 +156,8 @@ def test_every_project_include_resolves_relative_to_csrc():
         for name in re.findall(r'^\s*#include "([^"]+)"', path.read_text(), flags=re.M):
             if name.startswith(("cuda_", "driver")):  # the emulation shims' own headers
                 continue
-            where = [CSRC / name, benchmarks / name] if name.startswith("experimental/") else [CSRC / name]
+            from_benchmarks = name.startswith("experimental/") or path.parent == ROOT / "tests"
+            where = [CSRC / name, benchmarks / name] if from_benchmarks else [CSRC / name]
             if benchmarks in path.parents:
                 where.append(path.parent / name)
             if not any(p.is_file() for p in where):
