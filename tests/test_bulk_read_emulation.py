@@ -1,7 +1,7 @@
 """The benchmarks' copy-engine read (benchmarks/bulk_read.cuh) run on the host by the kernel emulation
 (tests/multi_linear_emulation_shim.py: bulk copies landing late and out of order on the mbarriers): every 32-bit word
 of the buffer is added into the lanes' sums exactly once, for whole and ragged last stages, CTAs with several rounds of
-the slot ring, CTAs with no stage, and every copy size the benchmarks use."""
+the slot ring, CTAs with no stage, and both copy sizes of benchmarks/bulk_read.cu."""
 
 from __future__ import annotations
 
