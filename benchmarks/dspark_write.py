@@ -32,8 +32,8 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
   one-launch read µs CUDA: the fastest reader of the K/V weight bytes, timed as the other cells (graph replay after
                      an L2 flush): a few shapes of one Triton kernel that only loads them and of the copy engine
                      (1-D bulk copies; sm_90) reading them (one buffer of that size), and cuBLAS multiplying 1, 8 or
-                     16 tokens by them as one concatenated weight; what one launch
-                     that reads the weights measures here (the reader is named below the table)
+                     16 tokens by them as one concatenated weight; what one launch that reads the weights measures
+                     here (the reader is named below the table)
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
                      k_norm, one RoPE, per-layer writes
