@@ -10,7 +10,7 @@
 // from the math.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
-//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | forms | profile [config [T [all]]]]
+//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | forms | wide | profile [config [T [all]]]]
 //
 // (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this, TUNE_ARGS=regs for
 // `regs`). Per config and T in {1, 8, 16, 32, 64}: every candidate's caches are checked three times against
@@ -28,7 +28,8 @@
 // `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
 // 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `forms`: the op's fused kernel at 1, 8 and 16
 // tokens with the K/V weights in one slab, inside q/k/v weights or each in its own allocation, and its epilogue
-// reading a halves or pairs table or inverse frequencies, or no RoPE, with or without a norm (`measure_forms`). `profile`: one config
+// reading a halves or pairs table or inverse frequencies, or no RoPE, with or without a norm (`measure_forms`). `wide`:
+// 32 and 64 tokens only, no reads (the wide tiles against each other). `profile`: one config
 // (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`, every candidate, one check and
 // three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
@@ -584,6 +585,8 @@ int main(int argc, char** argv) {
   const bool regs_only = argc > 1 && std::strcmp(argv[1], "regs") == 0;
   // `forms`: the op's fused kernel at 1 / 8 / 16 tokens, its weights placed three ways, its epilogue in six forms
   const bool forms = argc > 1 && std::strcmp(argv[1], "forms") == 0;
+  // `wide`: 32 and 64 tokens only (the op's wide tile and the tensor-map tiles), no reads
+  const bool wide_only = argc > 1 && std::strcmp(argv[1], "wide") == 0;
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
@@ -655,12 +658,13 @@ int main(int argc, char** argv) {
                   100.0 * floor_us / loads,
                   cold_us([&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); },
                           copies, flush, flush_bytes));
-    } else if (!profile && !forms) {
+    } else if (!profile && !forms && !wide_only) {
       measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
     }
     for (int tokens : {1, 8, 16, 32, 64}) {
       if (profile && tokens != profile_tokens) continue;
       if (forms && tokens > 16) continue;
+      if (wide_only && tokens <= 16) continue;
       auto args_for = [&](int i) {
         KvWriteArgs a{};
         Params& p = a.gemm;
