@@ -34,6 +34,10 @@ of the same row (below 1.00x: faster than torch.compile). Columns:
                      (1-D bulk copies; sm_90) reading them (one buffer of that size), and cuBLAS multiplying 1, 8 or
                      16 tokens by them as one concatenated weight; what one launch that reads the weights measures
                      here (the reader is named below the table)
+  one GEMM µs        CUDA: cuBLAS multiplying the row's T tokens by one concatenated copy of the K/V weights, alone
+                     in a graph, timed as the other cells: the hand-stacked compile's GEMM without its norm, RoPE and
+                     writes, so a write that must beat a ratio of the hand-stacked time below it must be faster
+                     than the best library GEMM of the same matrices alone
   eager per-layer    `DraftKVWriter` as is: per layer one GEMM on its qkv weight's K/V rows, k_norm, RoPE, 2 writes
   stacked eager      sglang-style: the layers' K/V rows concatenated once (a weight copy), one GEMM, one batched
                      k_norm, one RoPE, per-layer writes
@@ -258,6 +262,7 @@ class Row:
     path: str
     times: dict[str, float | str] = field(default_factory=dict)  # µs, or why there is no time
     control: float = float("nan")  # a second torch.compile copy ÷ the first, timed in the same interleave
+    gemm_us: float | None = None  # cuBLAS: the row's T tokens x one concatenated copy of the K/V weights (CUDA only)
 
 
 @dataclass
@@ -550,12 +555,16 @@ def run_config(
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-        from _read_floor import one_launch_read
+        from _read_floor import cublas_read_us, one_launch_read
 
         read = one_launch_read(kv_weight_bytes(cfg), cfg.hidden, BENCH)
         print(f"  one-launch read of {kv_weight_bytes(cfg) / 1e6:.3g} MB: {read.us:.1f} µs ({read.reader})", flush=True)
+        gemms = {t: cublas_read_us(kv_weight_bytes(cfg), cfg.hidden, t, BENCH) for t in tokens_list}
+        print(f"  cuBLAS one GEMM µs per T: { {t: round(us, 1) for t, us in gemms.items()} }", flush=True)
         for run in runs:
             run.read_us, run.reader = read.us, read.reader
+            for row in run.rows:
+                row.gemm_us = gemms[row.tokens]
     return runs
 
 
@@ -586,6 +595,7 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
         "T",
         "floor µs",
         "one-launch read µs",
+        "one GEMM µs",
         *names,
         *(f"{name} ÷ floor" for name in FLOOR_RATIOS),
         "dspark_backend ÷ hand-stacked",
@@ -617,8 +627,9 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
             copy_bound = row.floor_bound == "copy"  # elsewhere the GEMM, not the read, bounds the write
             by_read = f"{dspark / run.read_us:.2f}x" if isinstance(dspark, float) and copy_bound else "—"
         floor = f"{row.floor_us:.1f} ({row.floor_bound})"
+        gemm = "n/a (cpu)" if row.gemm_us is None else f"{row.gemm_us:.1f}"
         lines.append(
-            f"| {row.tokens} | {floor} | {read} | "
+            f"| {row.tokens} | {floor} | {read} | {gemm} | "
             + " | ".join([*cells, *ratios, by_read, f"{row.control:.3f}x"])
             + f" | {row.path} |"
         )
@@ -716,7 +727,9 @@ def report(
         "and cuBLAS multiplying 1, 8 or 16 tokens by them as one "
         "concatenated weight (the reader of each table is named below it); what one launch that reads the weights "
         "measures here; "
-        "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write).",
+        "`÷ read`: dspark_backend ÷ that, in rows whose floor is the copy (elsewhere the GEMM bounds the write). "
+        "one GEMM (CUDA): cuBLAS multiplying the row's T tokens by one concatenated copy of the K/V weights, alone "
+        "in a graph, timed as the cells: the hand-stacked compile's GEMM without its norm, RoPE and writes.",
         "- dspark path: the op dspark_backend lowered the layers' K/V to (multi_linear_kv_write: GEMM, k_norm, RoPE "
         "and cache writes in one op; multi_linear: one GEMM, the rest by Inductor); below a table, the reason the "
         "passes gave for K/V writes they kept off multi_linear_kv_write. Tables of a spelling other than `reference` "
