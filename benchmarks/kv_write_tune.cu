@@ -3,14 +3,13 @@
 // other configurations (k-warps, columns per lane, chunks in flight, clusters of 1, 2 and 4: BENCHMARKS.md, "The
 // fused kernel loads into registers"), the previous fused tile (multi_linear_kernel with KvWriteEpilogue, cp.async
 // per lane; also in clusters of 2 and 4) and leaner tiles of it (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8:
-// "Lean fused tiles in clusters"), every variant and cluster split of the experimental streaming kernel (bulk
-// copies, experimental/kv_write_stream_kernel.cuh), the op's opt-in wide tile (wgmma, 64 tokens per tile) and the
+// "Lean fused tiles in clusters"), the op's opt-in wide tile (wgmma, 64 tokens per tile) and the
 // experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh), on
 // the draft configs of benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern
 // from the math.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icustom_ops/csrc \
-//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | forms | wide | profile [config [T [all]]]]
+//        benchmarks/kv_write_tune.cu -o kv_write_tune && ./kv_write_tune [regs | forms | wide | small | profile [config [T [all]]]]
 //
 // (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this, TUNE_ARGS=regs for
 // `regs`). Per config and T in {1, 8, 16, 32, 64}: every candidate's caches are checked three times against
@@ -23,13 +22,12 @@
 //         latency included.
 // Reads measured in the same run, against the copy rate (device-to-device copy, read + write): 16-byte loads over
 // the whole grid; bulk copies of 16 KB by 80 / 132 / 160 / 264 CTAs; 1-D bulk copies of 512 B / 1 KB / 4 KB by 80
-// and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B; and the streaming kernel's own copy sequence
-// with a consumer that only frees the slots (its weight traffic without its math).
+// and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B.
 // `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
 // 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `forms`: the op's fused kernel at 1, 8 and 16
 // tokens with the K/V weights in one slab, inside q/k/v weights or each in its own allocation, and its epilogue
 // reading a halves or pairs table or inverse frequencies, or no RoPE, with or without a norm (`measure_forms`). `wide`:
-// 32 and 64 tokens only, no reads (the wide tiles against each other). `profile`: one config
+// 32 and 64 tokens only, no reads (the wide tiles against each other); `small`: the reads and 1, 8 and 16 tokens. `profile`: one config
 // (default qwen3-8b) at one T (default 8), the previous fused tile and, with `all`, every candidate, one check and
 // three launches each, no timing: for ncu or compute-sanitizer.
 #include <cuda.h>
@@ -47,7 +45,6 @@
 #include <vector>
 
 #include "bulk_read.cuh"
-#include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
 #include "linear/multi_linear_kv_write_fused.cuh"
 #include "linear/multi_linear_kv_write_wide.cuh"
@@ -136,36 +133,6 @@ CUtensorMap tensor_map_2d(const void* base, int64_t rows, int k, int64_t row_str
 }
 
 CUtensorMap weight_map(const T* w, int64_t rows, int k, int box_rows) { return tensor_map_2d(w, rows, k, k, box_rows); }
-
-// The streaming kernel's producer (its exact copy sequence) with a consumer that only waits and frees the slots: the
-// weight traffic of the streaming kernel without its math.
-template <int kCols, int D, int kGroups, bool kRotate>
-__global__ void stream_read_kernel(const __grid_constant__ KvWriteArgs args) {
-  constexpr StreamLayout l = stream_layout(StreamVariant{kCols, D, kRotate}, 16 * kGroups, 0);
-  char* smem = reinterpret_cast<char*>(cta_smem());
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + l.bars);
-  uint64_t* empty = full + D;
-  const int chunks = (args.gemm.k + kCols - 1) / kCols;
-  const int rot = kRotate ? int(blockIdx.x % chunks) : 0;
-  if (threadIdx.x == 0) {
-    for (int d = 0; d < D; ++d) {
-      mbar_init(full + d, 1);
-      mbar_init(empty + d, 1);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x >= 32) {
-    stream_produce<T, kCols, D, kGroups>(args.gemm, l, smem, full, empty, int64_t(blockIdx.x) * 16 * kGroups, 0,
-                                         chunks, rot, threadIdx.x - 32);
-    return;
-  }
-  for (int stage = 0; stage < chunks * kGroups; ++stage) {
-    mbar_wait(full + stage % D, (stage / D) & 1);
-    __syncwarp();
-    if (threadIdx.x == 0) mbar_arrive(empty + stage % D);
-  }
-}
 
 struct DraftConfig {
   const char* name;
@@ -475,29 +442,16 @@ std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms, boo
   } else {
     lean_candidates<V, 2>(out, heads);
   }
-  for (int s = 0; s < kNumStreamVariants; ++s) {
-    const StreamVariant v = kStreamVariants[s];
-    for (int split : {1, 2}) {
-      const int smem = stream_smem_bytes<V>(s, nt);
-      if (smem > kMaxSmemBytes) continue;
-      char name[96];
-      std::snprintf(name, sizeof(name), "stream v%d (%d cols x %d stages, %s, %d KB) split %d", s, v.cols, v.stages,
-                    v.rotate ? "rotated" : "in order", smem / 1024, split);
-      out.push_back(plain_candidate(name, stream_kernel_for<T, V>(s, tokens), heads * split, kStreamThreads, smem,
-                                    split));
-    }
-  }
   wide_candidates<V>(out, heads);
   return out;
 }
 
-// What the reads of one config need: the weight copies (each `bytes` of [rows, k] bf16), the heads (CTAs of the
-// streaming kernel), the floor and the L2 flush buffer.
+// What the reads of one config need: the weight copies (each `bytes` of [rows, k] bf16), the floor and the L2 flush
+// buffer.
 struct ReadSetup {
   const std::vector<T*>& w;
   int64_t bytes;
   int k, head_dim;
-  int64_t heads;
   int sms;
   double floor_us;
   void* flush;
@@ -505,8 +459,7 @@ struct ReadSetup {
   uint32_t* sink;
 };
 
-// The reads of the same weights with nothing else: 16-byte loads, 1-D bulk copies by size and CTA count, 2-D boxes,
-// and the streaming kernel's own copy sequence.
+// The reads of the same weights with nothing else: 16-byte loads, 1-D bulk copies by size and CTA count, 2-D boxes.
 void measure_reads(const ReadSetup& r) {
   const int copies = static_cast<int>(r.w.size()), k = r.k;
   const float loads = warm_us(
@@ -549,29 +502,6 @@ void measure_reads(const ReadSetup& r) {
   tensor(tensor_read_kernel<16>, 16);
   tensor(tensor_read_kernel<64>, 64);
   tensor(tensor_read_kernel<128>, 128);
-  auto args = [&](int i) {
-    KvWriteArgs a{};
-    a.gemm.k = k;
-    a.gemm.num_segments = 1;
-    a.gemm.segment_end[0] = total_rows;
-    a.gemm.weight[0] = r.w[i];
-    a.gemm.weight_stride[0] = k;
-    return a;
-  };
-  auto stream = [&](auto kernel, const char* name, int cols, int stages) {
-    const int smem = stream_layout(StreamVariant{cols, stages, 0}, r.head_dim, 0).total;
-    std::snprintf(what, sizeof(what), "streaming kernel's copies, %s", name);
-    report(what, [&](int i) { launch(kernel, args(i), r.heads, 64, smem, 1); });
-  };
-  if (r.head_dim == 128) {
-    stream(stream_read_kernel<2048, 3, 8, false>, "2048 cols x 3 stages", 2048, 3);
-    stream(stream_read_kernel<2048, 3, 8, true>, "2048 cols x 3 stages, rotated", 2048, 3);
-    stream(stream_read_kernel<1024, 6, 8, false>, "1024 cols x 6 stages", 1024, 6);
-    stream(stream_read_kernel<1024, 6, 8, true>, "1024 cols x 6 stages, rotated", 1024, 6);
-  } else {
-    stream(stream_read_kernel<1024, 3, 4, false>, "1024 cols x 3 stages", 1024, 3);
-    stream(stream_read_kernel<1024, 3, 4, true>, "1024 cols x 3 stages, rotated", 1024, 3);
-  }
 }
 
 int main(int argc, char** argv) {
@@ -587,6 +517,8 @@ int main(int argc, char** argv) {
   const bool forms = argc > 1 && std::strcmp(argv[1], "forms") == 0;
   // `wide`: 32 and 64 tokens only (the op's wide tile and the tensor-map tiles), no reads
   const bool wide_only = argc > 1 && std::strcmp(argv[1], "wide") == 0;
+  // `small`: the reads, then 1, 8 and 16 tokens only (the fused kernel's range)
+  const bool small_only = argc > 1 && std::strcmp(argv[1], "small") == 0;
   int sms = 0, l2 = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
@@ -659,12 +591,13 @@ int main(int argc, char** argv) {
                   cold_us([&](int i) { tune::read_kernel<<<sms * 8, 512>>>((const uint4*)w[i], bytes / 16, sink); },
                           copies, flush, flush_bytes));
     } else if (!profile && !forms && !wide_only) {
-      measure_reads({w, bytes, k, cfg.head_dim, heads, sms, floor_us, flush, flush_bytes, sink});
+      measure_reads({w, bytes, k, cfg.head_dim, sms, floor_us, flush, flush_bytes, sink});
     }
     for (int tokens : {1, 8, 16, 32, 64}) {
       if (profile && tokens != profile_tokens) continue;
       if (forms && tokens > 16) continue;
       if (wide_only && tokens <= 16) continue;
+      if (small_only && tokens > 16) continue;
       auto args_for = [&](int i) {
         KvWriteArgs a{};
         Params& p = a.gemm;

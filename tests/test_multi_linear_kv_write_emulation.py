@@ -7,12 +7,11 @@ fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and wit
 of the GEMM path's heads kernel, persistent warps through a ring and a warp per unit (any head_dim multiple of 8 up
 to 256, fed the projections rounded to the input dtype as the GEMM path does), the warp per unit compiled for each
 form drafts are written in (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one), and
-the op's opt-in wide tile (warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So do the experimental kernels in
-benchmarks/experimental/, which no op launches, so that a change of one can be checked here first: the streaming
-kernel (kv_write_stream_kernel.cuh: bulk copies completing on mbarriers) and the wide tile with tensor-map copies
-(kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison; written rows
-must match the reference within the dtype's rounding. The GPU's own runs are tests/test_multi_linear_kv_write_cuda.py.
-Skipped without a C++20 compiler.
+the op's opt-in wide tile (warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So does the experimental kernel in
+benchmarks/experimental/, which no op launches, so that a change of it can be checked here first: the wide tile with
+tensor-map copies (kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison;
+written rows must match the reference within the dtype's rounding. The GPU's own runs are
+tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ pytestmark = (
 
 DRIVER = r"""
 #include "linear/multi_linear_kv_write_fused.cuh"
-#include "experimental/kv_write_stream_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
 #include "linear/multi_linear_kv_write_common.cuh"
 #include <memory>
@@ -82,13 +80,6 @@ static void fused(const KvWriteArgs& args, int64_t rows, int split, int grid, in
   auto kernel = variant == 0 ? &kv_write_fused_kernel<T, V, NT> : &kv_write_fused_kernel<T, V, NT, 1, 16, 2>;
   const int threads = variant == 0 ? fused_threads<V, kFusedKWarps>() : fused_threads<V, 1>();
   run_grid<KvWriteArgs>(kernel, args, rows / (32 * V) * grid, split, threads, 1, 1, fused_smem_bytes<V, NT>());
-}
-
-template <typename T, int V>
-static void stream(const KvWriteArgs& args, int64_t rows, int split, int variant) {
-  const int n_tiles = token_tiles(args.gemm.tokens);
-  run_grid<KvWriteArgs>(stream_kernel_for<T, V>(variant, args.gemm.tokens), args, rows / (32 * V), split,
-                        kStreamThreads, kStreamConsumerWarps, 1, stream_smem_bytes<V>(variant, n_tiles));
 }
 
 // The op's wide tile (one warpgroup per head of kRows rows).
@@ -185,9 +176,6 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     if (d == 64) path == 3 ? wide<T, 64>(args, rows) : wide_tma<T, 64>(args, rows);
     else path == 3 ? wide<T, 128>(args, rows) : wide_tma<T, 128>(args, rows);
-  } else if (path == 2) {
-    const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
-    d == 64 ? stream<T, 2>(args, rows, split, variant) : stream<T, 4>(args, rows, split, variant);
   } else if (path == 1) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     const bool two = token_tiles(args.gemm.tokens) > 1;
@@ -202,9 +190,9 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
   }
 }
 
-// ints: bf16, path (0 heads (ring), 1 fused kernel, 2 streaming, 3 wide tile, 4 wide tile with tensor maps, 5 heads
-//       (a warp per unit), 6 the compiled-form heads kernel),
-//       split (fused, streaming) or heads per warp (heads),
+// ints: bf16, path (0 heads (ring), 1 fused kernel, 3 wide tile, 4 wide tile with tensor maps, 5 heads (a warp per
+//       unit), 6 the compiled-form heads kernel),
+//       split (fused) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
 extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* const* ptrs, const int64_t* strides,
@@ -213,8 +201,8 @@ extern "C" void emu_kv_write(const int* ints, const int64_t* longs, const void* 
   KvWriteArgs args{};
   Params& p = args.gemm;
   KvWrite& kv = args.kv;
-  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, variant (fused,
-  //        streaming), heads-kernel CTAs at most, fused grid multiple, table form
+  // longs: x_stride, loc_s0, loc_s1, commit_stride, positions_stride, slots, ld, wrap_negative, variant (fused),
+  //        heads-kernel CTAs at most, fused grid multiple, table form
   p.x = ptrs[0];
   p.x_stride = longs[0];
   p.tokens = tokens;
@@ -407,7 +395,7 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-PATHS = {"heads": 0, "fused": 1, "stream": 2, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6}
+PATHS = {"heads": 0, "fused": 1, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6}
 # the GEMM path's heads kernels: persistent warps through a ring, a warp per unit, and a warp per unit compiled for
 # the call's form (linear/multi_linear_kv_write_common.cuh; only the tests named heads_common_form run it)
 HEADS_KERNELS = ["heads", "heads_unit", "heads_common"]
@@ -427,7 +415,7 @@ def _emulate(
     grid: int = 1,
     past_last: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Run the fused kernel or the streaming kernel (variant `variant`; both in clusters of `split` CTAs) or,
+    """Run the fused kernel (variant `variant`, in clusters of `split` CTAs), a wide tile or,
     with the projections of the GEMM path rounded to x's dtype, the heads kernel (up to `per_unit` heads per unit,
     at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has heads;
     `past_last` (a cache laid out like layer 0's, a cos/sin table) fills the table entries past the last layer."""
@@ -589,42 +577,6 @@ def test_fused_kernel_chunks_over_k_parts(emu, head_dim, rot, neox, variant, spl
 def test_fused_kernel_without_norm_or_rope(emu):
     _check(emu, Spec(norm=False), kernel="fused")
     _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="fused")
-
-
-@pytest.mark.parametrize(
-    ("head_dim", "rot", "neox", "variant", "two_tiles"),
-    [
-        (64, 64, True, 1, 11),
-        (64, 24, False, 0, 16),
-        (128, 128, False, 1, 11),
-        (128, 44, True, 0, 16),
-        (128, 44, False, 2, 11),
-        (64, 24, True, 3, 16),
-    ],
-)
-def test_stream_kernel(emu, head_dim, rot, neox, variant, two_tiles):
-    """The streaming kernel: one head per CTA, the weights through the mbarrier ring, every compiled variant (chunk
-    order rotated by head or not). K = 2104 is 2 whole chunks of 1024 columns and a ragged one of 56, so most
-    consumer warps get no live column of the last chunk and most of its ring row is never copied; full and partial
-    rotary, both RoPE styles; 1 token (one token tile) and `two_tiles` tokens (two token tiles: 11, the second
-    partial, or 16)."""
-    for tokens in (1, two_tiles):
-        spec = Spec(tokens=tokens, hidden=2104, head_dim=head_dim, rot=rot, neox=neox)
-        _check(emu, spec, kernel="stream", variant=variant, seed=tokens)
-
-
-@pytest.mark.parametrize(("split", "hidden", "variant"), [(2, 2104, 1), (3, 1040, 0)])
-def test_stream_kernel_cluster_split_commit_fp16(emu, split, hidden, variant):
-    """K chunks split over a cluster, the partial tiles summed through distributed shared memory: 3 chunks of 1024
-    columns over 2 CTAs (rotated), and 2 chunks over 3 CTAs, where CTA 0 gets none and contributes zeros; a [B, W]
-    commit mask, fp16, two heads per layer."""
-    spec = Spec(tokens=6, hidden=hidden, heads=2, head_dim=64, commit=True, dtype=torch.float16)
-    _check(emu, spec, kernel="stream", split=split, variant=variant)
-
-
-def test_stream_kernel_without_norm_or_rope(emu):
-    _check(emu, Spec(norm=False), kernel="stream", variant=1)
-    _check(emu, Spec(rope=False, head_dim=128, rot=128), kernel="stream")
 
 
 @pytest.mark.parametrize("kernel", ["wide", "wide_tma"])
@@ -834,14 +786,14 @@ def _wrap_negative(got: dict, want: dict) -> None:
         a["positions"][2] -= 40
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", *GENERAL_HEADS_KERNELS])
 def test_position_past_the_shortest_table_skips_the_token(emu, kernel):
     """Token 1's position is a row of layer 1's table (41 rows) but not of layer 0's (40): the kernel writes it in no
     layer (the CPU op raises for it), as the reference does with the token's slot made negative."""
     _check(emu, Spec(tokens=6, head_dim=64), kernel=kernel, edit=_position_past_the_shortest_table)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", *GENERAL_HEADS_KERNELS])
 def test_wrap_negative_counts_from_the_end(emu, kernel):
     """With wrap_negative, slot l - S addresses slot l and position p - P row p (P: rows of the shortest table, 40)
     in both kernels, as the reference does; the token whose slot was -1 (skipped) gets a free slot counted from the
@@ -872,7 +824,7 @@ def test_fused_kernel_tiles_past_the_last_head_return_early(emu):
 
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("form", ["pairs", "frequencies"])
-@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", *GENERAL_HEADS_KERNELS])
 def test_table_forms(emu, kernel, form, neox):
     """A `[P, R/2, 2]` pairs table (a complex table's real view) and `[R/2]` inverse frequencies (cos/sin computed
     from the position) in every kernel, partial rotary, against the reference."""
@@ -888,7 +840,7 @@ def _angles_past_any_table(got: dict, want: dict) -> None:
         a["positions"][4] = 100_000
 
 
-@pytest.mark.parametrize("kernel", ["fused", "stream", *GENERAL_HEADS_KERNELS])
+@pytest.mark.parametrize("kernel", ["fused", *GENERAL_HEADS_KERNELS])
 def test_frequency_positions_are_angles(emu, kernel):
     """With inverse frequencies a position is an angle: a negative one or one past any table's rows is written
     (rotated by its own angle) and never wrapped, with `wrap_negative` too."""

@@ -1,4 +1,5 @@
-// EXPERIMENTAL (used by the kernels beside it and by benchmarks/bulk_read.cuh, the benchmarks' copy-engine read).
+// EXPERIMENTAL (used by the wide tile beside it, kv_write_wide_tma_kernel.cuh, and by benchmarks/bulk_read.cuh, the
+// benchmarks' copy-engine read).
 // The copy engine of sm_90, device side: shared-memory mbarriers and 1-D bulk copies (cp.async.bulk) from global to
 // shared memory that complete on an mbarrier. Plain CUDA, no torch headers. A bulk copy is one instruction for up to
 // ~1 MB of contiguous bytes, issued by one thread; the copy engine, not the SM's load units, moves the bytes, so a
