@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
@@ -107,13 +106,3 @@ def gemm_rate(device: str, dtype: torch.dtype) -> float:
     n = 8192 if device == "cuda" else 512
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     return 2 * n**3 / (1e-6 * median_us(lambda: a @ b, device))
-
-
-# The ops' opt-in paths, read from the environment once per process: a table timed with one set must say so.
-OPT_INS = ("DSPARK_KV_WRITE_WIDE_FROM",)
-
-
-def opt_in_note() -> str:
-    """ "; opt-in: NAME=value, ..." for the opt-in variables set in this process, else ""."""
-    found = [f"{name}={os.environ[name]}" for name in OPT_INS if os.environ.get(name)]
-    return f"; opt-in: {', '.join(found)}" if found else ""

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import copy_bandwidth, gemm_rate, graphed, median_us, opt_in_note
+from _timing import copy_bandwidth, gemm_rate, graphed, median_us
 from torch import nn
 
 import dspark_fx
@@ -570,7 +570,7 @@ def main() -> None:
     where = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else f"CPU {platform.machine()}"
     timing = "CUDA-graph replay" if device == "cuda" else "wall clock, no CUDA graph"
     lines = [
-        f"{where}, torch {torch.__version__}{opt_in_note()}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+        f"{where}, torch {torch.__version__}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
         f"GEMM rate {rate / 1e12:.3g} TFLOP/s; µs per draft step, {timing} (time ÷ torch.compile, time ÷ floor)",
         "",
         f"Draft: {cfg.num_layers} layers, hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "

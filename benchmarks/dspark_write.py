@@ -124,7 +124,7 @@ from unittest import mock
 
 import torch
 from _spellings import SPELLINGS, SpellingModel, build_spelling
-from _timing import copy_bandwidth, gemm_rate, graphed, interleaved_median_us, median_us, opt_in_note
+from _timing import copy_bandwidth, gemm_rate, graphed, interleaved_median_us, median_us
 
 import dspark_fx
 from dspark_fx.reference_draft import DraftKVConfig, apply_rope
@@ -691,7 +691,7 @@ def report(
         import triton
 
         where = (
-            f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}{opt_in_note()}"
+            f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
         )
         timing = (
             "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), after an L2 flush, between CUDA "

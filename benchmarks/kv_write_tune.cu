@@ -3,7 +3,8 @@
 // other configurations (k-warps, columns per lane, chunks in flight, clusters of 1, 2 and 4: BENCHMARKS.md, "The
 // fused kernel loads into registers"), the previous fused tile (multi_linear_kernel with KvWriteEpilogue, cp.async
 // per lane; also in clusters of 2 and 4) and leaner tiles of it (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8:
-// "Lean fused tiles in clusters"), the op's opt-in wide tile (wgmma, 64 tokens per tile) and the
+// "Lean fused tiles in clusters"), the experimental wide tile (wgmma, 64 tokens per tile; in the op until it measured
+// slower than the op's paths, experimental/kv_write_wide_kernel.cuh) and the
 // experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh), on
 // the draft configs of benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern
 // from the math.
@@ -13,7 +14,7 @@
 //
 // (from the repository root; `bash scripts/gpu_check.sh tune` with TUNE=kv_write does this, TUNE_ARGS=regs for
 // `regs`). Per config and T in {1, 8, 16, 32, 64}: every candidate's caches are checked three times against
-// candidate 0's, the previous fused tile up to 16 tokens and the op's wide tile above (max |difference| of the
+// candidate 0's, the previous fused tile up to 16 tokens and the cp.async wide tile above (max |difference| of the
 // written rows within 2 % of the largest value, every other cache element bit-identical: "WRONG" otherwise), then
 // timed two ways, median of 7 runs each:
 //   warm  back-to-back launches (programmatic dependent launch on, as the op launches) over weight copies that add
@@ -23,7 +24,7 @@
 // Reads measured in the same run, against the copy rate (device-to-device copy, read + write): 16-byte loads over
 // the whole grid; bulk copies of 16 KB by 80 / 132 / 160 / 264 CTAs; 1-D bulk copies of 512 B / 1 KB / 4 KB by 80
 // and 132 CTAs; 2-D tensor-map boxes of 16 / 64 / 128 rows x 128 B.
-// `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the op's wide tile (T = 32 and
+// `regs`: the fused kernel's configurations against the previous tile (T <= 16) or the cp.async wide tile (T = 32 and
 // 64: 4 and 8 token tiles), and the 16-byte-load read (warm and cold). `forms`: the op's fused kernel at 1, 8 and 16
 // tokens with the K/V weights in one slab, inside q/k/v weights or each in its own allocation, and its epilogue
 // reading a halves or pairs table or inverse frequencies, or no RoPE, with or without a norm (`measure_forms`). `wide`:
@@ -45,9 +46,9 @@
 #include <vector>
 
 #include "bulk_read.cuh"
+#include "experimental/kv_write_wide_kernel.cuh"
 #include "experimental/kv_write_wide_tma_kernel.cuh"
 #include "linear/multi_linear_kv_write_fused.cuh"
-#include "linear/multi_linear_kv_write_wide.cuh"
 #include "tune_common.cuh"
 
 using namespace dspark;
@@ -213,13 +214,13 @@ void lean_candidates(std::vector<Candidate>& out, int64_t heads) {
   }
 }
 
-// The op's wide tile (opt-in there: DSPARK_KV_WRITE_WIDE_FROM), as the binding launches it.
+// The wide tile with cp.async copies (experimental/kv_write_wide_kernel.cuh), one CTA per head.
 template <int V>
 Candidate wide_candidate(int64_t heads) {
   constexpr int kRows = 32 * V;
   const int smem = wide_smem_bytes(kRows, KvWriteEpilogue<V>::extra_bytes(kWideTokens));
   char name[96];
-  std::snprintf(name, sizeof(name), "op: wide tile, cp.async (%d KB)", smem / 1024);
+  std::snprintf(name, sizeof(name), "wide tile, cp.async (%d KB)", smem / 1024);
   return plain_candidate(name, &wide_head_kernel<T, kRows, KvWriteEpilogue<V>>, heads, kWideThreads, smem, 1);
 }
 
@@ -244,7 +245,7 @@ Candidate wide_tma_candidate(int64_t heads) {
           }};
 }
 
-// Up to 64 tokens: the op's wide tile (the reference above 16 tokens) and the tensor-map one.
+// Up to 64 tokens: the cp.async wide tile (the reference above 16 tokens) and the tensor-map one.
 template <int V>
 void wide_candidates(std::vector<Candidate>& out, int64_t heads) {
   out.push_back(wide_candidate<V>(heads));
@@ -408,7 +409,7 @@ void measure_forms(const std::vector<Placement>& places, const std::function<KvW
 }
 
 // Candidate 0 is the reference the others are checked against: the previous fused tile up to 16 tokens (an
-// independent main loop), the op's wide tile above.
+// independent main loop), the cp.async wide tile above.
 template <int V>
 std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms, bool regs_only) {
   std::vector<Candidate> out;
@@ -515,7 +516,7 @@ int main(int argc, char** argv) {
   const bool regs_only = argc > 1 && std::strcmp(argv[1], "regs") == 0;
   // `forms`: the op's fused kernel at 1 / 8 / 16 tokens, its weights placed three ways, its epilogue in six forms
   const bool forms = argc > 1 && std::strcmp(argv[1], "forms") == 0;
-  // `wide`: 32 and 64 tokens only (the op's wide tile and the tensor-map tiles), no reads
+  // `wide`: 32 and 64 tokens only (the cp.async wide tile and the tensor-map tiles), no reads
   const bool wide_only = argc > 1 && std::strcmp(argv[1], "wide") == 0;
   // `small`: the reads, then 1, 8 and 16 tokens only (the fused kernel's range)
   const bool small_only = argc > 1 && std::strcmp(argv[1], "small") == 0;

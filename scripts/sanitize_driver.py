@@ -148,7 +148,7 @@ def multi_linear(gen: torch.Generator) -> None:
 
 def multi_linear_kv_write(gen: torch.Generator) -> None:
     """The fused kernel (head_dim 64 / 128, T <= 16; hidden 64 gives each of its 2 k-warps one chunk); the GEMM path
-    (T > 16, or head_dim 80; the opt-in wide tile is off here) with the three heads kernels: the general one with a
+    (T > 16, or head_dim 80) with the three heads kernels: the general one with a
     warp per unit (up to a few thousand units) or the ring of persistent warps (at 701 tokens, 4206 units, on an
     H100 or H200), and, where every norm weight is bf16 (or there is no norm) and RoPE covers the whole head, the one
     compiled for the call's form (neox from a halves table or inverse frequencies, GPT-J from a pairs or a halves

@@ -1,14 +1,10 @@
 """Test fixtures shared by the fusion tests: small reference drafts and their inputs; `quick_first`, the quick
-tier's share of a parametrized test; `pytest_in_a_process`, for settings the ops read once per process."""
+tier's share of a parametrized test."""
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from collections.abc import Iterable
-from pathlib import Path
 
 import pytest
 import torch
@@ -133,16 +129,3 @@ def quick_first(n: int, params: Iterable) -> list:
         else:
             out.append(pytest.param(p, marks=pytest.mark.slow))
     return out
-
-
-def pytest_in_a_process(env: dict[str, str], *selection: str) -> subprocess.CompletedProcess:
-    """pytest on `selection` in a new process with `env` added to the environment (the ops read their opt-in
-    variables once per process), from the repository root; its output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "always", *selection],
-        env={**os.environ, **env},
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        check=False,
-    )

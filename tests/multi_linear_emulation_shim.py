@@ -64,7 +64,7 @@ struct EmuThread {
 // cp.async: a copy reads its source when issued and lands in shared memory only when a wait of its thread covers its
 // group (a copy never committed never lands), so a read of a stage before its wait reads what the stage held before.
 struct EmuCopy { void* dst; unsigned char bytes[16]; int size; };
-// wgmma (linear/wgmma.cuh): an MMA waits in its thread's batch until a wait covers the batch, and reads shared
+// wgmma (experimental/wgmma.cuh): an MMA waits in its thread's batch until a wait covers the batch, and reads shared
 // memory only then, so a slot refilled before that wait changes its result. The instructions are .sync: each one
 // waits for every lane of the warp (a warp barrier here).
 struct EmuMma { bool bf16; int n; float* d; uint64_t a, b; int accumulate; };

@@ -11,13 +11,11 @@ values, so the CPU op on the CPU case is the oracle of the CUDA op on the CUDA c
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import replace
 
 import pytest
 import torch
-from helpers import pytest_in_a_process
 from multi_linear_cases import (
     BAD,
     BAD_CASES,
@@ -69,10 +67,8 @@ HEAD_DIM_64 = Spec(
 # kernel is the warp-per-unit form at 17 to 65 tokens (their units fit an H100 or H200 at once) and the ring of
 # persistent warps at 512 and 513.
 TOKENS = (1, 7, 8, 16, 17, 64, 65, 200, 512, 513)
-# Fused up to here on the H200 (sm_90a), beyond the GEMM path: the fused kernel up to kFusedMaxTokens (16) of
-# csrc/linear/multi_linear_kv_write.cu; in a process with DSPARK_KV_WRITE_WIDE_FROM set to 1, as test_wide_tile runs
-# this file (the opt-in wide tile from 1 token), up to kWideTokens (64).
-FUSED_MAX_TOKENS = 64 if os.environ.get("DSPARK_KV_WRITE_WIDE_FROM") else 16
+# Fused up to here on sm_90 (kFusedMaxTokens of csrc/linear/multi_linear_kv_write.cu), beyond the GEMM path.
+FUSED_MAX_TOKENS = 16
 # a [T / W, W] split of each T
 WINDOW = {0: 1, 1: 1, 7: 7, 8: 4, 16: 4, 17: 17, 64: 8, 65: 13, 200: 8, 512: 16, 513: 19}
 
@@ -157,28 +153,6 @@ def test_head_dim_64(tokens, mode, style):
     run_pair(_variant(HEAD_DIM_64, tokens, mode, style))
 
 
-def test_wide_tile():
-    """The opt-in wide tile (DSPARK_KV_WRITE_WIDE_FROM=1: every fused call, 1 to 64 tokens) against the CPU
-    reference: the shape, layout, fp64 and CUDA-graph tests of this file at up to 65 tokens, in a process that sets
-    it."""
-    wide = "(shapes or head_dim_64 or layouts or fp64 or graph) and not (200 or 512 or 513) and not (layouts and 65)"
-    result = pytest_in_a_process({"DSPARK_KV_WRITE_WIDE_FROM": "1"}, __file__, "-k", wide)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
-
-
-def test_wide_tile_setting_that_is_not_a_positive_integer_warns():
-    """DSPARK_KV_WRITE_WIDE_FROM=abc: a warning that names the variable, and the op's default paths (a shape test at
-    8 tokens passes in a process that sets it). `-s`: the op warns through c10's handler, which writes to stderr (not
-    through Python's warnings) when called by `torch.ops`, and pytest would keep that stderr to itself."""
-    result = pytest_in_a_process(
-        {"DSPARK_KV_WRITE_WIDE_FROM": "abc"}, "-s", f"{__file__}::test_qwen3_8b_shapes[8-1-D-neox]"
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "1 passed" in result.stdout
-    assert "DSPARK_KV_WRITE_WIDE_FROM=abc is not a positive integer" in result.stdout + result.stderr
-
-
 HEADS_KERNELS = ("kv_write_heads_kernel<", "kv_write_heads_unit_kernel<", "kv_write_heads_common_kernel<")
 
 
@@ -216,8 +190,6 @@ def test_the_heads_kernel_the_rule_names_runs(tokens, style, overrides, kernel):
     dtype, or no norm) at any T; else the general warp-per-unit kernel while the units fit the GPU at once (17
     tokens: 340 units), here for partial rotary or fp32 norm weights, and the ring kernel beyond (1024 tokens: 10240
     units, more warps than 426 SMs hold). The result matches the reference."""
-    if tokens <= FUSED_MAX_TOKENS:
-        pytest.skip("the wide tile takes this call in this process")
     cpu, cuda = pair(replace(_variant(QWEN3_8B, tokens, "1-D", style), **overrides))
     before = [bits(b) for b in cuda.bases]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -281,7 +253,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("tokens", [8, 40, 65])  # the fused kernel; the GEMM path or, where it is on, the wide tile
+@pytest.mark.parametrize("tokens", [8, 40, 65])  # the fused kernel, then the GEMM path
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_and_options(name, tokens):
     base = replace(HEAD_DIM_64, **LAYOUTS[name])
@@ -466,7 +438,7 @@ def test_checking_mode_is_skipped_during_capture():
     [
         _variant(QWEN3_8B, 8, "commit", "neox"),
         _variant(HEAD_DIM_64, 7, "1-D", "gptj"),
-        replace(_variant(QWEN3_8B, 40, "1-D", "gptj"), seed=40),  # the wide tile where it is on
+        replace(_variant(QWEN3_8B, 40, "1-D", "gptj"), seed=40),  # the GEMM path with its batched GEMM
         _variant(HEAD_DIM_64, 513, "commit", "neox"),  # the GEMM path with a GEMM per layer
     ],
 )

@@ -6,10 +6,10 @@ CUDA thread, warp shuffles and barriers emulated). The op's kernels run: the fus
 fragments, the norm/RoPE/cache-write epilogue, head_dim 64 and 128, with and without a cluster split) and both forms
 of the GEMM path's heads kernel, persistent warps through a ring and a warp per unit (any head_dim multiple of 8 up
 to 256, fed the projections rounded to the input dtype as the GEMM path does), the warp per unit compiled for each
-form drafts are written in (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one), and
-the op's opt-in wide tile (warpgroup MMA, linear/multi_linear_kv_write_wide.cuh). So does the experimental kernel in
-benchmarks/experimental/, which no op launches, so that a change of it can be checked here first: the wide tile with
-tensor-map copies (kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison;
+form drafts are written in (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one). So
+do the experimental kernels in benchmarks/experimental/, which no op launches, so that a change of one can be checked
+here first: the wide tile (warpgroup MMA, kv_write_wide_kernel.cuh) and the same tile with tensor-map copies
+(kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison;
 written rows must match the reference within the dtype's rounding. The GPU's own runs are
 tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
 """
@@ -82,7 +82,7 @@ static void fused(const KvWriteArgs& args, int64_t rows, int split, int grid, in
   run_grid<KvWriteArgs>(kernel, args, rows / (32 * V) * grid, split, threads, 1, 1, fused_smem_bytes<V, NT>());
 }
 
-// The op's wide tile (one warpgroup per head of kRows rows).
+// The wide tile (one warpgroup per head of kRows rows).
 template <typename T, int kRows>
 static void wide(const KvWriteArgs& args, int64_t rows) {
   using E = KvWriteEpilogue<kRows / 32>;
@@ -584,7 +584,7 @@ def test_fused_kernel_without_norm_or_rope(emu):
     ("head_dim", "rot", "neox"), [(64, 64, True), (64, 24, False), (128, 128, True), (128, 44, False)]
 )
 def test_wide_kernels(emu, kernel, head_dim, rot, neox):
-    """The warpgroup-MMA tiles (the op's opt-in wide tile; the experimental one with tensor-map copies): 1, 17 and
+    """The warpgroup-MMA tiles (with cp.async copies; with tensor-map copies), both experimental: 1, 17 and
     64 tokens by one head, hidden 600 (ten chunks of 64 columns, the last ragged: every ring slot refilled), full and
     partial rotary, both RoPE styles. The emulated MMAs read shared memory only when a wait covers them, and the
     tensor-map copies land late and out of order."""

@@ -1,11 +1,11 @@
 // EXPERIMENTAL (benchmarks/kv_write_tune.cu only; not in the op). The wide fused tile of dspark::multi_linear_kv_write
-// (custom_ops/csrc/linear/multi_linear_kv_write_wide.cuh: one head by 64 tokens on the warpgroup MMA, the fused
+// (kv_write_wide_kernel.cuh beside it: one head by 64 tokens on the warpgroup MMA, the fused
 // epilogue) with its main loop warp-specialized: a producer warp loads each K chunk with two tensor-map copies
 // (cp.async.bulk.tensor, 2-D boxes of 64 columns in the 128-byte swizzle: the activation's [64 tokens] box, whose
 // rows past T the copy engine fills with zeros, and the head's [kRows] box of its weight segment) that complete on the
 // chunk's "full" mbarrier; the consumer warpgroup waits on it, runs the chunk's four MMAs, and each of its warps
 // releases the slot on its "empty" mbarrier once its MMAs of the chunk are done. No CTA barrier and no per-thread copy
-// in the loop: what bounds the op's wide tile (BENCHMARKS.md, "The wide fused tile").
+// in the loop: what bounds that wide tile (BENCHMARKS.md, "The wide fused tile").
 //
 // Plain CUDA (the tensor-map type from cuda.h), sm_90a only like the wgmma primitives it uses; the CPU emulation of
 // the kernel tests runs it too (tests/test_multi_linear_kv_write_emulation.py: MMAs reading shared memory only when
@@ -18,7 +18,7 @@
 #include <cuda.h>
 
 #include "bulk_copy.cuh"
-#include "linear/multi_linear_kv_write_wide.cuh"
+#include "kv_write_wide_kernel.cuh"
 
 namespace dspark {
 namespace mlinear {

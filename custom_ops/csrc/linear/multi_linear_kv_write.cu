@@ -3,7 +3,7 @@
 // mode, the CUDA layout rules, and the choice between the fused kernel (projections, norm, RoPE and cache writes in one
 // launch per 32 layers) and the GEMM path (dspark::multi_linear into a [T, 2 N kv] buffer, then the heads kernel).
 // Kernels: multi_linear_kv_write_fused.cuh (the fused kernel), multi_linear_kv_write_kernels.cuh (its epilogue and
-// the heads kernel), and the opt-in wide fused tile of multi_linear_kv_write_wide.cuh.
+// the heads kernel) and multi_linear_kv_write_common.cuh (the heads kernel compiled for the drafts' forms).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,14 +17,12 @@
 #include <utility>
 #include <vector>
 
-#include "common/env_setting.h"
 #include "common/error_format.h"
 #include "common/range_checks.h"
 #include "linear/multi_linear_host.h"
 #include "linear/multi_linear_kv_write_common.cuh"
 #include "linear/multi_linear_kv_write_fused.cuh"
 #include "linear/multi_linear_kv_write_kernels.cuh"
-#include "linear/multi_linear_kv_write_wide.cuh"
 
 namespace dspark {
 namespace mlinear {
@@ -39,34 +37,6 @@ constexpr const char* kOp = "multi_linear_kv_write: ";
 constexpr int kFusedMaxTokens = 16;
 
 static_assert(kFusedMaxTokens <= 16, "the fused kernel is compiled for 1 and 2 token tiles");
-
-// The wide fused tile (multi_linear_kv_write_wide.cuh, sm_90a) is opt-in: the environment variable
-// DSPARK_KV_WRITE_WIDE_FROM=N (read once per process) gives it the calls of N..kWideTokens tokens (N >= 1) instead of
-// the fused kernel and the GEMM path. Off by default: on the H200 (Qwen3-8B draft dims, CUDA-graph replay of the
-// lowered write, us) it took 38.8 / 39.1 at 1 / 8 tokens against 35.2 / 35.8 for the fused path of then (31.8 /
-// 31.9 for today's fused kernel), and 42.3 / 46.7
-// at 32 / 64 against about 40-42 for the GEMM path (BENCHMARKS.md, "The wide fused tile").
-constexpr int kWideOff = kWideTokens + 1;
-
-// N of DSPARK_KV_WRITE_WIDE_FROM, or kWideOff: unset or empty, or (with a warning) anything but a positive integer.
-int wide_from_tokens() {
-  static const int from = [] {
-    const std::optional<EnvInt> setting = env_int("DSPARK_KV_WRITE_WIDE_FROM");
-    if (!setting.has_value()) return kWideOff;
-    if (!setting->is_int || setting->value < 1) {
-      TORCH_WARN("DSPARK_KV_WRITE_WIDE_FROM=", setting->text,
-                 " is not a positive integer: the wide fused tile stays off");
-      return kWideOff;
-    }
-    return static_cast<int>(std::min<long>(setting->value, kWideOff));
-  }();
-  return from;
-}
-
-// Whether the wide tile takes a call of `tokens` tokens on `device` (its fit checked by fused_fits).
-bool wide_takes(int64_t tokens, const at::Device& device) {
-  return tokens >= wide_from_tokens() && tokens <= kWideTokens && syncs_on(device);
-}
 
 using TensorList = at::TensorList;
 using OptionalList = c10::List<std::optional<at::Tensor>>;
@@ -533,11 +503,7 @@ void launch_fused_instance(const KvWriteArgs& args, int64_t rows, const at::Devi
 
 template <typename T, int V>
 void launch_fused(const KvWriteArgs& args, int64_t rows, const at::Device& device) {
-  if (wide_takes(args.gemm.tokens, device)) {
-    constexpr int kRows = 32 * V;  // a tile is one head
-    launch(&wide_head_kernel<T, kRows, KvWriteEpilogue<V>>, args, rows / kRows, kWideThreads,
-           wide_smem_bytes(kRows, KvWriteEpilogue<V>::extra_bytes(kWideTokens)), 1, device);
-  } else if (token_tiles(args.gemm.tokens) == 1) {
+  if (token_tiles(args.gemm.tokens) == 1) {
     launch_fused_instance<T, V, 1>(args, rows, device);
   } else {
     launch_fused_instance<T, V, 2>(args, rows, device);
@@ -707,10 +673,9 @@ void run_gemm_then_heads(const Call& c) {
   }
 }
 
-// Whether a fused kernel takes the call: up to the fused kernel's largest token tile or, where the wide tile runs,
-// up to its tokens; heads of 64 or 128, weights they can read.
+// Whether the fused kernel takes the call: up to its largest token tile, heads of 64 or 128, weights it can read.
 bool fused_fits(const Call& c, const at::Tensor& x) {
-  if (x.size(0) > kFusedMaxTokens && !wide_takes(x.size(0), x.device())) return false;
+  if (x.size(0) > kFusedMaxTokens) return false;
   if (c.head_dim != 64 && c.head_dim != 128) return false;
   if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.device()) < 9) return false;
   const Projection proj = projection(c, 0, c.k_weights.size());

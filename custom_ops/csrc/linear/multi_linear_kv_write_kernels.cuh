@@ -8,9 +8,9 @@
 // height is a multiple of head_dim and starts at a multiple of it holds whole heads.
 //
 // Two paths:
-//   * fused (small T, head_dim 64 or 128): kv_write_fused_kernel of multi_linear_kv_write_fused.cuh (and the opt-in
-//     wide tile of multi_linear_kv_write_wide.cuh) with KvWriteEpilogue below. A CTA computes one head (64 or 128
-//     rows); after the reduction over its warps (and a cluster's CTAs) the finished tile sits in shared memory in
+//   * fused (small T, head_dim 64 or 128): kv_write_fused_kernel of multi_linear_kv_write_fused.cuh (and the
+//     experimental wide tiles of benchmarks/experimental/) with KvWriteEpilogue below. A CTA computes one head (64 or
+//     128 rows); after the reduction over its warps (and a cluster's CTAs) the finished tile sits in shared memory in
 //     fp32, and the epilogue writes each token's head straight into the cache (one warp per token): nothing but the
 //     weights, the activation and the written cache rows touch HBM.
 //   * heads (any T; head_dim up to 256): reads the projections that the GEMM path wrote to a [T, 2N kv] buffer and

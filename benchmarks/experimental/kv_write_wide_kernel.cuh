@@ -1,10 +1,12 @@
-// The wide fused tile of dspark::multi_linear_kv_write (sm_90a): one head of 64 or 128 weight rows by up to 64
-// tokens per CTA, on the warpgroup MMA (wgmma.cuh), with the fused kernel's epilogue (KvWriteEpilogue of
-// multi_linear_kv_write_kernels.cuh): projections, k_norm, RoPE and cache writes in one launch for up to 64 tokens.
-// Opt-in (DSPARK_KV_WRITE_WIDE_FROM, multi_linear_kv_write.cu): on the H200 it is still slower than the one-head tile
-// at up to 16 tokens and than the GEMM path at 32 and 64, bound by this single warpgroup's per-step barrier and
-// per-thread copies; a producer warp with tensor-map copies and mbarriers is the next step
-// (benchmarks/experimental/kv_write_wide_tma_kernel.cuh).
+// EXPERIMENTAL (benchmarks/kv_write_tune.cu and the kernel emulation tests; no op launches it). A wide fused tile for
+// dspark::multi_linear_kv_write (sm_90a): one head of 64 or 128 weight rows by up to 64 tokens per CTA, on the
+// warpgroup MMA (wgmma.cuh beside it), with the op's fused epilogue (KvWriteEpilogue of
+// custom_ops/csrc/linear/multi_linear_kv_write_kernels.cuh): projections, k_norm, RoPE and cache writes in one launch
+// for up to 64 tokens. It was in the op behind an opt-in environment variable until it had been measured slower than
+// the op's paths at every token count on the H200 and the H100 (than the fused kernel up to 16 tokens, than the GEMM
+// path at 32 and 64: BENCHMARKS.md, "The wide fused tile" and "The wide tiles at 32 and 64 tokens on the H100"),
+// bound by this single warpgroup's per-step barrier and per-thread copies; kv_write_wide_tma_kernel.cuh beside it is
+// the same tile with a producer warp and tensor-map copies.
 //
 // Why a second fused tile: the mma.sync tile of multi_linear_kernels.cuh puts tokens on the MMA's N side (8 per
 // n-tile) and re-reads its weight fragments from shared memory for every n-tile, so its shared-memory traffic
@@ -26,7 +28,7 @@
 #pragma once
 
 #include "linear/multi_linear_kv_write_kernels.cuh"
-#include "linear/wgmma.cuh"
+#include "wgmma.cuh"
 
 namespace dspark {
 namespace mlinear {

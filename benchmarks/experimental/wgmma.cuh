@@ -1,7 +1,7 @@
-// Hopper warpgroup MMA (wgmma) primitives for the wide fused tile of dspark::multi_linear_kv_write
-// (multi_linear_kv_write_wide.cuh). sm_90a only: in every other compile pass (the compute_80 PTX, the host pass)
+// EXPERIMENTAL. Hopper warpgroup MMA (wgmma) primitives for the wide fused tiles beside it (kv_write_wide_kernel.cuh,
+// kv_write_wide_tma_kernel.cuh). sm_90a only: in every other compile pass (the compute_80 PTX, the host pass)
 // DSPARK_WGMMA is 0 and the functions are empty (or, in the host emulation of the kernel tests, call its emu_*), so
-// the kernels that use them must only be launched where the sm_90a code runs (`syncs_on` in multi_linear_host.h).
+// the kernels that use them must only be launched where the sm_90a code runs.
 //
 // Operands come from shared memory through matrix descriptors: K-major tiles whose rows are 128 bytes (64 bf16/fp16
 // elements) written with the 128-byte swizzle, i.e. the 16-byte chunk c of row r stored at chunk c ^ (r % 8) of the
