@@ -14,7 +14,8 @@
 #   tune      the standalone kernel sweeps (benchmarks/*_tune.cu, or those TUNE names, e.g. TUNE="kv_write
 #             multi_linear"; nvcc, no torch; built in parallel, then run one at a time, each stopped after
 #             TUNE_TIMEOUT seconds, default 420: a kernel waiting on an mbarrier that never completes spins forever;
-#             line-buffered, so a stopped program's lines are kept; TUNE_ARGS: the programs' arguments)
+#             line-buffered, so a stopped program's lines are kept; TUNE_ARGS: the programs' arguments, e.g. for
+#             kv_write: regs, forms, small (the reads and 1-16 tokens) or wide (32 and 64 tokens))
 #   write     every CUDA-marked test, then the context-KV write's benchmarks only: benchmarks/dspark_write.py
 #             (tables and --breakdown) and benchmarks/kv_write_tune.cu
 #   spellings the ops' build, then the context-KV write of every draft spelling (benchmarks/_spellings.py), all timed
