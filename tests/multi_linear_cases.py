@@ -517,6 +517,19 @@ def _alias(t: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     return flat[: torch.Size(shape).numel()].view(shape)
 
 
+def _cache_loc_over_cache_bytes(a: dict) -> dict:
+    """k_caches[0] and an int64 cache_loc sharing their first bytes, at a byte offset where their storage offsets
+    (counted in elements of different sizes) differ."""
+    cache, loc = a["k_caches"][0], a["cache_loc"]
+    pad, size = 64, cache.numel() * cache.element_size()
+    buf = torch.zeros(pad + size, dtype=torch.uint8, device=cache.device)
+    shared_cache = buf[pad:].view(cache.dtype).view(cache.shape)
+    shared_cache.copy_(cache)
+    shared_loc = buf[pad : pad + 8 * loc.numel()].view(torch.int64).view(loc.shape)
+    shared_loc.copy_(loc)
+    return {"k_caches": [shared_cache, *a["k_caches"][1:]], "cache_loc": shared_loc}
+
+
 def _entry(name: str, i: int, value):
     """change(args): list argument `name` with entry i replaced by `value` (or `value(args)`)."""
 
@@ -760,6 +773,12 @@ def _bad_cases():
         (
             "cache_loc inside a cache",
             lambda a: {"cache_loc": _alias(a["k_caches"][0], (s.tokens,), torch.int32)},
+            ValueError,
+            r"k_caches\[0\] shares memory with cache_loc",
+        ),
+        (
+            "cache_loc int64 over a cache's bytes",
+            _cache_loc_over_cache_bytes,
             ValueError,
             r"k_caches\[0\] shares memory with cache_loc",
         ),

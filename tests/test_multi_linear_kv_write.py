@@ -293,6 +293,30 @@ def test_disjoint_views_of_one_buffer_are_accepted():
     assert halves.abs().sum() > 0
 
 
+def test_inputs_of_other_element_sizes_beside_a_cache_are_accepted():
+    """An int64 cache_loc right after a cache in one byte buffer: their storage offsets count elements of different
+    sizes, and the element ranges meet where the bytes do not; the call succeeds, also under the fake impl."""
+    case = make_case(BAD)
+    cache, loc = case.args["k_caches"][0], case.args["cache_loc"]
+    size = cache.numel() * cache.element_size()
+    buf = torch.zeros(size + 8 * loc.numel(), dtype=torch.uint8)
+    shared_cache = buf[:size].view(cache.dtype).view(cache.shape)
+    shared_loc = buf[size:].view(torch.int64).view(loc.shape)
+    shared_cache.copy_(cache)
+    shared_loc.copy_(loc)
+    assert shared_loc.storage_offset() < shared_cache.storage_offset() + shared_cache.numel()
+    case.args["k_caches"][0], case.args["cache_loc"] = shared_cache, shared_loc
+    with FakeTensorMode() as mode:
+        op(*_fake_args(case.args, mode).values())
+    case.call()
+    twin = make_case(BAD)
+    twin.call()
+    assert torch.equal(shared_loc, twin.args["cache_loc"])
+    written, expected = (a.args["k_caches"] + a.args["v_caches"] for a in (case, twin))
+    for got, want in zip(written, expected, strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
 # ---------------------------------------------------------------------------------------------- index values
 
 

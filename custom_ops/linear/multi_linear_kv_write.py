@@ -57,17 +57,17 @@ anything is written, `TypeError` for a wrong dtype and `ValueError` for anything
 `cos_sin_caches` may be empty), shapes, dtypes and devices of the table (one RoPE table form for all layers);
 `k_row_starts[i]` / `v_row_starts[i]` select `kv` rows inside the weight; `k_norm_eps` finite and `>= 0`;
 `k_norm_weights` all None when `k_norm_eps` is empty; every cache the same `[S, num_kv_heads, head_dim]`; no cache
-overlaps itself (e.g. a broadcast view), another cache or any input (views of one buffer are fine when their elements
-are disjoint: the layers of a stacked `[N, S, heads, head_dim]` buffer, the K and V halves of an interleaved `[S, 2,
-heads, head_dim]` one); `cache_loc` 1-D without `commit_lens` or 2-D with it. Checked on storages, offsets and strides,
-never data pointers, so the fake impl raises the same errors under `torch.compile`. The CUDA binding adds what its
-kernel needs: bf16/fp16 `x`, `K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, caches with unit inner stride and 16-byte
-aligned `head_dim` rows (address and slot / head strides multiples of 16 bytes), contiguous `k_norm_weights`,
-`cos_sin_caches` whose per-position factors are contiguous (unit inner stride; pairs: `[R/2, 2]` rows laid out as `R`
-consecutive floats), fewer than 2^31 (token, layer, K or V, head) units per launch; anything else raises `TypeError`
-(dtype) or `ValueError` there, naming the argument. `_check_cuda_layout` states these rules in Python and the fake impl
-runs it on CUDA tensors, so a compiled graph that would raise in the binding raises at compile time instead (the address
-is judged from the storage offset, `custom_ops.checks.is_aligned`).
+overlaps itself (e.g. a broadcast view), another cache or any input (views of one buffer are fine when their bytes are
+disjoint, whatever their dtypes: the layers of a stacked `[N, S, heads, head_dim]` buffer, the K and V halves of an
+interleaved `[S, 2, heads, head_dim]` one); `cache_loc` 1-D without `commit_lens` or 2-D with it. Checked on storages,
+offsets and strides, never data pointers, so the fake impl raises the same errors under `torch.compile`. The CUDA
+binding adds what its kernel needs: bf16/fp16 `x`, `K % 8 == 0`, `head_dim % 8 == 0` and `<= 256`, caches with unit
+inner stride and 16-byte aligned `head_dim` rows (address and slot / head strides multiples of 16 bytes), contiguous
+`k_norm_weights`, `cos_sin_caches` whose per-position factors are contiguous (unit inner stride; pairs: `[R/2, 2]` rows
+laid out as `R` consecutive floats), fewer than 2^31 (token, layer, K or V, head) units per launch; anything else raises
+`TypeError` (dtype) or `ValueError` there, naming the argument. `_check_cuda_layout` states these rules in Python and
+the fake impl runs it on CUDA tensors, so a compiled graph that would raise in the binding raises at compile time
+instead (the address is judged from the storage offset, `custom_ops.checks.is_aligned`).
 
 Index values (the contract of every dspark op, docs/contract.md): a negative `cache_loc` entry skips the token (its
 K and V are not written); an entry `>= S`, or a position outside `[0, min_i P_i)` (a row of every halves or pairs
@@ -244,10 +244,11 @@ def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
 
 
 def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` have an element in common. Exact for two views of one storage with the same shape and
-    strides (e.g. the K and V halves of an interleaved `[S, 2, heads, head_dim]` buffer, or the layers of a stacked
-    one); for other pairs in one storage, whether their address ranges intersect. Works on fake tensors (the
-    storage identity is `StorageWeakRef`, no data pointer is read)."""
+    """Whether `a` and `b` have a byte in common. Exact for two views of one storage with the same element size,
+    shape and strides (e.g. the K and V halves of an interleaved `[S, 2, heads, head_dim]` buffer, or the layers of a
+    stacked one); for other pairs in one storage, whether their byte ranges intersect (storage offsets and strides
+    count elements of each tensor's own size). Works on fake tensors (the storage identity is `StorageWeakRef`, no
+    data pointer is read)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
     if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
@@ -255,6 +256,9 @@ def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_lo, b_lo = a.storage_offset(), b.storage_offset()
     a_hi = a_lo + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
     b_hi = b_lo + sum((n - 1) * s for n, s in zip(b.shape, b.stride(), strict=True))
+    a_size, b_size = a.element_size(), b.element_size()
+    if a_size != b_size:
+        return a_lo * a_size < (b_hi + 1) * b_size and b_lo * b_size < (a_hi + 1) * a_size
     if a_hi < b_lo or b_hi < a_lo:
         return False
     if a.shape != b.shape or a.stride() != b.stride() or _overlaps_itself(a):

@@ -173,8 +173,8 @@ bool offsets_meet(int64_t delta, const std::vector<std::pair<int64_t, int64_t>>&
   return false;
 }
 
-// Whether a and b have an element in common (as _share_memory in Python: exact for equal layouts in one storage,
-// address ranges otherwise).
+// Whether a and b have a byte in common (as _share_memory in Python: exact for equal element sizes and layouts in
+// one storage, byte ranges otherwise; offsets and strides count elements of each tensor's own size).
 bool share_memory(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
   if (!a.storage().is_alias_of(b.storage())) return false;
@@ -183,6 +183,10 @@ bool share_memory(const at::Tensor& a, const at::Tensor& b) {
     for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
     return end;
   };
+  const int64_t a_size = a.element_size(), b_size = b.element_size();
+  if (a_size != b_size) {
+    return a.storage_offset() * a_size < (hi(b) + 1) * b_size && b.storage_offset() * b_size < (hi(a) + 1) * a_size;
+  }
   if (hi(a) < b.storage_offset() || hi(b) < a.storage_offset()) return false;
   if (a.sizes() != b.sizes() || a.strides() != b.strides() || overlaps_itself(a)) return true;
   std::vector<std::pair<int64_t, int64_t>> dims;
