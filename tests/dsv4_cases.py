@@ -528,6 +528,48 @@ def compress_setup(ratio: int, seed: int = 0, d: int = 128):
     return state, ape, ring, g
 
 
+def plant_non_finite_rows(kv: torch.Tensor, plan: torch.Tensor, out_loc: torch.Tensor, decode: bool) -> torch.Tensor:
+    """NaN, +inf, -inf and a NaN with its sign bit in element 5 of four stored rows of `kv` (fp32), +inf and -inf in
+    elements 5 and 70 of a fifth; returns the slots of those rows."""
+    rows, source = storing_rows(plan, out_loc, decode)
+    picked = rows[:5]
+    for row, value in zip(picked[:3].tolist(), (float("nan"), float("inf"), float("-inf")), strict=True):
+        kv[row, 5] = value
+    kv[picked[3], 5] = torch.tensor(-(2**22), dtype=torch.int32).view(torch.float32)  # a NaN, sign bit set
+    kv[picked[4], 5], kv[picked[4], 70] = float("inf"), float("-inf")
+    return out_loc[source[picked]]
+
+
+def store_slot_contents(cache: torch.Tensor, page_size: int, slots: torch.Tensor, d: int, fp4: bool):
+    """(decoded fp64 values, scale bytes) of stored `slots`: the UE8M0 exponents (7 per slot for d = 512, 4 for FP4)
+    or the fp32 scale's 4 bytes (FP8 indexer)."""
+    flat = cache.reshape(-1)
+    page, off = slots // page_size, slots % page_size
+    base = page * cache.shape[1]
+    if d == 512:
+        values = dequantize_flashmla_cache(cache, page_size, slots).double()
+        scales = base + page_size * 576 + off * 8
+        return values, flat[scales[:, None] + torch.arange(7)]
+    codes = 64 if fp4 else 128
+    values = _decode_indexer_fp4(cache, page_size, slots)[0] if fp4 else _decode_indexer(cache, page_size, slots)
+    scales = base + codes * page_size + off * 4
+    return values, flat[scales[:, None] + torch.arange(4)]
+
+
+def assert_same_store_coding(
+    got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, d: int, fp4: bool, ties: int = 0
+) -> None:
+    """Caches (CPU, pages of STORE_PAGE) holding the same `slots`: the same scale bytes, the same decoded values, NaN
+    where `want` has NaN (a NaN's payload aside), and the bytes outside those slots the same but for at most `ties`
+    (FP8 codes one rounding tie apart, as `assert_cache_bytes_close` allows between CUDA and CPU)."""
+    got_values, got_scales = store_slot_contents(got, STORE_PAGE, slots, d, fp4)
+    want_values, want_scales = store_slot_contents(want, STORE_PAGE, slots, d, fp4)
+    assert torch.equal(got_scales, want_scales)
+    torch.testing.assert_close(got_values, want_values, rtol=0, atol=0, equal_nan=True)
+    outside = ~_touched(want, STORE_PAGE, slots.tolist(), d, fp4)
+    assert (got.reshape(-1)[outside] != want.reshape(-1)[outside]).sum() <= ties
+
+
 def decode_args(ratio: int = 4) -> dict:
     """Valid arguments of `dsv4_compress_decode` (CPU, schema order): two requests on a state of four rings."""
     state, ape, ring, g = compress_setup(ratio)

@@ -118,7 +118,7 @@ inline float e4m3_value(int code) {
 }
 inline uint8_t e4m3_rne_satfinite(float v) {
   if (std::isnan(v)) return 0x7F;
-  const uint8_t sign = v < 0 ? 0x80 : 0;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;  // -0.0 keeps its sign, as the hardware conversion
   const float a = std::fabs(v);
   if (a >= 448.f) return sign | 0x7E;
   int best = 0;

@@ -431,3 +431,52 @@ def structural_cases():
             "weight must have dtype",
         ),
     ]
+
+
+QUANTIZING_OPS = ("fused_k_norm_rope_flashmla", "store_flashmla_cache", "fused_q_indexer_rope_hadamard_quant")
+
+_NEGATIVE_NAN_BITS = {  # dtype: (the integer view, the bits of a quiet NaN with its sign bit set)
+    torch.float32: (torch.int32, -(2**22)),
+    torch.bfloat16: (torch.int16, -64),
+    torch.float16: (torch.int16, -512),
+}
+
+
+def negative_nan(dtype: torch.dtype) -> torch.Tensor:
+    """A one-element NaN of `dtype` with its sign bit set (torch's own conversions make positive ones)."""
+    int_dtype, bits = _NEGATIVE_NAN_BITS[dtype]
+    value = torch.tensor([bits], dtype=int_dtype).view(dtype)
+    assert value.isnan().all() and value.view(int_dtype) < 0
+    return value
+
+
+def plant_non_finite(args: dict) -> list[int]:
+    """Non-finite values in rows 1, 2, 3, 4 and 6 of the op's input row (`kv`, or head 0 of `q`): NaN, +inf, -inf, a
+    NaN with its sign bit, and +inf and -inf in two tiles of one row; the element of row 7 in the last dims (the RoPE
+    dims of a K row) is +inf. Rows 0 and 5 are the K inputs' skipped rows. Returns the rows changed."""
+    src = args["kv"] if "kv" in args else args["q"][:, 0]
+    src[1, 5] = float("nan")
+    src[2, 5] = float("inf")
+    src[3, 5] = float("-inf")
+    src[4, 5:6] = negative_nan(src.dtype)
+    src[6, 5], src[6, 70] = float("inf"), float("-inf")
+    src[7, -3] = float("inf")
+    return [1, 2, 3, 4, 6, 7]
+
+
+def assert_same_non_finite_coding(name: str, got, want, args: dict, rows: list[int]) -> None:
+    """The kernel's outputs for `rows` (all on CPU) code the same values as the reference's: the same UE8M0 exponent
+    bytes, and decoded values equal, NaN where the reference has NaN (a NaN's payload aside)."""
+    if name == "fused_q_indexer_rope_hadamard_quant":
+        (got_q, got_w), (want_q, want_w) = got, want
+        torch.testing.assert_close(got_q[rows].float(), want_q[rows].float(), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_w[rows], want_w[rows], rtol=0, atol=0)
+        return
+    page_size, loc = args["page_size"], args["out_loc"][rows]
+    assert bool((loc >= 0).all())
+    _, got_scales = _slot_bytes(got, page_size, loc)
+    _, want_scales = _slot_bytes(want, page_size, loc)
+    assert torch.equal(got_scales[:, :7], want_scales[:, :7])
+    decoded_got = dequantize_flashmla_cache(got, page_size, loc)
+    decoded_want = dequantize_flashmla_cache(want, page_size, loc)
+    torch.testing.assert_close(decoded_got, decoded_want, rtol=0, atol=0, equal_nan=True)

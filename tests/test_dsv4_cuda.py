@@ -9,7 +9,16 @@ import random
 
 import pytest
 import torch
-from dsv4_cases import Session, assert_cache_bytes_close, make_inputs
+from dsv4_cases import (
+    STORE_FREQS,
+    STORE_PAGE,
+    Session,
+    assert_cache_bytes_close,
+    assert_same_store_coding,
+    make_inputs,
+    plant_non_finite_rows,
+    store_case,
+)
 
 import custom_ops  # noqa: F401
 from custom_ops import _build
@@ -194,6 +203,21 @@ def test_store_cuda_equals_cpu(d, fp4, decode):
         kv.cuda(), plan.cuda(), w.cuda(), 1e-6, FREQS.cuda(), out_loc.cuda(), got, page_size, ratio, decode, fp4
     )
     assert_cache_bytes_close(got, want)
+
+
+@pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
+def test_store_cuda_codes_non_finite_rows_as_cpu(d, fp4):
+    """Rows with a NaN or an infinity (tests/dsv4_cases.py, plant_non_finite_rows): the kernel writes the CPU path's
+    scale bytes and codes the same values, NaN where the CPU path has NaN."""
+    kv, plan, w, out_loc, cache = store_case(d, fp4, False)
+    slots = plant_non_finite_rows(kv, plan, out_loc, False)
+    want = cache.clone()
+    compress_norm_rope_store(kv, plan, w, 1e-6, STORE_FREQS, out_loc, want, STORE_PAGE, 4, False, fp4)
+    got = cache.cuda()
+    compress_norm_rope_store(
+        kv.cuda(), plan.cuda(), w.cuda(), 1e-6, STORE_FREQS.cuda(), out_loc.cuda(), got, STORE_PAGE, 4, False, fp4
+    )
+    assert_same_store_coding(got.cpu(), want, slots, d, fp4, ties=4)
 
 
 @pytest.mark.parametrize(

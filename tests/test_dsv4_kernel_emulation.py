@@ -23,11 +23,13 @@ from dsv4_cases import (
     STORE_FREQS,
     STORE_PAGE,
     Session,
+    assert_same_store_coding,
     audit_skipped_requests,
     corruption_case,
     make_inputs,
     plan_corruptions,
     planner_problem_stages,
+    plant_non_finite_rows,
     run_compress,
     store_case,
     storing_rows,
@@ -464,6 +466,18 @@ def test_emulated_store_kernels_write_the_reference_bytes(emu, d, fp4, decode):
     assert not torch.equal(want, before)
     _emu_store(emu, kv, plan, w, STORE_FREQS, out_loc, cache, decode, fp4)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize(("d", "fp4"), STORE_LAYOUTS)
+def test_emulated_store_kernels_code_non_finite_rows_as_the_reference(emu, d, fp4):
+    """Rows with a NaN or an infinity (normalized: NaN, or zeros and a NaN): the kernel writes the reference's
+    scale bytes (made from the amax without the NaN) and codes the same values (an FP4 NaN coded 0)."""
+    kv, plan, w, out_loc, cache = store_case(d, fp4, False)
+    slots = plant_non_finite_rows(kv, plan, out_loc, False)
+    want = cache.clone()
+    compress_norm_rope_store(kv, plan, w, 1e-6, STORE_FREQS, out_loc, want, STORE_PAGE, 4, False, fp4)
+    _emu_store(emu, kv, plan, w, STORE_FREQS, out_loc, cache, False, fp4)
+    assert_same_store_coding(cache, want, slots, d, fp4)
 
 
 @pytest.mark.parametrize("decode", [True, False])

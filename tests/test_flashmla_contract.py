@@ -20,6 +20,7 @@ from flashmla_cases import (
     MAX_POS,
     MUTATED,
     PAGE_SIZE,
+    QUANTIZING_OPS,
     REFERENCES,
     ROPE_OPS,
     _assert_cache_acceptance,
@@ -32,6 +33,8 @@ from flashmla_cases import (
     _reference_result,
     _unused_slot,
     _written_mask,
+    assert_same_non_finite_coding,
+    plant_non_finite,
     structural_cases,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -307,6 +310,22 @@ def test_cuda_out_of_range_rows_skipped(name, graph):
     want = _reference_result(name, args)
     got = _run_cuda(name, args, graph)
     _assert_matches_reference(name, got, want, before, valid, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", QUANTIZING_OPS)
+def test_cuda_quantizers_code_non_finite_values_as_the_reference(name, dtype):
+    """NaN and infinities in a row (tests/flashmla_cases.py, plant_non_finite): the kernel writes the reference's
+    exponent bytes and codes the same values (an infinity does not make its tile's scale infinite or negative, a
+    NaN is skipped by the amax on both sides)."""
+    args = _inputs(name, b=8, seed=16)
+    key = "kv" if "kv" in args else "q"
+    args[key] = args[key].to(dtype)
+    rows = plant_non_finite(args)
+    want = _reference_result(name, args)
+    got = _run_cuda(name, args, graph=False)
+    assert_same_non_finite_coding(name, got, want, args, rows)
 
 
 @pytest.mark.cuda

@@ -21,11 +21,14 @@ from flashmla_cases import (
     ALL_OPS,
     HUGE,
     MUTATED,
+    QUANTIZING_OPS,
     _assert_matches_reference,
     _break_rows,
     _inputs,
     _reference_result,
     _unused_slot,
+    assert_same_non_finite_coding,
+    plant_non_finite,
 )
 
 pytestmark = (
@@ -305,3 +308,15 @@ def test_emulated_huge_slot_does_not_wrap(emu, huge):
     want = _reference_result("store_flashmla_cache", args)
     got = _run_emulated(emu, "store_flashmla_cache", args)
     _assert_matches_reference("store_flashmla_cache", got, want, before, valid, args, allow_empty=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", QUANTIZING_OPS)
+def test_emulated_quantizers_code_non_finite_values_as_the_reference(emu, name, dtype):
+    """NaN and infinities in a row (flashmla_cases.plant_non_finite): the kernel writes the reference's exponent
+    bytes and codes the same values, NaN where the reference has NaN."""
+    args = _case(name, 8, 15, dtype, torch.int64, torch.int64)
+    rows = plant_non_finite(args)
+    want = _reference_result(name, args)
+    got = _run_emulated(emu, name, args)
+    assert_same_non_finite_coding(name, got, want, args, rows)

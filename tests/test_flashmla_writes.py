@@ -25,6 +25,7 @@ from flashmla_cases import (
     _sylvester,
     _tol,
     _written_mask,
+    negative_nan,
 )
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
@@ -94,6 +95,29 @@ def test_ue8m0_rounds_up():
     assert e[2, 0] == math.ceil(math.log2(1e-4 / 448)) + 127
     assert codes[1, 0] == 0x7A  # 672 / 2 = 336, a tie between 320 and 352: RNE gives 320 = 0x7A, no saturation
     assert codes[3, 0] == 0xFE  # -896 / 2 = -448
+
+
+def test_ue8m0_non_finite_values():
+    """A NaN is left out of its tile's amax and coded as the positive e4m3 NaN (0x7F, also with its sign bit set); an
+    infinity counts as the largest finite fp32 and is coded +-448: the scale stays finite, the tile's finite values
+    keep their signs, the other tiles do not change."""
+    g = _gen(21)
+    base = (torch.rand(448, generator=g) + 0.5) * torch.where(torch.rand(448, generator=g) < 0.5, -1.0, 1.0)
+    rows = base.repeat(5, 1)
+    rows[0, 5] = float("nan")
+    rows[1, 5:6] = negative_nan(torch.float32)
+    rows[2, 5], rows[3, 5], rows[4, 5] = float("inf"), float("-inf"), 0.0
+    codes, e = quantize_tiles_ue8m0(rows)
+    others = torch.arange(448) != 5
+    for r in (0, 1):
+        assert torch.equal(e[r], e[4]) and codes[r, 5] == 0x7F
+        assert torch.equal(codes[r, others], codes[4, others])
+    top = 127 + math.ceil(math.log2(torch.finfo(torch.float32).max / 448))  # 247
+    assert e[2, 0] == e[3, 0] == top and codes[2, 5] == 0x7E and codes[3, 5] == 0xFE
+    tile0 = torch.arange(64) != 5
+    for r in (2, 3):
+        assert torch.equal(e[r, 1:], e[4, 1:]) and torch.equal(codes[r, 64:], codes[4, 64:])
+        assert torch.equal(codes[r, :64][tile0], torch.where(base[:64][tile0] < 0, 0x80, 0x00).to(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------- fused K write

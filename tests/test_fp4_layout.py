@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,25 @@ def test_scale_rounds_up_and_values_clamp_to_six():
     assert _codes(packed)[0] == 5
     floor_exp = exponents[0, 1].item()
     assert 2.0 ** (floor_exp - 127) >= 1e-4 / 6 > 2.0 ** (floor_exp - 128)
+
+
+def test_non_finite_values_keep_the_scale_finite():
+    """A NaN is left out of its group's amax and coded 0 (e2m1 has no NaN); an infinity counts as the largest finite
+    fp32 and is coded +-6; the other values of the group keep their codes (NaN) or round to 0 (infinity)."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(32, generator=g)
+    rows = base.repeat(5, 1)
+    rows[0, 3] = float("nan")
+    rows[1, 3] = -float("nan")
+    rows[2, 3], rows[3, 3], rows[4, 3] = float("inf"), float("-inf"), 0.0
+    packed, exponents = quantize_groups_e2m1(rows)
+    codes = [_codes(packed[r]) for r in range(5)]
+    for r in (0, 1):
+        assert exponents[r].tolist() == exponents[4].tolist() and codes[r] == codes[4]
+    top = 127 + math.ceil(math.log2(torch.finfo(torch.float32).max / 6))
+    assert exponents[2].tolist() == exponents[3].tolist() == [top]
+    assert codes[2] == [7 if i == 3 else 0 for i in range(32)]
+    assert codes[3] == [0xF if i == 3 else 0 for i in range(32)]
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 37.0])

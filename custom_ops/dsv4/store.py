@@ -49,11 +49,11 @@ from custom_ops.dsv4.common import (
 )
 from custom_ops.layouts.fp4 import quantize_groups_e2m1
 from custom_ops.layouts.fp8 import (
-    AMAX_FLOOR,
     FP8_MAX,
     INDEXER_DIM,
     NOPE_DIM,
     ROPE_DIM,
+    finite_amax,
     flashmla_page_bytes,
     quantize_e4m3,
     quantize_tiles_ue8m0,
@@ -248,7 +248,7 @@ def _store_cpu(kv, plan, norm_weight, eps, freqs, out_loc, kvcache, page_size, r
     if fp4:
         _scatter_indexer(kvcache, page_size, loc, *quantize_groups_e2m1(y))
         return
-    scale = y.abs().amax(1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = finite_amax(y, 1, keepdim=True) / FP8_MAX
     _scatter_indexer(kvcache, page_size, loc, quantize_e4m3(y / scale), scale)
 
 

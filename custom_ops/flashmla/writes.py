@@ -38,6 +38,7 @@ from custom_ops.layouts.fp8 import (
     INDEXER_DIM,
     NOPE_DIM,
     ROPE_DIM,
+    finite_amax,
     flashmla_page_bytes,
     quantize_e4m3,
     quantize_tiles_ue8m0,
@@ -376,7 +377,7 @@ def fused_q_indexer_rope_hadamard_quant_reference(
     table, valid = rope_table_rows(freqs, positions)
     rope = apply_rope_interleaved(x[..., ROPE_DIM:], table[:, None, :])
     y = walsh_hadamard(torch.cat([x[..., :ROPE_DIM], rope], dim=-1)) * INDEXER_DIM**-0.5
-    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX
+    scale = finite_amax(y, -1, keepdim=True) / FP8_MAX
     codes = quantize_e4m3(y * torch.reciprocal(scale)).view(torch.uint8)
     q_fp8 = torch.where(valid[:, None, None], codes, 0).view(torch.float8_e4m3fn)
     weights_out = torch.where(valid[:, None, None], (weight.float() * weight_scale)[..., None] * scale, 0.0)

@@ -9,7 +9,8 @@ Quantization of a row of D values (D a multiple of 32; the indexer's D = 128 aft
 - `v = min(|y| * 2^(127-e), 6)` (exact: a power-of-two scale); the code's magnitude is the number of the
   thresholds (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0) strictly below `v`, i.e. the nearest e2m1 value of
   (0, 0.5, 1, 1.5, 2, 3, 4, 6) with ties going to the smaller one; bit 0x8 is the sign, set only for a negative
-  value with a nonzero magnitude (no negative zero);
+  value with a nonzero magnitude (no negative zero); non-finite values as for the FP8 tiles (`finite_amax`: the
+  scale stays finite), an infinity coded +-6 and a NaN 0 (e2m1 has no NaN);
 - two codes per byte, the even element in the low nibble.
 
 Page of `68 * page_size` bytes for slot `loc` (`page = loc // page_size`, `o = loc % page_size`):
@@ -24,7 +25,7 @@ Decoding: `e2m1_value(code) * 2^(e-127)`.
 
 import torch
 
-from custom_ops.layouts.fp8 import AMAX_FLOOR, ue8m0_exponent, ue8m0_inverse_scale, ue8m0_scale
+from custom_ops.layouts.fp8 import finite_amax, ue8m0_exponent, ue8m0_inverse_scale, ue8m0_scale
 
 E2M1_MAX = 6.0
 E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -51,7 +52,7 @@ def quantize_groups_e2m1(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if d % FP4_GROUP:
         raise ValueError(f"y: expected a width that is a multiple of {FP4_GROUP}, got {d}")
     groups = y.to(torch.float32).reshape(n, d // FP4_GROUP, FP4_GROUP)
-    exponent = ue8m0_exponent(groups.abs().amax(-1).clamp(min=AMAX_FLOOR) / E2M1_MAX)
+    exponent = ue8m0_exponent(finite_amax(groups, -1) / E2M1_MAX)
     v = (groups.abs() * ue8m0_inverse_scale(exponent)[..., None]).clamp(max=E2M1_MAX)
     thresholds = torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32, device=y.device)
     magnitude = (v[..., None] > thresholds).sum(-1)

@@ -20,6 +20,11 @@ byte offset (int64), so no slot id can overflow into another page. Negative slot
 Scale rule (UE8M0, exponent rounded UP): per tile `sraw = max(amax, 1e-4) / 448` (fp32), exponent byte
 `e = biased_exponent(sraw) + (mantissa(sraw) != 0)`, so `2^(e-127) >= sraw`; codes are
 `e4m3_rne_satfinite(y * 2^(127-e))`. Decoding: `code * 2^(e-127)` for the nope dims, bf16 for the rope dims.
+
+Non-finite values (`finite_amax`, every quantizer of the package, CPU and CUDA alike): the amax leaves a NaN out and
+counts an infinity as the largest finite fp32, so every scale is finite and no finite value changes sign (an
+infinity's tile is scaled by about 2^120, its finite values coded as zeros); an infinity is coded as the largest code
+of its sign (+-448 here) and a NaN as the positive e4m3 NaN (0x7F).
 """
 
 import torch
@@ -52,6 +57,7 @@ __all__ = [
     "TOKEN_BYTES",
     "VALUE_BYTES",
     "dequantize_flashmla_cache",
+    "finite_amax",
     "flashmla_page_bytes",
     "flashmla_slot_offsets",
     "quantize_e4m3",
@@ -92,9 +98,17 @@ def ue8m0_scale(exponent: torch.Tensor) -> torch.Tensor:
     return (exponent.to(torch.int32) << 23).view(torch.float32)
 
 
+def finite_amax(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """`max(amax(|x|), 1e-4)` over `dim` (fp32), the amax every quantizer scales by: a NaN counts as 0 and an
+    infinity as the largest finite fp32 (the kernels' `fmaxf` reduction, then `clamp_amax`)."""
+    return x.to(torch.float32).abs().nan_to_num(nan=0.0).amax(dim, keepdim=keepdim).clamp(min=AMAX_FLOOR)
+
+
 def quantize_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn, round to nearest even, saturating to +-448."""
-    return x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """fp32 -> float8_e4m3fn, round to nearest even, saturating to +-448 (infinities too); a NaN of either sign
+    becomes the positive NaN code 0x7F, as the CUDA conversion writes it."""
+    x = x.to(torch.float32)
+    return torch.where(x.isnan(), x.abs(), x.clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
 
 
 def quantize_tiles_ue8m0(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +118,7 @@ def quantize_tiles_ue8m0(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     n = y.shape[0]
     tiles = y.to(torch.float32).reshape(n, NUM_TILES, TILE)
-    sraw = tiles.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
-    exponent = ue8m0_exponent(sraw)
+    exponent = ue8m0_exponent(finite_amax(tiles, -1) / FP8_MAX)
     codes = quantize_e4m3(tiles * ue8m0_inverse_scale(exponent)[..., None])
     return codes.view(torch.uint8).reshape(n, NOPE_DIM), exponent.to(torch.uint8)
 

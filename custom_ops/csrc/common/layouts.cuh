@@ -32,6 +32,7 @@ constexpr int kIndexerDim = 128;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kFp8Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
+constexpr float kFloatMax = 3.40282346638528859812e+38f;  // the largest finite fp32
 
 template <typename T>
 struct Cvt;
@@ -143,9 +144,13 @@ __device__ __forceinline__ uint32_t fp8x2(float a, float b) {
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
-// UE8M0 exponent of max(amax, 1e-4) / qmax (448 for e4m3, 6 for e2m1), rounded up.
+// The amax a scale is made from (layouts/fp8.py, finite_amax): at least 1e-4, an infinity counted as the largest
+// finite fp32 (a NaN never gets here: the fmaxf reductions of the amax skip it), so every scale is finite.
+__device__ __forceinline__ float clamp_amax(float amax) { return fminf(fmaxf(amax, kAmaxFloor), kFloatMax); }
+
+// UE8M0 exponent of clamp_amax(amax) / qmax (448 for e4m3, 6 for e2m1), rounded up.
 __device__ __forceinline__ uint32_t ue8m0_exponent(float amax, float qmax = kFp8Max) {
-  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, kAmaxFloor), qmax));
+  const uint32_t bits = __float_as_uint(__fdiv_rn(clamp_amax(amax), qmax));
   return ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
 }
 

@@ -24,7 +24,8 @@ constexpr float kE2m1Max = 6.0f;
 // e2m1 code of y * inv (inv a power of two): magnitude = number of thresholds strictly below min(|y * inv|, 6)
 // (nearest e2m1 value, ties to the smaller), sign bit 0x8 only with a nonzero magnitude.
 __device__ __forceinline__ uint32_t e2m1_code(float y, float inv) {
-  const float v = fminf(fabsf(__fmul_rn(y, inv)), kE2m1Max);
+  const float a = fabsf(__fmul_rn(y, inv));
+  const float v = a > kE2m1Max ? kE2m1Max : a;  // not fminf: a NaN stays NaN and gets magnitude 0 (layouts/fp4.py)
   const uint32_t magnitude = static_cast<uint32_t>((v > 0.25f) + (v > 0.75f) + (v > 1.25f) + (v > 1.75f) + (v > 2.5f) +
                                                    (v > 3.5f) + (v > 5.0f));
   return magnitude | (y < 0.0f && magnitude != 0u ? 0x8u : 0u);
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_indexer_kernel(const Stor
     if (lane % kFp4GroupLanes == 0) page_ptr[page_size * (kIndexerDim / 2) + slot * 4 + lane / kFp4GroupLanes] = e;
   } else {
     const float amax = hadamard128_amax(x, lane);
-    const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+    const float scale = __fdiv_rn(clamp_amax(amax), kFp8Max);
     const uint32_t codes = fp8x2(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale)) |
                            (fp8x2(__fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale)) << 16);
     reinterpret_cast<uint32_t*>(page_ptr + slot * kIndexerDim)[lane] = codes;

@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) indexer_q_kernel(const IndexerArgs a
     rotate_pairs(x, t);
   }
   const float amax = hadamard128_amax(x, lane);
-  const float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+  const float scale = __fdiv_rn(clamp_amax(amax), kFp8Max);
   const float inv = __fdiv_rn(1.0f, scale);
   const uint32_t codes = fp8x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv)) |
                          (fp8x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv)) << 16);
