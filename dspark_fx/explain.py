@@ -105,8 +105,10 @@ def _module_of(model: Any) -> torch.nn.Module | None:
 @contextmanager
 def _restored(model: Any, inputs: Any) -> Iterator[None]:
     """Put back what tracing `model` changes: the contents of its module's parameters and buffers and of the input
-    tensors (by identity, in place; a tensor written with values that require grad is made the leaf it was), the
-    module attributes it rebinds, and the dspark_fx counters."""
+    tensors (by identity, in place, only those tracing wrote: an untouched tensor keeps its version counter, so a
+    pending backward still works, and broadcast inputs or inference tensors are not written; a tensor written with
+    values that require grad is made the leaf it was), the module attributes it rebinds, and the dspark_fx
+    counters. Every tensor is put back even if one cannot be (the first error is raised afterwards)."""
     from torch._dynamo.utils import counters
 
     counts = dict(counters["dspark_fx"])
@@ -117,23 +119,49 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
         tensors += [*module.parameters(), *module.buffers()]
         attributes = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
-    saved = [(t, t.detach().clone(), t.requires_grad, t.grad_fn is None) for t in unique.values()]
+    saved = [(t, t.detach().clone(), _version(t), t.requires_grad, t.grad_fn is None) for t in unique.values()]
     try:
         yield
     finally:
-        for m, attrs, params, buffers in attributes:
-            vars(m).update(attrs)
-            _refill(m._parameters, params)
-            _refill(m._buffers, buffers)
-        with torch.no_grad():
-            for tensor, copy, requires_grad, leaf in saved:
-                # a leaf written with values that require grad got a grad_fn: it is made a leaf again
-                if leaf and tensor.grad_fn is not None and not tensor._is_view():
-                    tensor.detach_()
-                    tensor.requires_grad_(requires_grad)
+        errors = []
+        try:
+            for m, attrs, params, buffers in attributes:
+                vars(m).update(attrs)
+                _refill(m._parameters, params)
+                _refill(m._buffers, buffers)
+            for tensor, copy, version, requires_grad, leaf in saved:
+                try:
+                    _put_back(tensor, copy, version, requires_grad, leaf)
+                except RuntimeError as error:
+                    errors.append(error)
+        finally:
+            counters["dspark_fx"].clear()
+            counters["dspark_fx"].update(counts)
+        if errors:
+            raise errors[0]
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The version counter of `tensor` (None for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _put_back(tensor: torch.Tensor, copy: torch.Tensor, version: int | None, requires_grad: bool, leaf: bool) -> None:
+    """Write `copy` back into `tensor` if tracing wrote it: its version moved (an inference tensor: its contents
+    differ, written back in inference mode)."""
+    if version is None:
+        if not torch.equal(tensor, copy):
+            with torch.inference_mode():
                 tensor.copy_(copy)
-        counters["dspark_fx"].clear()
-        counters["dspark_fx"].update(counts)
+        return
+    if tensor._version == version:
+        return
+    with torch.no_grad():
+        # a leaf written with values that require grad got a grad_fn: it is made a leaf again
+        if leaf and tensor.grad_fn is not None and not tensor._is_view():
+            tensor.detach_()
+            tensor.requires_grad_(requires_grad)
+        tensor.copy_(copy)
 
 
 def _refill(current: dict, saved: dict) -> None:

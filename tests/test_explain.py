@@ -162,3 +162,30 @@ def test_explain_restores_non_persistent_buffers_and_attributes():
         assert torch.equal(model.kv_cache, cache), "explain() left the non-persistent cache written"
         assert model.last is last and model.steps == 0 and "last" in model._buffers
         assert model.kv_cache.grad_fn is None and not model.kv_cache.requires_grad
+
+
+def test_explain_writes_back_only_what_tracing_wrote():
+    """Tensors the model does not write stay untouched, version counters included: a backward pending over the
+    weights still runs, broadcast inputs and weights made under inference mode are accepted; the caches the model
+    writes and the counters are put back."""
+    cfg = small_config(write="return")
+    model = DraftKVWriter(cfg)
+    ctx, positions = draft_inputs(cfg, 5)
+    loss = model(ctx, positions)[0][0].sum()
+    versions = [p._version for p in model.parameters()]
+    assert explain(model, ctx[:1].expand_as(ctx), positions[:1].expand(5)).n_branches
+    assert [p._version for p in model.parameters()] == versions
+    loss.backward()
+
+    with torch.inference_mode():
+        frozen = DraftKVWriter(cfg)
+    with torch.no_grad():
+        assert explain(frozen, ctx, positions).n_branches
+
+    writer = DraftKVWriter(small_config(write="cache_loc"))
+    caches = [c.clone() for kv in writer.caches() for c in kv]
+    counters.clear()
+    with torch.no_grad():
+        explain(writer, *draft_inputs(writer.cfg, 5), config={"fuse_on_cpu": True})
+    assert all(torch.equal(a, b) for a, b in zip(caches, [c for kv in writer.caches() for c in kv], strict=True))
+    assert not counters["dspark_fx"]
