@@ -45,6 +45,23 @@ def test_opcheck_online():
     torch.library.opcheck(ops.dsv4_online_compress_prefill, (state.clone(), kv, ape, plan_c, plan_w))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_whole_windows_from_scratch_run_on_an_empty_state(device):
+    """Offline c128 requests of whole windows from scratch (256 and 128 tokens) read and write no state row: the op
+    runs on a state of 0 rows (the fake impl gives the same shape) and gives the entries it gives with a state."""
+    g = torch.Generator().manual_seed(6)
+    seq, rid = torch.tensor([256, 128]), torch.arange(2)
+    kv = torch.randn(384, 2 * D, generator=g).to(device)
+    ape = torch.randn(128, D, generator=g).to(device)
+    plans = [p.to(device) for p in plan_prefill(seq, seq, rid, None, None, 128, 128, 0, 384)]
+    want = ops.dsv4_compress_prefill(torch.randn(128, 2 * D, device=device), kv, ape, *plans, 128)
+    empty = torch.zeros(0, 2 * D, device=device)
+    got = ops.dsv4_compress_prefill(empty, kv, ape, *plans, 128)
+    fake = call_op(ops.dsv4_compress_prefill, dict(enumerate((empty, kv, ape, *plans, 128))), fake=True)
+    assert got.shape == want.shape == fake.shape
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_strided_kv_score_matches_contiguous(ratio):
     state, ape, ring, g = compress_setup(ratio)

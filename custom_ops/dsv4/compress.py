@@ -214,6 +214,14 @@ def _pool(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor) -> torch.Tensor
     return (weights * kv).sum(1)
 
 
+def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`t[index]`, or zeros of that shape when `t` has no rows (a plan that reads no row of an empty state still
+    gathers the placeholder rows `_window` masks out)."""
+    if t.shape[0] == 0:
+        return t.new_zeros((*index.shape, *t.shape[1:]))
+    return t[index]
+
+
 def _window(
     state: torch.Tensor,
     kv_score: torch.Tensor,
@@ -243,9 +251,9 @@ def _window(
         sc_cols = torch.full_like(i, d)
     irow = last[:, None] - window + 1 + i
     from_state = i < buffer_len[:, None]
-    srow = torch.where(from_state, srow, 0).clamp(0, state.shape[0] - 1)
+    srow = torch.where(from_state, srow, 0).clamp(0, max(state.shape[0] - 1, 0))
     irow = torch.where(from_state, 0, irow).clamp(0, max(kv_score.shape[0] - 1, 0))
-    rows = torch.where(from_state[..., None], state[srow].float(), kv_score[irow].float())
+    rows = torch.where(from_state[..., None], _gather_rows(state, srow).float(), _gather_rows(kv_score, irow).float())
     cols = torch.arange(d, device=state.device)
     kv = rows.gather(2, (kv_cols[:, None] + cols).expand(rows.shape[0], window, d))
     sc = rows.gather(2, (sc_cols[:, None] + cols).expand(rows.shape[0], window, d))
