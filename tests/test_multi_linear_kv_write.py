@@ -293,6 +293,21 @@ def test_disjoint_views_of_one_buffer_are_accepted():
     assert halves.abs().sum() > 0
 
 
+def test_caches_that_require_grad_or_are_inference_tensors_are_written():
+    """A cache that requires grad and an inference tensor among normal caches are written like the others (the CUDA
+    kernel writes any cache), not after the layers before them were written."""
+    case, twin = make_case(BAD), make_case(BAD)
+    caches = case.args["k_caches"]
+    caches[1] = caches[1].clone().requires_grad_()
+    with torch.inference_mode():
+        case.args["v_caches"][1] = case.args["v_caches"][1].clone()
+    case.call()
+    twin.call()
+    written, expected = (a.args["k_caches"] + a.args["v_caches"] for a in (case, twin))
+    for got, want in zip(written, expected, strict=True):
+        assert torch.equal(bits(got.detach()), bits(want))
+
+
 def test_inputs_of_other_element_sizes_beside_a_cache_are_accepted():
     """An int64 cache_loc right after a cache in one byte buffer: their storage offsets count elements of different
     sizes, and the element ranges meet where the bytes do not; the call succeeds, also under the fake impl."""

@@ -517,19 +517,22 @@ def multi_linear_kv_write_reference(
     tokens, slots = _written_tokens(cache_loc, commit_lens)
     xs = x[tokens].float()
     pos = positions[tokens]
-    for i in range(len(k_weights)):
-        k, v = layer_kv(
-            xs,
-            (k_weights[i], k_row_starts[i], k_biases[i]),
-            (v_weights[i], v_row_starts[i], v_biases[i]),
-            (k_norm_weights[i], k_norm_eps[i]) if k_norm_eps else None,
-            rope_rows(cos_sin_caches[i], pos) if cos_sin_caches else None,
-            is_neox,
-            num_kv_heads,
-            head_dim,
-        )
-        k_caches[i][slots] = k.to(k_caches[i].dtype)
-        v_caches[i][slots] = v.to(v_caches[i].dtype)
+    # nothing is returned, so inference mode lets every cache be written in place as the CUDA kernel writes it: one
+    # that requires grad, an inference tensor among normal ones (no layer written before a later one raises)
+    with torch.inference_mode():
+        for i in range(len(k_weights)):
+            k, v = layer_kv(
+                xs,
+                (k_weights[i], k_row_starts[i], k_biases[i]),
+                (v_weights[i], v_row_starts[i], v_biases[i]),
+                (k_norm_weights[i], k_norm_eps[i]) if k_norm_eps else None,
+                rope_rows(cos_sin_caches[i], pos) if cos_sin_caches else None,
+                is_neox,
+                num_kv_heads,
+                head_dim,
+            )
+            k_caches[i][slots] = k.to(k_caches[i].dtype)
+            v_caches[i][slots] = v.to(v_caches[i].dtype)
 
 
 def layer_kv(
