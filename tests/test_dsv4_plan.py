@@ -143,6 +143,24 @@ def test_empty_batch_and_zero_tokens():
     assert plan_decode(z, z, None, None, 4, 8).shape == (0, 16)
 
 
+@pytest.mark.parametrize("online", [False, True])
+def test_prefill_planners_compile_with_a_data_dependent_token_count(online):
+    """`num_q_tokens` read from a tensor inside a compiled graph (an unbacked SymInt): the range check becomes a
+    runtime assert, not a guard that fails the compile; the plans equal eager's."""
+    ops = torch.ops.dspark
+    seq, ext, rid = torch.tensor([5, 8, 12, 9]), torch.tensor([2, 3, 1, 4]), torch.arange(4)
+
+    def plans(s, e, r):
+        n = e.sum().item()
+        if online:
+            return ops.dsv4_plan_online_prefill(s, e, r, n)
+        return ops.dsv4_plan_prefill(s, e, r, None, None, 4, 8, 0, n)
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(plans, backend="aot_eager", fullgraph=True)(seq, ext, rid)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, plans(seq, ext, rid), strict=True))
+
+
 def test_opcheck_planners():
     r2t, f2s = _paged(3, 512)
     seq = torch.tensor([300, 9, 129])

@@ -119,8 +119,13 @@ def _check_addressing(
 
 
 def _check_tokens(num_q_tokens: int | torch.SymInt) -> None:
-    if not 0 <= num_q_tokens <= MAX_RAGGED:
-        raise ValueError(f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}")
+    """`torch._check_with`: also for a data-dependent `num_q_tokens` in a compiled graph (a runtime assert there)."""
+    for in_range in (num_q_tokens >= 0, num_q_tokens <= MAX_RAGGED):
+        torch._check_with(
+            ValueError,
+            in_range,
+            lambda: f"num_q_tokens: expected 0..{MAX_RAGGED} (16-bit ragged ids), got {num_q_tokens}",
+        )
 
 
 def check_plan_decode_args(

@@ -381,7 +381,7 @@ def fused_q_indexer_rope_hadamard_quant_reference(
     codes = quantize_e4m3(y * torch.reciprocal(scale)).view(torch.uint8)
     q_fp8 = torch.where(valid[:, None, None], codes, 0).view(torch.float8_e4m3fn)
     weights_out = torch.where(valid[:, None, None], (weight.float() * weight_scale)[..., None] * scale, 0.0)
-    return q_fp8, weights_out
+    return q_fp8, weights_out.contiguous()  # contiguous whatever `weight`'s strides, as the fake and CUDA allocate it
 
 
 # ---------------------------------------------------------------------------------------------- registration
