@@ -289,6 +289,26 @@ def test_opcheck_indexer_with_a_transposed_weight():
     torch.library.opcheck(ops.fused_q_indexer_rope_hadamard_quant.default, (qi, weight.t().contiguous().t(), *rest))
 
 
+def test_q_norm_rope_compiles_with_a_data_dependent_row_count():
+    """A row count read from a tensor inside a compiled graph (an unbacked SymInt): the fake impl's row-overlap
+    check does not guard on it; the output equals eager's."""
+    g = _gen(8)
+    q = torch.randn(6, 4, 512, generator=g)
+    freqs, pos = precompute_freqs(MAX_POS), torch.randint(0, MAX_POS, (6,), generator=g)
+
+    def rotate(count: torch.Tensor) -> torch.Tensor:
+        n = count.item()
+        torch._check(n >= 0)
+        torch._check(n <= 6)
+        out = torch.empty(n, 4, 512)
+        ops.fused_q_norm_rope(q[:n], out, EPS, freqs, pos[:n])
+        return out
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(rotate, backend="aot_eager", fullgraph=True)(torch.tensor(5))
+    assert torch.equal(compiled, rotate(torch.tensor(5)))
+
+
 def _mutating_calls():
     return {
         "fused_k_norm_rope_flashmla": lambda kv, w, f, p, loc, c: ops.fused_k_norm_rope_flashmla(

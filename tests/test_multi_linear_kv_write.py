@@ -293,6 +293,32 @@ def test_disjoint_views_of_one_buffer_are_accepted():
     assert halves.abs().sum() > 0
 
 
+def test_compiles_with_a_data_dependent_token_count():
+    """The token count read from a tensor inside a compiled graph (an unbacked SymInt): the fake impl's overlap checks
+    do not guard on it, and the caches are written as eagerly."""
+    case, twin = make_case(BAD), make_case(BAD)
+
+    def write(args: dict, count: torch.Tensor) -> None:
+        n = count.item()
+        torch._check(n >= 0)
+        torch._check(n <= BAD.tokens)
+        op(
+            *{
+                **args,
+                "x": args["x"][:n],
+                "positions": args["positions"][:n],
+                "cache_loc": args["cache_loc"][:n],
+            }.values()
+        )
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(write, backend="aot_eager", fullgraph=True)(case.args, torch.tensor(BAD.tokens - 1))
+    write(twin.args, torch.tensor(BAD.tokens - 1))
+    written, expected = (a.args["k_caches"] + a.args["v_caches"] for a in (case, twin))
+    for got, want in zip(written, expected, strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
 def test_caches_that_require_grad_or_are_inference_tensors_are_written():
     """A cache that requires grad and an inference tensor among normal caches are written like the others (the CUDA
     kernel writes any cache), not after the layers before them were written."""

@@ -29,6 +29,7 @@ functions follow the kernels' skip rule, so they are the oracle for CUDA runs wi
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
 from custom_ops._library import register_op
 from custom_ops.checks import check_index_range, is_aligned
@@ -103,11 +104,12 @@ def _aligned16(name: str, t: torch.Tensor) -> None:
 
 def _rows_disjoint(name: str, t: torch.Tensor) -> None:
     """The kernels write the (..., D) rows of `t` in parallel: no two rows may share memory. Sufficient test: in
-    order of increasing stride, every batch dim steps past the whole block spanned by the dims before it."""
-    if t.numel() == 0:
+    order of increasing stride, every batch dim steps past the whole block spanned by the dims before it. A size not
+    known at compile time (a data-dependent row count) is taken as nonzero and > 1; the real impl checks it again."""
+    if guard_or_false(t.numel() == 0):
         return
     span = t.shape[-1]
-    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim() - 1) if t.shape[d] > 1):
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim() - 1) if guard_or_true(t.shape[d] > 1)):
         if stride < span:
             raise ValueError(
                 f"{name} must not overlap itself (its rows are written in parallel), got shape {tuple(t.shape)} "

@@ -88,6 +88,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from custom_ops._library import register_op
@@ -248,10 +249,10 @@ def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     shape and strides (e.g. the K and V halves of an interleaved `[S, 2, heads, head_dim]` buffer, or the layers of a
     stacked one); for other pairs in one storage, whether their byte ranges intersect (storage offsets and strides
     count elements of each tensor's own size). Works on fake tensors (the storage identity is `StorageWeakRef`, no
-    data pointer is read)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
+    data pointer is read); a size not known at compile time (a data-dependent token count) is taken as nonzero."""
     if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    if guard_or_false(a.numel() == 0) or guard_or_false(b.numel() == 0):
         return False
     a_lo, b_lo = a.storage_offset(), b.storage_offset()
     a_hi = a_lo + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
