@@ -320,8 +320,9 @@ def test_cuda_quantizers_code_non_finite_values_as_the_reference(name, dtype):
     exponent bytes and codes the same values (an infinity does not make its tile's scale infinite or negative, a
     NaN is skipped by the amax on both sides)."""
     args = _inputs(name, b=8, seed=16)
-    key = "kv" if "kv" in args else "q"
-    args[key] = args[key].to(dtype)
+    for key in ("kv", "q", "weight"):
+        if key in args:
+            args[key] = args[key].to(dtype)
     rows = plant_non_finite(args)
     want = _reference_result(name, args)
     got = _run_cuda(name, args, graph=False)
