@@ -76,6 +76,14 @@ def test_weight_only_quantized_layer_keeps_its_own_gemm():
     assert [c.branches for c in capture.report.groups[0].classes] == [[0, 1]]
 
 
+def test_float64_gemms_stay_with_a_reason():
+    """dspark::multi_linear takes bf16 / fp16 / fp32 activations: a float64 draft's GEMMs are left as they are, with
+    a reason (the compile used to fail in the op's checks)."""
+    capture = _run(small_config(dtype=torch.float64), dtype=torch.float64)
+    capture.assert_fused(n_groups=0)
+    assert any("torch.float64" in r.reason for r in capture.report.rejected), capture.report
+
+
 def test_different_rope_table_is_not_batched_with_the_others():
     capture = _run(small_config(rope_theta=(1e6, 1e4, 1e6)))
     report = capture.report

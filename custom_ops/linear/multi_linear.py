@@ -83,7 +83,7 @@ import torch
 from custom_ops import _build
 from custom_ops._library import register_op
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations and weights the op takes
 
 
 def _check_args(
@@ -97,7 +97,7 @@ def _check_args(
     same class and message)."""
     if x.dim() != 2:
         raise ValueError(f"multi_linear: x must be 2-D [T, K], got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"multi_linear: x must be bfloat16, float16 or float32, got {x.dtype}")
     n = len(weights)
     if n == 0:

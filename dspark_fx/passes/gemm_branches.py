@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 import custom_ops  # registers dspark::multi_linear
+from custom_ops.linear.multi_linear import FLOAT_DTYPES
 from dspark_fx.passes.graph_utils import aten, call, gemm_activation, op_name, reads_storage_layout, tensor_val
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import Rejection
@@ -147,6 +148,8 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     x_val, out_val = tensor_val(x), tensor_val(node)
     if x_val is None or out_val is None or not isinstance(w_t, fx.Node):
         return "operands carry no tensor metadata"
+    if x_val.dtype not in FLOAT_DTYPES:
+        return f"activation dtype {x_val.dtype}: dspark::multi_linear takes bfloat16, float16 and float32"
     if x_val.device.type == "cuda" and (problem := custom_ops._build.cuda_library_problem()):
         return problem  # the op on CUDA tensors would raise BuildError at its first call
     if reads_storage_layout(node):
