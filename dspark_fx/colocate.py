@@ -14,13 +14,16 @@ After it each of those parameters is a view of one [N * 1024, 4096] allocation, 
 copied per call and nothing can go stale: the parameters are the views, so what is written into them in place is
 what the GEMM reads. A group moves only if every weight (and bias) is a plain tensor or `nn.Parameter` of the
 device the pass fuses on, 2-D (1-D), contiguous, of one dtype and input width, with 16-byte rows, and the only
-tensor on its storage: a weight that another tensor shares (a `state_dict()` kept from before, a view, a weight
-of another group) would keep the old values there, so its group is left as it is, and the report says why. The op
+tensor on its storage, in memory torch allocated for this process: a weight that another tensor shares (a
+`state_dict()` kept from before, a view, a weight of another group) or whose memory is shared or owned elsewhere
+(`share_memory_()`, numpy, DLPack, a file mapping) would keep the old values there, so its group is left as it is,
+and the report says why. The op
 checks adjacency on every call from pointers and strides, so a parameter replaced later (`load_state_dict(...,
 assign=True)`) is only read apart again, never wrong.
 
 Not for a model that something captured into a CUDA graph before this compile: that graph keeps reading the old
-allocations.
+allocations. Pickling a colocated model (`pickle`, `copy` of a module holding it) writes each view with the whole
+allocation; `torch.save` / `torch.load` and `copy.deepcopy` keep one copy.
 """
 
 from __future__ import annotations
@@ -148,6 +151,11 @@ def _reason_not_to_move(weights: list, biases: list, device_types: Sequence[str]
         return "already back to back"
     if not all(_owns_storage(t) for t in (*weights, *biases) if t is not None):
         return "a weight or bias shares its storage with another tensor, which would keep the old values"
+    if any(_memory_held_outside(t) for t in (*weights, *biases) if t is not None):
+        return (
+            "a weight or bias lives in memory shared with another process or owned outside torch (share_memory_, "
+            "numpy, DLPack, a file mapping), which would keep the old values"
+        )
     return ""
 
 
@@ -157,6 +165,14 @@ def _owns_storage(t: torch.Tensor) -> bool:
     if t.storage_offset() != 0 or storage.nbytes() != t.nbytes:
         return False
     return torch._C._storage_Use_Count(storage._cdata) == _lone_use_count()
+
+
+def _memory_held_outside(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory may be read or written outside this process's tensors: a storage torch did not allocate
+    (not resizable: numpy, DLPack, `frombuffer`, mmap) or a CPU storage in shared memory (`share_memory_`; CUDA
+    storages report shared always, so they are judged by the first test alone)."""
+    storage = t.untyped_storage()
+    return not storage.resizable() or (t.device.type == "cpu" and storage.is_shared())
 
 
 @functools.cache

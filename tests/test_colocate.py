@@ -126,6 +126,34 @@ def test_a_weight_shared_with_another_tensor_is_left_where_it_is(inputs):
     assert torch.equal(kept["k.0.weight"], model.k[0].weight)
 
 
+@pytest.mark.parametrize("memory", ["shared", "numpy"])
+def test_weights_in_memory_held_outside_are_left_where_they_are(inputs, memory):
+    """A weight in shared memory (`share_memory_()`, e.g. a Hogwild model) or in a numpy array: moving it would give
+    this process a private copy, which the other side's updates no longer reach."""
+    model = KV()
+    arrays = []
+    with torch.no_grad():
+        for layer in model.k:
+            if memory == "shared":
+                layer.weight.share_memory_()
+            else:
+                arrays.append(layer.weight.detach().numpy().copy())
+                layer.weight = nn.Parameter(torch.from_numpy(arrays[-1]))
+    storages = _storages(model.graph_order())
+    capture = CaptureBackend(config=ON, inner="aot_eager")
+    compiled, _ = _compile_and_call(model, capture, *inputs)
+    assert _storages(model.graph_order()) == storages
+    (group,) = capture.report.colocated
+    assert not group.moved and "shared with another process or owned outside torch" in group.reason
+    if arrays:
+        arrays[0] *= -1.0  # written through numpy, as another owner would
+    else:
+        with torch.no_grad():
+            model.k[0].weight.neg_()  # the shared storage another process would write
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), model(*inputs))
+
+
 def test_biases_move_with_their_weights(inputs):
     model = KV(bias=True)
     _compile_and_call(model, make_backend(ON, inner="aot_eager"), *inputs)
