@@ -32,8 +32,8 @@ __all__ = [
     "assert_ops",
     "compile_counts",
     "graph_diff",
-    "missed_reinplacing_bytes",
     "op_counts",
+    "reinplacing_misses",
 ]
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -46,7 +46,15 @@ def op_counts(graph: fx.Graph | fx.GraphModule) -> Counter[str]:
 
 
 def assert_ops(graph: fx.Graph | fx.GraphModule, expected: dict[str, int]) -> None:
-    """Assert exact op counts, e.g. `{"aten.mm": 0, "dspark.multi_linear": 1}`."""
+    """Assert exact op counts, e.g. `{"aten.mm": 0, "dspark.multi_linear": 1}`; names are `op_counts`'s (`namespace.op`
+    of a registered op, no overload, or a Python callable's name such as `getitem`): any other name raises
+    `ValueError`, so a misspelled op expected 0 times cannot pass unseen."""
+    unknown = [op for op in expected if not _is_op_name(op)]
+    if unknown:
+        raise ValueError(
+            f"assert_ops: {unknown} are not op names as op_counts writes them ('aten.mm', 'dspark.multi_linear', "
+            "'getitem': a registered op's namespace.name without overload, or a callable's name)"
+        )
     counts = op_counts(graph)
     wrong = {op: (counts[op], n) for op, n in expected.items() if counts[op] != n}
     if wrong:
@@ -55,10 +63,11 @@ def assert_ops(graph: fx.Graph | fx.GraphModule, expected: dict[str, int]) -> No
 
 
 def assert_close_for_dtype(actual: Any, expected: Any, dtype: torch.dtype | None = None) -> None:
-    """`torch.testing.assert_close` with the project's dtype tolerances (fp32 1e-5, fp16 5e-3, bf16 2e-2)."""
-    leaves_a = torch.utils._pytree.tree_leaves(actual)
-    leaves_e = torch.utils._pytree.tree_leaves(expected)
-    assert len(leaves_a) == len(leaves_e), f"{len(leaves_a)} outputs, expected {len(leaves_e)}"
+    """`torch.testing.assert_close` of two pytrees of one structure (the same dict keys, list lengths, ...) with the
+    project's dtype tolerances (`TOLERANCES`: fp32 1e-5, fp16 5e-3, bf16 2e-2; any other dtype exactly)."""
+    leaves_a, spec_a = torch.utils._pytree.tree_flatten(actual)
+    leaves_e, spec_e = torch.utils._pytree.tree_flatten(expected)
+    assert spec_a == spec_e, f"the outputs' structure differs:\n{spec_a}\nexpected\n{spec_e}"
     for a, e in zip(leaves_a, leaves_e, strict=True):
         if not isinstance(e, torch.Tensor):
             assert a == e
@@ -132,6 +141,41 @@ def compile_counts() -> Iterator[Counter[str]]:
         counts["frames"] = stats["unique_graphs"] - start
 
 
-def missed_reinplacing_bytes() -> int:
-    """Inductor's count of mutated inputs it had to clone (`possibly_missed_reinplacing_opportunities`)."""
-    return int(torch._dynamo.utils.counters["inductor"]["possibly_missed_reinplacing_opportunities"])
+@contextmanager
+def reinplacing_misses() -> Iterator[Counter[str]]:
+    """Counts, inside the block, the mutated inputs Inductor could not update in place and clones instead:
+    `misses["tensors"]`, and `misses["bytes"]` of those with static shapes (what Inductor's reinplacing pass adds to
+    `ReinplaceCounters`, which Dynamo clears at every frame, so they are summed here as they are added). The block
+    runs with Inductor's caches off, so every graph is compiled and its reinplacing counted (a graph served from a
+    cache runs no reinplacing pass and would count nothing)."""
+    counters = torch._dynamo.utils.ReinplaceCounters
+    originals = {name: counters.__dict__[name] for name in ("add_missed_opportunities", "add_missed_bytes")}
+    misses: Counter[str] = Counter()
+
+    def counting(name: str, key: str) -> Callable[[Any, int], None]:
+        def add(trigger: Any, amount: int) -> None:
+            misses[key] += amount
+            originals[name].__get__(None, counters)(trigger, amount)
+
+        return add
+
+    counters.add_missed_opportunities = counting("add_missed_opportunities", "tensors")
+    counters.add_missed_bytes = counting("add_missed_bytes", "bytes")
+    misses.update(tensors=0, bytes=0)
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            yield misses
+    finally:
+        for name, original in originals.items():
+            setattr(counters, name, original)
+
+
+def _is_op_name(name: str) -> bool:
+    """Whether `name` is a name `op_counts` can write: `namespace.op` of a registered op, or a callable's name."""
+    if "." not in name:
+        return name.isidentifier()
+    namespace, _, op = name.partition(".")
+    try:
+        return isinstance(getattr(getattr(torch.ops, namespace), op), torch._ops.OpOverloadPacket)
+    except (AttributeError, RuntimeError):
+        return False

@@ -62,6 +62,14 @@ def test_blocks_were_found_and_skips_give_a_reason():
             assert kind != "skip" or reason, f"{path.name}:{line}: a `snippet: skip` marker needs a reason"
 
 
+@pytest.fixture(autouse=True)
+def defaults_as_shipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snippet runs as a user runs it: without the suite's CPU GEMM-group fusing (tests/conftest.py)."""
+    from dspark_fx.passes import horizontal
+
+    monkeypatch.setattr(horizontal, "GROUP_GEMM_DEVICES", ("cuda",))
+
+
 @pytest.mark.parametrize(("path", "line", "code"), CASES)
 def test_snippet_runs(path, line, code):
     inductor = torch._inductor.config.shallow_copy_dict()

@@ -22,7 +22,14 @@ from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes.kv_write import KV_WRITE
 from dspark_fx.reference_draft import DraftKVLayer, DraftKVWriter
 from dspark_fx.report import KVKeptReason
-from dspark_fx.testing import TOLERANCES, CaptureBackend, assert_close_for_dtype, compile_counts, op_counts
+from dspark_fx.testing import (
+    TOLERANCES,
+    CaptureBackend,
+    assert_close_for_dtype,
+    compile_counts,
+    op_counts,
+    reinplacing_misses,
+)
 
 ALWAYS = DsparkConfig(kv_write_op="always")
 prims = torch.ops.prims
@@ -540,8 +547,7 @@ def test_inductor_runs_the_op_in_place():
     model = copy.deepcopy(eager)
     capture = CaptureBackend(ALWAYS, inner="inductor")
     compiled = torch.compile(model, backend=capture)
-    missed = torch._dynamo.utils.counters["inductor"]["possibly_missed_reinplacing_opportunities"]
-    with torch.no_grad():
+    with torch.no_grad(), reinplacing_misses() as misses:
         for tokens in (8, 13, 21):
             args = draft_inputs(cfg, tokens, seed=tokens)
             eager(*args)
@@ -549,7 +555,7 @@ def test_inductor_runs_the_op_in_place():
             assert_close_for_dtype(model.caches(), eager.caches(), cfg.dtype)
             for m in (eager, model):
                 m.layers[1].qkv_proj.weight.mul_(-1.0)
-    assert torch._dynamo.utils.counters["inductor"]["possibly_missed_reinplacing_opportunities"] == missed
+    assert misses["tensors"] == 0
     assert len(capture.reports) == 2 and all(len(r.kv_writes) == 1 for r in capture.reports)
 
 

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_map
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
 from custom_ops.linear.multi_linear_kv_write import multi_linear_kv_write_reference
 from dspark_fx.reference_draft import DraftKVWriter
+from dspark_fx.testing import reinplacing_misses
 
 op = torch.ops.dspark.multi_linear_kv_write
 
@@ -617,8 +618,8 @@ def test_compile_fullgraph_writes_caches_in_place(layout):
 
     torch._dynamo.reset()
     counters.clear()
-    # no FX graph / AOT cache: an entry compiled for caches that alias each other would clone them
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    # no cache (reinplacing_misses turns them off): an entry compiled for caches that alias each other would clone them
+    with reinplacing_misses() as misses:
         _, code = run_and_get_code(
             torch.compile(step, fullgraph=True),
             args["x"],
@@ -630,7 +631,7 @@ def test_compile_fullgraph_writes_caches_in_place(layout):
     src = "\n".join(code)
     assert "torch.ops.dspark.multi_linear_kv_write.default(" in src
     assert "clone" not in src and "copy_" not in src
-    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+    assert misses["tensors"] == 0
     for a, b in zip(compiled_case.bases, eager.bases, strict=True):
         assert torch.equal(bits(a), bits(b))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from dspark_fx.testing import CaptureBackend
+from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, assert_ops, op_counts, reinplacing_misses
 
 
 def test_graph_diff_before_any_compile_says_nothing_was_compiled():
@@ -25,3 +25,50 @@ def test_graph_diff_names_the_compiles_there_are():
     assert "dspark.multi_linear" in capture.graph_diff()
     with pytest.raises(IndexError, match="index 1, but 1 graph"):
         capture.graph_diff(1)
+
+
+@torch.library.custom_op("dspark_kit_test::bump_", mutates_args=["x"])
+def _bump_(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+@_bump_.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+def test_reinplacing_misses_counts_an_input_inductor_clones():
+    """A mutated graph input read again after the op must be cloned: counted (also when an identical graph was
+    compiled before, the caches being off in the block); a plain in-place update of it is not."""
+
+    def read_after(x):
+        y = x * 1
+        _bump_(x)
+        return y + x
+
+    def update(x):
+        _bump_(x)
+
+    for fn, want in ((read_after, 1), (update, 0), (read_after, 1)):
+        torch._dynamo.reset()
+        with reinplacing_misses() as misses:
+            torch.compile(fn, backend="inductor")(torch.randn(8))
+        assert misses["tensors"] == want, (fn.__name__, misses)
+
+
+def test_assert_ops_rejects_names_op_counts_never_writes():
+    graph = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1).graph
+    assert_ops(graph, {"add": 1})
+    assert op_counts(graph)["aten.mm"] == 0
+    assert_ops(graph, {"aten.mm": 0})
+    for name in ("dspark.multi_linear.default", "dspark::multi_linear", "torch.ops.aten.mm", "aten.no_such_op"):
+        with pytest.raises(ValueError, match="not op names as op_counts writes them"):
+            assert_ops(graph, {name: 0})
+
+
+def test_assert_close_for_dtype_compares_the_structure():
+    ones, zeros = torch.ones(2), torch.zeros(2)
+    assert_close_for_dtype({"k": ones, "v": zeros}, {"k": ones, "v": zeros})
+    for actual, expected in (({"k": ones, "v": zeros}, {"v": ones, "k": zeros}), ({"x": ones}, {"y": ones})):
+        with pytest.raises(AssertionError):
+            assert_close_for_dtype(actual, expected)
