@@ -38,8 +38,10 @@ log = logging.getLogger("dspark_fx")
 class DsparkBackend:
     """A torch.compile backend running the dspark_fx passes; `inner="aot_eager"` skips Inductor codegen.
 
-    Accepts `mode=`/`options=` as `torch.compile` passes them. A post-grad pass already installed in
-    `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs first.
+    Accepts `mode=`/`options=` as `torch.compile` passes them (to Inductor; with `inner="aot_eager"` there is no
+    Inductor to take them, and only `options["post_grad_custom_post_pass"]` is used). A post-grad pass already
+    installed in `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs
+    first.
     `move_weights=False`: with `colocate_weights` on, judge and report the weight groups but move nothing
     (`explain`)."""
 
@@ -51,11 +53,8 @@ class DsparkBackend:
         observer: Observer | None = None,
         move_weights: bool = True,
     ) -> None:
-        if inner not in INNER_MODES:
-            raise ValueError(f"make_backend: inner must be one of {INNER_MODES}, got {inner!r}")
-        if observer is not None and not callable(observer):
-            raise TypeError(f"make_backend: observer must be callable or None, got {type(observer).__name__}")
-        self.config = as_config(config, "make_backend")
+        check_backend_args("DsparkBackend", inner, observer)
+        self.config = as_config(config, "DsparkBackend")
         self.inner = inner
         self.observer = observer
         self.move_weights = move_weights
@@ -139,7 +138,16 @@ def make_backend(
 ) -> DsparkBackend:
     """A torch.compile backend running the dspark_fx passes (see `DsparkBackend`). `config` is a `DsparkConfig`,
     a dict of its fields or None (the defaults); a wrong one raises here, not at the first compile."""
-    return DsparkBackend(config, inner=inner, observer=observer)
+    check_backend_args("make_backend", inner, observer)
+    return DsparkBackend(as_config(config, "make_backend"), inner=inner, observer=observer)
+
+
+def check_backend_args(caller: str, inner: object, observer: object) -> None:
+    """The backend arguments besides the config, each error naming `caller` (the function the user called)."""
+    if inner not in INNER_MODES:
+        raise ValueError(f"{caller}: inner must be one of {INNER_MODES}, got {inner!r}")
+    if observer is not None and not callable(observer):
+        raise TypeError(f"{caller}: observer must be callable or None, got {type(observer).__name__}")
 
 
 def _inductor(

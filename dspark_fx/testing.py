@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dspark_fx.backend import make_backend
+from dspark_fx.backend import check_backend_args, make_backend
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.passes.manager import graph_diff
@@ -88,6 +88,7 @@ class CaptureBackend:
 
     def __init__(self, config: DsparkConfig | Mapping[str, Any] | None = None, inner: str = "aot_eager") -> None:
         config = as_config(config, "CaptureBackend")
+        check_backend_args("CaptureBackend", inner, None)
         self.before: list[fx.Graph] = []
         self.after: list[fx.Graph] = []
         self.reports: list[FusionReport] = []

@@ -93,6 +93,10 @@ def test_other_arguments_are_checked_at_call_time():
         make_backend(observer=[])
     with pytest.raises(TypeError, match="CaptureBackend: config must be"):
         CaptureBackend(3)
+    with pytest.raises(ValueError, match="CaptureBackend: inner must be one of"):
+        CaptureBackend(inner="eager")
+    with pytest.raises(ValueError, match=r"DsparkBackend: config has unknown field\(s\) \['x'\]"):
+        DsparkBackend({"x": 1})
     with pytest.raises(TypeError, match="explain: config must be"):
         dspark_fx.explain(_Three(), torch.randn(2, 16), config=3)
     with pytest.raises(TypeError, match=r"DsparkConfig\.max_leaf_numel must be int"):
