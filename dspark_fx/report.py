@@ -38,6 +38,7 @@ REJECTION_KINDS = (
     ("weight is computed by", "weight_computed"),
     ("weight operand is", "weight_not_transposed"),
     ("weight dtype", "dtype_mismatch"),
+    ("activation dtype", "dtype_unsupported"),
     ("addmm with alpha/beta", "alpha_beta"),
     ("output is read through", "storage_layout"),
     ("operands carry no tensor metadata", "no_metadata"),
