@@ -10,7 +10,7 @@ import torch
 from dsv4_cases import gt_compress
 
 import custom_ops  # noqa: F401
-from custom_ops.dsv4.compressor import DSV4Compressor, compress_sequence, kernel_ape
+from custom_ops.dsv4.compressor import DSV4Compressor, PagedAddressing, compress_sequence, kernel_ape
 from custom_ops.dsv4.store import cache_page_bytes
 from custom_ops.layouts.fp8 import dequantize_flashmla_cache
 from custom_ops.layouts.rope import precompute_freqs
@@ -60,6 +60,26 @@ def test_compressor_split_equals_whole_sequence(ratio, online, state_dtype):
     assert sorted(got) == list(range(want.shape[0]))
     tol = 3e-2 if state_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(torch.stack([got[n] for n in sorted(got)]), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("last_call", ["decode", "extend"])
+def test_c128_window_needs_only_its_own_tokens_mapped(last_call):
+    """Paged c128: a token of an earlier chunk unmapped after its entry was made (an evicted SWA page) does not stop
+    the next window, which reads only its own 128 tokens (its plan rows carry read_page_0 = -1)."""
+    torch.manual_seed(0)
+    comp = DSV4Compressor(16, 128, 128)
+    kv = torch.randn(256, 256)
+    want = compress_sequence(kv, comp.kernel_ape(), 128)[1]
+    req_to_token, full_to_state = torch.arange(512)[None].clone(), torch.arange(512)
+    addressing = PagedAddressing(req_to_token, full_to_state, 256)
+    state = comp.new_state(num_rows=2 * 128)
+    first = 255 if last_call == "decode" else 200
+    comp.compress_scores(kv[:first], state, torch.tensor([first]), torch.tensor([0]), torch.tensor([first]), addressing)
+    full_to_state[127] = -1  # the previous chunk's last token: window 1 is rows 128..255
+    extend = None if last_call == "decode" else torch.tensor([256 - first])
+    out = comp.compress_scores(kv[first:], state, torch.tensor([256]), torch.tensor([0]), extend, addressing)
+    assert out.valid.tolist() == [True] and out.window.tolist() == [1]
+    torch.testing.assert_close(out.entries[0], want)
 
 
 def test_compressor_rejects_bad_configs():

@@ -405,8 +405,11 @@ def decode_plan_unchecked(
     pos1 = seq - 1
     pos0 = (pos1 - ratio).clamp(min=0)
     write_loc, ok = _state_loc(problems, rid, pos1, ok, addr)
-    loc0, ok = _state_loc(problems, rid, pos0, ok, addr)
-    rows = _pack_rows([seq, write_loc, loc0 // ratio, write_loc // ratio], ok, DECODE_INVALID)
+    loc0, ok0 = _state_loc(problems, rid, pos0, ok, addr)
+    if ratio == 4:  # c4 reads read_page_0 (its window's overlap half); c128 never does: -1 where unmapped
+        ok = ok0
+    read_page_0 = torch.where(ok0, loc0 // ratio, -1)
+    rows = _pack_rows([seq, write_loc, read_page_0, write_loc // ratio], ok, DECODE_INVALID)
     return rows.contiguous().view(torch.uint8), problems
 
 
@@ -434,9 +437,11 @@ def prefill_plan_unchecked(
     buffer_len = (window - (j + 1)).clamp(min=0)
     use_buf = buffer_len > 0
     loc1, ok1 = _state_loc(problems, rid, pos, event & use_buf, addr)
-    loc0, ok1 = _state_loc(problems, rid, (pos - ratio).clamp(min=0), ok1, addr)
+    loc0, ok0 = _state_loc(problems, rid, (pos - ratio).clamp(min=0), ok1, addr)
+    if ratio == 4:  # as in the decode plan: only c4 reads read_page_0
+        ok1 = ok0
     event = event & (ok1 | ~use_buf)
-    rp0 = torch.where(use_buf, loc0 // ratio, -1)
+    rp0 = torch.where(use_buf & ok0, loc0 // ratio, -1)
     rp1 = torch.where(use_buf, loc1 // ratio, b)
     c_rows = _pack_rows([pos + 1, t | (buffer_len << 16), rp0, rp1], event, COMPRESS_INVALID)
     plan_c = _compact(c_rows, event, compress_rows_bound(num_q_tokens, batch, ratio), COMPRESS_INVALID)
