@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const PlanDec
       int64_t loc1 = 0, loc0 = 0;
       const bool ok1 = state_loc(a, rid, pos1, loc1);
       const bool ok0 = ok1 && state_loc(a, rid, pos0, loc0);
-      if (ok1 && (ok0 || a.ratio == 128)) {  // c128 never reads read_page_0 (plan.py): -1 where unmapped
+      if (ok1 && (ok0 || a.ratio == kRatioC128)) {  // c128 never reads read_page_0 (plan.py): -1 where unmapped
         p = DecodePlan{static_cast<uint32_t>(seq), static_cast<int32_t>(loc1),
                        ok0 ? static_cast<int32_t>(loc0 / a.ratio) : -1, static_cast<int32_t>(loc1 / a.ratio)};
       }
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kPrefillThreads) plan_prefill_kernel(const Pla
             int64_t loc1 = 0, loc0 = 0;
             const bool ok1 = buffer_len > 0 && state_loc(d, rid, pos, loc1);
             const bool ok0 = ok1 && state_loc(d, rid, pos - r > 0 ? pos - r : 0, loc0);
-            event = buffer_len == 0 || (ok1 && (ok0 || r == 128));  // c128 never reads read_page_0
+            event = buffer_len == 0 || (ok1 && (ok0 || r == kRatioC128));  // c128 never reads read_page_0
             crow = CompressPlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(tok),
                                 static_cast<uint16_t>(buffer_len), ok0 ? static_cast<int32_t>(loc0 / r) : -1,
                                 buffer_len > 0 ? static_cast<int32_t>(loc1 / r) : static_cast<int32_t>(b)};
