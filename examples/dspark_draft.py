@@ -80,7 +80,7 @@ def main() -> None:
             assert_close_for_dtype((k_c, v_c), (k_e, v_e), cfg.dtype)
         print(f"parity with eager: OK ({cfg.dtype}, {cfg.num_layers} layers, T={args.tokens})")
         if args.diff:
-            capture = CaptureBackend(inner="inductor")
+            capture = CaptureBackend(config, inner="inductor")
             torch.compile(copy.deepcopy(eager), backend=capture)(*inputs)
             print("\n--- graph diff (post-grad ATen graph, before/after dspark_fx) ---")
             print(capture.graph_diff())

@@ -24,6 +24,16 @@ def test_demo_prints_a_short_summary_and_labels_its_timings_truthfully():
 
 
 @pytest.mark.slow
+def test_demo_diff_shows_the_rewrite_it_reports():
+    """`--diff` compiles with the demo's config (on CPU `fuse_on_cpu`): the diff holds the fused GEMM."""
+    demo = [sys.executable, str(ROOT / "examples" / "dspark_draft.py"), "--device", "cpu", "--tokens", "8", "--diff"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(demo, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    diff = out.split("--- graph diff (post-grad ATen graph, before/after dspark_fx) ---", 1)[1]
+    assert "+" in diff and "torch.ops.dspark.multi_linear.default" in diff, out
+
+
+@pytest.mark.slow
 def test_tp_example_runs_under_torchrun_on_two_cpu_ranks():
     """`torchrun --nproc-per-node 2 examples/tp_draft.py` on CPU (gloo, Inductor): one line per rank, lowering the
     K/V writes of the rank's heads, keeping the collectives in order in Inductor's post-grad graph and matching the
