@@ -41,7 +41,7 @@ class DsparkBackend:
     Accepts `mode=`/`options=` as `torch.compile` passes them (to Inductor; with `inner="aot_eager"` there is no
     Inductor to take them, and only `options["post_grad_custom_post_pass"]` is used). A post-grad pass already
     installed in `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs
-    first.
+    first; a `DsparkPassManager` installed there is left out (this backend's own manager takes its place).
     `move_weights=False`: with `colocate_weights` on, judge and report the weight groups but move nothing
     (`explain`)."""
 
@@ -73,7 +73,7 @@ class DsparkBackend:
 
         options = dict(options or {})
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
-        manager = DsparkPassManager(self.config, user_pass=user_pass, observer=self.observer)
+        manager = DsparkPassManager(self.config, user_pass=_without_managers(user_pass), observer=self.observer)
         manager.input_names = _input_names(gm, example_inputs)
         groups = []
         if self.config.colocate_weights:
@@ -89,6 +89,15 @@ class DsparkBackend:
             # in place: the reports (and what an observer kept of them) hold this list
             manager.colocated[:] = _colocate(groups, self.config, move=True)
         return compiled
+
+
+def _without_managers(user_pass: Any) -> Any:
+    """The installed post-grad passes less any `DsparkPassManager` (one installed for plain `torch.compile`): this
+    backend's own manager takes its place, with the backend's config, instead of the pass running twice."""
+    from dspark_fx.passes.manager import DsparkPassManager
+
+    passes = user_pass if isinstance(user_pass, (list, tuple)) else [user_pass]
+    return [p for p in passes if p is not None and not isinstance(p, DsparkPassManager)]
 
 
 def _input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:

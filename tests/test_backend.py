@@ -13,6 +13,8 @@ from dspark_fx.backend import DsparkBackend
 from dspark_fx.passes.manager import _INFERENCE_AWARE, DsparkPassManager
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
 
+counters = torch._dynamo.utils.counters
+
 
 class _Three(nn.Module):
     """Three GEMMs on one input: one fused group."""
@@ -125,6 +127,18 @@ def test_a_list_of_user_post_grad_passes_is_composed_element_by_element(containe
     with torch._inductor.config.patch(post_grad_custom_post_pass=container([first, second])):
         _compile_and_run(backend)
     assert log == [("first", False), ("second", False), ("dspark", True)]  # user passes first, in order
+
+
+def test_an_installed_pass_manager_does_not_run_twice_under_a_backend():
+    """A DsparkPassManager installed for plain torch.compile, then a dspark backend: the backend's manager (and
+    config) runs once; the other installed passes still run first."""
+    torch._dynamo.reset()
+    counters.clear()
+    log = []
+    installed = [_Recording("user", log), DsparkPassManager({"fuse_on_cpu": True})]
+    with torch._inductor.config.patch(post_grad_custom_post_pass=installed):
+        _compile_and_run(make_backend(inner="aot_eager"))
+    assert counters["dspark_fx"]["pass_runs"] == 1 and log == [("user", False)]
 
 
 def test_uuid_of_composed_passes():
