@@ -14,6 +14,7 @@ import contextlib
 import math
 
 import torch
+from flashmla_cases import negative_nan
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401
@@ -535,7 +536,7 @@ def plant_non_finite_rows(kv: torch.Tensor, plan: torch.Tensor, out_loc: torch.T
     picked = rows[:5]
     for row, value in zip(picked[:3].tolist(), (float("nan"), float("inf"), float("-inf")), strict=True):
         kv[row, 5] = value
-    kv[picked[3], 5] = torch.tensor(-(2**22), dtype=torch.int32).view(torch.float32)  # a NaN, sign bit set
+    kv[picked[3], 5:6] = negative_nan(torch.float32)
     kv[picked[4], 5], kv[picked[4], 70] = float("inf"), float("-inf")
     return out_loc[source[picked]]
 

@@ -93,11 +93,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from custom_ops._library import register_op
 from custom_ops.checks import check_index_range, is_aligned, must_check_values
+from custom_ops.linear.multi_linear import FLOAT_DTYPES
 
 __all__ = ["layer_kv", "multi_linear_kv_write_reference", "rope_rows", "rotary_dim", "table_form"]
 
 _OP = "multi_linear_kv_write"
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
 _MAX_LAYERS_PER_LAUNCH = 32  # kMaxLayers of the CUDA kernels: layers per launch
 
@@ -349,7 +349,7 @@ def _check_args(
     the op's arguments (`is_neox` and `wrap_negative` have no rule beyond their schema type)."""
     if x.dim() != 2:
         raise _fail(f"x must be 2-D [T, K], got {tuple(x.shape)}")
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES:
         raise _wrong_type(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     n = len(k_weights)
     if n == 0:
