@@ -189,3 +189,43 @@ def test_explain_writes_back_only_what_tracing_wrote():
         explain(writer, *draft_inputs(writer.cfg, 5), config={"fuse_on_cpu": True})
     assert all(torch.equal(a, b) for a, b in zip(caches, [c for kv in writer.caches() for c in kv], strict=True))
     assert not counters["dspark_fx"]
+
+
+class _TwoNormedBranches(nn.Module):
+    """Two linears on one input, each RMS-normed, then scaled by its own weight (`add_weight`: branch 1 adds it)."""
+
+    def __init__(self, add_weight: bool = False):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256, bias=False), nn.Linear(64, 256, bias=False)
+        self.wa, self.wb = nn.Parameter(torch.randn(256)), nn.Parameter(torch.randn(256))
+        self.add_weight = add_weight
+
+    def forward(self, x):
+        ya, yb = self.a(x), self.b(x)
+        ya = ya * torch.rsqrt(ya.pow(2).mean(-1, keepdim=True) + 1e-6) * self.wa
+        yb = yb * torch.rsqrt(yb.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return ya, yb + self.wb if self.add_weight else yb * self.wb
+
+
+@pytest.mark.parametrize(
+    ("limit", "add_weight", "kept"),
+    [
+        (1 << 16, False, None),
+        (100, False, "a per-branch input of 256 elements, above max_leaf_numel (100), is not stacked"),
+        (1 << 16, True, "branch 1 computes another op here"),
+    ],
+)
+def test_explain_says_which_shared_op_stays_per_branch_and_why(limit, add_weight, kept):
+    with torch.no_grad():
+        report = explain(
+            _TwoNormedBranches(add_weight), torch.randn(8, 64), config={"max_leaf_numel": limit, "fuse_on_cpu": True}
+        )
+    (cls,) = report.groups[0].classes
+    assert cls.branches == [0, 1], report
+    if kept is None:
+        assert cls.ops[-2:] == ["aten.mul", "aten.mul"] and not cls.kept, report
+    else:
+        assert cls.ops[-1] == "aten.mul" and len(cls.ops) == 5, report
+        (line,) = cls.kept
+        assert line.startswith("aten.") and line.endswith(kept), report
+        assert f"kept per branch from {line}" in str(report)

@@ -51,7 +51,7 @@ class _Exit:
 def batch_class(graph: fx.Graph, fused: FusedGemm, regions: list[Region], cls: BranchClass) -> ClassReport:
     """Batch a class (its column blocks are adjacent in `fused`). An op that no rule can batch stays per branch
     with every op after it (the class batches the ops before it); `BatchError` when no op is left to batch."""
-    kept = []
+    kept = list(cls.kept)
     while True:
         try:
             ops = _emit(graph, fused, regions, cls)

@@ -9,8 +9,9 @@ and branch 3 ends in a masked cache write:
     3: view → pow → mean → add(1e-6) → rsqrt → mul → mul(w_3) → cat ... → where
 
 Classes: {0, 1, 3} sharing branch 0's ops (branch 3's `where` stays its own), and branch 2 alone, unbatched ("its
-ops differ from branch 0's: aten.add ... has no equal counterpart"). Nothing in the graph changes here;
-`batch_class` emits the batched ops of each class.
+ops differ from branch 0's: aten.add ... has no equal counterpart"). Had branch 1's norm weight been above
+`max_leaf_numel` elements, the class would share the ops up to the `mul(w)`, which would stay per branch, with the
+reason in `BranchClass.kept`. Nothing in the graph changes here; `batch_class` emits the batched ops of each class.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.fx as fx
 
 from dspark_fx.config import DsparkConfig
 from dspark_fx.passes.branch_regions import Alignment, Region, align
+from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.report import UnbatchedBranch
 
 
@@ -32,6 +34,9 @@ class BranchClass:
     members: list[int]  # indices into the group's branches
     alignments: list[Alignment | None]
     shared_ops: frozenset[fx.Node]
+    # reference ops right after the shared ones that some member computes differently, and why: they stay per
+    # branch with every op after them (the report's "kept per branch" lines)
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,25 @@ def select_classes(regions: list[Region], widths: list[int], config: DsparkConfi
             continue
         _, shared_ops, members = best
         assigned.update([r, *members])
-        classes.append(BranchClass([r, *members], [None] + [alignments[j] for j in members], shared_ops))
+        kept = _first_differences(ref, shared_ops, {j: alignments[j] for j in members})
+        classes.append(BranchClass([r, *members], [None] + [alignments[j] for j in members], shared_ops, kept))
     for i, region in enumerate(regions):
         if i not in assigned and len(region.nodes) > 1:
             j, why = first_miss.get(i, (None, "no other branch with the same output width computes the same ops"))
             unbatched.append(UnbatchedBranch(i, f"its ops differ from branch {j}'s: {why}" if j is not None else why))
     return ClassSelection(classes, unbatched)
+
+
+def _first_differences(
+    ref: Region, shared_ops: frozenset[fx.Node], alignments: dict[int, Alignment]
+) -> tuple[str, ...]:
+    """For each reference op outside `shared_ops` whose inputs are all shared (or from outside the region), the
+    member that computes it differently and why."""
+    out = []
+    for node in ref.nodes:
+        if node in shared_ops or any(i in ref.members and i not in shared_ops for i in node.all_input_nodes):
+            continue
+        j, alignment = next((j, a) for j, a in alignments.items() if node not in a.mapping)
+        why = alignment.differences.get(node) or f"branch {j} computes another op here"
+        out.append(f"{op_name(node)} ({node.name}): {why}")
+    return tuple(out)

@@ -13,6 +13,7 @@ region (nodes downstream of a difference stay unmatched); `branch_classes` picks
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -82,6 +83,9 @@ def descendants(graph: fx.Graph, sources: list[fx.Node]) -> set[fx.Node]:
 class Alignment:
     mapping: dict[fx.Node, fx.Node]  # reference node -> other branch's node, for every node that matched
     mismatch: str = ""  # the first reference node without a counterpart
+    # why a reference node whose inputs matched has no counterpart: "" when the other branch has no op there or
+    # another op, else what alone kept an equal op apart (a per-branch input above max_leaf_numel)
+    differences: dict[fx.Node, str] = field(default_factory=dict)
 
     def covers(self, nodes: set[fx.Node]) -> bool:
         return nodes <= self.mapping.keys()
@@ -90,45 +94,63 @@ class Alignment:
 def align(ref: Region, other: Region, max_leaf_numel: int) -> Alignment:
     """Match `other`'s region to `ref`'s node for node. A node matches when an equal op of the other branch
     reads the counterparts of its inputs; nodes downstream of a difference stay unmatched."""
-    mapping = {ref.root: other.root}
+    alignment = Alignment({ref.root: other.root})
+    mapping = alignment.mapping
     taken = {other.root}
-    mismatch = ""
     for node in ref.nodes[1:]:
         anchor = next((i for i in node.all_input_nodes if i in mapping), None)
-        match = None
+        match, why = None, ""
         if anchor is not None:
             for user in mapping[anchor].users:
-                if user in other.members and user not in taken and _same_op(node, user, ref, mapping, max_leaf_numel):
+                if user not in other.members or user in taken:
+                    continue
+                difference = _op_difference(node, user, ref, mapping, max_leaf_numel)
+                if difference is None:
                     match = user
                     break
+                why = why or difference
+            if match is None:
+                alignment.differences[node] = why
         if match is None:
-            mismatch = mismatch or f"{op_name(node)} ({node.name}) has no equal counterpart"
+            alignment.mismatch = alignment.mismatch or f"{op_name(node)} ({node.name}) has no equal counterpart" + (
+                f" ({why})" if why else ""
+            )
             continue
         mapping[node] = match
         taken.add(match)
-    if not mismatch and len(mapping) != len(other.nodes):
-        mismatch = "the other branch computes more ops"
-    return Alignment(mapping, mismatch)
+    if not alignment.mismatch and len(mapping) != len(other.nodes):
+        alignment.mismatch = "the other branch computes more ops"
+    return alignment
 
 
-def _same_op(a: fx.Node, b: fx.Node, ref: Region, mapping: dict, max_leaf_numel: int) -> bool:
+def _op_difference(a: fx.Node, b: fx.Node, ref: Region, mapping: dict, max_leaf_numel: int) -> str | None:
+    """None when `b` computes what `a` does; otherwise "" (another op) or what alone kept them apart."""
     if a.target != b.target or shape_key(a) != shape_key(b):
-        return False
+        return ""
     flat_a, spec_a = tree_flatten((a.args, a.kwargs))
     flat_b, spec_b = tree_flatten((b.args, b.kwargs))
     if spec_a != spec_b:
-        return False
+        return ""
     for x, y in zip(flat_a, flat_b, strict=True):
         if isinstance(x, fx.Node):
             if not isinstance(y, fx.Node):
-                return False
+                return ""
             if x in ref.members:
                 if mapping.get(x) is not y:
-                    return False
+                    return ""
             elif x is not y:
                 sig = leaf_signature(x, max_leaf_numel)
                 if sig is None or sig != leaf_signature(y, max_leaf_numel):
-                    return False
+                    return _leaf_size_difference(x, y, max_leaf_numel)
         elif type(x) is not type(y) or x != y:
-            return False
-    return True
+            return ""
+    return None
+
+
+def _leaf_size_difference(x: fx.Node, y: fx.Node, max_leaf_numel: int) -> str:
+    """Why per-branch inputs `x` and `y` did not match, when only their size did it ("" otherwise)."""
+    unbounded = leaf_signature(x, sys.maxsize)
+    if unbounded is None or unbounded != leaf_signature(y, sys.maxsize):
+        return ""
+    numel = tensor_val(x).numel()
+    return f"a per-branch input of {numel} elements, above max_leaf_numel ({max_leaf_numel}), is not stacked"
