@@ -91,7 +91,9 @@ a second copy of the first spelling's model under plain torch.compile, compiled 
 elsewhere in memory. Eager per-layer, stacked eager, both torch.compile columns and dspark_backend are captured
 per T in a manual `torch.cuda.CUDAGraph` and timed by replay (how engines run this path). The RO callables replay
 their own CUDA graph trees, which cannot be captured inside another graph: they are timed as called after warm-up
-calls, so their times include Dynamo's guards and the copy of ctx/positions/cache_loc into the graphs' static inputs;
+calls, between CUDA events, so their times include the GPU work of copying ctx/positions/cache_loc into the graphs'
+static inputs, and Dynamo's guards only where the host's work outlasts the GPU's queue (the calls are not
+synchronized one by one);
 one more call per T checks that it replays a CUDA graph (cells marked † where not).
 Each compiled variant is compiled once per config with T marked dynamic, then called once at every T from the largest
 down: each graph (one for T = 1, one for T > 1, and for dspark_backend on CUDA one above `max_fused_rows` rows) is
@@ -247,8 +249,9 @@ class Entry:
     model: SpellingModel
     fn: Callable
     graphs: int = 0  # Dynamo graphs compiled
-    parity: str = "not checked"
-    wrong: bool = False  # failed the parity check
+    parity: str = "not checked"  # at PARITY_TOKENS, run as timed (`check_parity`)
+    calls_parity: str = ""  # the worst T of the first calls (`first_calls`)
+    wrong: bool = False  # failed a parity check
     no_cuda_graph: bool = False  # an RO call ran without launching a CUDA graph
     error: str | None = None
     weight_groups: tuple[int, int] = (0, 0)  # colocate_weights in its first calls: groups moved, groups left
@@ -398,13 +401,14 @@ def zero_caches(model: SpellingModel) -> None:
         v_cache.zero_()
 
 
-def cache_error(model: SpellingModel, reference: SpellingModel) -> float:
-    """max |cache - reference cache| / max |reference cache| over all K/V caches."""
-    pairs = [
-        (ours.float(), ref.float())
-        for layer, ref_layer in zip(model.caches(), reference.caches(), strict=True)
-        for ours, ref in zip(layer, ref_layer, strict=True)
-    ]
+def all_caches(model: SpellingModel) -> list[torch.Tensor]:
+    return [cache for layer in model.caches() for cache in layer]
+
+
+def cache_error(model: SpellingModel, expected: list[torch.Tensor]) -> float:
+    """max |cache - expected cache| / max |expected cache| over all K/V caches (`expected`: `all_caches` of the
+    reference after the same call)."""
+    pairs = [(ours.float(), ref.float()) for ours, ref in zip(all_caches(model), expected, strict=True)]
     return max((a - e).abs().max().item() for a, e in pairs) / max(e.abs().max().item() for _, e in pairs)
 
 
@@ -412,6 +416,7 @@ def check_parity(entries: list[Entry], reference: SpellingModel, inputs: tuple, 
     """Every entry, run as timed, writes the caches that eager per-layer writes (within the dtype's tolerance)."""
     zero_caches(reference)
     reference(*inputs)
+    expected = all_caches(reference)
     tolerance = TOLERANCES[reference.cfg.dtype]
     for entry in entries:
         if entry.error:
@@ -423,15 +428,16 @@ def check_parity(entries: list[Entry], reference: SpellingModel, inputs: tuple, 
             call()
             if device == "cuda":
                 torch.cuda.synchronize()
-            error = cache_error(entry.model, reference)
+            error = cache_error(entry.model, expected)
         except Exception as exc:
             fail(entry, exc, f"T={inputs[0].shape[0]}")
             continue
-        entry.wrong = not error <= tolerance
-        entry.parity = f"max error / max |eager| {error:.1e}" + (f" > {tolerance:.0e}: WRONG" if entry.wrong else "")
+        wrong = not error <= tolerance
+        entry.wrong = entry.wrong or wrong
+        entry.parity = f"max error / max |eager| {error:.1e}" + (f" > {tolerance:.0e}: WRONG" if wrong else "")
         seconds = time.perf_counter() - start
         print(f"  parity {entry.variant.name}: {entry.parity} ({seconds:.1f} s, {entry.graphs} graph(s))", flush=True)
-        if entry.wrong:
+        if wrong:
             print(f"  PARITY FAILURE: {entry.variant.name} disagrees with eager per-layer; cells marked ✗", flush=True)
         del call
 
@@ -442,23 +448,43 @@ def fail(entry: Entry, exc: Exception, where: str) -> None:
     traceback.print_exc()
 
 
-def first_calls(entries: list[Entry], inputs: dict[int, tuple]) -> None:
+def first_calls(entries: list[Entry], inputs: dict[int, tuple], reference: SpellingModel) -> None:
     """Call every compiled entry once at each T, from the largest T down: each Dynamo graph is compiled at the
     largest T it serves (its shape hint) and Inductor tunes its kernels' launch configurations at that first call,
-    so graphs that hold the same ops, in two variants, are compiled and tuned alike."""
+    so graphs that hold the same ops, in two variants, are compiled and tuned alike. Each call's cache writes are
+    checked against those of eager per-layer (`reference`) at the same T: every graph a variant compiled (T = 1,
+    T > 1, above `max_fused_rows`) is checked, called directly (`check_parity` checks one T as timed)."""
+    expected = {}
+    for tokens in inputs:
+        zero_caches(reference)
+        reference(*inputs[tokens])
+        expected[tokens] = [cache.clone() for cache in all_caches(reference)]
+    tolerance = TOLERANCES[reference.cfg.dtype]
     for entry in entries:
         if "eager" in entry.variant.name:
             continue
+        errors = {}
         try:
             moved, left = _weight_group_counts()
             with compile_counts() as counts:
                 for tokens in sorted(inputs, reverse=True):
+                    zero_caches(entry.model)
                     entry.fn(*inputs[tokens])
+                    errors[tokens] = cache_error(entry.model, expected[tokens])
             entry.graphs += counts["frames"]
             now_moved, now_left = _weight_group_counts()
             entry.weight_groups = (now_moved - moved, now_left - left)
         except Exception as exc:
             fail(entry, exc, "first calls")
+            continue
+        worst = max(errors, key=errors.__getitem__)
+        entry.wrong = not errors[worst] <= tolerance
+        entry.calls_parity = f"max error / max |eager| {errors[worst]:.1e} (at T = {worst})" + (
+            f" > {tolerance:.0e}: WRONG" if entry.wrong else ""
+        )
+        print(f"  parity {entry.variant.name} at every T, called directly: {entry.calls_parity}", flush=True)
+        if entry.wrong:
+            print(f"  PARITY FAILURE: {entry.variant.name} disagrees with eager per-layer; cells marked ✗", flush=True)
 
 
 def _weight_group_counts() -> tuple[int, int]:
@@ -532,7 +558,7 @@ def run_config(
             if control is None:
                 control = make_entry(CONTROL, base)
                 checked = [*entries, control]
-            first_calls(checked, inputs)
+            first_calls(checked, inputs, base)
             check_parity(checked, base, inputs[PARITY_TOKENS], device)
             title = label if spelling == "reference" else f"{label}, {spelling} spelling"
             runs.append(ConfigRun(title, spelling, cfg, [], entries, None, kept, paths, rounds))
@@ -636,7 +662,8 @@ def config_table(run: ConfigRun, variants: tuple[Variant, ...]) -> list[str]:
     lines.append("")
     for entry in run.entries:
         compiled = f", {entry.graphs} graph(s) compiled" if "eager" not in entry.variant.name else ""
-        lines.append(f"- {entry.variant.name}: parity at T={PARITY_TOKENS}: {entry.parity}{compiled}")
+        at_every_t = f"; at every T, called directly: {entry.calls_parity}" if entry.calls_parity else ""
+        lines.append(f"- {entry.variant.name}: parity at T={PARITY_TOKENS}: {entry.parity}{at_every_t}{compiled}")
         if entry.error:
             lines.append(f"  - error: {entry.error}")
         if entry.no_cuda_graph:
@@ -690,9 +717,7 @@ def report(
     if device == "cuda":
         import triton
 
-        where = (
-            f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
-        )
+        where = f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
         timing = (
             "CUDA-graph replay (RO columns: as called, their own CUDA graph trees), after an L2 flush, between CUDA "
             f"events; per row, the medians of {runs[0][0].rounds} interleaved rounds over every cell of the row's "
@@ -713,8 +738,9 @@ def report(
         "stacked eager, both torch.compile columns and dspark_backend: replay of a manual `torch.cuda.CUDAGraph` "
         "captured per T. "
         'RO (`mode="reduce-overhead"`): the compiled callable as called, replaying its own CUDA graph trees after '
-        f"{RO_WARMUP_CALLS} warm-up calls per T, so the time includes Dynamo's guards and the copy of "
-        "ctx/positions/cache_loc into the graphs' static inputs.",
+        f"{RO_WARMUP_CALLS} warm-up calls per T, between CUDA events, so the time includes the copy of "
+        "ctx/positions/cache_loc into the graphs' static inputs, and Dynamo's guards where the host's work outlasts "
+        "the GPU's queue (calls not synchronized one by one).",
         "- eager per-layer: `DraftKVWriter` as is (per layer a GEMM, k_norm, RoPE, two writes). stacked eager: "
         "sglang-style, the layers' K/V weight rows concatenated once (a copy), one GEMM, one batched k_norm, one "
         "RoPE, per-layer writes; hand-stacked torch.compile: that module under plain torch.compile (`dspark_backend ÷ "
@@ -737,8 +763,9 @@ def report(
         "- Every compiled variant is compiled once per config with T marked dynamic, then called once at every T "
         "from the largest down, so each of its graphs (one for T = 1, one for T > 1, and for dspark_backend on "
         f"CUDA one above `max_fused_rows`) is compiled and tuned at the largest T it serves. Before timing, each "
-        f"variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against eager per-layer. ✗: "
-        "failed that check. †: an RO call that launched no CUDA graph. n/a (cpu): reduce-overhead needs CUDA graphs.",
+        f"variant's cache writes at T = {PARITY_TOKENS}, run as timed, are checked against eager per-layer, and "
+        "those of its first call at every T of the table, called directly. ✗: failed a check. †: an RO call that "
+        "launched no CUDA graph. n/a (cpu): reduce-overhead needs CUDA graphs.",
         "- control: a second copy of the first table's model under plain torch.compile, compiled on its own and "
         "timed in the same interleave, ÷ the torch.compile cell: what two compiles of the same code, placed "
         "elsewhere in memory, read in this row.",
@@ -771,7 +798,7 @@ def breakdown(
     base = build_spelling(spelling, cfg, "cuda").requires_grad_(False)
     inputs = {t: make_inputs(cfg, t, "cuda") for t in sorted({PARITY_TOKENS, *tokens_list})}
     entries = [make_entry(variant, base) for variant in VARIANTS if variant.key in keys]
-    first_calls(entries, inputs)
+    first_calls(entries, inputs, base)
     check_parity(entries, base, inputs[PARITY_TOKENS], "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench clears the L2 before each call
     trivial = trivial_replay_us(BENCH)
@@ -907,7 +934,7 @@ def tp_rank(rank: int, tp: int, store: str, args: argparse.Namespace, keys: tupl
     try:
         configs = SMALL_CONFIGS if args.small else CONFIGS
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        torch.manual_seed(rank)  # each rank its own weights, as each holds other rows
+        torch.manual_seed(rank)  # the global RNG only: weights and inputs take their own seeded generators
         runs, ceilings, harness_us = run_configs(
             args, variants, dtype, tp, f"rank {rank} of {tp}", before_row=torch.distributed.barrier
         )
