@@ -226,7 +226,10 @@ def test_speedup_bound_measures_the_target_against_the_fastest_way_of_running_th
     bandwidth = 4e12  # bytes/s: 3.4 GB in 850 µs is that rate
     line = draft_step.speedup_bound(512, compile_us, 700.0, 150.0, 3_400_000_000, bandwidth, times)
     assert line.startswith(f"Context 512: {draft_step.TARGET_SPEEDUP}x faster than torch.compile is 1000.0 µs")
-    assert "other kernels as profiled take 150.0, which leaves its GEMMs 850.0 (4.00 TB/s, 100 % of the copy" in line
+    assert (
+        "take 150.0 (the gaps between launches not counted), which leaves its GEMMs at most 850.0 (4.00 TB/s, 100 %"
+        in line
+    )
     assert f"fastest of them as measured: cuBLAS {cublas_us:.1f} " in line
     assert f"{verdict} that (then {draft_step.READ} 950.0; dspark_backend's GEMM kernels 990.0)" in line
     assert line.endswith("at their roofline (700.0) the step would take 850.0.")
@@ -235,7 +238,7 @@ def test_speedup_bound_measures_the_target_against_the_fastest_way_of_running_th
 def test_speedup_bound_when_the_other_kernels_alone_miss_the_target():
     """Other kernels slower than the whole target leave the GEMMs no time: said so, not as a negative rate."""
     line = draft_step.speedup_bound(16, 130.0, 50.0, 120.0, 10**7, 1e12, {"cuBLAS": 60.0})
-    assert "which leaves its GEMMs -20.0, less than nothing for 10.0 MB" in line
+    assert "which leaves its GEMMs at most -20.0, less than nothing for the 10.0 MB of weights" in line
     assert "cuBLAS 60.0 (0.17 TB/s, 17 % of the copy rate), above that;" in line
 
 
