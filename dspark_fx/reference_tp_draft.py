@@ -55,8 +55,29 @@ class TPDraftConfig:
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+            "num_slots",
+            "max_position",
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"TPDraftConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TPDraftConfig.num_heads = {self.num_heads} must be a multiple of num_kv_heads = {self.num_kv_heads}"
+            )
+
     def check_world_size(self, world_size: int) -> None:
-        """Raise ValueError unless the heads and MLP columns split evenly over `world_size` ranks."""
+        """Raise ValueError unless `world_size` is a positive int over which the heads and MLP columns split evenly."""
+        if type(world_size) is not int or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         for name in ("num_heads", "num_kv_heads", "intermediate"):
             if getattr(self, name) % world_size:
                 raise ValueError(f"TPDraftConfig.{name} = {getattr(self, name)} does not split over {world_size} ranks")
@@ -64,6 +85,9 @@ class TPDraftConfig:
 
 def rank_heads(cfg: TPDraftConfig, rank: int, world_size: int) -> slice:
     """The K/V heads of the unsharded caches that rank `rank` of `world_size` holds."""
+    cfg.check_world_size(world_size)
+    if type(rank) is not int or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     per_rank = cfg.num_kv_heads // world_size
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
@@ -106,7 +130,7 @@ class _DraftStep(nn.Module, abc.ABC):
 
     def _k(self, layer: nn.Module, k: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         d = self.cfg.head_dim
-        k = F.rms_norm(k.view(k.shape[0], -1, d), (d,), layer.k_norm_weight, self.cfg.eps)
+        k = F.rms_norm(k.unflatten(-1, (-1, d)), (d,), layer.k_norm_weight, self.cfg.eps)
         return apply_rope(k, cos_sin, "neox")
 
     def forward(
@@ -122,15 +146,15 @@ class _DraftStep(nn.Module, abc.ABC):
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches(), strict=True):
             _, k, v = self.project(layer, ctx)
             k_cache[cache_loc] = self._k(layer, k, ctx_rope)
-            v_cache[cache_loc] = v.view(v.shape[0], -1, d)
+            v_cache[cache_loc] = v.unflatten(-1, (-1, d))
 
             q, k, v = self.project(layer, hidden)
-            q = apply_rope(q.view(q.shape[0], -1, d), block_rope, "neox")
-            k, v = self._k(layer, k, block_rope), v.view(v.shape[0], -1, d)
+            q = apply_rope(q.unflatten(-1, (-1, d)), block_rope, "neox")
+            k, v = self._k(layer, k, block_rope), v.unflatten(-1, (-1, d))
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-            hidden = hidden + self.all_reduce(layer.o_proj(attn.transpose(0, 1).reshape(q.shape[0], -1)))
+            hidden = hidden + self.all_reduce(layer.o_proj(attn.transpose(0, 1).flatten(1)))
             gate, up = self.gate_up(layer, hidden)
             hidden = hidden + self.all_reduce(layer.down_proj(F.silu(gate) * up))
         return hidden

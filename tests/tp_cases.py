@@ -122,12 +122,14 @@ def sharded(
 
 @torch.no_grad()
 def update_weights(kind: str, full: TPDraft, model: TPDraft | HandShardedDraft) -> None:
-    """Change weights in place after compiling: a column-parallel K projection, a row-parallel o_proj and a k_norm
-    weight (replicated), in the unsharded draft and, the same way, in the rank's shards."""
+    """Change weights in place after compiling: column-parallel K and V projections, a row-parallel o_proj and a
+    k_norm weight and the RoPE table (replicated), in the unsharded draft and, the same way, in the rank's shards."""
     for m in (full, model) if kind == "dtensor" else (full,):
         m.layers[1].k_proj.weight.mul_(-1.5)
+        m.layers[0].v_proj.weight.mul_(2.0)
         m.layers[0].o_proj.weight.mul_(0.5)
         m.layers[0].k_norm_weight.add_(0.25)
+        m.cos_sin.neg_()  # the RoPE table, a buffer
     if kind == "hand":
         model.load_(full)
 
@@ -172,8 +174,13 @@ def check_rank(rank: int, world_size: int, kind: str, explain_too: bool) -> dict
     capture = CaptureBackend(DsparkConfig(kv_write_op="always"))
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     with compile_counts() as frames, torch.no_grad():
-        for step in range(2):
-            inputs = draft_inputs(CFG, step)
+        # one graph for every token count: T marked dynamic at the first call (DTensor's sharding rules guard on
+        # T >= the world size, so a T below it would compile a second graph: torch's, not the pass's)
+        for step, tokens in enumerate((5, 9, 4)):
+            inputs = draft_inputs(CFG, step, tokens)
+            if step == 0:
+                for t in inputs[:3]:
+                    torch._dynamo.mark_dynamic(t, 0)
             out, expected = compiled(*inputs), full(*inputs)
             assert_close_for_dtype(out, expected, CFG.dtype)
             assert_rank_caches(model, full, heads, CFG.dtype, f"rank {rank}")
