@@ -252,6 +252,22 @@ class Evaluation:
             sizes[sizes.index(self.static_tokens)] = self.tokens
         return sizes
 
+    def view_shapes(self, arg: Any) -> list[list[int]]:
+        """The readings of a view's size list to try in turn: `shape_arg`'s, then, under a static T, one where the
+        first size that is a multiple k·T of it reads as k times the token count (the token dim flattened with
+        others: `k.reshape(-1, head_dim)` over T tokens of k heads has T·k rows). A wrong reading fails to reshape,
+        or gives an expression the lowering's self-check refutes."""
+        shapes = [self.shape_arg(arg)]
+        if self.static_tokens is not None:
+            sizes = [self.size(s) for s in arg]
+            multiple = next(
+                (i for i, s in enumerate(sizes) if s > self.static_tokens and s % self.static_tokens == 0), None
+            )
+            if multiple is not None:
+                sizes[multiple] = sizes[multiple] // self.static_tokens * self.tokens
+                shapes.append(sizes)
+        return shapes
+
     # -- values ---------------------------------------------------------------------------------------------------
 
     def __call__(self, node: Any) -> Any:
@@ -331,12 +347,13 @@ def _same(ev: Evaluation, node: fx.Node) -> Sym | None:
 
 def _view(ev: Evaluation, node: fx.Node) -> Sym | None:
     x = ev.arg(node, 0)
-    shape = ev.shape_arg(node.args[1])
     tail = (2,) if x.complex else ()
-    try:
-        return Sym(x.ids.reshape(*shape, *tail), x.complex)
-    except ValueError:
-        raise Unevaluable(f"{node.name} ({op_name(node)}) does not reshape the evaluated value") from None
+    for shape in ev.view_shapes(node.args[1]):
+        try:
+            return Sym(x.ids.reshape(*shape, *tail), x.complex)
+        except ValueError:
+            continue
+    raise Unevaluable(f"{node.name} ({op_name(node)}) does not reshape the evaluated value")
 
 
 def _permute(ev: Evaluation, node: fx.Node) -> Sym:
