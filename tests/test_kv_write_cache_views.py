@@ -40,12 +40,15 @@ CACHE_SHAPES = {
     "heads_first_index": (HEADS, SLOTS, HEAD_DIM),  # cache[:, loc] = k.transpose(0, 1)
     "page_offset": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache[loc // page, loc % page] = k: two indices
     "hf_static_batch_2": (2, HEADS, SLOTS, HEAD_DIM),  # two batch rows, each written the same K
+    "scatter": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc expanded to k's shape, k)
+    "heads_first_transposed": (HEADS, SLOTS, HEAD_DIM),  # cache.transpose(0, 1)[loc] = k
 }
+KEPT = ("page_offset", "hf_static_batch_2", "scatter", "heads_first_transposed")
 BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
     "stacked": "index",  # k_cache [L, S, h, d]: k_cache[i][loc] = k
     "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
 }
-LOWERED = [w for w in CACHE_SHAPES if w not in ("page_offset", "hf_static_batch_2")] + list(BUFFERS)
+LOWERED = [w for w in CACHE_SHAPES if w not in KEPT] + list(BUFFERS)
 
 
 def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) -> None:
@@ -64,6 +67,10 @@ def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) ->
         cache[:, loc] = k.transpose(0, 1)
     elif how == "page_offset":
         cache[loc // PAGE, loc % PAGE] = k
+    elif how == "scatter":
+        cache.scatter_(0, loc[:, None, None].expand_as(k), k)
+    elif how == "heads_first_transposed":
+        cache.transpose(0, 1)[loc] = k
     else:
         cache.index_copy_(2, loc, k.transpose(0, 1)[None].expand(2, -1, -1, -1))
 
@@ -188,13 +195,25 @@ def test_writes_through_a_view_compile_through_inductor(how):
 
 
 @pytest.mark.parametrize(
-    "how", quick_first(2, ["page_offset", "stacked_two_inputs", "hf_static_batch_2", "stacked_one_slice"])
+    "how",
+    quick_first(
+        2,
+        [
+            "page_offset",
+            "stacked_two_inputs",
+            "hf_static_batch_2",
+            "stacked_one_slice",
+            "scatter",
+            "heads_first_transposed",
+        ],
+    ),
 )
 def test_other_write_forms_keep_todays_path_and_say_why(how):
     """Two indices (page, offset), one K written to two batch rows, every layer written to the same slice of a
-    stacked buffer, or the layers of one buffer projecting two activations (the buffer's writes lower together or
-    not at all): no view of the cache is the op's `[S, heads, head_dim]` (or the writes overwrite each other, or
-    belong to two ops); eager's caches, and a `WRITE_FORM` reason per buffer naming it."""
+    stacked buffer, the layers of one buffer projecting two activations (the buffer's writes lower together or
+    not at all), a `scatter_` or a write through a transposed view: no view of the cache is the op's `[S, heads,
+    head_dim]` (or the writes overwrite each other, or belong to two ops); eager's caches, and a `WRITE_FORM` reason
+    per buffer naming it."""
     capture = _run(how, torch.float32)
     report = capture.report
     assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)

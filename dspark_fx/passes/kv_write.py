@@ -105,6 +105,21 @@ _GEMMS = (aten.mm.default, aten.addmm.default)
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _COPIES = (aten.alias.default, aten.clone.default)
 _SCATTERS = (aten.index_put.default, aten.slice_scatter.default, aten.select_scatter.default)
+# writes into a cache reported as kept (`_other_write`) when none of the forms above matched, through any layout view
+_ANY_SCATTER = (
+    *_SCATTERS,
+    aten.scatter.src,
+    aten.scatter.value,
+    aten.scatter_add.default,
+    aten.scatter_reduce.two,
+    aten.index_add.default,
+    aten.index_copy.default,
+    aten.index_fill.int_Scalar,
+    aten.masked_scatter.default,
+    aten.as_strided_scatter.default,
+    aten.diagonal_scatter.default,
+)
+_LAYOUT_VIEWS = (*_VIEWS, aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default)
 _UNARY = {aten.cos.default, aten.sin.default, aten.neg.default, aten.exp.default}
 _ADDS = (aten.add.Tensor, aten.add.Scalar)
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
@@ -250,7 +265,7 @@ def _find_sites(graph: fx.Graph) -> tuple[list[_Site], list[fx.Node]]:
             found = [found] if found is not None else _stacked_sites(graph, cache, copy, new)
         if found:
             sites += found
-        elif _strip_views(new).target in _SCATTERS:
+        elif _strip_layout_views(new).target in _ANY_SCATTER:
             others.append(copy)
     return sites, others
 
@@ -334,8 +349,8 @@ def _have_vals(*nodes: Any) -> bool:
     return all(tensor_val(node) is not None for node in nodes)
 
 
-def _strip_views(node: fx.Node) -> fx.Node:
-    while node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+def _strip_layout_views(node: fx.Node) -> fx.Node:
+    while node.target in _LAYOUT_VIEWS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -767,11 +782,11 @@ def _other_write(copy: fx.Node, names: Namer) -> KVKept:
     cache, new = copy.args[:2]
     err = _NoMatch(
         KVKeptReason.WRITE_FORM,
-        f"{op_name(_strip_views(new))} into {names.of(cache)} {list(tensor_val(cache).shape)}: the op writes rows "
-        "at one slot per token (cache[loc] = k, index_copy_, index_put_, cache[a:b] = k, the commit-where form) of "
-        "an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
+        f"{op_name(_strip_layout_views(new))} into {names.of(cache)} {list(tensor_val(cache).shape)}: the op writes "
+        "rows at one slot per token (cache[loc] = k, index_copy_, index_put_, cache[a:b] = k, the commit-where form) "
+        "of an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
         "cache whose other dims but heads and head_dim have size 1",
-        _strip_views(new),
+        _strip_layout_views(new),
         cache,
     )
     return err.kept(gemm_activation(_nearest_gemm(new)), names)
