@@ -42,8 +42,9 @@ CACHE_SHAPES = {
     "hf_static_batch_2": (2, HEADS, SLOTS, HEAD_DIM),  # two batch rows, each written the same K
     "scatter": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc expanded to k's shape, k)
     "heads_first_transposed": (HEADS, SLOTS, HEAD_DIM),  # cache.transpose(0, 1)[loc] = k
+    "accumulate": (SLOTS, HEADS, HEAD_DIM),  # cache.index_put_((loc,), k, accumulate=True): adds, not a write
 }
-KEPT = ("page_offset", "hf_static_batch_2", "scatter", "heads_first_transposed")
+KEPT = ("page_offset", "hf_static_batch_2", "scatter", "heads_first_transposed", "accumulate")
 BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
     "stacked": "index",  # k_cache [L, S, h, d]: k_cache[i][loc] = k
     "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
@@ -71,6 +72,8 @@ def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) ->
         cache.scatter_(0, loc[:, None, None].expand_as(k), k)
     elif how == "heads_first_transposed":
         cache.transpose(0, 1)[loc] = k
+    elif how == "accumulate":
+        cache.index_put_((loc,), k, accumulate=True)
     else:
         cache.index_copy_(2, loc, k.transpose(0, 1)[None].expand(2, -1, -1, -1))
 
@@ -205,15 +208,16 @@ def test_writes_through_a_view_compile_through_inductor(how):
             "stacked_one_slice",
             "scatter",
             "heads_first_transposed",
+            "accumulate",
         ],
     ),
 )
 def test_other_write_forms_keep_todays_path_and_say_why(how):
     """Two indices (page, offset), one K written to two batch rows, every layer written to the same slice of a
     stacked buffer, the layers of one buffer projecting two activations (the buffer's writes lower together or
-    not at all), a `scatter_` or a write through a transposed view: no view of the cache is the op's `[S, heads,
-    head_dim]` (or the writes overwrite each other, or belong to two ops); eager's caches, and a `WRITE_FORM` reason
-    per buffer naming it."""
+    not at all), a `scatter_`, a write through a transposed view, or an `index_put_` that adds (`accumulate=True`):
+    no view of the cache is the op's `[S, heads, head_dim]` (or the writes overwrite each other, or belong to two
+    ops, or add); eager's caches, and a `WRITE_FORM` reason per buffer naming it."""
     capture = _run(how, torch.float32)
     report = capture.report
     assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
@@ -222,6 +226,7 @@ def test_other_write_forms_keep_todays_path_and_say_why(how):
     shapes = _buffer_shapes(how)
     assert {k.cache for k in kept} == set(shapes), str(report)
     assert all(f"{list(shapes[k.cache])}: the op writes rows at one slot per token" in k.detail for k in kept)
+    assert all(("with accumulate=True" in k.detail) == (how == "accumulate") for k in kept), str(report)
 
 
 @pytest.mark.cuda

@@ -780,13 +780,16 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
 def _other_write(copy: fx.Node, names: Namer) -> KVKept:
     """A scatter into a cache, of values computed from a GEMM, in a form the op does not take."""
     cache, new = copy.args[:2]
+    scatter = _strip_layout_views(new)
+    adds = scatter.target is aten.index_put.default and (scatter.args[3:4] or [False])[0] is True
     err = _NoMatch(
         KVKeptReason.WRITE_FORM,
-        f"{op_name(_strip_layout_views(new))} into {names.of(cache)} {list(tensor_val(cache).shape)}: the op writes "
+        f"{op_name(scatter)}{' with accumulate=True (adding to the rows)' if adds else ''} into {names.of(cache)} "
+        f"{list(tensor_val(cache).shape)}: the op writes "
         "rows at one slot per token (cache[loc] = k, index_copy_, index_put_, cache[a:b] = k, the commit-where form) "
         "of an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
         "cache whose other dims but heads and head_dim have size 1",
-        _strip_layout_views(new),
+        scatter,
         cache,
     )
     return err.kept(gemm_activation(_nearest_gemm(new)), names)
@@ -811,7 +814,8 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
     if len(ks) != len(vs):
         raise _NoMatch(
             KVKeptReason.LAYERS_DIFFER,
-            f"{len(ks)} normed/rotated (K) and {len(vs)} plain (V) cache writes: the op writes K and V of every layer",
+            f"{len(ks)} normed/rotated (K) and {len(vs)} plain (V) cache writes: the op writes K and V of every "
+            "layer, V as projected",
         )
     shapes = {(w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.target).shape)) for w in writes}
     if len(shapes) != 1:
@@ -827,7 +831,7 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
     if slots is not None and not _guard_equal(slots.numel(), tokens):
         raise _NoMatch(
             KVKeptReason.SLOTS,
-            f"{names.of(key[1])} has {slots.numel()} slots for {tokens} tokens (eager would broadcast)",
+            f"{names.of(key[1])} has {slots.numel()} slots for {tokens} tokens: the op writes one slot per token",
         )
     if len({w.norm is None for w in ks}) != 1:
         raise _NoMatch(
