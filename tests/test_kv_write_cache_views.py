@@ -6,6 +6,7 @@ written along its slot dim (`index_copy_(2, loc, k)`), and several caches in one
 projections in other forms keep today's path with a `WRITE_FORM` reason naming the cache."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -43,8 +44,11 @@ CACHE_SHAPES = {
     "scatter": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc expanded to k's shape, k)
     "heads_first_transposed": (HEADS, SLOTS, HEAD_DIM),  # cache.transpose(0, 1)[loc] = k
     "accumulate": (SLOTS, HEADS, HEAD_DIM),  # cache.index_put_((loc,), k, accumulate=True): adds, not a write
+    "written_twice": (SLOTS, HEADS, HEAD_DIM),  # cache[loc] = 0, then cache[loc] = k
+    "read_after": (SLOTS, HEADS, HEAD_DIM),  # cache[loc] = k, and the forward returns cache[loc] read back
 }
-KEPT = ("page_offset", "hf_static_batch_2", "scatter", "heads_first_transposed", "accumulate")
+KEPT = ("page_offset", "hf_static_batch_2", "scatter", "heads_first_transposed", "accumulate", "written_twice")
+KEPT += ("read_after",)
 BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
     "stacked": "index",  # k_cache [L, S, h, d]: k_cache[i][loc] = k
     "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
@@ -74,6 +78,11 @@ def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) ->
         cache.transpose(0, 1)[loc] = k
     elif how == "accumulate":
         cache.index_put_((loc,), k, accumulate=True)
+    elif how == "written_twice":
+        cache[loc] = torch.zeros_like(k)
+        cache[loc] = k
+    elif how == "read_after":
+        cache[loc] = k
     else:
         cache.index_copy_(2, loc, k.transpose(0, 1)[None].expand(2, -1, -1, -1))
 
@@ -112,7 +121,7 @@ class CacheViewWriter(nn.Module):
             return kv[0], kv[1]
         return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> None:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> torch.Tensor | None:
         cos, sin = self.cos_sin.index_select(0, positions).chunk(2, dim=-1)
         cos, sin = cos[:, None], sin[:, None]
         for i, proj in enumerate(self.kv):
@@ -126,6 +135,7 @@ class CacheViewWriter(nn.Module):
             how = BUFFERS.get(self.how, "index" if self.how.startswith("stacked_") else self.how)
             _write(k_cache, loc, k, how)
             _write(v_cache, loc, v.view(-1, HEADS, HEAD_DIM), how)
+        return self.k_cache_0[loc].sum() if self.how == "read_after" else None
 
 
 def _buffer_shapes(how: str) -> dict[str, tuple[int, ...]]:
@@ -209,15 +219,16 @@ def test_writes_through_a_view_compile_through_inductor(how):
             "scatter",
             "heads_first_transposed",
             "accumulate",
+            "written_twice",
         ],
     ),
 )
 def test_other_write_forms_keep_todays_path_and_say_why(how):
     """Two indices (page, offset), one K written to two batch rows, every layer written to the same slice of a
     stacked buffer, the layers of one buffer projecting two activations (the buffer's writes lower together or
-    not at all), a `scatter_`, a write through a transposed view, or an `index_put_` that adds (`accumulate=True`):
-    no view of the cache is the op's `[S, heads, head_dim]` (or the writes overwrite each other, or belong to two
-    ops, or add); eager's caches, and a `WRITE_FORM` reason per buffer naming it."""
+    not at all), a `scatter_`, a write through a transposed view, an `index_put_` that adds (`accumulate=True`) or
+    two writes into one cache: no view of the cache is the op's `[S, heads, head_dim]` (or the writes overwrite each
+    other, or belong to two ops, or add); eager's caches, and a `WRITE_FORM` reason per buffer naming it."""
     capture = _run(how, torch.float32)
     report = capture.report
     assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
@@ -227,6 +238,17 @@ def test_other_write_forms_keep_todays_path_and_say_why(how):
     assert {k.cache for k in kept} == set(shapes), str(report)
     assert all(f"{list(shapes[k.cache])}: the op writes rows at one slot per token" in k.detail for k in kept)
     assert all(("with accumulate=True" in k.detail) == (how == "accumulate") for k in kept), str(report)
+    assert all(k.detail.startswith("2 writes into one cache") == (how == "written_twice") for k in kept), str(report)
+
+
+def test_a_cache_read_after_its_write_keeps_todays_path_and_says_so():
+    """The forward returns rows of layer 0's K cache read back after the write: that cache's write stays, with a
+    `CACHE_READ_AFTER` reason naming it."""
+    report = _run("read_after", torch.float32).report
+    assert not report.kv_writes, str(report)
+    kept = [k for k in report.kv_kept if k.cache == "k_cache_0"]  # one per graph
+    assert kept and all(k.reason is KVKeptReason.CACHE_READ_AFTER for k in kept), str(report)
+    assert all(re.fullmatch(r"k_cache_0 is read by \w+ \(aten\.index\) after a write to it", k.detail) for k in kept)
 
 
 @pytest.mark.cuda

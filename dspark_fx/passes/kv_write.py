@@ -349,6 +349,28 @@ def _have_vals(*nodes: Any) -> bool:
     return all(tensor_val(node) is not None for node in nodes)
 
 
+def _chain(new: fx.Node) -> list[fx.Node]:
+    """The views and scatters a cache's new value `new` is made of, down to its first write (each scatter's and
+    view's first argument in turn; the views of the old cache below the first write are not in it)."""
+    chain, node = [], new
+    while isinstance(node, fx.Node) and (node.target in _LAYOUT_VIEWS or node.target in _ANY_SCATTER):
+        chain.append(node)
+        node = node.args[0]
+    while chain and chain[-1].target not in _ANY_SCATTER:
+        chain.pop()
+    return chain
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    out, todo = {node}, [node]
+    while todo:
+        for parent in todo.pop().all_input_nodes:
+            if parent not in out:
+                out.add(parent)
+                todo.append(parent)
+    return out
+
+
 def _strip_layout_views(node: fx.Node) -> fx.Node:
     while node.target in _LAYOUT_VIEWS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
@@ -781,10 +803,23 @@ def _other_write(copy: fx.Node, names: Namer) -> KVKept:
     """A scatter into a cache, of values computed from a GEMM, in a form the op does not take."""
     cache, new = copy.args[:2]
     scatter = _strip_layout_views(new)
+    chain = _chain(new)
+    feeds = _ancestors(new)  # a select of an earlier write's value that a later write fills is not a read
+    read = next((user for node in chain for user in node.users if user is not copy and user not in feeds), None)
+    if read is not None:
+        err = _NoMatch(
+            KVKeptReason.CACHE_READ_AFTER,
+            f"{names.of(cache)} is read by {read.name} ({op_name(read)}) after a write to it",
+            read,
+            cache,
+        )
+        return err.kept(gemm_activation(_nearest_gemm(new)), names)
+    writes = sum(node.target in _ANY_SCATTER for node in chain)
     adds = scatter.target is aten.index_put.default and (scatter.args[3:4] or [False])[0] is True
     err = _NoMatch(
         KVKeptReason.WRITE_FORM,
-        f"{op_name(scatter)}{' with accumulate=True (adding to the rows)' if adds else ''} into {names.of(cache)} "
+        (f"{writes} writes into one cache in a call, the last " if writes > 1 else "")
+        + f"{op_name(scatter)}{' with accumulate=True (adding to the rows)' if adds else ''} into {names.of(cache)} "
         f"{list(tensor_val(cache).shape)}: the op writes "
         "rows at one slot per token (cache[loc] = k, index_copy_, index_put_, cache[a:b] = k, the commit-where form) "
         "of an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
