@@ -815,7 +815,8 @@ def _other_write(copy: fx.Node, names: Namer) -> KVKept:
         )
         return err.kept(gemm_activation(_nearest_gemm(new)), names)
     writes = sum(node.target in _ANY_SCATTER for node in chain)
-    adds = scatter.target is aten.index_put.default and (scatter.args[3:4] or [False])[0] is True
+    accumulate = scatter.args[3] if len(scatter.args) > 3 else scatter.kwargs.get("accumulate", False)
+    adds = scatter.target is aten.index_put.default and accumulate is True
     err = _NoMatch(
         KVKeptReason.WRITE_FORM,
         (f"{writes} writes into one cache in a call, the last " if writes > 1 else "")
