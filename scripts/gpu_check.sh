@@ -4,8 +4,9 @@
 #   bench     every benchmark (benchmarks/[!_]*.py --out $OUT/<name>.md)
 #   all       tests, then bench (the default)
 #   sanitize  scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and synccheck
-#             (every tensor its own allocation; SANITIZE_ONLY=GROUP: one group of its calls, and benchmark_dims, the
-#             K/V write at the write benchmark's dims, is made only so; SANITIZE_TOOLS="memcheck": only those tools);
+#             (every tensor its own allocation; SANITIZE_ONLY="GROUP ...": those groups of its calls, and benchmark_dims,
+#             the K/V write at the write benchmark's dims, is made only so; SANITIZE_TOOLS="memcheck": only those tools;
+#             SANITIZE_BARRIER=0: not the subset-barrier kernel below);
 #             each tool's summary goes to $OUT/sanitize.txt (initcheck's reads of cuBLAS outputs counted apart, with a
 #             torch.mm control), then what racecheck says of scripts/racecheck_subset_barrier.cu
 #   sweep     the multi_linear kernel-variant sweep only (benchmarks/multi_linear.py --sweep)
@@ -70,7 +71,7 @@ case "$what" in
   sanitize)
     sanitizer=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
-      driver_args=(${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"})
+      driver_args=(${SANITIZE_ONLY:+--only $SANITIZE_ONLY})
       limit=50
       [ "$tool" = initcheck ] && limit=1000000  # every report: they are sorted below
       log="$OUT/sanitize_$tool.log"
@@ -101,7 +102,9 @@ a = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
     # racecheck on a race-free kernel in which only some warps use named barriers (see the file): what racecheck says
     # of the multi-weight GEMM's k-warps without a K step; information, not a check of this project's code
     # (racecheck reports only races it observes, so each mode runs 10 times)
-    if nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo scripts/racecheck_subset_barrier.cu -o /tmp/subset_barrier; then
+    if [ "${SANITIZE_BARRIER:-1}" = 0 ]; then
+      :
+    elif nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo scripts/racecheck_subset_barrier.cu -o /tmp/subset_barrier; then
       for mode in subset all; do
         log="$OUT/racecheck_subset_barrier_$mode.log"
         : >"$log"

@@ -282,8 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
         "--only",
+        nargs="+",
         choices=GROUPS + OPT_IN_GROUPS,
-        help=f"make only this group of calls (default: all of them but {', '.join(OPT_IN_GROUPS)})",
+        help=f"make only these groups of calls (default: all of them but {', '.join(OPT_IN_GROUPS)})",
     )
     args = parser.parse_args(argv)
     DEV = args.device
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     if DEV == "cuda":
         _build.load()
     gen = torch.Generator().manual_seed(0)
-    groups = [args.only] if args.only else GROUPS
+    groups = args.only or GROUPS
     if "flashmla" in groups:
         flashmla_ops(gen)
     if "dsv4" in groups:

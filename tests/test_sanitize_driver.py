@@ -52,3 +52,17 @@ def test_benchmark_dims_group_is_opt_in_and_runs_on_cpu():
             torch.Generator().manual_seed(0), dims=((64, 2, 16, 32),), token_counts=(1, 5), layers=2, slots=16
         )
     assert tokens_seen == [1, 5]
+
+
+def test_only_takes_several_groups():
+    """`--only dsv4 flashmla` (gpu_check.sh's SANITIZE_ONLY="dsv4 flashmla") makes those two groups and no other."""
+    driver = _driver()
+    made = []
+    with (
+        mock.patch.object(driver, "flashmla_ops", lambda gen: made.append("flashmla")),
+        mock.patch.object(driver, "dsv4_compressor", lambda *args: made.append("dsv4")),
+        mock.patch.object(driver, "multi_linear", lambda gen: made.append("multi_linear")),
+        mock.patch.object(driver, "multi_linear_kv_write", lambda gen: made.append("multi_linear_kv_write")),
+    ):
+        driver.main(["--device", "cpu", "--only", "dsv4", "flashmla"])
+    assert set(made) == {"flashmla", "dsv4"}
