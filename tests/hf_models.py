@@ -32,11 +32,13 @@ class HFRMSNorm(nn.Module):
 
 class HFLayer(nn.Module):
     """`norm`: "weight" (HF RMSNorm), "plain" (without weight) or None (no k_norm); `rotary_dim < head_dim` rotates
-    the first dims only (`k_rot, k_pass` as in partial-rotary HF models)."""
+    the first dims only (`k_rot, k_pass` as in partial-rotary HF models); `rotate`: how `rotate_half` is spelled (a
+    key of `ROTATE_HALF`)."""
 
-    def __init__(self, hidden, kv_heads, head_dim, norm="weight", eps=1e-6, rotary_dim=None):
+    def __init__(self, hidden, kv_heads, head_dim, norm="weight", eps=1e-6, rotary_dim=None, rotate="cat"):
         super().__init__()
         self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.rotate = ROTATE_HALF[rotate]
         self.rotary_dim = rotary_dim or head_dim
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=True)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=True)
@@ -48,8 +50,38 @@ class HFLayer(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         k_rot, k_pass = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
-        k_rot = k_rot * cos[:, None, :] + rotate_half(k_rot) * sin[:, None, :]
+        k_rot = k_rot * cos[:, None, :] + self.rotate(k_rot) * sin[:, None, :]
         return torch.cat((k_rot, k_pass), dim=-1), self.v_proj(x).view(shape)
+
+
+def rotate_half_by_roll(x):
+    """`rotate_half` as `roll` by half the width with the first half negated (Dynamo decomposes `roll` into an
+    `index` by `(iota + shift) % width`)."""
+    half = x.shape[-1] // 2
+    sign = torch.cat((-torch.ones(half, dtype=x.dtype), torch.ones(half, dtype=x.dtype)))
+    return torch.roll(x, half, dims=-1) * sign
+
+
+def rotate_half_by_where(x):
+    """`rotate_half` chosen element-wise from two rolls by a mask of the element index."""
+    half = x.shape[-1] // 2
+    first = torch.arange(x.shape[-1]) < half
+    return torch.where(first, -torch.roll(x, -half, dims=-1), torch.roll(x, half, dims=-1))
+
+
+def rotate_half_by_slice_scatter(x):
+    """`rotate_half` written into a zero tensor's halves with `slice_scatter`."""
+    half, width = x.shape[-1] // 2, x.shape[-1]
+    out = torch.slice_scatter(torch.zeros_like(x), -x[..., half:], dim=-1, start=0, end=half)
+    return torch.slice_scatter(out, x[..., :half], dim=-1, start=half, end=width)
+
+
+ROTATE_HALF = {
+    "cat": rotate_half,
+    "roll": rotate_half_by_roll,
+    "where": rotate_half_by_where,
+    "slice_scatter": rotate_half_by_slice_scatter,
+}
 
 
 class HFStyleDraft(nn.Module):

@@ -5,6 +5,7 @@ Fast: graphs from `make_fx` (fake tensors), no compile."""
 import numpy as np
 import pytest
 import torch
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dspark_fx.passes.kv_symbolic import Algebra, Evaluation
@@ -12,10 +13,13 @@ from dspark_fx.passes.kv_symbolic import Algebra, Evaluation
 T, H, D = 3, 2, 8
 
 
-def _evaluate(fn, *shapes, dtype=torch.float32):
-    """Trace `fn(x, cos, sin, w)` (x `[T, H*D]` stands for a GEMM output) and evaluate each output symbolically."""
+def _evaluate(fn, *shapes, dtype=torch.float32, decompose=False):
+    """Trace `fn(x, cos, sin, w)` (x `[T, H*D]` stands for a GEMM output) and evaluate each output symbolically;
+    `decompose`: with Inductor's decompositions, as in the post-grad graphs the pass sees (`roll` and `arange`
+    become `index` and `iota`)."""
     args = [torch.randn(s, dtype=dtype) for s in shapes]
-    gm = make_fx(fn, tracing_mode="fake")(*args)
+    table = select_decomp_table() if decompose else None
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=table)(*args)
     graph = gm.graph
     x = next(iter(graph.find_nodes(op="placeholder")))
     ev = Evaluation(T, dtype, {x})
@@ -45,6 +49,31 @@ def test_rope_spellings_are_the_same_expressions():
     outs = _evaluate(_rope_spellings, (T, H * D), (T, D // 2), (T, D // 2), (D,))
     for i, ids in enumerate(outs[1:], 1):
         assert np.array_equal(ids, outs[0]), f"spelling {i} differs from chunk/cat"
+
+
+def _rotate_half_spellings(x, cos, sin, w):
+    k = x.view(T, H, D)
+    half = D // 2
+    by_cat = torch.cat((-k[..., half:], k[..., :half]), -1)
+    by_roll = torch.roll(k, half, dims=-1) * torch.cat((-torch.ones(half), torch.ones(half)))
+    first = torch.arange(D) < half
+    by_where = torch.where(first, -torch.roll(k, -half, dims=-1), torch.roll(k, half, dims=-1))
+    zeros = torch.zeros_like(k)
+    by_scatter = torch.slice_scatter(zeros, -k[..., half:], dim=-1, start=0, end=half)
+    by_scatter = torch.slice_scatter(by_scatter, k[..., :half], dim=-1, start=half, end=D)
+    by_roll_one_more = torch.roll(k, half + 1, dims=-1) * torch.cat((-torch.ones(half), torch.ones(half)))
+    by_mask_from_data = torch.where(k > 0, -torch.roll(k, -half, dims=-1), torch.roll(k, half, dims=-1))
+    return by_cat, by_roll, by_where, by_scatter, by_roll_one_more, by_mask_from_data
+
+
+def test_rotate_half_by_roll_where_or_slice_scatter_is_the_same_expressions():
+    """`roll` (an `index` by `(iota + shift) % D` once decomposed), `where` over a mask of `arange`, and
+    `slice_scatter` are index maps and a constant choice: the same elements as `cat`'s rotate_half. A roll one
+    element further differs; a mask read from the data is not followed (a leaf, never a guess)."""
+    by_cat, *same, one_more, from_data = _evaluate(_rotate_half_spellings, (T, H * D), (T,), (T,), (D,), decompose=True)
+    for ids in same:
+        assert np.array_equal(ids, by_cat)
+    assert not np.array_equal(one_more, by_cat) and not np.array_equal(from_data, by_cat)
 
 
 def _gptj_spellings(x, cos, sin, w):

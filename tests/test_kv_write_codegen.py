@@ -101,6 +101,20 @@ def test_hf_inverse_frequencies_compile_and_match_eager():
     assert "inverse frequencies inv_freq (cos/sin computed in the op) at positions" in str(capture.report)
 
 
+def test_rotate_half_by_roll_compiles_and_matches_eager():
+    """`rotate_half` by `torch.roll` and a sign (an `index` by `(iota + shift) % D` in the post-grad graph): lowered,
+    the op runs through Inductor codegen and matches eager at a static and then a symbolic token count."""
+    torch.manual_seed(0)
+    model = HFStyleKVWriter("index_put", layers=3, rotate="roll")
+    gen = torch.Generator().manual_seed(5)
+    inputs = [
+        (torch.randn(t, 64, generator=gen), torch.randint(0, 4096, (t,), generator=gen), torch.randperm(64)[:t])
+        for t in (6, 11)
+    ]
+    capture = _compile_and_compare(model, torch.float32, inputs)
+    assert "neox RoPE on 16 of 16 dims, inverse frequencies inv_freq" in str(capture.report)
+
+
 def test_hf_cos_sin_rows_and_slice_write_compile_and_match_eager():
     """HF `emb = cat(freqs, freqs)` cos/sin (bf16) at shifted positions: rows sliced, concatenated and cast to fp32
     in the graph; the slice write `cache[a:a + T] = k` gets `a + arange(T)`, with `a` static in the first graph,

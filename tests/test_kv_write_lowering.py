@@ -61,16 +61,17 @@ def _op_node(graph):
     return node
 
 
-def _assert_lowered(capture, layers: int) -> None:
+def _assert_lowered(capture, layers: int, other_scatters: int = 0) -> None:
+    """Every graph's writes of `layers` layers became the op; `other_scatters`: `slice_scatter`s of the graph that
+    are not cache writes (a RoPE spelled with them)."""
     for report, before, after in zip(capture.reports, capture.before, capture.after, strict=True):
         (group,) = report.kv_writes
         assert len(group.layers) == layers, str(report)
         counts = op_counts(after)
         assert counts[OP] == 1 and not any(counts[op] for op in GONE), capture.graph_diff()
         writes = op_counts(before)
-        assert (
-            writes["aten.copy_"] == 2 * layers and writes["aten.index_put"] + writes["aten.slice_scatter"] == 2 * layers
-        )
+        scatters = writes["aten.index_put"] + writes["aten.slice_scatter"] - other_scatters
+        assert writes["aten.copy_"] == 2 * layers and scatters == 2 * layers
         args = _op_node(after).args
         assert all(w.op == "placeholder" for w in args[1] + args[4]), "weights must be read in place"
         assert all(c.op == "placeholder" for c in args[12] + args[13])
@@ -122,6 +123,15 @@ def _hf_run(model, dtype, config=ALWAYS, tokens_list=(6, 11), slots=64, dynamic=
             compiled(x, positions, loc)
             assert_close_for_dtype(compiled_model.caches(), model.caches(), dtype)
     return capture
+
+
+@pytest.mark.parametrize("rotate", ["roll", "where", "slice_scatter"])
+def test_rotate_half_spelled_with_roll_where_or_slice_scatter_becomes_one_op(rotate):
+    """HF's RoPE with `rotate_half` by `torch.roll` and a sign, by `torch.where` over a mask of the element index, or
+    by `slice_scatter` into a zero tensor: the same rotation, so the same op call as `cat`'s spelling."""
+    capture = _hf_run(HFStyleKVWriter("index_put", rotate=rotate), torch.float32)
+    _assert_lowered(capture, 4, other_scatters=2 * 4 if rotate == "slice_scatter" else 0)
+    assert "neox RoPE on 16 of 16 dims, inverse frequencies inv_freq" in str(capture.report)
 
 
 @pytest.mark.parametrize("dtype", quick_first(1, [torch.float32, torch.bfloat16]), ids=["fp32", "bf16"])

@@ -14,9 +14,12 @@ An expression is a polynomial over atoms with float coefficients, interned in an
 - `("cast", dtype, expr)`: a cast that rounds where the op would not (`rounds`): it stays in the expression, so a
   proof through it fails and the report names it.
 
-Every op with a rule is one entry of `_RULES`: views, permutes, slices, cats, stacks, splits, selects, expands and
-complex views are index maps on the id arrays (numpy does them); sums, products, powers, means, casts, the functions and
-matrix products of a small inner dim act on the expressions. Complex tensors are their real view (a trailing dim of 2),
+Every op with a rule is one entry of `_RULES`: views, permutes, slices, cats, stacks, splits, selects, expands,
+complex views, `slice_scatter` and `x[..., index]` by a constant index (what `roll` decomposes to: an `index` by
+`(iota + shift) % width`) are index maps on the id arrays (numpy does them); `iota`, and `fmod`, `remainder` and
+comparisons of constants, give constants (a comparison 1.0 / 0.0), so `where` over such a mask is an element-wise
+choice; sums, products, powers, means, casts, the functions and matrix products of a small inner dim act on the
+expressions. Complex tensors are their real view (a trailing dim of 2),
 and a complex product expands into its real and imaginary parts. So `split`/`chunk`/`unbind` and slices, `stack` and
 `cat`, `transpose` and `permute`, `view_as_complex(x) * freqs_cis` and its real-pair form, `x / sqrt(m)` and `x *
 rsqrt(m)`, `sum / d` and `mean` all give the same expressions: one proof serves every spelling.
@@ -523,6 +526,94 @@ def _gather(ev: Evaluation, node: fx.Node) -> Sym | None:
     return Sym(out.reshape(*rows.shape, *row_shape), src_val.is_complex())
 
 
+def _constants(ev: Evaluation, sym: Sym | None) -> np.ndarray | None:
+    """The values of `sym` if every element is a constant (an index computed from `iota`, a mask), else None."""
+    if sym is None or sym.complex:
+        return None
+    values = [ev.alg.constant(int(e)) for e in sym.ids.reshape(-1)]
+    if any(v is None for v in values):
+        return None
+    return np.array(values, dtype=np.float64).reshape(sym.ids.shape)
+
+
+def _const_sym(ev: Evaluation, values: np.ndarray) -> Sym:
+    flat = [ev.alg.const(float(v)) for v in values.reshape(-1)]
+    return Sym(np.array(flat, dtype=np.int64).reshape(values.shape))
+
+
+def _iota(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`prims.iota(length, start, step)` (what `arange` decomposes to): constants; a length equal to a static T reads
+    as the token count, as a view's size does (`shape_arg`)."""
+    (length,) = ev.shape_arg([node.args[0]])
+    start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
+    if not all(isinstance(v, int) for v in (start, step)):
+        return None
+    return _const_sym(ev, start + step * np.arange(length, dtype=np.float64))
+
+
+_CONSTANT_OPS = {
+    aten.fmod.Scalar: np.fmod,
+    aten.remainder.Scalar: np.remainder,
+    aten.lt.Scalar: np.less,
+    aten.le.Scalar: np.less_equal,
+    aten.gt.Scalar: np.greater,
+    aten.ge.Scalar: np.greater_equal,
+    aten.eq.Scalar: np.equal,
+    aten.ne.Scalar: np.not_equal,
+}
+
+
+def _on_constants(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`fmod`, `remainder` and comparisons of constant values (index arithmetic, masks; a mask holds 1.0 / 0.0); of
+    anything else a leaf."""
+    values, other = _constants(ev, ev.arg(node, 0)), node.args[1]
+    if values is None or not isinstance(other, (int, float)) or isinstance(other, bool):
+        return None
+    return _const_sym(ev, _CONSTANT_OPS[node.target](values, other).astype(np.float64))
+
+
+def _where(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`where(mask, a, b)` with a constant mask: an element-wise choice (a mask read from data is a leaf)."""
+    mask = _constants(ev, ev.arg(node, 0))
+    a, b = (ev.as_sym(ev.arg(node, i)) for i in (1, 2))
+    if mask is None or a is None or b is None or a.complex or b.complex:
+        return None
+    mask, a_ids, b_ids = np.broadcast_arrays(mask, a.ids, b.ids)
+    return Sym(np.where(mask != 0, a_ids, b_ids))
+
+
+def _index(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`x[index]` along the first dim: `_gather` (a table read without evaluating it). `x[..., index]` along a later
+    dim with a constant index (what `roll` decomposes to): an index map."""
+    indices = node.args[1]
+    given = [i for i, index in enumerate(indices) if index is not None]
+    if given == [0]:
+        return _gather(ev, node)
+    if len(given) != 1 or tensor_val(indices[given[0]]).dtype not in (torch.int32, torch.int64):
+        return None
+    x, values = ev.arg(node, 0), _constants(ev, ev(indices[given[0]]))
+    if x.complex or values is None:
+        return None
+    return Sym(np.take(x.ids, values.astype(np.int64), axis=given[0]))
+
+
+def _slice_scatter(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`slice_scatter(x, src, dim, start, end, step)`: `x` with `src` in the slice, an index map."""
+    x, src = ev.arg(node, 0), ev.arg(node, 1)
+    if x.complex or src.complex:
+        return None
+    dim, start, end, step = (
+        node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+        for i, name, default in ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1))
+    )
+    index = [slice(None)] * x.ids.ndim
+    stop = None if end is None or (isinstance(end, int) and end >= 2**62) else ev.size(end)
+    index[_dim(dim, x.ids.ndim)] = slice(None if start is None else ev.size(start), stop, step)
+    out = x.ids.copy()
+    out[tuple(index)] = src.ids
+    return Sym(out)
+
+
 def _binary(op: str) -> Callable[[Evaluation, fx.Node], Sym | None]:
     def rule(ev: Evaluation, node: fx.Node) -> Sym | None:
         a, b = (ev.as_sym(ev.arg(node, i)) for i in (0, 1))
@@ -673,7 +764,7 @@ _RULES: dict[Any, Callable[[Evaluation, fx.Node], Any]] = {
     **dict.fromkeys(_FILLS, _filled),
     aten.complex.default: _complex,
     aten.polar.default: _complex,
-    aten.index.Tensor: _gather,
+    aten.index.Tensor: _index,
     aten.index_select.default: _gather,
     aten.embedding.default: _gather,
     aten.add.Tensor: _binary("add"),
@@ -695,4 +786,8 @@ _RULES: dict[Any, Callable[[Evaluation, fx.Node], Any]] = {
     prims.convert_element_type.default: _cast,
     aten._to_copy.default: _cast,
     aten.copy.default: _copy,
+    prims.iota.default: _iota,
+    **dict.fromkeys(_CONSTANT_OPS, _on_constants),
+    aten.where.self: _where,
+    aten.slice_scatter.default: _slice_scatter,
 }
