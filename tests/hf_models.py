@@ -58,14 +58,15 @@ def rotate_half_by_roll(x):
     """`rotate_half` as `roll` by half the width with the first half negated (Dynamo decomposes `roll` into an
     `index` by `(iota + shift) % width`)."""
     half = x.shape[-1] // 2
-    sign = torch.cat((-torch.ones(half, dtype=x.dtype), torch.ones(half, dtype=x.dtype)))
+    ones = torch.ones(half, dtype=x.dtype, device=x.device)
+    sign = torch.cat((-ones, ones))
     return torch.roll(x, half, dims=-1) * sign
 
 
 def rotate_half_by_where(x):
     """`rotate_half` chosen element-wise from two rolls by a mask of the element index."""
     half = x.shape[-1] // 2
-    first = torch.arange(x.shape[-1]) < half
+    first = torch.arange(x.shape[-1], device=x.device) < half
     return torch.where(first, -torch.roll(x, -half, dims=-1), torch.roll(x, half, dims=-1))
 
 

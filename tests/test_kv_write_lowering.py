@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import as_fake_cuda, draft_inputs, eager_and_compiled, mark_tokens_dynamic, quick_first, small_config
-from hf_models import HF_WRITES, HFStyleKVWriter, rotate_half
+from hf_models import HF_WRITES, HFLayer, HFStyleKVWriter, rotate_half
 
 from custom_ops.linear.multi_linear_kv_write import rotary_dim
 from dspark_fx import DsparkConfig, explain
@@ -132,6 +132,31 @@ def test_rotate_half_spelled_with_roll_where_or_slice_scatter_becomes_one_op(rot
     capture = _hf_run(HFStyleKVWriter("index_put", rotate=rotate), torch.float32)
     _assert_lowered(capture, 4, other_scatters=2 * 4 if rotate == "slice_scatter" else 0)
     assert "neox RoPE on 16 of 16 dims, inverse frequencies inv_freq" in str(capture.report)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rotate", ["roll", "where", "slice_scatter"])
+def test_rotate_half_spellings_lower_on_cuda_with_auto(rotate):
+    """On CUDA with the default `kv_write_op="auto"`, through Inductor codegen: each of those spellings becomes the
+    op's CUDA kernel and leaves eager's caches (poisoned first: unwritten slots keep their values), bf16, one token
+    and then one symbolic graph for 9 and 17."""
+    torch._dynamo.reset()
+    eager = HFStyleKVWriter("index_put", rotate=rotate).to(device="cuda", dtype=torch.bfloat16)
+    for cache in eager.caches():
+        cache.normal_()
+    compiled_model = copy.deepcopy(eager)
+    capture = CaptureBackend(DsparkConfig(), inner="inductor")
+    compiled = torch.compile(compiled_model, backend=capture)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tokens in (1, 9, 17):
+            x = torch.randn(tokens, 64, generator=gen).to("cuda", torch.bfloat16)
+            positions = torch.randint(0, 4096, (tokens,), generator=gen).cuda()
+            loc = torch.randperm(64, generator=gen)[:tokens].cuda()
+            eager(x, positions, loc)
+            compiled(x, positions, loc)
+            assert_close_for_dtype(compiled_model.caches(), eager.caches(), torch.bfloat16)
+    assert [op_counts(graph)[OP] for graph in capture.after] == [1] * len(capture.after), str(capture.report)
 
 
 @pytest.mark.parametrize("dtype", quick_first(1, [torch.float32, torch.bfloat16]), ids=["fp32", "bf16"])
@@ -487,6 +512,84 @@ class _UnequalHalves(HFStyleKVWriter):
 def test_cos_sin_halves_not_provably_equal_keep_todays_path():
     capture = _hf_run(_UnequalHalves("index_put"), torch.float32)
     assert "elements (0, 8) do not take the same cos factor" in _kept(capture)
+
+
+def _hf_writer_with(layer_class, **layer_attrs):
+    """`HFStyleKVWriter("index_put")` whose layers run `layer_class.forward`, each with `layer_attrs` set (values
+    copied per layer)."""
+    model = HFStyleKVWriter("index_put")
+    for layer in model.layers:
+        layer.__class__ = layer_class
+        for name, value in layer_attrs.items():
+            setattr(layer, name, copy.deepcopy(value))
+    return model
+
+
+def _hf_rope(k, cos, sin):
+    return k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
+
+
+class _NormalizeLayer(HFLayer):
+    """k_norm as `F.normalize(k) * w * sqrt(d)`: an L2 norm (`x / max(|x|, eps)`), not the op's RMSNorm."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = F.normalize(self.k_proj(x).view(shape), dim=-1) * self.k_norm.weight * self.head_dim**0.5
+        return _hf_rope(k, cos, sin), self.v_proj(x).view(shape)
+
+
+class _PerHeadWeightLayer(HFLayer):
+    """RMSNorm with a `[kv_heads, head_dim]` weight: one weight per head, where the op takes one per layer."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_proj(x).view(shape)
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * self.head_weight
+        return _hf_rope(k, cos, sin), self.v_proj(x).view(shape)
+
+
+class _ScaledAfterRopeLayer(HFLayer):
+    """K halved after its norm and RoPE: a scale the op does not apply."""
+
+    def forward(self, x, cos, sin):
+        k, v = super().forward(x, cos, sin)
+        return k * 0.5, v
+
+
+class _TensorEpsLayer(HFLayer):
+    """RMSNorm whose eps is a 0-d tensor buffer (`eps_t`), not a Python float."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_proj(x).view(shape)
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps_t) * self.k_norm.weight
+        return _hf_rope(k, cos, sin), self.v_proj(x).view(shape)
+
+
+def test_norms_the_op_does_not_compute_are_reported_as_the_norm():
+    """An L2 norm (`F.normalize`), a norm weight per head, K scaled after its RoPE and an eps held in a tensor keep
+    today's path with eager's caches, and each is reported as the norm it is, not as a RoPE or a table the op cannot
+    read."""
+    per_head = torch.nn.Parameter(torch.rand(2, 16) + 0.5)
+    cases = {
+        "normalize": (_hf_writer_with(_NormalizeLayer), "heads 0 and 1 is scaled by different values read from"),
+        "per-head weight": (
+            _hf_writer_with(_PerHeadWeightLayer, head_weight=per_head),
+            "heads 0 and 1 is scaled by different values read from a graph input",
+        ),
+        "scaled after RoPE": (_hf_writer_with(_ScaledAfterRopeLayer), "K is scaled by 0.5 besides its norm"),
+        "tensor eps": (
+            _hf_writer_with(_TensorEpsLayer, eps_t=torch.tensor(1e-6)),
+            "the norm's eps is not a constant but read from a tensor",
+        ),
+    }
+    sources = {"normalize": "F.normalize", "per-head weight": "head_weight", "tensor eps": "eps_t"}
+    for name, (model, detail) in cases.items():
+        kept = _hf_run(model, torch.float32).report.kv_kept
+        assert kept, name
+        for why in kept:
+            assert why.reason is KVKeptReason.NORM and detail in why.detail, (name, str(why))
+            assert sources.get(name, "") in (why.source or ""), (name, str(why))
 
 
 def test_explain_reports_the_lowering():

@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.fx as fx
 
+from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.passes.kv_symbolic import Evaluation
 
 
@@ -244,13 +246,7 @@ def _norm_eps(ev: Evaluation, base: int, gemm: fx.Node, lo: int, d: int, t: int,
             continue
         if not any(alg.atoms[i][0] == "leaf" and alg.atoms[i][1] is gemm for i, _ in mono):
             leaf = _graph_node(ev, mono) or value
-            raise NotTheFormula(
-                "norm",
-                f"{value.name}: the norm's eps is not a constant but a value of the graph ({leaf.name}); Dynamo makes "
-                "a Python float attribute a graph input under dynamic=True: compile with dynamic=None (the token "
-                "count still becomes symbolic at a second size) or torch._dynamo.config.specialize_float=True",
-                leaf,
-            )
+            raise NotTheFormula("norm", f"{value.name}: the norm's eps is not a constant but {_eps_source(leaf)}", leaf)
         atom = alg.atoms[mono[0][0]] if len(mono) == 1 else None
         if atom is None or atom[0] != "leaf" or atom[1] is not gemm or mono[0][1] != 2.0 or atom[2] not in want:
             raise NotTheFormula(
@@ -265,6 +261,22 @@ def _norm_eps(ev: Evaluation, base: int, gemm: fx.Node, lo: int, d: int, t: int,
     if seen != want:
         raise NotTheFormula("norm", f"{value.name}: the norm's mean reads {len(seen)} of the head's {d} elements")
     return eps
+
+
+def _eps_source(leaf: fx.Node) -> str:
+    """Where a norm's eps that is not a constant comes from, and what makes it one. Dynamo passes a Python float
+    attribute it does not specialize as a 0-d fp64 tensor input; any other tensor is the model's own."""
+    val = leaf.meta.get("val")
+    if leaf.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype == torch.float64:
+        return (
+            f"a value of the graph ({leaf.name}); Dynamo makes a Python float attribute a graph input under "
+            "dynamic=True: compile with dynamic=None (the token count still becomes symbolic at a second size) or "
+            "torch._dynamo.config.specialize_float=True"
+        )
+    return (
+        f"read from a tensor ({leaf.name}), a value that may change between calls: the op takes eps as a number "
+        "fixed at compile time; hold it as a Python float (e.g. `self.eps = 1e-6`)"
+    )
 
 
 def _graph_node(ev: Evaluation, mono: tuple) -> fx.Node | None:
@@ -343,9 +355,44 @@ def _with_weight_and_rope(
                 continue
             norm = Norm(eps, weight, gemma) if eps is not None else None
             return Written(gemm, column, heads, d, norm, rope)
+    scaled = _heads_scaled_apart(ev, local, value)
+    if scaled is not None:
+        raise scaled
     if why is not None:
         raise why
     raise NotTheFormula("norm", f"{value.name}: the norm weight is neither w[j], 1 + w[j] nor absent", value)
+
+
+def _heads_scaled_apart(ev: Evaluation, local: list, value: fx.Node) -> NotTheFormula | None:
+    """Why no norm weight and rotation fit, where an element's factor differs between two heads by a value the graph
+    holds or computes (a `[heads, head_dim]` norm weight, a scale the evaluation does not follow, such as
+    `F.normalize`'s norm): the op applies one norm and one rotation to every head. None where every head's factors
+    are the same, or differ only in cos/sin (functions and table reads: the RoPE's own message says more)."""
+    alg = ev.alg
+    for hrows in local:
+        for h in range(1, len(hrows)):
+            for j, (first, other) in enumerate(zip(hrows[0], hrows[h], strict=True)):
+                if first == other:
+                    continue
+                read = [
+                    alg.atoms[aid][1]
+                    for k in (*first.values(), *other.values())
+                    for mono, _ in alg.polys[k]
+                    for aid, _ in mono
+                    if alg.atoms[aid][0] == "leaf"
+                ]
+                if read:
+                    computed = list(dict.fromkeys(n for n in read if n.op == "call_function"))
+                    names = [f"{n.name} ({op_name(n)})" for n in computed]
+                    names += ["a graph input"] if len(computed) < len(set(read)) else []
+                    return NotTheFormula(
+                        "norm",
+                        f"{value.name}: element {j} of heads 0 and {h} is scaled by different values read from "
+                        f"{' and '.join(names)}: the op applies one RMSNorm (over each head's own elements, with one "
+                        "[head_dim] weight) and one rotation to every head",
+                        (computed or read)[0],
+                    )
+    return None
 
 
 def _rope(ev: Evaluation, rest: list, d: int, value: fx.Node) -> Rope | None:

@@ -68,6 +68,21 @@ def direct_table(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, tokens: Any) 
     return _frequencies(ev, cos, sin, tokens)
 
 
+def scale_of(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, tokens: Any) -> float | None:
+    """`c` where the cos/sin factors are `c != 1` times values the op could read (a table, frequencies, per-token
+    rows the graph computes): K scaled by a constant besides its norm and rotation, which the op does not do. Else
+    None."""
+    alg = ev.alg
+    first = alg.polys[int(cos.reshape(-1)[0])]
+    if len(first) != 1 or first[0][1] in (0.0, 1.0):
+        return None
+    c = first[0][1]
+    unscale = np.vectorize(lambda e: alg.scale(int(e), 1.0 / c), otypes=[np.int64])
+    cos, sin = unscale(cos), unscale(sin)
+    readable = direct_table(ev, cos, sin, tokens) is not None
+    return c if readable or (locate(ev, cos, tokens) is not None and locate(ev, sin, tokens) is not None) else None
+
+
 def _gathered(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, columns: Any) -> tuple[fx.Node, fx.Node] | None:
     """`(table, index)` if, for every token, cos/sin element i are the elements `columns(i)` of one gathered row of
     one table, read at one index node."""

@@ -93,7 +93,7 @@ from dspark_fx.passes.graph_utils import (
 )
 from dspark_fx.passes.kv_spec import Norm, NotTheFormula, Rope, Written, normed_size, read_written
 from dspark_fx.passes.kv_symbolic import Evaluation, Unevaluable
-from dspark_fx.passes.kv_tables import Direct, built_table, direct_table, locate
+from dspark_fx.passes.kv_tables import Direct, built_table, direct_table, locate, scale_of
 from dspark_fx.passes.kv_write_check import STATIC_AS_IS, self_check
 from dspark_fx.passes.names import Namer
 from dspark_fx.report import KVKept, KVKeptReason, KVWriteReport
@@ -1012,6 +1012,15 @@ def _tables(graph: fx.Graph, group: _Group, ks: list[_Write], names: Namer) -> t
         key = (w.rope.cos.tobytes(), w.rope.sin.tobytes())
         if key not in built:
             cos, sin = locate(ev, w.rope.cos, tokens), locate(ev, w.rope.sin, tokens)
+            scale = scale_of(ev, w.rope.cos, w.rope.sin, tokens) if cos is None or sin is None else None
+            if scale is not None:
+                raise _NoMatch(
+                    KVKeptReason.NORM,
+                    f"layer {i}'s K is scaled by {scale:g} besides its norm and rotation (its cos/sin factors are "
+                    f"{scale:g} times values the op reads): the op writes the normed, rotated K without a scale",
+                    w.site.value,
+                    w.site.cache,
+                )
             if cos is None or sin is None:
                 raise _NoMatch(
                     KVKeptReason.TABLES,
