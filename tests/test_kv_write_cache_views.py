@@ -1,7 +1,8 @@
 """K/V cache writes through a view of the cache (`dspark_fx/passes/kv_write.py`): a paged `[pages, page, heads,
 head_dim]` cache written as `[pages * page, heads, head_dim]` rows, HF's static cache `[1, heads, S, head_dim]`
 written along its slot dim (`index_copy_(2, loc, k)`), and several caches in one buffer (the layers stacked in
-`[L, S, heads, head_dim]`, or K and V of a layer in vLLM's `[2, pages, page, heads, head_dim]`). They lower to one
+`[L, S, heads, head_dim]`, or K and V of a layer in vLLM's `[2, pages, page, heads, head_dim]`, taken by index or by
+`unbind(0)`). They lower to one
 `multi_linear_kv_write` that writes a view of each cache placeholder (no copy), with eager's caches; writes of
 projections in other forms keep today's path with a `WRITE_FORM` reason naming the cache."""
 
@@ -52,6 +53,8 @@ KEPT += ("read_after",)
 BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
     "stacked": "index",  # k_cache [L, S, h, d]: k_cache[i][loc] = k
     "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
+    "stacked_unbind": "index",  # k_cache.unbind(0)[i][loc] = k
+    "vllm_kv_unbind": "paged_view",  # key_cache, value_cache = kv_cache_i.unbind(0), as vLLM takes them
 }
 LOWERED = [w for w in CACHE_SHAPES if w not in KEPT] + list(BUFFERS)
 
@@ -116,9 +119,13 @@ class CacheViewWriter(nn.Module):
             return self.k_cache[0], self.v_cache[0]
         if self.how == "stacked_two_inputs":
             return self.k_cache[i], self.v_cache[i]
+        if self.how == "stacked_unbind":
+            return self.k_cache.unbind(0)[i], self.v_cache.unbind(0)[i]
         if self.how == "vllm_kv":
             kv = getattr(self, f"kv_cache_{i}")
             return kv[0], kv[1]
+        if self.how == "vllm_kv_unbind":
+            return getattr(self, f"kv_cache_{i}").unbind(0)
         return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> torch.Tensor | None:
@@ -141,7 +148,7 @@ class CacheViewWriter(nn.Module):
 def _buffer_shapes(how: str) -> dict[str, tuple[int, ...]]:
     if how.startswith("stacked"):
         return {f"{kind}_cache": (LAYERS, SLOTS, HEADS, HEAD_DIM) for kind in "kv"}
-    if how == "vllm_kv":
+    if how.startswith("vllm_kv"):
         return {f"kv_cache_{i}": (2, PAGES, PAGE, HEADS, HEAD_DIM) for i in range(LAYERS)}
     return {f"{kind}_cache_{i}": CACHE_SHAPES[how] for i in range(LAYERS) for kind in "kv"}
 
@@ -201,7 +208,7 @@ def test_writes_through_a_view_of_the_cache_lower(how, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["paged_view", "hf_static", "stacked", "vllm_kv"])
+@pytest.mark.parametrize("how", ["paged_view", "hf_static", "stacked", "vllm_kv", "vllm_kv_unbind"])
 def test_writes_through_a_view_compile_through_inductor(how):
     """Inductor's codegen of the op writing views of graph inputs: eager's caches."""
     _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor"))

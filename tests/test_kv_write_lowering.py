@@ -592,6 +592,50 @@ def test_norms_the_op_does_not_compute_are_reported_as_the_norm():
             assert sources.get(name, "") in (why.source or ""), (name, str(why))
 
 
+class _CachedTables(HFStyleKVWriter):
+    """Old HF Llama / GPT-NeoX: `cos_cached` and `sin_cached` buffers `[max_pos, head_dim]` (`cat(freqs, freqs)`)
+    read at the positions, or (`as_inputs`) the rows passed in as HF passes `position_embeddings` to its layers."""
+
+    def __init__(self, as_inputs: bool = False):
+        super().__init__("index_put")
+        self.as_inputs = as_inputs
+        freqs = torch.outer(torch.arange(4096).float(), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos())
+        self.register_buffer("sin_cached", emb.sin())
+
+    def forward(self, x, positions, loc):
+        if not self.as_inputs:
+            return self.write_rows(x, self.cos_cached[positions], self.sin_cached[positions], loc)
+        return _write_with_rows(self, x, self.cos_cached[positions], self.sin_cached[positions], loc)
+
+    def write_rows(self, x, cos, sin, loc):
+        for i, layer in enumerate(self.layers):
+            k, v = layer(x, cos, sin)
+            getattr(self, f"k_cache_{i}")[loc] = k
+            getattr(self, f"v_cache_{i}")[loc] = v
+
+
+@torch.compiler.disable(recursive=False)
+def _write_with_rows(model, x, cos, sin, loc):
+    """The rows gathered outside the compiled region, then the writes compiled with them as graph inputs."""
+    return model.write_rows(x, cos, sin, loc)
+
+
+@pytest.mark.parametrize("as_inputs", [False, True], ids=["tables", "rows-as-inputs"])
+def test_cos_sin_whose_halves_are_only_equal_in_value_say_so(as_inputs):
+    """cos/sin `[.., head_dim]` values read as they are (two buffers read at the positions, or rows passed in):
+    their halves are equal only in value, which the graph does not show, so the writes keep today's path with
+    eager's caches, and the report says that (TABLES), not that the rotation is not a RoPE."""
+    capture = _hf_run(_CachedTables(as_inputs), torch.float32)
+    kept = capture.report.kv_kept
+    assert kept and not capture.report.kv_writes
+    for why in kept:
+        assert why.reason is KVKeptReason.TABLES, str(why)
+        assert "elements 0 and 8 of a head take their cos from elements 0 and 8 of one value" in why.detail, str(why)
+        assert "nothing in the graph shows that its two halves hold the same numbers" in why.detail, str(why)
+
+
 def test_explain_reports_the_lowering():
     cfg = small_config(write="commit")
     model = DraftKVWriter(cfg)

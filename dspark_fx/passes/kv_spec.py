@@ -32,7 +32,7 @@ from dspark_fx.passes.kv_symbolic import Evaluation
 
 
 class NotTheFormula(Exception):
-    """The written value is not the op's formula: `kind` ("projection", "norm", "rope", "cast", "layout"), the
+    """The written value is not the op's formula: `kind` ("projection", "norm", "rope", "tables", "cast", "layout"), the
     message says why, `node` is the graph node where that shows (if one does)."""
 
     def __init__(self, kind: str, message: str, node: fx.Node | None = None) -> None:
@@ -351,7 +351,7 @@ def _with_weight_and_rope(
             try:
                 rope = _rope(ev, rest, d, value)
             except NotTheFormula as err:
-                why = why or err
+                why = err if err.kind == "tables" else why or err  # the halves: all else fitted
                 continue
             norm = Norm(eps, weight, gemma) if eps is not None else None
             return Written(gemm, column, heads, d, norm, rope)
@@ -416,12 +416,48 @@ def _rope(ev: Evaluation, rest: list, d: int, value: fx.Node) -> Rope | None:
             problems.append(str(err))
             continue
         return Rope(rot, neox, cos, sin)
+    apart = _halves_apart(ev, rest, half, value)
+    if apart is not None:
+        raise apart
     raise NotTheFormula(
         "rope",
         f"{value.name}: the first {rot} elements of a head are neither a neox nor a GPT-J rotation "
         f"({problems[0]}; GPT-J: {problems[1]})",
         value,
     )
+
+
+def _halves_apart(ev: Evaluation, rest: list, half: int, value: fx.Node) -> NotTheFormula | None:
+    """Why a neox rotation does not fit, where elements 0 and `half` take their cos from two elements of one value
+    (a `[T, head_dim]` cos input, a `cat(freqs, freqs).cos()` table read at the positions): the op turns each pair
+    by one angle, and the graph does not show that the value's two halves hold the same numbers. Else None."""
+    first, second = rest[0][0][0], rest[0][0][half]
+    if set(first) != {0, half} or set(second) != {0, half} or first[0] == second[half]:
+        return None
+    a, b = _element_read(ev, first[0]), _element_read(ev, second[half])
+    if a is None or b is None or a[0] is not b[0]:
+        return None
+    return NotTheFormula(
+        "tables",
+        f"{value.name}: elements 0 and {half} of a head take their cos from elements {a[1]} and {b[1]} of one "
+        "value, where the op turns both by one angle, and nothing in the graph shows that its two halves hold the "
+        "same numbers (as a cat(freqs, freqs) table does): give it the first half only, or compute cos/sin in the "
+        "graph from the positions",
+        a[0],
+    )
+
+
+def _element_read(ev: Evaluation, e: int) -> tuple[fx.Node, int] | None:
+    """`(node, column)` where `e` is one element of a value the evaluation does not look into (a leaf, or a row of
+    a table read at an index), through casts; else None."""
+    atom = ev.alg.single_atom(e)
+    while atom is not None and atom[0] == "cast":
+        atom = ev.alg.single_atom(atom[2])
+    if atom is None or atom[0] not in ("leaf", "gather"):
+        return None
+    if atom[0] == "gather":
+        return atom[1], atom[3]
+    return atom[1], atom[2] % ev.shape(atom[1])[-1]
 
 
 def _pairs(ev: Evaluation, rest: list, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -589,7 +589,8 @@ def _index(ev: Evaluation, node: fx.Node) -> Sym | None:
     given = [i for i, index in enumerate(indices) if index is not None]
     if given == [0]:
         return _gather(ev, node)
-    if len(given) != 1 or tensor_val(indices[given[0]]).dtype not in (torch.int32, torch.int64):
+    index_val = tensor_val(indices[given[0]]) if len(given) == 1 else None
+    if index_val is None or index_val.dtype not in (torch.int32, torch.int64):
         return None
     x, values = ev.arg(node, 0), _constants(ev, ev(indices[given[0]]))
     if x.complex or values is None:

@@ -158,6 +158,7 @@ _SPEC_REASONS = {
     "projection": KVKeptReason.NOT_A_PROJECTION,
     "norm": KVKeptReason.NORM,
     "rope": KVKeptReason.ROPE,
+    "tables": KVKeptReason.TABLES,
     "cast": KVKeptReason.ROUNDING_CAST,
     "layout": KVKeptReason.LAYOUT,
 }
@@ -299,6 +300,7 @@ def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
     sites: list[_Site] = []
     for scatter, write, index in reversed(links):
         prev = scatter.args[0]
+        _unbind_as_selects(graph, prev)
         sub = _base_select(write, prev, index)
         site = None
         if sub is not None:
@@ -316,6 +318,23 @@ def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
         site.cache, site.nodes, site.rebased = cache, [*site.nodes, scatter], rebased
         sites.append(site)
     return sites
+
+
+def _unbind_as_selects(graph: fx.Graph, prev: fx.Node) -> None:
+    """`getitem(unbind(prev, 0), i)` (vLLM's `key_cache, value_cache = kv_cache.unbind(0)`) made `select(prev, 0,
+    i)`, the same view, so that a link's write is found from its select; it stays so whether the writes lower or
+    not."""
+    for unbind in [u for u in prev.users if u.target is aten.unbind.int]:
+        dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+        if dim != 0 or any(u.target is not operator.getitem for u in unbind.users):
+            continue
+        for item in list(unbind.users):
+            with graph.inserting_after(unbind):
+                select = graph.call_function(aten.select.int, (prev, 0, item.args[1]))
+            select.meta = dict(item.meta)
+            item.replace_all_uses_with(select)
+            graph.erase_node(item)
+        graph.erase_node(unbind)
 
 
 def _unwind(graph: fx.Graph, sites: list[_Site]) -> None:
