@@ -592,6 +592,65 @@ def test_norms_the_op_does_not_compute_are_reported_as_the_norm():
             assert sources.get(name, "") in (why.source or ""), (name, str(why))
 
 
+class _VNormedLayer(HFLayer):
+    """V normed (RMSNorm without weight) as well as K."""
+
+    def forward(self, x, cos, sin):
+        k, v = super().forward(x, cos, sin)
+        return k, v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _PermBufferLayer(HFLayer):
+    """rotate_half as `k[..., perm] * sign` with `perm` a buffer: an index the graph reads from a tensor."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape))
+        half = self.head_dim // 2
+        sign = torch.cat((-torch.ones(half), torch.ones(half)))
+        return k * cos[:, None, :] + k[..., self.perm] * sign * sin[:, None, :], self.v_proj(x).view(shape)
+
+
+class _KWrittenTwice(HFStyleKVWriter):
+    """Each layer's K also written into a second cache (`d_cache_i`)."""
+
+    def __init__(self):
+        super().__init__("index_put")
+        for i in range(len(self.layers)):
+            self.register_buffer(f"d_cache_{i}", torch.randn(64, 2, 16))
+
+    def caches(self):
+        return [*super().caches(), *(getattr(self, f"d_cache_{i}") for i in range(len(self.layers)))]
+
+    def forward(self, x, positions, loc):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        for i, layer in enumerate(self.layers):
+            k, v = layer(x, emb.cos(), emb.sin())
+            getattr(self, f"k_cache_{i}")[loc] = k
+            getattr(self, f"v_cache_{i}")[loc] = v
+            getattr(self, f"d_cache_{i}")[loc] = k
+
+
+def test_writes_that_do_not_pair_into_k_and_v_say_why():
+    """A V with a norm, a K written into two caches and a rotation through an index read from a buffer keep
+    today's path with eager's caches, each with its own reason (not "the layers differ", not "a term without a
+    projection element" alone)."""
+    perm = torch.cat((torch.arange(8, 16), torch.arange(8)))
+    cases = {
+        "V normed": (_hf_writer_with(_VNormedLayer), KVKeptReason.NORM, "4 cache writes are normed but not rotated"),
+        "K twice": (_KWrittenTwice(), KVKeptReason.VALUE_SHARED, "is written into 2 caches (k_cache_0, d_cache_0)"),
+        "perm buffer": (
+            _hf_writer_with(_PermBufferLayer, perm=perm),
+            KVKeptReason.UNEVALUABLE,
+            "(aten.index), a value the pass does not follow",
+        ),
+    }
+    for name, (model, reason, detail) in cases.items():
+        kept = _hf_run(model, torch.float32).report.kv_kept
+        assert kept and all(why.reason is reason and detail in why.detail for why in kept), (name, kept)
+
+
 class _CachedTables(HFStyleKVWriter):
     """Old HF Llama / GPT-NeoX: `cos_cached` and `sin_cached` buffers `[max_pos, head_dim]` (`cat(freqs, freqs)`)
     read at the positions, or (`as_inputs`) the rows passed in as HF passes `position_embeddings` to its layers."""

@@ -27,13 +27,15 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from dspark_fx.passes.graph_utils import op_name
+from dspark_fx.passes.graph_utils import aten, op_name
 from dspark_fx.passes.kv_symbolic import Evaluation
+
+_GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)  # a leaf of these is another projection
 
 
 class NotTheFormula(Exception):
-    """The written value is not the op's formula: `kind` ("projection", "norm", "rope", "tables", "cast", "layout"), the
-    message says why, `node` is the graph node where that shows (if one does)."""
+    """The written value is not the op's formula: `kind` ("projection", "unevaluable", "norm", "rope", "tables",
+    "cast", "layout"), the message says why, `node` is the graph node where that shows (if one does)."""
 
     def __init__(self, kind: str, message: str, node: fx.Node | None = None) -> None:
         super().__init__(message)
@@ -148,6 +150,22 @@ class _Terms:
                 node,
             )
         if not found:
+            unfollowed = [
+                alg.atoms[aid][1]
+                for aid in _atoms_in(alg, e)
+                if alg.atoms[aid][0] == "leaf"
+                and alg.atoms[aid][1].op == "call_function"
+                and alg.atoms[aid][1].target not in _GEMMS
+            ]
+            if unfollowed:
+                node = unfollowed[0]
+                return NotTheFormula(
+                    "unevaluable",
+                    f"an element of {self.value.name} has a term without a projection element: it reads {node.name} "
+                    f"({op_name(node)}), a value the pass does not follow (an op without a rule, or one whose "
+                    "operands are not constants where the rule needs them, such as an index read from a tensor)",
+                    node,
+                )
             return NotTheFormula(
                 "projection", f"an element of {self.value.name} has a term without a projection element", self.value
             )

@@ -156,6 +156,7 @@ def _where(node: fx.Node, names: Namer) -> str | None:
 
 _SPEC_REASONS = {
     "projection": KVKeptReason.NOT_A_PROJECTION,
+    "unevaluable": KVKeptReason.UNEVALUABLE,
     "norm": KVKeptReason.NORM,
     "rope": KVKeptReason.ROPE,
     "tables": KVKeptReason.TABLES,
@@ -867,11 +868,7 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
     if not ks:  # no norm, no RoPE anywhere: any split into K and V computes the same
         ks, vs = vs[0::2], vs[1::2]
     if len(ks) != len(vs):
-        raise _NoMatch(
-            KVKeptReason.LAYERS_DIFFER,
-            f"{len(ks)} normed/rotated (K) and {len(vs)} plain (V) cache writes: the op writes K and V of every "
-            "layer, V as projected",
-        )
+        raise _unpaired(ks, vs, names)
     shapes = {(w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.target).shape)) for w in writes}
     if len(shapes) != 1:
         raise _NoMatch(
@@ -917,6 +914,40 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
     _check_exclusive(group, names)
     _check_device(config, x_val, heads, head_dim, [w.site.target for w in writes])
     return _Plan(ks, vs, heads, head_dim, keys.pop(), ropes[0])
+
+
+def _unpaired(ks: list[_Write], vs: list[_Write], names: Namer) -> _NoMatch:
+    """Why the normed/rotated (K) and plain (V) writes do not pair up by layer: a value written into more than one
+    cache, V normed (writes normed but not rotated beside rotated ones), or else as many."""
+    by_value: dict[fx.Node, list[_Write]] = {}
+    for w in [*ks, *vs]:
+        by_value.setdefault(w.site.value, []).append(w)
+    twice = next((ws for ws in by_value.values() if len(ws) > 1), None)
+    if twice is not None:
+        caches = ", ".join(names.of(w.site.cache) for w in twice)
+        return _NoMatch(
+            KVKeptReason.VALUE_SHARED,
+            f"{twice[0].site.value.name} is written into {len(twice)} caches ({caches}): the op writes each layer's K "
+            "and V into one cache each",
+            twice[0].site.value,
+            twice[1].site.cache,
+        )
+    rotated = [w for w in ks if w.rope is not None]
+    unrotated = [w for w in ks if w.rope is None]
+    if rotated and unrotated and len(rotated) == len(unrotated) + len(vs):
+        caches = ", ".join(names.of(w.site.cache) for w in unrotated)
+        return _NoMatch(
+            KVKeptReason.NORM,
+            f"{len(unrotated)} cache writes are normed but not rotated ({caches}), beside {len(rotated)} rotated: a V "
+            "with a norm, where the op writes V as projected",
+            unrotated[0].site.value,
+            unrotated[0].site.cache,
+        )
+    return _NoMatch(
+        KVKeptReason.LAYERS_DIFFER,
+        f"{len(ks)} normed/rotated (K) and {len(vs)} plain (V) cache writes: the op writes K and V of every layer, V "
+        "as projected",
+    )
 
 
 def _guard_equal(a: Any, b: Any) -> bool:
