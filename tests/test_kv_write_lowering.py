@@ -514,6 +514,39 @@ def test_cos_sin_halves_not_provably_equal_keep_todays_path():
     assert "elements (0, 8) do not take the same cos factor" in _kept(capture)
 
 
+def _first_rows_rotated(how):
+    """A layer whose K is rotated in its first 3 token rows only (`how`: a `where` over `arange(T)`, a
+    `slice_scatter` of the rotated rows, or a `cat` of slices): rows past those the evaluation reads differ."""
+
+    def rope(k, cos, sin):
+        return k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape))
+        if how == "where":
+            k = torch.where((torch.arange(k.shape[0]) < 3)[:, None, None], rope(k, cos, sin), k)
+        elif how == "slice_scatter":
+            k = torch.slice_scatter(k, rope(k, cos, sin)[:3], 0, 0, 3)
+        else:
+            k = torch.cat((rope(k, cos, sin)[:3], k[3:]))
+        return k, self.v_proj(x).view(shape)
+
+    return type(f"_FirstRows_{how}", (HFLayer,), {"forward": forward})
+
+
+@pytest.mark.parametrize("tokens", [(6, 11), (20,)], ids=["symbolic-T", "static-T"])
+@pytest.mark.parametrize("how", ["where", "slice_scatter", "cat"])
+def test_k_computed_apart_by_token_row_is_never_lowered(how, tokens):
+    """A K that treats token rows apart (only the first 3 rotated) must not become the op, which treats every row
+    alike: the evaluation sees the first rows only, so it refuses any op that tells rows apart (a mask, a slice or
+    a scatter over the token dim, the token index itself) and the writes keep today's path with eager's caches."""
+    capture = _hf_run(_hf_writer_with(_first_rows_rotated(how)), torch.float32, tokens_list=tokens)
+    kept = capture.report.kv_kept
+    assert kept and not capture.report.kv_writes, str(capture.report)
+    assert all(why.reason is KVKeptReason.UNEVALUABLE for why in kept), kept
+
+
 def _hf_writer_with(layer_class, **layer_attrs):
     """`HFStyleKVWriter("index_put")` whose layers run `layer_class.forward`, each with `layer_attrs` set (values
     copied per layer)."""

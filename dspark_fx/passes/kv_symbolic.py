@@ -271,6 +271,19 @@ class Evaluation:
                 shapes.append(sizes)
         return shapes
 
+    def token_axis(self, node: Any, sym: Sym, d: int) -> bool:
+        """Whether dim `d` of `node`'s value (held as `sym`) runs over the tokens: its size involves a symbolic T,
+        or the evaluation holds it shorter than it is (a static T read as `TOKENS`). The evaluation sees only the
+        first `TOKENS` rows of such a dim, so an op that treats its rows apart (a slice of some of them, a mask or
+        an index over them) cannot be followed: rows past the evaluated ones could be computed otherwise."""
+        val = tensor_val(node) if isinstance(node, fx.Node) else None
+        if val is None or d >= val.dim():
+            return True
+        size = val.shape[d]
+        if isinstance(size, torch.SymInt):
+            return bool(size.node.expr.free_symbols & self.token_symbols)
+        return sym.ids.shape[d] != int(size)
+
     # -- values ---------------------------------------------------------------------------------------------------
 
     def __call__(self, node: Any) -> Any:
@@ -396,10 +409,35 @@ def _expand(ev: Evaluation, node: fx.Node) -> Sym:
     return Sym(np.broadcast_to(x.ids, (*shape, *((2,) if x.complex else ()))), x.complex)
 
 
+def _whole(ev: Evaluation, source: Any, sym: Sym, d: int, start: Any, stop: Any, step: Any) -> bool:
+    """Whether `[start:stop:step]` along dim `d` of `source` (held as `sym`) takes every row of it."""
+    val = tensor_val(source)
+    start, stop = (b.meta.get("val") if isinstance(b, fx.Node) else b for b in (start, stop))
+    if start not in (None, 0) or step not in (None, 1):
+        return False
+    if stop is None or (isinstance(stop, int) and stop >= 2**62):
+        return True
+    return val is not None and d < val.dim() and _same_size(stop, val.shape[d])
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) are the same expression."""
+    exprs = [v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(v) for v in (a, b) if v is not None]
+    return len(exprs) == 2 and sympy.simplify(exprs[0] - exprs[1]) == 0
+
+
+def _rows_apart(ev: Evaluation, node: fx.Node, what: str) -> Unevaluable:
+    return Unevaluable(
+        f"{node.name} ({op_name(node)}) {what} of the token dim: rows past the evaluated ones could differ"
+    )
+
+
 def _slice(ev: Evaluation, node: fx.Node) -> Sym:
     x = ev.arg(node, 0)
     _, dim, start, stop, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])
     d = _real_dim(x, dim)
+    if ev.token_axis(node.args[0], x, d) and not _whole(ev, node.args[0], x, d, start, stop, step):
+        raise _rows_apart(ev, node, "takes some rows")
     start = None if start is None else ev.size(start)
     if stop is not None and not (isinstance(stop, int) and stop >= 2**62):
         stop = ev.size(stop)
@@ -412,6 +450,8 @@ def _slice(ev: Evaluation, node: fx.Node) -> Sym:
 
 def _select(ev: Evaluation, node: fx.Node) -> Sym:
     x = ev.arg(node, 0)
+    if ev.token_axis(node.args[0], x, _real_dim(x, node.args[1])):
+        raise _rows_apart(ev, node, "takes one row")
     return Sym(np.take(x.ids, ev.size(node.args[2]), axis=_real_dim(x, node.args[1])), x.complex)
 
 
@@ -421,6 +461,8 @@ def _cat(ev: Evaluation, node: fx.Node) -> Sym | None:
     if not parts or len({p.complex for p in parts}) != 1:
         return None
     d = _real_dim(parts[0], node.args[1] if len(node.args) > 1 else 0)
+    if any(ev.token_axis(n, p, d) for n, p in zip(node.args[0], [ev(n) for n in node.args[0]], strict=True)):
+        raise _rows_apart(ev, node, "joins pieces")
     return Sym(np.concatenate([p.ids for p in parts], axis=d), parts[0].complex)
 
 
@@ -436,6 +478,8 @@ def _stack(ev: Evaluation, node: fx.Node) -> Sym | None:
 def _split(ev: Evaluation, node: fx.Node) -> list[Sym]:
     x = ev.arg(node, 0)
     d = _real_dim(x, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+    if ev.token_axis(node.args[0], x, d):
+        raise _rows_apart(ev, node, "splits the rows")
     width = x.ids.shape[d]
     sizes = node.args[1]
     if node.target is aten.split.Tensor:
@@ -448,6 +492,8 @@ def _split(ev: Evaluation, node: fx.Node) -> list[Sym]:
 def _unbind(ev: Evaluation, node: fx.Node) -> list[Sym]:
     x = ev.arg(node, 0)
     d = _real_dim(x, node.args[1] if len(node.args) > 1 else 0)
+    if ev.token_axis(node.args[0], x, d):
+        raise _rows_apart(ev, node, "takes the rows one by one")
     return [Sym(np.take(x.ids, i, axis=d), x.complex) for i in range(x.ids.shape[d])]
 
 
@@ -542,9 +588,14 @@ def _const_sym(ev: Evaluation, values: np.ndarray) -> Sym:
 
 
 def _iota(ev: Evaluation, node: fx.Node) -> Sym | None:
-    """`prims.iota(length, start, step)` (what `arange` decomposes to): constants; a length equal to a static T reads
-    as the token count, as a view's size does (`shape_arg`)."""
-    (length,) = ev.shape_arg([node.args[0]])
+    """`prims.iota(length, start, step)` (what `arange` decomposes to): constants, except over the tokens (a length
+    of T, symbolic or static): a leaf, as the token index must be (the evaluation sees only its first rows)."""
+    length = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else node.args[0]
+    if isinstance(length, torch.SymInt) and length.node.expr.free_symbols & ev.token_symbols:
+        return None  # the token index: rows past the evaluated ones hold other values
+    if ev.static_tokens is not None and length == ev.static_tokens:
+        return None
+    length = ev.size(length)
     start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
     if not all(isinstance(v, int) for v in (start, step)):
         return None
@@ -595,6 +646,8 @@ def _index(ev: Evaluation, node: fx.Node) -> Sym | None:
     x, values = ev.arg(node, 0), _constants(ev, ev(indices[given[0]]))
     if x.complex or values is None:
         return None
+    if ev.token_axis(node.args[0], x, given[0]):
+        raise _rows_apart(ev, node, "reorders the rows")
     return Sym(np.take(x.ids, values.astype(np.int64), axis=given[0]))
 
 
@@ -607,9 +660,12 @@ def _slice_scatter(ev: Evaluation, node: fx.Node) -> Sym | None:
         node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
         for i, name, default in ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1))
     )
+    d = _dim(dim, x.ids.ndim)
+    if ev.token_axis(node.args[0], x, d) and not _whole(ev, node.args[0], x, d, start, end, step):
+        raise _rows_apart(ev, node, "writes some rows")
     index = [slice(None)] * x.ids.ndim
     stop = None if end is None or (isinstance(end, int) and end >= 2**62) else ev.size(end)
-    index[_dim(dim, x.ids.ndim)] = slice(None if start is None else ev.size(start), stop, step)
+    index[d] = slice(None if start is None else ev.size(start), stop, step)
     out = x.ids.copy()
     out[tuple(index)] = src.ids
     return Sym(out)
