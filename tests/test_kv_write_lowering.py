@@ -547,6 +547,34 @@ def test_k_computed_apart_by_token_row_is_never_lowered(how, tokens):
     assert all(why.reason is KVKeptReason.UNEVALUABLE for why in kept), kept
 
 
+def _scaled_by_token_count(how):
+    """A layer whose K is scaled by a number computed from the token count T with tensor ops or from T's size
+    (the same for every row, but not the same at every T): the evaluation's T is not the call's."""
+
+    def forward(self, x, cos, sin):
+        k, v = HFLayer.forward(self, x, cos, sin)
+        tokens = k.shape[0]
+        if how == "sum":
+            scale = 1 + (torch.ones(tokens, 1).sum(0) > 8)
+        elif how == "matmul":
+            scale = 1 + (torch.ones(1, tokens) @ torch.ones(tokens, 1) > 8)
+        else:
+            scale = (tokens - 2) * (tokens - 3) + 1
+        return k * scale, v
+
+    return type(f"_CountScaled_{how}", (HFLayer,), {"forward": forward})
+
+
+@pytest.mark.parametrize("tokens", [(6, 11), (20,)], ids=["symbolic-T", "static-T"])
+@pytest.mark.parametrize("how", ["sum", "matmul", "size"])
+def test_k_scaled_by_the_token_count_is_never_lowered(how, tokens):
+    """K scaled by a function of T (a sum or matmul over `ones(T)`, or T's size in arithmetic): the evaluation
+    holds T at a few rows, so it refuses a sum over the token dim and a number computed from T, and the writes keep
+    today's path with eager's caches."""
+    capture = _hf_run(_hf_writer_with(_scaled_by_token_count(how)), torch.float32, tokens_list=tokens)
+    assert capture.report.kv_kept and not capture.report.kv_writes, str(capture.report)
+
+
 def _hf_writer_with(layer_class, **layer_attrs):
     """`HFStyleKVWriter("index_put")` whose layers run `layer_class.forward`, each with `layer_attrs` set (values
     copied per layer)."""

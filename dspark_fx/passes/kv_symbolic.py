@@ -306,6 +306,8 @@ class Evaluation:
 
     def _value(self, node: fx.Node) -> Any:
         val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr.free_symbols & self.token_symbols:
+            return None  # a number computed from T used as a value: the evaluation's T is not the call's
         if isinstance(val, (torch.SymInt, int, float, bool)):
             return self.size(val) if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) else val
         rule = _RULES.get(node.target) if node.op == "call_function" and node not in self.opaque else None
@@ -409,8 +411,8 @@ def _expand(ev: Evaluation, node: fx.Node) -> Sym:
     return Sym(np.broadcast_to(x.ids, (*shape, *((2,) if x.complex else ()))), x.complex)
 
 
-def _whole(ev: Evaluation, source: Any, sym: Sym, d: int, start: Any, stop: Any, step: Any) -> bool:
-    """Whether `[start:stop:step]` along dim `d` of `source` (held as `sym`) takes every row of it."""
+def _whole(source: Any, d: int, start: Any, stop: Any, step: Any) -> bool:
+    """Whether `[start:stop:step]` along dim `d` of `source` takes every row of it."""
     val = tensor_val(source)
     start, stop = (b.meta.get("val") if isinstance(b, fx.Node) else b for b in (start, stop))
     if start not in (None, 0) or step not in (None, 1):
@@ -426,7 +428,7 @@ def _same_size(a: Any, b: Any) -> bool:
     return len(exprs) == 2 and sympy.simplify(exprs[0] - exprs[1]) == 0
 
 
-def _rows_apart(ev: Evaluation, node: fx.Node, what: str) -> Unevaluable:
+def _rows_apart(node: fx.Node, what: str) -> Unevaluable:
     return Unevaluable(
         f"{node.name} ({op_name(node)}) {what} of the token dim: rows past the evaluated ones could differ"
     )
@@ -436,8 +438,8 @@ def _slice(ev: Evaluation, node: fx.Node) -> Sym:
     x = ev.arg(node, 0)
     _, dim, start, stop, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])
     d = _real_dim(x, dim)
-    if ev.token_axis(node.args[0], x, d) and not _whole(ev, node.args[0], x, d, start, stop, step):
-        raise _rows_apart(ev, node, "takes some rows")
+    if ev.token_axis(node.args[0], x, d) and not _whole(node.args[0], d, start, stop, step):
+        raise _rows_apart(node, "takes some rows")
     start = None if start is None else ev.size(start)
     if stop is not None and not (isinstance(stop, int) and stop >= 2**62):
         stop = ev.size(stop)
@@ -451,7 +453,7 @@ def _slice(ev: Evaluation, node: fx.Node) -> Sym:
 def _select(ev: Evaluation, node: fx.Node) -> Sym:
     x = ev.arg(node, 0)
     if ev.token_axis(node.args[0], x, _real_dim(x, node.args[1])):
-        raise _rows_apart(ev, node, "takes one row")
+        raise _rows_apart(node, "takes one row")
     return Sym(np.take(x.ids, ev.size(node.args[2]), axis=_real_dim(x, node.args[1])), x.complex)
 
 
@@ -462,7 +464,7 @@ def _cat(ev: Evaluation, node: fx.Node) -> Sym | None:
         return None
     d = _real_dim(parts[0], node.args[1] if len(node.args) > 1 else 0)
     if any(ev.token_axis(n, p, d) for n, p in zip(node.args[0], [ev(n) for n in node.args[0]], strict=True)):
-        raise _rows_apart(ev, node, "joins pieces")
+        raise _rows_apart(node, "joins pieces")
     return Sym(np.concatenate([p.ids for p in parts], axis=d), parts[0].complex)
 
 
@@ -479,7 +481,7 @@ def _split(ev: Evaluation, node: fx.Node) -> list[Sym]:
     x = ev.arg(node, 0)
     d = _real_dim(x, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
     if ev.token_axis(node.args[0], x, d):
-        raise _rows_apart(ev, node, "splits the rows")
+        raise _rows_apart(node, "splits the rows")
     width = x.ids.shape[d]
     sizes = node.args[1]
     if node.target is aten.split.Tensor:
@@ -493,7 +495,7 @@ def _unbind(ev: Evaluation, node: fx.Node) -> list[Sym]:
     x = ev.arg(node, 0)
     d = _real_dim(x, node.args[1] if len(node.args) > 1 else 0)
     if ev.token_axis(node.args[0], x, d):
-        raise _rows_apart(ev, node, "takes the rows one by one")
+        raise _rows_apart(node, "takes the rows one by one")
     return [Sym(np.take(x.ids, i, axis=d), x.complex) for i in range(x.ids.shape[d])]
 
 
@@ -647,7 +649,7 @@ def _index(ev: Evaluation, node: fx.Node) -> Sym | None:
     if x.complex or values is None:
         return None
     if ev.token_axis(node.args[0], x, given[0]):
-        raise _rows_apart(ev, node, "reorders the rows")
+        raise _rows_apart(node, "reorders the rows")
     return Sym(np.take(x.ids, values.astype(np.int64), axis=given[0]))
 
 
@@ -661,8 +663,8 @@ def _slice_scatter(ev: Evaluation, node: fx.Node) -> Sym | None:
         for i, name, default in ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1))
     )
     d = _dim(dim, x.ids.ndim)
-    if ev.token_axis(node.args[0], x, d) and not _whole(ev, node.args[0], x, d, start, end, step):
-        raise _rows_apart(ev, node, "writes some rows")
+    if ev.token_axis(node.args[0], x, d) and not _whole(node.args[0], d, start, end, step):
+        raise _rows_apart(node, "writes some rows")
     index = [slice(None)] * x.ids.ndim
     stop = None if end is None or (isinstance(end, int) and end >= 2**62) else ev.size(end)
     index[d] = slice(None if start is None else ev.size(start), stop, step)
@@ -737,6 +739,8 @@ def _reduce(ev: Evaluation, node: fx.Node) -> Sym | None:
         return None
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     dims = tuple(sorted(_dim(d, x.ids.ndim) for d in node.args[1]))
+    if any(ev.token_axis(node.args[0], x, d) for d in dims):
+        raise _rows_apart(node, "sums over the rows")
     moved = np.moveaxis(x.ids, dims, tuple(range(x.ids.ndim - len(dims), x.ids.ndim)))
     count = math.prod(x.ids.shape[d] for d in dims)
     flat = moved.reshape(*moved.shape[: moved.ndim - len(dims)], count)
@@ -760,6 +764,8 @@ def _matmul(ev: Evaluation, node: fx.Node) -> Sym | None:
     a, b = ev.arg(node, 0), ev.arg(node, 1)
     if a.complex or b.complex or a.ids.shape[-1] > MAX_INNER:
         return None
+    if ev.token_axis(node.args[0], a, a.ids.ndim - 1):
+        raise _rows_apart(node, "sums over the rows")
     alg = ev.alg
     batch, (rows, inner), cols = a.ids.shape[:-2], a.ids.shape[-2:], b.ids.shape[-1]
     out = np.empty((*batch, rows, cols), dtype=np.int64)
