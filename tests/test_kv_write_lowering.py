@@ -535,6 +535,22 @@ def _first_rows_rotated(how):
     return type(f"_FirstRows_{how}", (HFLayer,), {"forward": forward})
 
 
+class _PositionsFromFirst(HFStyleKVWriter):
+    """Positions computed in the graph from the first one, `positions[0] + arange(T)` (a select of row 0 and the
+    token index): the same for every row at any T."""
+
+    def forward(self, x, positions, loc):
+        return super().forward(x, positions[0] + torch.arange(x.shape[0]), loc)
+
+
+@pytest.mark.parametrize("tokens", [(6, 11), (20,)], ids=["symbolic-T", "static-T"])
+def test_positions_from_the_first_row_and_arange_lower(tokens):
+    """Row 0 of the token dim is row 0 at any T, and `arange(T)` reaches the op as a positions tensor the graph
+    computes: the writes lower and match eager, in a static graph above the evaluated rows too."""
+    capture = _hf_run(_PositionsFromFirst("index_put"), torch.float32, tokens_list=tokens)
+    _assert_lowered(capture, 4)
+
+
 @pytest.mark.parametrize("tokens", [(6, 11), (20,)], ids=["symbolic-T", "static-T"])
 @pytest.mark.parametrize("how", ["where", "slice_scatter", "cat"])
 def test_k_computed_apart_by_token_row_is_never_lowered(how, tokens):

@@ -451,10 +451,13 @@ def _slice(ev: Evaluation, node: fx.Node) -> Sym:
 
 
 def _select(ev: Evaluation, node: fx.Node) -> Sym:
+    """Row `i` of the token dim is row `i` at any T (an index past the evaluated rows fails to take); a row counted
+    from the end is not."""
     x = ev.arg(node, 0)
-    if ev.token_axis(node.args[0], x, _real_dim(x, node.args[1])):
-        raise _rows_apart(node, "takes one row")
-    return Sym(np.take(x.ids, ev.size(node.args[2]), axis=_real_dim(x, node.args[1])), x.complex)
+    index = ev.size(node.args[2])
+    if index < 0 and ev.token_axis(node.args[0], x, _real_dim(x, node.args[1])):
+        raise _rows_apart(node, "takes a row counted from the end")
+    return Sym(np.take(x.ids, index, axis=_real_dim(x, node.args[1])), x.complex)
 
 
 def _cat(ev: Evaluation, node: fx.Node) -> Sym | None:
