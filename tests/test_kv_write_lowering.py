@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import as_fake_cuda, draft_inputs, eager_and_compiled, mark_tokens_dynamic, quick_first, small_config
-from hf_models import HF_WRITES, HFLayer, HFStyleKVWriter, rotate_half
+from hf_models import HF_WRITES, HFLayer, HFStyleDraft, HFStyleKVWriter, rotate_half
 
 from custom_ops.linear.multi_linear_kv_write import rotary_dim
 from dspark_fx import DsparkConfig, explain
@@ -518,18 +518,15 @@ def _first_rows_rotated(how):
     """A layer whose K is rotated in its first 3 token rows only (`how`: a `where` over `arange(T)`, a
     `slice_scatter` of the rotated rows, or a `cat` of slices): rows past those the evaluation reads differ."""
 
-    def rope(k, cos, sin):
-        return k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-
     def forward(self, x, cos, sin):
         shape = (x.shape[0], self.kv_heads, self.head_dim)
         k = self.k_norm(self.k_proj(x).view(shape))
         if how == "where":
-            k = torch.where((torch.arange(k.shape[0]) < 3)[:, None, None], rope(k, cos, sin), k)
+            k = torch.where((torch.arange(k.shape[0]) < 3)[:, None, None], _hf_rope(k, cos, sin), k)
         elif how == "slice_scatter":
-            k = torch.slice_scatter(k, rope(k, cos, sin)[:3], 0, 0, 3)
+            k = torch.slice_scatter(k, _hf_rope(k, cos, sin)[:3], 0, 0, 3)
         else:
-            k = torch.cat((rope(k, cos, sin)[:3], k[3:]))
+            k = torch.cat((_hf_rope(k, cos, sin)[:3], k[3:]))
         return k, self.v_proj(x).view(shape)
 
     return type(f"_FirstRows_{how}", (HFLayer,), {"forward": forward})
@@ -700,10 +697,7 @@ class _KWrittenTwice(HFStyleKVWriter):
         return [*super().caches(), *(getattr(self, f"d_cache_{i}") for i in range(len(self.layers)))]
 
     def forward(self, x, positions, loc):
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        for i, layer in enumerate(self.layers):
-            k, v = layer(x, emb.cos(), emb.sin())
+        for i, (k, v) in enumerate(HFStyleDraft.forward(self, x, positions)):
             getattr(self, f"k_cache_{i}")[loc] = k
             getattr(self, f"v_cache_{i}")[loc] = v
             getattr(self, f"d_cache_{i}")[loc] = k

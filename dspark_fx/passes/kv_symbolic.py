@@ -411,13 +411,18 @@ def _expand(ev: Evaluation, node: fx.Node) -> Sym:
     return Sym(np.broadcast_to(x.ids, (*shape, *((2,) if x.complex else ()))), x.complex)
 
 
+def _open_end(stop: Any) -> bool:
+    """Whether a slice's stop is none (`x[a:]`: None, or the largest int64 a graph spells it with)."""
+    return stop is None or (isinstance(stop, int) and stop >= 2**62)
+
+
 def _whole(source: Any, d: int, start: Any, stop: Any, step: Any) -> bool:
     """Whether `[start:stop:step]` along dim `d` of `source` takes every row of it."""
     val = tensor_val(source)
     start, stop = (b.meta.get("val") if isinstance(b, fx.Node) else b for b in (start, stop))
     if start not in (None, 0) or step not in (None, 1):
         return False
-    if stop is None or (isinstance(stop, int) and stop >= 2**62):
+    if _open_end(stop):
         return True
     return val is not None and d < val.dim() and _same_size(stop, val.shape[d])
 
@@ -441,10 +446,7 @@ def _slice(ev: Evaluation, node: fx.Node) -> Sym:
     if ev.token_axis(node.args[0], x, d) and not _whole(node.args[0], d, start, stop, step):
         raise _rows_apart(node, "takes some rows")
     start = None if start is None else ev.size(start)
-    if stop is not None and not (isinstance(stop, int) and stop >= 2**62):
-        stop = ev.size(stop)
-    elif stop is not None:
-        stop = None
+    stop = None if _open_end(stop) else ev.size(stop)
     index = [slice(None)] * x.ids.ndim
     index[d] = slice(start, stop, step)
     return Sym(x.ids[tuple(index)], x.complex)
@@ -461,12 +463,12 @@ def _select(ev: Evaluation, node: fx.Node) -> Sym:
 
 
 def _cat(ev: Evaluation, node: fx.Node) -> Sym | None:
-    parts = [ev(p) for p in node.args[0]]
-    parts = [p for p in parts if p.ids.size or p.ids.ndim > 1]  # cat drops 1-D empty tensors
+    pieces = [(n, ev(n)) for n in node.args[0]]
+    parts = [p for _, p in pieces if p.ids.size or p.ids.ndim > 1]  # cat drops 1-D empty tensors
     if not parts or len({p.complex for p in parts}) != 1:
         return None
     d = _real_dim(parts[0], node.args[1] if len(node.args) > 1 else 0)
-    if any(ev.token_axis(n, p, d) for n, p in zip(node.args[0], [ev(n) for n in node.args[0]], strict=True)):
+    if any(ev.token_axis(n, p, d) for n, p in pieces):
         raise _rows_apart(node, "joins pieces")
     return Sym(np.concatenate([p.ids for p in parts], axis=d), parts[0].complex)
 
@@ -669,7 +671,7 @@ def _slice_scatter(ev: Evaluation, node: fx.Node) -> Sym | None:
     if ev.token_axis(node.args[0], x, d) and not _whole(node.args[0], d, start, end, step):
         raise _rows_apart(node, "writes some rows")
     index = [slice(None)] * x.ids.ndim
-    stop = None if end is None or (isinstance(end, int) and end >= 2**62) else ev.size(end)
+    stop = None if _open_end(end) else ev.size(end)
     index[d] = slice(None if start is None else ev.size(start), stop, step)
     out = x.ids.copy()
     out[tuple(index)] = src.ids

@@ -381,16 +381,6 @@ def _chain(new: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    out, todo = {node}, [node]
-    while todo:
-        for parent in todo.pop().all_input_nodes:
-            if parent not in out:
-                out.add(parent)
-                todo.append(parent)
-    return out
-
-
 def _strip_layout_views(node: fx.Node) -> fx.Node:
     while node.target in _LAYOUT_VIEWS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
