@@ -94,7 +94,8 @@ def _bulk_library() -> ctypes.CDLL:
     source = Path(__file__).with_name("bulk_read.cu")
     target = Path(tempfile.mkdtemp(prefix="dspark_bulk_read_")) / "bulk_read.so"
     command = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared"]
-    command += ["-gencode=arch=compute_90a,code=sm_90a", str(source), "-o", str(target)]
+    csrc = Path(__file__).resolve().parents[1] / "custom_ops" / "csrc"  # common/bulk_copy.cuh
+    command += ["-gencode=arch=compute_90a,code=sm_90a", f"-I{csrc}", str(source), "-o", str(target)]
     built = subprocess.run(command, capture_output=True, text=True)
     if built.returncode != 0:
         raise RuntimeError(f"nvcc could not build {source}:\n{built.stderr[-2000:]}")

@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "experimental/bulk_copy.cuh"
+#include "common/bulk_copy.cuh"
 
 namespace dspark {
 

@@ -54,6 +54,7 @@
 using namespace dspark;
 using namespace dspark::mlinear;
 using tune::launch;
+using tune::cold_us;
 using tune::warm_us;
 using T = __nv_bfloat16;
 
@@ -139,29 +140,6 @@ struct DraftConfig {
   const char* name;
   int hidden, heads, head_dim;
 };
-
-// Median over 7 x `copies` single calls, each after an L2 flush, events around the call only; µs.
-template <typename F>
-float cold_us(F&& call, int copies, void* flush, size_t flush_bytes) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> runs;
-  for (int run = 0; run < 7 * copies; ++run) {
-    CHECK(cudaMemsetAsync(flush, run & 0xff, flush_bytes));
-    CHECK(cudaEventRecord(a));
-    call(run % copies);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    runs.push_back(1e3f * ms);
-  }
-  CHECK(cudaGetLastError());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  return tune::median(runs);
-}
 
 // One candidate: a name and how to launch it with the arguments of a weight copy.
 struct Candidate {

@@ -17,6 +17,12 @@
 // cuBLAS GEMM on the group's weights, which lie back to back here (cuBLAS on a concatenated copy: the reference the
 // op must not be slower than), timed and checked the same way.
 // Add a candidate to kVariants, or a direct_config to main's list, to try it.
+//
+// `./multi_linear_tune stream` instead: the groups of at least 16 MB, each weight in its own allocation, at 1, 8 and
+// 16 tokens: the op's streaming kernel (linear/multi_linear_stream.cuh) in several configurations against the tile
+// the op picks otherwise (default_variant, auto_split), cuBLAS on a concatenated copy and the copy engine's read of
+// the same bytes (bulk_read.cuh), each checked against the reference and timed warm (back to back) and cold (one
+// launch after an L2 flush, events around it; what a replay of one GEMM alone sees).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,12 +32,18 @@
 #include <string>
 #include <vector>
 
+#include "bulk_read.cuh"
+#include "linear/multi_linear_stream.cuh"
 #include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_kernels.cuh"
 #include "tune_cublas.cuh"
 
 using namespace dspark::mlinear;
+using dspark::bulk_read_kernel;
+using dspark::kBulkSmemBytes;
+using tune::cold_us;
 using tune::launch;
+using tune::warm_us;
 using T = __nv_bfloat16;
 
 // A kernel to sweep: the tile's rows, threads and k-warps, the fewest K steps of 32 columns a warp must get, and per
@@ -96,7 +108,142 @@ struct Group {
   int k;
 };
 
-int main() {
+
+// `stream` (see the header).
+template <int KC, int NT, int CW, int D>
+Config stream_config() {
+  const std::string name = "stream:kc" + std::to_string(KC) + "/c" + std::to_string(CW) + "/d" + std::to_string(D);
+  Config c{name, 16, 32 * (CW + 1), 1, 0, {nullptr, nullptr, nullptr, nullptr}, {0, 0, 0, 0}};
+  c.fn[NT - 1] = &multi_linear_stream_kernel<T, KC, NT, CW, D>;
+  c.smem[NT - 1] = stream_smem_bytes<KC, NT, CW, D>();
+  static_assert(stream_smem_bytes<KC, NT, CW, D>() <= kMaxSmemBytes, "fits one CTA per SM");
+  return c;
+}
+
+int stream_mode(const std::vector<Group>& groups, int sms, double copy_rate, const T* x, uint32_t* sink) {
+  const std::vector<Config> streams = {
+      stream_config<1024, 1, 4, 4>(), stream_config<1024, 1, 8, 4>(), stream_config<512, 1, 2, 8>(),
+      stream_config<512, 1, 4, 8>(),  stream_config<1024, 2, 4, 3>(), stream_config<1024, 2, 8, 3>(),
+      stream_config<512, 2, 4, 6>(),  stream_config<512, 2, 2, 6>(),
+  };
+  const cublasHandle_t handle = tune::cublas_handle();
+  const size_t flush_bytes = size_t(256) << 20;
+  void* flush;
+  CHECK(cudaMalloc(&flush, flush_bytes));
+  uint32_t* sums;
+  CHECK(cudaMalloc(&sums, 32 * sms * sizeof(uint32_t)));
+  CHECK(cudaFuncSetAttribute(bulk_read_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
+  for (const Group& g : groups) {
+    int64_t rows = 0;
+    for (auto r : g.rows) rows += r;
+    const int64_t group_bytes = rows * g.k * (int64_t)sizeof(T);
+    if (group_bytes < (16 << 20)) continue;
+    const int copies = (int)std::max<int64_t>(2, (3 * 60 * (int64_t)1 << 20) / group_bytes + 1);
+    std::vector<T*> w(copies);
+    for (int i = 0; i < copies; ++i) {  // each weight of a copy in its own allocation, as in a model
+      CHECK(cudaMalloc(&w[i], group_bytes + g.rows.size() * 4096));
+      tune::fill_kernel<<<1024, 256>>>(w[i], (group_bytes + g.rows.size() * 4096) / 2, 100 + i, 0.25f);
+    }
+    std::vector<T*> concat(copies);
+    for (int i = 0; i < copies; ++i) {
+      CHECK(cudaMalloc(&concat[i], group_bytes));
+      int64_t end = 0;
+      for (size_t s = 0; s < g.rows.size(); ++s) {
+        CHECK(cudaMemcpy(concat[i] + end * g.k, w[i] + end * g.k + s * 2048, g.rows[s] * g.k * sizeof(T),
+                         cudaMemcpyDeviceToDevice));
+        end += g.rows[s];
+      }
+    }
+    auto report = [&](const std::string& what, auto&& call, bool ok) {
+      const float warm = warm_us(call, copies, 5), cold = cold_us(call, copies, flush, flush_bytes);
+      std::printf("  %-34s warm %6.2f us (%3.0f%%) cold %6.2f us (%3.0f%%)%s\n", what.c_str(), warm,
+                  100.0 * group_bytes / (warm * 1e-6) / copy_rate, cold,
+                  100.0 * group_bytes / (cold * 1e-6) / copy_rate, ok ? "" : " WRONG");
+    };
+    std::printf("\n## %s: %.1f MB (weights apart, 4 KB between them)\n", g.name.c_str(), group_bytes / 1e6);
+    report("read: copy engine 16 KB x SMs", [&](int i) {
+      bulk_read_kernel<16384><<<sms, 32, kBulkSmemBytes>>>((const char*)concat[i], group_bytes, sums);
+    }, true);
+    T* out;
+    float *ref, *ref_host;
+    CHECK(cudaMalloc(&out, 16 * rows * sizeof(T)));
+    CHECK(cudaMalloc(&ref, 16 * rows * sizeof(float)));
+    ref_host = (float*)std::malloc(16 * rows * sizeof(float));
+    std::vector<T> out_host(16 * rows);
+    for (int tokens : {1, 8, 16}) {
+      reference_kernel<<<(unsigned)((rows + 127) / 128), 128>>>(x, concat[0], tokens, g.k, rows, ref);
+      CHECK(cudaMemcpy(ref_host, ref, tokens * rows * sizeof(float), cudaMemcpyDeviceToHost));
+      auto matches = [&] {
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
+        double err = 0, norm = 0;
+        for (int64_t i = 0; i < tokens * rows; ++i) {
+          const double d = __bfloat162float(out_host[i]) - ref_host[i];
+          err += d * d;
+          norm += (double)ref_host[i] * ref_host[i];
+        }
+        return err <= 1e-4 * norm;
+      };
+      auto params = [&](int i) {
+        Params p{};
+        p.x = x;
+        p.x_stride = g.k;
+        p.out = out;
+        p.out_stride = rows;
+        p.tokens = tokens;
+        p.k = g.k;
+        p.num_segments = (int)g.rows.size();
+        int64_t end = 0;
+        for (size_t s = 0; s < g.rows.size(); ++s) {
+          p.weight[s] = w[i] + end * g.k + s * 2048;
+          end += g.rows[s];
+          p.segment_end[s] = end;
+          p.weight_stride[s] = g.k;
+          p.bias[s] = nullptr;
+        }
+        return p;
+      };
+      std::printf("M=%d\n", tokens);
+      const int nt = tokens <= 8 ? 0 : 1;
+      const int dv = default_variant(rows, g.k, sms);
+      const int ds = auto_split(kVariants[dv], rows, g.k, sms);
+      const Config op = all_configs(std::make_integer_sequence<int, kNumVariants>{})[dv];
+      const int64_t tiles = (rows + op.rows - 1) / op.rows;
+      auto op_call = [&](int i) { launch(op.fn[nt], params(i), tiles * ds, op.threads, op.smem[nt], ds); };
+      CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
+      op_call(0);
+      report("op tile " + op.name + " split " + std::to_string(ds), op_call, matches());
+      for (const Config& c : streams) {
+        if (c.fn[nt] == nullptr) continue;
+        const int grid = (int)std::min<int64_t>(sms, (rows + 15) / 16);
+        auto call = [&](int i) { launch(c.fn[nt], params(i), grid, c.threads, c.smem[nt], 1); };
+        CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
+        call(0);
+        const bool ok = matches();
+        report(c.name, call, ok);
+      }
+      const float one = 1.f, zero = 0.f;
+      auto cublas = [&](int i) {
+        CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, tokens, g.k, &one, concat[i],
+                                  CUDA_R_16BF, g.k, x, CUDA_R_16BF, g.k, &zero, out, CUDA_R_16BF, (int)rows,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      };
+      CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
+      cublas(0);
+      report("cuBLAS on the concatenated copy", cublas, matches());
+    }
+    for (T* q : w) CHECK(cudaFree(q));
+    for (T* q : concat) CHECK(cudaFree(q));
+    CHECK(cudaFree(out));
+    CHECK(cudaFree(ref));
+    std::free(ref_host);
+  }
+  CHECK(cudaFree(flush));
+  CHECK(cudaFree(sums));
+  return 0;
+}
+
+int main(int argc, char** argv) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const cublasHandle_t handle = tune::cublas_handle();
@@ -130,6 +277,7 @@ int main() {
   T* x;
   CHECK(cudaMalloc(&x, max_tokens * 12288 * sizeof(T)));
   tune::fill_kernel<<<256, 256>>>(x, max_tokens * 12288, 7, 0.25f);
+  if (argc > 1 && std::string(argv[1]) == "stream") return stream_mode(groups, sms, copy_rate, x, sink);
   for (const Group& g : groups) {
     int64_t rows = 0;
     for (auto r : g.rows) rows += r;

@@ -82,6 +82,29 @@ float warm_us(F&& call, int copies, int reps) {
   return median(runs);
 }
 
+// Median over 7 x `copies` single calls, each after an L2 flush, events around the call only; µs.
+template <typename F>
+float cold_us(F&& call, int copies, void* flush, size_t flush_bytes) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> runs;
+  for (int run = 0; run < 7 * copies; ++run) {
+    CHECK(cudaMemsetAsync(flush, run & 0xff, flush_bytes));
+    CHECK(cudaEventRecord(a));
+    call(run % copies);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    runs.push_back(1e3f * ms);
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return median(runs);
+}
+
 // `kernel(args)` on `blocks` CTAs of `threads` threads as the op launches it: clusters of `split` CTAs, programmatic
 // dependent launch allowed, `smem` bytes of dynamic shared memory (opted in above 48 KB).
 template <typename Args>

@@ -135,6 +135,14 @@ def multi_linear(gen: torch.Generator) -> None:
             torch.ops.dspark.multi_linear(x, blocks[3:], [0], [4096], [None])
         if DEV != "cuda":
             continue
+        if torch.cuda.get_device_capability() == (9, 0):
+            # the streaming kernel forced (the 4096-row range above streams too): a ragged last stage of columns,
+            # ranges that split 16-row blocks, a partial last block, one and two token tiles
+            ragged = [torch.randn(rows, 1000, generator=gen).to(dtype).to(DEV) for rows in (40, 300, 17)]
+            ragged_biases = [torch.randn(300, generator=gen).to(dtype).to(DEV) if i == 1 else None for i in range(3)]
+            for tokens in (1, 9, 16):
+                x = torch.randn(tokens, 1000, generator=gen).to(dtype).to(DEV)
+                torch.ops.dspark._multi_linear_variant(x, ragged, [0, 0, 0], [40, 300, 17], ragged_biases, -2, 0)
         # the batched GEMM captured into a CUDA graph: its pointer table copied once at capture time, then replayed
         # (its output stays referenced: with the caching allocator off, a free inside the capture is a cudaFree; the
         # relaxed mode lets that allocator's cudaMalloc run inside the capture). Its results are not read back here

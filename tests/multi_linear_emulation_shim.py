@@ -142,7 +142,7 @@ inline const float* emu_cluster_peer(const float* local, unsigned rank) {
   return emu.cluster_smem[rank] + (local - emu.smem);
 }
 
-// mbarriers and bulk copies (experimental/bulk_copy.cuh): a barrier's state lives in a table keyed by its address,
+// mbarriers and bulk copies (common/bulk_copy.cuh): a barrier's state lives in a table keyed by its address,
 // under one lock; a phase completes when its arrivals are in and its announced bytes have landed (a copy may land
 // first: the byte count goes negative, the missing arrival keeps the phase open). Each copy lands asynchronously,
 // on a thread of its own after a pseudo-random delay of up to 200 us, so copies land out of order and late, as on

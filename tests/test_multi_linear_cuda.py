@@ -6,6 +6,8 @@ streams, opcheck and the argument errors of the CPU path."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from multi_linear_cases import fp64_formula
@@ -13,12 +15,14 @@ from multi_linear_cases import fp64_formula
 import custom_ops  # noqa: F401
 from custom_ops import _build
 from custom_ops.linear.multi_linear import (
+    STREAM_VARIANT,
     _check_args,
     captured_pointer_tables,
     cublas_batches,
     kernel_token_threshold,
     kernel_variants,
     uses_kernel,
+    uses_stream,
 )
 
 pytestmark = pytest.mark.cuda
@@ -103,6 +107,94 @@ def test_every_variant_and_split(tokens):
             out = variant_op(*args, v.index, split)
             _check(out, ref)
             assert torch.equal(out, variant_op(*args, v.index, split)), f"{v} split {split} is not deterministic"
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _streams_here() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the streaming kernel runs the sm_90a code",
+)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("k", "counts"),
+    [
+        (4096, [2048, 2048]),  # stages of 1024 columns, whole
+        (1000, [40, 0, 300, 17]),  # a ragged last stage; blocks spanning weights; a partial last block
+        (8, [33, 5]),  # K shorter than one 32-column step
+        (2056, [4000, 24, 100]),  # two full stages and a ragged one
+    ],
+)
+def test_the_streaming_kernel_matches_fp64(k, counts, dtype):
+    """The streaming kernel forced (`STREAM_VARIANT`) at 1 to 16 tokens (one and two token tiles), weights as row
+    slices with a row stride != K, biases on some weights; every output element written (NaN-poisoned memory), and a
+    second run bit-identical (the consumer warps' partial sums are added in a fixed order)."""
+    for tokens in (1, 3, 8, 9, 16):
+        args = _case(tokens, k, counts, dtype=dtype, seed=tokens + k)
+        torch.full((tokens * sum(counts) + 1024,), float("nan"), device="cuda", dtype=dtype)  # freed, reused below
+        out = variant_op(*args, STREAM_VARIANT, 0)
+        _check(out, fp64_formula(*args))
+        assert torch.equal(out, variant_op(*args, STREAM_VARIANT, 1))
+
+
+@needs_sm90
+def test_the_streaming_kernel_with_more_weights_than_one_launch():
+    """70 row ranges: two launches of the streaming kernel, each over its own output columns and its own CTAs."""
+    counts = [1 + (i * 37) % 61 for i in range(70)]
+    args = _case(11, 264, counts, seed=9, pad_rows=1, bias=(True, False))
+    _check(variant_op(*args, STREAM_VARIANT, 0), fp64_formula(*args))
+
+
+@needs_sm90
+@pytest.mark.parametrize("tokens", [1, 9, 16, 17])
+def test_the_op_streams_where_the_rule_says(tokens):
+    """A group whose 16-row blocks give every SM one to eight of them streams at up to 16 tokens (the K/V weights of
+    a five-layer draft, q/k/v of one layer, one [4096, 4096] weight); one with fewer blocks than SMs, one with more
+    than eight per SM, and 17 tokens do not; the kernel the profiler sees is the one `uses_stream` names."""
+    sms = _sm_count()
+    cases = {
+        "K/V of 5 layers": (512, [2048] * 5),
+        "q/k/v": (512, [4096, 1024, 1024]),
+        "fewer blocks than SMs": (512, [16 * sms - 16]),
+        "more than 8 blocks per SM": (128, [64 * sms, 64 * sms + 16]),
+    }
+    for name, (k, counts) in cases.items():
+        args = _case(tokens, k, counts, seed=len(name), pad_rows=1, bias=(False,))
+        expected = tokens <= 16 and name in ("K/V of 5 layers", "q/k/v")
+        assert uses_stream(tokens, counts) == expected, name
+        names = _kernel_names(lambda a=args: op(*a))
+        assert any("multi_linear_stream_kernel" in n for n in names) == expected, (name, names)
+        _check(op(*args), fp64_formula(*args))
+
+
+@needs_sm90
+def test_a_captured_stream_sees_weight_updates():
+    """The streaming kernel in a CUDA graph: a replay rewrites every output element and reads the weights as they are
+    at replay time (an in-place update between replays is seen)."""
+    args = _case(5, 512, [2048] * 5, seed=21, pad_rows=1, bias=(False, True))
+    assert uses_stream(5, args[3])
+    x, weights = args[0], args[1]
+    op(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*args)
+    for step in range(2):
+        x.copy_(torch.randn_like(x))
+        with torch.no_grad():
+            weights[step].mul_(-2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, fp64_formula(*args))
 
 
 def test_default_variant_equals_the_op():
@@ -313,7 +405,8 @@ def test_row_blocks_of_more_ranges_than_one_table():
 def test_a_single_tall_weight_in_row_blocks(tokens, misaligned_x):
     """A single range of >= 4096 rows without bias, up to 64 tokens: one strided batched GEMM of row blocks (4096:
     two blocks of 2048; 6144: four of 1536), no pointer table, also at decode sizes (not the kernel); from 65 tokens
-    one GEMM; a row count that gives no block height (4104) takes the kernel up to 8 tokens, else one GEMM. All match
+    one GEMM; a row count that gives no block height (4104) takes the kernel up to 8 tokens, else one GEMM; on an
+    sm_90 GPU of 132 SMs (or fewer: 256 to 385 blocks of 16 rows) all three stream up to 16 tokens. All match
     the fp64 formula and the GEMM per range, also when x is not 16-byte aligned (the batched GEMMs read an aligned
     copy)."""
     for rows in (4096, 6144, 4104):
@@ -321,9 +414,13 @@ def test_a_single_tall_weight_in_row_blocks(tokens, misaligned_x):
         if misaligned_x:
             x = _one_element_in(x)
         args = (x, weights, starts, counts, biases)
-        kernel = rows == 4104 and tokens <= kernel_token_threshold()
-        assert uses_kernel(tokens, counts) == kernel and not cublas_batches(counts)
-        assert any("multi_linear_kernel" in n for n in _kernel_names(lambda a=args: op(*a))) == kernel
+        streams = uses_stream(tokens, counts)
+        assert streams == (_streams_here() and tokens <= 16)  # 256 to 385 blocks of 16 rows: 1 to 8 per SM
+        kernel = not streams and rows == 4104 and tokens <= kernel_token_threshold()
+        assert (streams or uses_kernel(tokens, counts) == kernel) and not cublas_batches(counts)
+        names = _kernel_names(lambda a=args: op(*a))
+        assert any("multi_linear_kernel" in n for n in names) == kernel
+        assert any("multi_linear_stream_kernel" in n for n in names) == streams
         assert not any("fill_pointer_table" in n for n in _kernel_names(lambda a=args: op(*a)))
         ref = fp64_formula(*args)
         _check(op(*args), ref)
@@ -585,10 +682,25 @@ def test_errors_match_the_python_checks(mutate):
     assert str(info.value).splitlines()[0] == message
 
 
+def _stream_variant_of_the_binding() -> int:
+    return int(ctypes.CDLL(str(_build.load())).dspark_multi_linear_stream_variant())
+
+
 def test_variant_op_rejects_what_the_kernel_cannot_run():
     x, weights, starts, counts, biases = _case(4, 64, [16], seed=13)
     with pytest.raises(ValueError, match="variant must be in"):
         variant_op(x, weights, starts, counts, biases, len(kernel_variants()), 0)
+    assert _stream_variant_of_the_binding() == STREAM_VARIANT
+    with pytest.raises(ValueError, match="variant must be in"):
+        variant_op(x, weights, starts, counts, biases, STREAM_VARIANT - 1, 0)
+    if _streams_here():
+        with pytest.raises(ValueError, match="at most 16 tokens, got 17"):
+            variant_op(torch.randn(17, 64, device="cuda", dtype=x.dtype), weights, starts, counts, biases, -2, 0)
+        with pytest.raises(ValueError, match="does not split K"):
+            variant_op(x, weights, starts, counts, biases, STREAM_VARIANT, 2)
+    else:
+        with pytest.raises(ValueError, match="needs the sm_90a code"):
+            variant_op(x, weights, starts, counts, biases, STREAM_VARIANT, 0)
     with pytest.raises(ValueError, match="split must be in"):
         variant_op(x, weights, starts, counts, biases, 0, 9)
     with pytest.raises(ValueError, match="cannot run this call"):

@@ -17,7 +17,7 @@
 
 #include <cuda.h>
 
-#include "bulk_copy.cuh"
+#include "common/bulk_copy.cuh"
 #include "kv_write_wide_kernel.cuh"
 
 namespace dspark {

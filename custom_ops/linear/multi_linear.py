@@ -20,6 +20,8 @@ Which path runs:
 | device | when                                                      | path                                           |
 |--------|-----------------------------------------------------------|------------------------------------------------|
 | CPU    | always                                                    | one `mm`/`addmm` per weight (the reference)    |
+| CUDA   | bf16/fp16, K % 8 == 0, sm_90 (the sm_90a code), layout    | the streaming kernel (e), one launch per 64    |
+|        | (a), T <= 16, and 1 to 8 blocks of 16 rows per SM         | row ranges                                     |
 | CUDA   | bf16/fp16, K % 8 == 0, sm_90+, layout (a), and T <= 8,    | the kernel, one launch per 64 row ranges       |
 |        | or T <= 32 for >= 2 row ranges of <= 4096 rows on average |                                                |
 |        | unless cuBLAS can batch all of them (c); never a single   |                                                |
@@ -44,7 +46,13 @@ start 16-byte aligned with row strides of a multiple of 8 elements (a row count 
 is not a multiple of 8 keeps it out), and the batched GEMMs read `x` only if it is aligned so too, else a contiguous
 copy (none when K % 8 != 0: then nothing is batched). The rule is `kernel_pays` in
 `csrc/linear/multi_linear.cu`, measured on an H200 (BENCHMARKS.md); `uses_kernel(tokens, row_counts)` and
-`cublas_batches(row_counts)` (whether a batched GEMM with a pointer table runs) evaluate it. The kernel itself
+`cublas_batches(row_counts)` (whether a batched GEMM with a pointer table runs) evaluate it. (e) the
+streaming kernel (`csrc/linear/multi_linear_stream.cuh`): one CTA per SM, each an equal share of the 16-row blocks
+of the output, the weights streamed through shared memory in 2 KB bulk copies of the copy engine; it runs where
+the rows give every SM 1 to 8 such blocks (the K/V of a 5-layer draft, q/k/v, single [4096, K] weights) at up to 16
+tokens (`stream_pays`; `uses_stream(tokens, row_counts)` evaluates it): in one launch after an L2 flush it read
+those groups 6-13 % faster than the tile kernel and 2-10 % faster than cuBLAS on a concatenated copy (H100,
+BENCHMARKS.md "The streaming kernel"). The kernel itself
 handles up to 64 tokens (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS
 path, batched or one GEMM per range.
 
@@ -69,7 +77,8 @@ row counts, so it works with a symbolic T in compiled graphs (the fake impl give
 
 `dspark::_multi_linear_variant(..., int variant, int split)` (CUDA only, for the benchmark sweep and the tests) runs
 the kernel with a forced tile configuration (`kernel_variants()`, -1: the default one) and cluster split (1..8; 0:
-automatic; above 1 only on sm_90), for any T up to 64, and raises `ValueError` where the kernel cannot run.
+automatic; above 1 only on sm_90), for any T up to 64, or the streaming kernel (`STREAM_VARIANT`, T up to 16, split
+0 or 1, sm_90), and raises `ValueError` where the kernel cannot run.
 """
 
 import ctypes
@@ -207,12 +216,27 @@ def uses_kernel(tokens: int, row_counts: Sequence[int]) -> bool:
     """Whether the CUDA op runs the kernel for `tokens` rows of `x` over separate (not adjacent in memory) row ranges
     of `row_counts` rows without biases, given a kernel-readable bf16/fp16 layout (x and weight rows 16-byte aligned,
     row strides multiples of 8 elements) and one row stride per row count (the rule of `kernel_pays` in the
-    binding)."""
+    binding), where the streaming kernel does not take the call (`uses_stream`)."""
     runs = [c for c in row_counts if c > 0]
     lib = _native()
     lib.dspark_multi_linear_uses_kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
     batched = _in_strided_blocks(tokens, runs) if len(runs) == 1 else _all_batched(runs)
     return bool(lib.dspark_multi_linear_uses_kernel(tokens, len(runs), sum(runs), int(batched)))
+
+
+STREAM_VARIANT = -2  # `_multi_linear_variant`'s index of the streaming kernel (kStreamVariant in the binding)
+
+
+def uses_stream(tokens: int, row_counts: Sequence[int], device: torch.device | str | int | None = None) -> bool:
+    """Whether the CUDA op runs the streaming kernel for `tokens` rows of `x` over row ranges of `row_counts` rows on
+    `device` (default: the current CUDA device), given a kernel-readable bf16/fp16 layout (the rule of `stream_pays`
+    in the binding; only GPUs that run the library's sm_90a code stream)."""
+    props = torch.cuda.get_device_properties(device)
+    if (props.major, props.minor) != (9, 0):
+        return False
+    lib = _native()
+    lib.dspark_multi_linear_uses_stream.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    return bool(lib.dspark_multi_linear_uses_stream(tokens, sum(row_counts), props.multi_processor_count))
 
 
 def _in_strided_blocks(tokens: int, runs: Sequence[int]) -> bool:

@@ -22,6 +22,7 @@
 #include "common/error_format.h"
 #include "linear/captured_pointer_tables.h"
 #include "linear/multi_linear_host.h"
+#include "linear/multi_linear_stream.cuh"
 
 namespace dspark {
 namespace mlinear {
@@ -383,9 +384,12 @@ void cublas_path(const at::Tensor& x, at::TensorList weights, at::IntArrayRef st
   run_cublas(x, weights, starts, biases, plain, out);
 }
 
+// `variant` for the streaming kernel (multi_linear_stream.cuh) in run_kernel and _multi_linear_variant.
+constexpr int kStreamVariant = -2;
+
 // One launch per kMaxSegments runs (the parameter table is fixed-size); each writes its own output columns.
 // variant -1 / split 0: the defaults for the launch's rows (default_variant, auto_split where the GPU runs clusters,
-// else 1).
+// else 1); kStreamVariant: the streaming kernel (sm_90a code, up to kStreamMaxTokens tokens, no split).
 template <typename T>
 void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& out, int variant, int split) {
   const int tokens = static_cast<int>(x.size(0));
@@ -412,6 +416,11 @@ void run_kernel(const at::Tensor& x, const std::vector<Run>& runs, at::Tensor& o
       p.weight_stride[j] = r.weight_stride;
       p.bias[j] = r.bias;
       p.bias_stride[j] = r.bias_stride;
+    }
+    if (variant == kStreamVariant) {
+      launch(stream_kernel_for<T>(tokens), p, stream_grid(rows, sm_count), stream_threads(), stream_smem(tokens), 1,
+             x.device());
+      continue;
     }
     const int vi = variant >= 0 ? variant : default_variant(rows, k, sm_count);
     const Variant& v = kVariants[vi];
@@ -450,8 +459,11 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const auto all_batched = [&] {
     return gemm_runs.size() == 1 ? strided_block(x, gemm_runs[0], rows) > 0 : batches_every_run(x, gemm_runs);
   };
-  if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
-      kernel_blocker(x, runs) == nullptr) {
+  const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
+  if (syncs_on(x.device()) && stream_pays(x.size(0), rows, sm_count) && kernel_blocker(x, runs) == nullptr) {
+    dispatch_kernel(x, runs, out, kStreamVariant, 0);
+  } else if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
+             kernel_blocker(x, runs) == nullptr) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
     cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
@@ -472,18 +484,28 @@ at::Tensor multi_linear_cublas(const at::Tensor& x, at::TensorList weights, at::
   return out;
 }
 
-// The kernel with a forced variant (-1: the default one) and cluster split (0: automatic), for any token count up to
-// kMaxTokens; raises ValueError where the kernel cannot run.
+// The kernel with a forced variant (-1: the default one; kStreamVariant: the streaming kernel) and cluster split (0:
+// automatic), for any token count up to kMaxTokens (kStreamMaxTokens for the streaming kernel); raises ValueError
+// where the kernel cannot run.
 at::Tensor multi_linear_variant(const at::Tensor& x, at::TensorList weights, at::IntArrayRef row_starts,
                                 at::IntArrayRef row_counts, const Biases& biases, int64_t variant, int64_t split) {
   check_args(x, weights, row_starts, row_counts, biases);
-  TORCH_CHECK_VALUE(variant >= -1 && variant < kNumVariants, "_multi_linear_variant: variant must be in [-1, ",
-                    num(kNumVariants), "), got ", num(variant));
+  TORCH_CHECK_VALUE(variant >= kStreamVariant && variant < kNumVariants, "_multi_linear_variant: variant must be in [",
+                    num(kStreamVariant), ", ", num(kNumVariants), "), got ", num(variant));
   TORCH_CHECK_VALUE(split >= 0 && split <= kMaxSplit, "_multi_linear_variant: split must be in [0, ", num(kMaxSplit),
                     "], got ", num(split));
   TORCH_CHECK_VALUE(split <= 1 || syncs_on(x.device()), "_multi_linear_variant: split ", num(split),
                     " needs thread-block clusters, which the kernel has only on sm_90 (its sm_90a code); this GPU "
                     "runs its portable PTX: use split 0 or 1");
+  if (variant == kStreamVariant) {
+    TORCH_CHECK_VALUE(syncs_on(x.device()), "_multi_linear_variant: the streaming kernel (variant ",
+                      num(kStreamVariant), ") needs the sm_90a code (bulk copies); this GPU runs the portable PTX");
+    TORCH_CHECK_VALUE(x.size(0) <= kStreamMaxTokens, "_multi_linear_variant: the streaming kernel (variant ",
+                      num(kStreamVariant), ") handles at most ", num(kStreamMaxTokens), " tokens, got ",
+                      num(x.size(0)));
+    TORCH_CHECK_VALUE(split <= 1, "_multi_linear_variant: the streaming kernel (variant ", num(kStreamVariant),
+                      ") does not split K: split must be 0 or 1, got ", num(split));
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), total_rows(row_counts)}, x.options());
   if (out.numel() == 0) return out;
@@ -512,6 +534,17 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_token_
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_kernel(int64_t tokens, int64_t runs,
                                                                                       int64_t rows, int all_batched) {
   return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
+}
+
+// Whether a call of `tokens` tokens over `rows` output rows takes the streaming kernel on a GPU with `sm_count` SMs
+// that runs the sm_90a code, given a layout the kernels can read.
+extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_stream(int64_t tokens, int64_t rows,
+                                                                                      int sm_count) {
+  return dspark::mlinear::stream_pays(tokens, rows, sm_count) ? 1 : 0;
+}
+
+extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_stream_variant() {
+  return dspark::mlinear::kStreamVariant;
 }
 
 // The height of the row blocks that the cuBLAS path cuts batchable ranges into when their row counts have gcd

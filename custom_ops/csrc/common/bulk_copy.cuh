@@ -1,9 +1,9 @@
-// EXPERIMENTAL (used by the wide tile beside it, kv_write_wide_tma_kernel.cuh, and by benchmarks/bulk_read.cuh, the
-// benchmarks' copy-engine read).
 // The copy engine of sm_90, device side: shared-memory mbarriers and 1-D bulk copies (cp.async.bulk) from global to
 // shared memory that complete on an mbarrier. Plain CUDA, no torch headers. A bulk copy is one instruction for up to
 // ~1 MB of contiguous bytes, issued by one thread; the copy engine, not the SM's load units, moves the bytes, so a
-// CTA keeps many kilobytes in flight without registers or per-lane requests.
+// CTA keeps many kilobytes in flight without registers or per-lane requests. Used by multi_linear's streaming kernel
+// (linear/multi_linear_stream.cuh), the benchmarks' copy-engine read (benchmarks/bulk_read.cuh) and the experimental
+// wide tile (benchmarks/experimental/kv_write_wide_tma_kernel.cuh).
 //
 // An mbarrier phase completes when `count` arrivals have been made AND the bytes announced with expect_tx (on the
 // arrive of the thread that issues the copies) have all landed. Waiting on parity P returns once the phase of parity
@@ -101,6 +101,18 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 #elif defined(DSPARK_KERNEL_EMULATION)
   (void)policy;
+  emu_bulk_copy(dst, src, bytes, bar);
+#endif
+}
+
+// The same copy with the default L2 policy (data that other CTAs read too, such as a GEMM's activation).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_address(dst)),
+               "l"(src), "r"(bytes), "r"(smem_address(bar))
+               : "memory");
+#elif defined(DSPARK_KERNEL_EMULATION)
   emu_bulk_copy(dst, src, bytes, bar);
 #endif
 }
