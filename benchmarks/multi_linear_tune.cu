@@ -108,6 +108,29 @@ struct Group {
   int k;
 };
 
+// The kernel parameters of group `g` at `tokens` tokens over the weight copy at `w`, whose weights lie back to back
+// with `gap` elements between them, writing `out` [tokens, rows].
+Params group_params(const Group& g, const T* x, T* out, int tokens, const T* w, int64_t gap) {
+  Params p{};
+  p.x = x;
+  p.x_stride = g.k;
+  p.out = out;
+  p.out_stride = 0;
+  p.tokens = tokens;
+  p.k = g.k;
+  p.num_segments = (int)g.rows.size();
+  int64_t end = 0;
+  for (size_t s = 0; s < g.rows.size(); ++s) {
+    p.weight[s] = w + end * g.k + s * gap;
+    end += g.rows[s];
+    p.segment_end[s] = end;
+    p.weight_stride[s] = g.k;
+    p.bias[s] = nullptr;
+  }
+  p.out_stride = end;
+  return p;
+}
+
 
 // `stream` (see the header).
 template <int KC, int NT, int CW, int D>
@@ -184,25 +207,7 @@ int stream_mode(const std::vector<Group>& groups, int sms, double copy_rate, con
         }
         return err <= 1e-4 * norm;
       };
-      auto params = [&](int i) {
-        Params p{};
-        p.x = x;
-        p.x_stride = g.k;
-        p.out = out;
-        p.out_stride = rows;
-        p.tokens = tokens;
-        p.k = g.k;
-        p.num_segments = (int)g.rows.size();
-        int64_t end = 0;
-        for (size_t s = 0; s < g.rows.size(); ++s) {
-          p.weight[s] = w[i] + end * g.k + s * 2048;
-          end += g.rows[s];
-          p.segment_end[s] = end;
-          p.weight_stride[s] = g.k;
-          p.bias[s] = nullptr;
-        }
-        return p;
-      };
+      auto params = [&](int i) { return group_params(g, x, out, tokens, w[i], 2048); };
       std::printf("M=%d\n", tokens);
       const int nt = tokens <= 8 ? 0 : 1;
       const int dv = default_variant(rows, g.k, sms);
@@ -327,25 +332,7 @@ int main(int argc, char** argv) {
         std::string line;
         for (int split : {1, 2, 3, 4, 6, 8}) {
           if (g.k / kStepCols / (split * c.k_warps) < c.min_steps) continue;
-          auto params = [&](int i) {
-            Params p{};
-            p.x = x;
-            p.x_stride = g.k;
-            p.out = out;
-            p.out_stride = rows;
-            p.tokens = tokens;
-            p.k = g.k;
-            p.num_segments = (int)g.rows.size();
-            int64_t end = 0;
-            for (size_t s = 0; s < g.rows.size(); ++s) {
-              p.weight[s] = w[i] + end * g.k;
-              end += g.rows[s];
-              p.segment_end[s] = end;
-              p.weight_stride[s] = g.k;
-              p.bias[s] = nullptr;
-            }
-            return p;
-          };
+          auto params = [&](int i) { return group_params(g, x, out, tokens, w[i], 0); };
           CHECK(cudaMemset(out, 0xff, tokens * rows * sizeof(T)));
           launch(c.fn[nt], params(0), tiles * split, c.threads, smem, split);
           if (!matches()) {

@@ -156,9 +156,9 @@ def _segments(weights, starts, counts, biases):
     return table
 
 
-def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col=0, direct=False):
-    """Emulate one launch writing output columns [col, col + sum(counts)) of `out` (`direct`: configuration
-    `variant` of the register-streaming tile)."""
+def _launch_args(x, weights, starts, counts, biases, out, col):
+    """The launch's parameters as the drivers take them, after the kernel selectors: tokens, K, x and its row stride,
+    output columns [col, col + sum(counts)) of `out` and its row stride, then the segment table (non-empty ranges)."""
     table = _segments(weights, starts, counts, biases)
     n = len(table)
     ends = [sum(t[0] for t in table[: i + 1]) for i in range(n)]
@@ -166,11 +166,7 @@ def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col
     def arr(ctype, values):
         return (ctype * n)(*values)
 
-    emu.emu_multi_linear(
-        ctypes.c_int(x.dtype == torch.bfloat16),
-        ctypes.c_int(direct),
-        ctypes.c_int(variant),
-        ctypes.c_int(split),
+    return (
         ctypes.c_int(x.shape[0]),
         ctypes.c_int(x.shape[1]),
         ctypes.c_void_p(x.data_ptr()),
@@ -183,6 +179,18 @@ def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col
         arr(ctypes.c_int64, [t[2] for t in table]),
         arr(ctypes.c_void_p, [t[3] or None for t in table]),
         arr(ctypes.c_int64, [t[4] for t in table]),
+    )
+
+
+def _launch(emu, x, weights, starts, counts, biases, out, *, variant, split, col=0, direct=False):
+    """Emulate one launch writing output columns [col, col + sum(counts)) of `out` (`direct`: configuration
+    `variant` of the register-streaming tile)."""
+    emu.emu_multi_linear(
+        ctypes.c_int(x.dtype == torch.bfloat16),
+        ctypes.c_int(direct),
+        ctypes.c_int(variant),
+        ctypes.c_int(split),
+        *_launch_args(x, weights, starts, counts, biases, out, col),
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from multi_linear_cases import fp64_formula
 from multi_linear_emulation_shim import build
-from test_multi_linear_emulation import _case, _check, _segments
+from test_multi_linear_emulation import _case, _check, _launch_args
 
 pytestmark = pytest.mark.slow  # builds a C++ library (seconds cold)
 
@@ -85,31 +85,13 @@ def emu(emulation_cache):
 
 def _run(emu, args, *, config: int, ctas: int) -> None:
     x, weights, starts, counts, biases = args
-    table = _segments(weights, starts, counts, biases)
-    n = len(table)
-    ends = [sum(t[0] for t in table[: i + 1]) for i in range(n)]
-    total = ends[-1]
+    total = sum(counts)
     out = torch.full((x.shape[0], total + 5), float("nan"), dtype=x.dtype)  # 2 columns before, 3 after stay NaN
-
-    def arr(ctype, values):
-        return (ctype * n)(*values)
-
     emu.emu_stream(
         ctypes.c_int(x.dtype == torch.bfloat16),
         ctypes.c_int(config),
         ctypes.c_int(ctas),
-        ctypes.c_int(x.shape[0]),
-        ctypes.c_int(x.shape[1]),
-        ctypes.c_void_p(x.data_ptr()),
-        ctypes.c_int64(x.stride(0)),
-        ctypes.c_void_p(out.data_ptr() + 2 * out.element_size()),
-        ctypes.c_int64(out.stride(0)),
-        ctypes.c_int(n),
-        arr(ctypes.c_int64, ends),
-        arr(ctypes.c_void_p, [t[1] for t in table]),
-        arr(ctypes.c_int64, [t[2] for t in table]),
-        arr(ctypes.c_void_p, [t[3] or None for t in table]),
-        arr(ctypes.c_int64, [t[4] for t in table]),
+        *_launch_args(x, weights, starts, counts, biases, out, 2),
     )
     _check(out[:, 2 : 2 + total], fp64_formula(*args))
     assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, 2 + total :]).all()
