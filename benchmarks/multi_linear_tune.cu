@@ -108,6 +108,19 @@ struct Group {
   int k;
 };
 
+// Whether the `n` outputs at `out` (poisoned before the call) hold the fp32 reference `ref_host` to bf16 rounding.
+bool matches_reference(const T* out, std::vector<T>& out_host, const float* ref_host, int64_t n) {
+  CHECK(cudaDeviceSynchronize());
+  CHECK(cudaMemcpy(out_host.data(), out, n * sizeof(T), cudaMemcpyDeviceToHost));
+  double err = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = __bfloat162float(out_host[i]) - ref_host[i];
+    err += d * d;
+    norm += (double)ref_host[i] * ref_host[i];
+  }
+  return err <= 1e-4 * norm;
+}
+
 // The kernel parameters of group `g` at `tokens` tokens over the weight copy at `w`, whose weights lie back to back
 // with `gap` elements between them, writing `out` [tokens, rows].
 Params group_params(const Group& g, const T* x, T* out, int tokens, const T* w, int64_t gap) {
@@ -196,17 +209,7 @@ int stream_mode(const std::vector<Group>& groups, int sms, double copy_rate, con
     for (int tokens : {1, 8, 16}) {
       reference_kernel<<<(unsigned)((rows + 127) / 128), 128>>>(x, concat[0], tokens, g.k, rows, ref);
       CHECK(cudaMemcpy(ref_host, ref, tokens * rows * sizeof(float), cudaMemcpyDeviceToHost));
-      auto matches = [&] {
-        CHECK(cudaDeviceSynchronize());
-        CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
-        double err = 0, norm = 0;
-        for (int64_t i = 0; i < tokens * rows; ++i) {
-          const double d = __bfloat162float(out_host[i]) - ref_host[i];
-          err += d * d;
-          norm += (double)ref_host[i] * ref_host[i];
-        }
-        return err <= 1e-4 * norm;
-      };
+      auto matches = [&] { return matches_reference(out, out_host, ref_host, tokens * rows); };
       auto params = [&](int i) { return group_params(g, x, out, tokens, w[i], 2048); };
       std::printf("M=%d\n", tokens);
       const int nt = tokens <= 8 ? 0 : 1;
@@ -312,18 +315,7 @@ int main(int argc, char** argv) {
       std::string best_name;
       const int dv = default_variant(rows, g.k, sms);
       const int ds = auto_split(kVariants[dv], rows, g.k, sms);
-      // Whether `out` (poisoned before the call) holds the fp32 reference to bf16 rounding.
-      auto matches = [&] {
-        CHECK(cudaDeviceSynchronize());
-        CHECK(cudaMemcpy(out_host.data(), out, tokens * rows * sizeof(T), cudaMemcpyDeviceToHost));
-        double err = 0, norm = 0;
-        for (int64_t i = 0; i < tokens * rows; ++i) {
-          const double d = __bfloat162float(out_host[i]) - ref_host[i];
-          err += d * d;
-          norm += (double)ref_host[i] * ref_host[i];
-        }
-        return err <= 1e-4 * norm;
-      };
+      auto matches = [&] { return matches_reference(out, out_host, ref_host, tokens * rows); };
       for (const Config& c : configs) {
         const int nt = tokens <= 8 ? 0 : tokens <= 16 ? 1 : tokens <= 32 ? 2 : 3;
         const int smem = c.smem[nt];
