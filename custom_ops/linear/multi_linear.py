@@ -51,7 +51,7 @@ streaming kernel (`csrc/linear/multi_linear_stream.cuh`): one CTA per SM, each a
 of the output, the weights streamed through shared memory in 2 KB bulk copies of the copy engine; it runs where
 the rows give every SM 1 to 8 such blocks (the K/V of a 5-layer draft, q/k/v, single [4096, K] weights) at up to 16
 tokens (`stream_pays`; `uses_stream(tokens, row_counts)` evaluates it): in one launch after an L2 flush it read
-those groups 6-13 % faster than the tile kernel and 2-10 % faster than cuBLAS on a concatenated copy (H100,
+those groups 6-13 % faster than the tile kernel and 2-11 % faster than cuBLAS on a concatenated copy (H100,
 BENCHMARKS.md "The streaming kernel"). The kernel itself
 handles up to 64 tokens (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS
 path, batched or one GEMM per range.
