@@ -685,6 +685,24 @@ class _PermBufferLayer(HFLayer):
         return k * cos[:, None, :] + k[..., self.perm] * sign * sin[:, None, :], self.v_proj(x).view(shape)
 
 
+class _RotationMatrixLayer(HFLayer):
+    """rotate_half as `k @ rot`, `rot` a `[head_dim, head_dim]` signed permutation buffer: a product per head."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape))
+        return k * cos[:, None, :] + (k @ self.rot) * sin[:, None, :], self.v_proj(x).view(shape)
+
+
+def _rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """`rot` with `k @ rot == rotate_half(k)`."""
+    half, rot = head_dim // 2, torch.zeros(head_dim, head_dim)
+    for i in range(half):
+        rot[i + half, i] = -1.0
+        rot[i, i + half] = 1.0
+    return rot
+
+
 class _KWrittenTwice(HFStyleKVWriter):
     """Each layer's K also written into a second cache (`d_cache_i`)."""
 
@@ -704,9 +722,9 @@ class _KWrittenTwice(HFStyleKVWriter):
 
 
 def test_writes_that_do_not_pair_into_k_and_v_say_why():
-    """A V with a norm, a K written into two caches and a rotation through an index read from a buffer keep
-    today's path with eager's caches, each with its own reason (not "the layers differ", not "a term without a
-    projection element" alone)."""
+    """A V with a norm, a K written into two caches, a rotation through an index read from a buffer and one written
+    as a product by a matrix (`k @ rot`) keep today's path with eager's caches, each with its own reason (not "the
+    layers differ", not "a term without a projection element" alone, not "not a [T, heads, head_dim] value")."""
     perm = torch.cat((torch.arange(8, 16), torch.arange(8)))
     cases = {
         "V normed": (_hf_writer_with(_VNormedLayer), KVKeptReason.NORM, "4 cache writes are normed but not rotated"),
@@ -715,6 +733,11 @@ def test_writes_that_do_not_pair_into_k_and_v_say_why():
             _hf_writer_with(_PermBufferLayer, perm=perm),
             KVKeptReason.UNEVALUABLE,
             "(aten.index), a value the pass does not follow",
+        ),
+        "rotation matrix": (
+            _hf_writer_with(_RotationMatrixLayer, rot=_rotate_half_matrix(16)),
+            KVKeptReason.UNEVALUABLE,
+            "(aten.mm), a product per head of a value that already reads the projection",
         ),
     }
     for name, (model, reason, detail) in cases.items():

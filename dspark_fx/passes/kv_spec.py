@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from dspark_fx.passes.graph_utils import aten, op_name
+from dspark_fx.passes.graph_utils import aten, gemm_activation, op_name, tensor_val
 from dspark_fx.passes.kv_symbolic import Evaluation
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)  # a leaf of these is another projection
@@ -91,6 +91,16 @@ def read_written(ev: Evaluation, value: fx.Node, gemms: set[fx.Node], heads: int
     """What `value` (`[T, heads, head_dim]`, or `[T, heads * head_dim]`) computes; raises `NotTheFormula`."""
     sym = ev(value)
     if sym is None or sym.ids.size != ev.tokens * heads * head_dim or sym.complex:
+        product = _product_of_projected(value, gemms, head_dim)
+        if product is not None:
+            raise NotTheFormula(
+                "unevaluable",
+                f"{value.name} is computed through {product.name} ({op_name(product)}), a product per head of a "
+                "value that already reads the projection (such as a rotation written `k @ R`), not a projection of "
+                "the tokens: the pass follows K from its projection through elementwise ops, views, norms and index "
+                "or slice rotations, not through a product by a matrix",
+                product,
+            )
         raise NotTheFormula("layout", f"{value.name} is not a [T, {heads}, {head_dim}] value", value)
     ids = sym.ids.reshape(ev.tokens, heads, head_dim)
     terms = _Terms(ev, gemms, value)
@@ -103,6 +113,32 @@ def read_written(ev: Evaluation, value: fx.Node, gemms: set[fx.Node], heads: int
     ]
     norm_eps = _strip_norm(ev, local, gemm, column, head_dim, value)
     return _with_weight_and_rope(ev, local, gemm, column, head_dim, norm_eps, value)
+
+
+def _product_of_projected(value: fx.Node, gemms: set[fx.Node], head_dim: int) -> fx.Node | None:
+    """The GEMM of `gemms` that is no projection of `value`'s tokens but a product per head: its activation is
+    `[rows, head_dim]` with other rows than `value` has tokens (K times a matrix, such as a rotation written `k @ R`,
+    taken for the GEMM of the normed K), if any."""
+    tokens = tensor_val(value)
+    if tokens is None or tokens.dim() == 0:
+        return None
+    for gemm in sorted(gemms, key=lambda n: n.name):
+        act = tensor_val(gemm_activation(gemm))
+        if (
+            act is not None
+            and act.dim() == 2
+            and _same_size(act.shape[1], head_dim)
+            and not _same_size(act.shape[0], tokens.shape[0])
+        ):
+            return gemm
+    return None
+
+
+def _same_size(a: object, b: object) -> bool:
+    """Whether two sizes (ints or SymInts) are the same expression, without adding a guard."""
+    a = a.node.expr if isinstance(a, torch.SymInt) else a
+    b = b.node.expr if isinstance(b, torch.SymInt) else b
+    return bool(a == b)
 
 
 class _Terms:
