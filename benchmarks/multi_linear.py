@@ -12,9 +12,10 @@ rate measured in the same run, the binding one in brackets (from 512 tokens the 
 headroom). Every output is checked against cuBLAS on the concatenated copy first.
 
 Columns: op (the default dispatch; "path" names what it ran), kernel (`_multi_linear_variant` with the default tile,
-M <= 64), cuBLAS batched (`_multi_linear_cublas(..., batched=True)`, the op's cuBLAS path: row ranges cut into
-row blocks of one height in one `cublasGemmBatchedEx`, or ranges of one shape batched whole, and a single range of
->= 4096 rows at M <= 64 as a strided batched GEMM of row blocks), cuBLAS per weight (one `mm` per weight), cuBLAS
+M <= 64), streaming kernel (`_multi_linear_variant` with `STREAM_VARIANT`, M <= 16, sm_90), cuBLAS batched
+(`_multi_linear_cublas(..., batched=True)`, the op's cuBLAS path: row ranges cut into row blocks of one height in one
+`cublasGemmBatchedEx`, or ranges of one shape batched whole, and a single range of >= 4096 rows at M <= 64 as a
+strided batched GEMM of row blocks), cuBLAS per weight (one `mm` per weight), cuBLAS
 concat (one `mm` on a concatenated copy: a bound, not an option, since it needs a second copy of the weights), and
 read (the fastest of `_read_floor`'s read kernels, loads or the copy engine, reading each copy's concatenated weight,
 timed the same way: a kernel that only reads the weight bytes the op reads, in one launch per call; per group, as it
@@ -55,11 +56,13 @@ from triton.testing import do_bench
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
 from custom_ops.linear.multi_linear import (
+    STREAM_VARIANT,
     KernelVariant,
     cublas_batches,
     kernel_variants,
     multi_linear_reference,
     uses_kernel,
+    uses_stream,
 )
 
 GROUPS: dict[str, list[tuple[int, int]]] = {
@@ -173,6 +176,13 @@ def kernel_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor] 
     return (lambda i: variant_op(*group.args(x, i), -1, 0)) if x.shape[0] <= MAX_KERNEL_TOKENS else None
 
 
+def stream_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor] | None:
+    """The streaming kernel forced (up to 16 tokens, on a GPU that runs the sm_90a code)."""
+    if x.shape[0] > 16 or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return None
+    return lambda i: variant_op(*group.args(x, i), STREAM_VARIANT, 0)
+
+
 def batched_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda i: cublas_op(*group.args(x, i), True)
 
@@ -184,6 +194,7 @@ def per_range_call(group: Group, x: torch.Tensor) -> Callable[[int], torch.Tenso
 METHODS = {
     "op": op_call,
     "kernel": kernel_call,
+    "streaming kernel": stream_call,
     "cuBLAS batched": batched_call,
     "cuBLAS per weight": per_weight_call,
     "cuBLAS concat": concat_call,
@@ -228,7 +239,10 @@ def main_table(groups: list[Group], bandwidth: float, rate: float) -> str:
                 f"{times[base] / times['op']:.2f}x" if {"op", base} <= times.keys() else "-"
                 for base in ("cuBLAS per weight", "cuBLAS concat", "fastest reader")
             ]
-            path = "kernel" if uses_kernel(tokens, group.rows) else cublas_path(group.rows)
+            if uses_stream(tokens, group.rows):
+                path = "streaming kernel"
+            else:
+                path = "kernel" if uses_kernel(tokens, group.rows) else cublas_path(group.rows)
             row = f"| {group.name} | {tokens} | {path} | {floor_cell} | " + " | ".join(cells + ratios) + " |"
             print(row, flush=True)
             lines.append(row)
