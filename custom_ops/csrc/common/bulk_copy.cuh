@@ -77,6 +77,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
+// Orders this thread's earlier generic-proxy accesses of shared memory before later async-proxy accesses (bulk
+// copies) of it: a consumer runs it after reading a stage and before releasing the stage to a producer whose next
+// bulk copy rewrites it (the PTX memory model asks for a proxy fence between accesses of one location through the
+// two proxies).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // An L2 policy for data read once (weights streamed by a decode GEMM): evicted first, so it does not push out the
 // activations and caches the rest of the step reuses.
 __device__ __forceinline__ uint64_t evict_first_policy() {

@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(32 * (CW + 1)) multi_linear_stream_kernel(cons
           mma_16816<T>(acc[n], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
         }
       }
+      fence_proxy_async_shared();  // this lane's reads of the stage before the next bulk copy into it
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + slot);
       if (chunk != chunks - 1) continue;
