@@ -24,13 +24,34 @@ pytestmark = (
     pytest.mark.slow
 )  # a kernel emulation builds a C++ library (seconds cold): the full run, or this file alone when editing a kernel
 
-DRIVER = r"""
+# C++ the multi_linear drivers share (after the kernel headers): the kernel parameters from the flat arguments that
+# `_launch_args` passes.
+PARAMS_OF = r"""
+static dspark::mlinear::Params params_of(int tokens, int k, const void* x, int64_t x_stride, void* out,
+                                         int64_t out_stride, int num_segments, const int64_t* segment_end,
+                                         const void* const* weight, const int64_t* weight_stride,
+                                         const void* const* bias, const int64_t* bias_stride) {
+  dspark::mlinear::Params p{};
+  p.x = x; p.x_stride = x_stride; p.out = out; p.out_stride = out_stride; p.tokens = tokens; p.k = k;
+  p.num_segments = num_segments;
+  for (int i = 0; i < num_segments; ++i) {
+    p.segment_end[i] = segment_end[i]; p.weight[i] = weight[i]; p.weight_stride[i] = weight_stride[i];
+    p.bias[i] = bias[i]; p.bias_stride[i] = bias_stride[i];
+  }
+  return p;
+}
+"""
+
+DRIVER = (
+    r"""
 #include "linear/multi_linear_direct.cuh"
 #include "linear/multi_linear_kernels.cuh"
 #include <memory>
 #include <vector>
 using namespace dspark::mlinear;
-
+"""
+    + PARAMS_OF
+    + r"""
 // What a launch needs to know of a kernel: its tile's rows, its threads, its k-warps (the ring kernel's k-group
 // barriers: ids 1..WK of threads / WK threads each) and its shared memory.
 struct Shape {
@@ -115,19 +136,15 @@ extern "C" void emu_multi_linear(int bf16, int direct, int variant, int split, i
                                  const int64_t* segment_end,
                                  const void* const* weight, const int64_t* weight_stride, const void* const* bias,
                                  const int64_t* bias_stride) {
-  Params p{};
-  p.x = x; p.x_stride = x_stride; p.out = out; p.out_stride = out_stride; p.tokens = tokens; p.k = k;
-  p.num_segments = num_segments;
-  for (int i = 0; i < num_segments; ++i) {
-    p.segment_end[i] = segment_end[i]; p.weight[i] = weight[i]; p.weight_stride[i] = weight_stride[i];
-    p.bias[i] = bias[i]; p.bias_stride[i] = bias_stride[i];
-  }
+  const Params p = params_of(tokens, k, x, x_stride, out, out_stride, num_segments, segment_end, weight,
+                             weight_stride, bias, bias_stride);
   const Shape shape = bf16 ? (direct ? direct_shape<__nv_bfloat16>(variant, tokens)
                                      : ring_shape<__nv_bfloat16>(variant, tokens))
                             : (direct ? direct_shape<__half>(variant, tokens) : ring_shape<__half>(variant, tokens));
   run(p, shape, split);
 }
 """
+)
 
 
 @pytest.fixture(scope="module")

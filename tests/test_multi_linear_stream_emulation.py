@@ -12,16 +12,19 @@ import pytest
 import torch
 from multi_linear_cases import fp64_formula
 from multi_linear_emulation_shim import build
-from test_multi_linear_emulation import _case, _check, _launch_args
+from test_multi_linear_emulation import PARAMS_OF, _case, _check, _launch_args
 
 pytestmark = pytest.mark.slow  # builds a C++ library (seconds cold)
 
-DRIVER = r"""
+DRIVER = (
+    r"""
 #include "linear/multi_linear_stream.cuh"
 #include <memory>
 #include <vector>
 using namespace dspark::mlinear;
-
+"""
+    + PARAMS_OF
+    + r"""
 // The grid one CTA after the other, each with its producer and consumer warps at once.
 template <typename T, int KC, int NT, int CW, int D>
 static void run(const Params& p, int ctas) {
@@ -62,13 +65,8 @@ extern "C" void emu_stream(int bf16, int config, int ctas, int tokens, int k, co
                            void* out, int64_t out_stride, int num_segments, const int64_t* segment_end,
                            const void* const* weight, const int64_t* weight_stride, const void* const* bias,
                            const int64_t* bias_stride) {
-  Params p{};
-  p.x = x; p.x_stride = x_stride; p.out = out; p.out_stride = out_stride; p.tokens = tokens; p.k = k;
-  p.num_segments = num_segments;
-  for (int i = 0; i < num_segments; ++i) {
-    p.segment_end[i] = segment_end[i]; p.weight[i] = weight[i]; p.weight_stride[i] = weight_stride[i];
-    p.bias[i] = bias[i]; p.bias_stride[i] = bias_stride[i];
-  }
+  const Params p = params_of(tokens, k, x, x_stride, out, out_stride, num_segments, segment_end, weight,
+                             weight_stride, bias, bias_stride);
   if (bf16) {
     if (tokens <= 8) run_config<__nv_bfloat16, 1>(config, p, ctas); else run_config<__nv_bfloat16, 2>(config, p, ctas);
   } else {
@@ -76,6 +74,7 @@ extern "C" void emu_stream(int bf16, int config, int ctas, int tokens, int k, co
   }
 }
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -459,11 +459,11 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const auto all_batched = [&] {
     return gemm_runs.size() == 1 ? strided_block(x, gemm_runs[0], rows) > 0 : batches_every_run(x, gemm_runs);
   };
+  const bool kernels_read = kernel_blocker(x, runs) == nullptr;  // the same layout rules for both kernels
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
-  if (syncs_on(x.device()) && stream_pays(x.size(0), rows, sm_count) && kernel_blocker(x, runs) == nullptr) {
+  if (kernels_read && syncs_on(x.device()) && stream_pays(x.size(0), rows, sm_count)) {
     dispatch_kernel(x, runs, out, kStreamVariant, 0);
-  } else if (kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched) &&
-             kernel_blocker(x, runs) == nullptr) {
+  } else if (kernels_read && kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched)) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
     cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
