@@ -47,20 +47,21 @@ def _check(out, ref):
     assert ((out.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-2
 
 
-def _case(tokens, k, counts, *, dtype=torch.bfloat16, seed=0, bias=(False, True), pad_rows=3, pad_k=16):
-    """Fresh random CUDA inputs: weights are row-sliced views `[rows, K]` of `[rows, K + pad_k]` tensors (row stride
-    != K, still 16-byte aligned) with `pad_rows` unused rows before and after the used range; biases alternate."""
+def _case(tokens, k, counts, *, dtype=torch.bfloat16, seed=0, bias=(False, True), pad_rows=3, pad_k=16, bias_scale=1.0):
+    """Fresh random CUDA inputs: weights are column slices `[rows, K]` of `[rows, K + pad_k]` CUDA tensors (row stride
+    K + pad_k, still 16-byte aligned; sliced after the move, which would make a gapped view contiguous) with
+    `pad_rows` unused rows before and after the used range; biases (times `bias_scale`) alternate."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    x = torch.randn(tokens, k, generator=gen).to(dtype).cuda()
     weights, starts, biases = [], [], []
     for i, c in enumerate(counts):
         rows = c + 2 * pad_rows
-        weights.append(torch.randn(rows, k + pad_k, generator=gen).to(dtype)[:, :k])
+        weight = torch.randn(rows, k + pad_k, generator=gen).to(dtype).cuda()[:, :k]
+        assert weight.stride(0) == k + pad_k
+        weights.append(weight)
         starts.append(pad_rows)
-        biases.append(torch.randn(rows, generator=gen).to(dtype) if bias[i % len(bias)] else None)
-    cuda = [t.cuda() if t is not None else None for t in (x, *weights, *biases)]
-    n = len(counts)
-    return cuda[0], cuda[1 : 1 + n], starts, list(counts), cuda[1 + n :]
+        biases.append((bias_scale * torch.randn(rows, generator=gen)).to(dtype).cuda() if bias[i % len(bias)] else None)
+    return x, weights, starts, list(counts), biases
 
 
 GROUPS = {
@@ -135,11 +136,15 @@ needs_sm90 = pytest.mark.skipif(
     ],
 )
 def test_the_streaming_kernel_matches_fp64(k, counts, dtype):
-    """The streaming kernel forced (`STREAM_VARIANT`) at 1 to 16 tokens (one and two token tiles), weights as row
-    slices with a row stride != K, biases on some weights; every output element written (NaN-poisoned memory), and a
-    second run bit-identical (the consumer warps' partial sums are added in a fixed order)."""
+    """The streaming kernel forced (`STREAM_VARIANT`) at 1 to 16 tokens (one and two token tiles), weights with a row
+    stride != K, x read in place as an aligned column slice of a wider tensor, biases on some weights (as large as
+    the products, so a dropped one fails); every output element written (NaN-poisoned memory), and a second run
+    bit-identical (the consumer warps' partial sums are added in a fixed order)."""
     for tokens in (1, 3, 8, 9, 16):
-        args = _case(tokens, k, counts, dtype=dtype, seed=tokens + k)
+        x, weights, starts, counts_, biases = _case(tokens, k, counts, dtype=dtype, seed=tokens + k, bias_scale=k**0.5)
+        wide = torch.randn(tokens, k + 24, device="cuda", dtype=dtype)
+        wide[:, 8 : 8 + k] = x
+        args = (wide[:, 8 : 8 + k], weights, starts, counts_, biases)
         torch.full((tokens * sum(counts) + 1024,), float("nan"), device="cuda", dtype=dtype)  # freed, reused below
         out = variant_op(*args, STREAM_VARIANT, 0)
         _check(out, fp64_formula(*args))
@@ -236,7 +241,7 @@ def _same_shape_case(tokens, *, dtype=torch.bfloat16, seed=0, x_stride_pad=0):
     bias that keeps its range out of the batch, and weights with a row stride != K."""
     gen = torch.Generator().manual_seed(seed)
     k = 264
-    x = torch.randn(tokens, k + x_stride_pad, generator=gen).to(dtype)[:, :k]
+    x = torch.randn(tokens, k + x_stride_pad, generator=gen).to(dtype).cuda()[:, :k]
     weights, starts, counts, biases = [], [], [], []
     for rows, stride, bias in [
         (96, k, False),
@@ -249,13 +254,11 @@ def _same_shape_case(tokens, *, dtype=torch.bfloat16, seed=0, x_stride_pad=0):
         (96, k + 8, False),
         (96, k + 8, False),
     ]:
-        w = torch.randn(rows + 2, stride, generator=gen).to(dtype)[:, :k]
-        weights.append(w)
+        weights.append(torch.randn(rows + 2, stride, generator=gen).to(dtype).cuda()[:, :k])
         starts.append(1)
         counts.append(rows)
-        biases.append(torch.randn(rows + 2, generator=gen).to(dtype) if bias else None)
-    cuda = lambda t: t.cuda() if t is not None else None
-    return cuda(x), [cuda(w) for w in weights], starts, counts, [cuda(b) for b in biases]
+        biases.append(torch.randn(rows + 2, generator=gen).to(dtype).cuda() if bias else None)
+    return x, weights, starts, counts, biases
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -394,7 +397,8 @@ def test_a_single_tall_weight_in_row_blocks(tokens, misaligned_x):
             x = _one_element_in(x)
         args = (x, weights, starts, counts, biases)
         streams = uses_stream(tokens, counts)
-        assert streams == (_streams_here() and tokens <= 16)  # 256 to 385 blocks of 16 rows: 1 to 8 per SM
+        blocks = -(-rows // 16)
+        assert streams == (_streams_here() and tokens <= 16 and _sm_count() <= blocks <= 8 * _sm_count())
         kernel = not streams and rows == 4104 and tokens <= kernel_token_threshold()
         assert (streams or uses_kernel(tokens, counts) == kernel) and not cublas_batches(counts)
         names = _kernel_names(lambda a=args: op(*a))
@@ -424,6 +428,8 @@ def test_batched_cublas_in_a_cuda_graph_sees_new_inputs_and_weight_updates(case)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = op(*args)
+    if case == "streamed":
+        assert any("multi_linear_stream_kernel" in n for n in _kernel_names(graph.replay))
     for step in range(3):
         x.copy_(torch.randn_like(x))
         if step == 2:
@@ -498,11 +504,14 @@ def _kernel_names(fn) -> set[str]:
     ],
 )
 def test_the_path_the_rule_names_runs(tokens, counts):
-    """The kernel, a batched GEMM (its pointer-table kernel) or neither, as `uses_kernel` / `cublas_batches` say;
-    ranges of one shape are batched at every T (600 here)."""
+    """The streaming kernel, the tile kernel, a batched GEMM (its pointer-table kernel) or neither, as `uses_stream`
+    / `uses_kernel` / `cublas_batches` say (which groups stream depends on the SM count); ranges of one shape are
+    batched at every T (600 here)."""
     args = _case(tokens, 256, counts, seed=tokens, pad_rows=1, bias=(False,))
     names = _kernel_names(lambda: op(*args))
-    kernel = uses_kernel(tokens, counts)
+    streams = uses_stream(tokens, counts)
+    kernel = uses_kernel(tokens, counts) and not streams
+    assert any("multi_linear_stream_kernel" in n for n in names) == streams
     assert any("multi_linear_kernel" in n for n in names) == kernel
     assert any("fill_pointer_table" in n for n in names) == (not kernel and cublas_batches(counts))
     many = _case(600, 64, [32] * 3, seed=1, pad_rows=1, bias=(False,))

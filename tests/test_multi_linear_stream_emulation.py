@@ -1,8 +1,9 @@
-"""The experimental copy-engine multi_linear kernel (benchmarks/experimental/multi_linear_stream.cuh, timed by
-benchmarks/multi_linear_tune.cu, not launched by the op) run on the host by the kernel emulation
-(tests/multi_linear_emulation_shim.py: bulk copies landing late and out of order on the mbarriers, one fiber per
-thread) against the fp64 formula: the CTAs' shares of row blocks, the ring going round, ragged last chunks, a partial
-last row block, row blocks spanning weights, biases, 1 and 2 token tiles, and which outputs are written."""
+"""multi_linear's streaming kernel (custom_ops/csrc/linear/multi_linear_stream.cuh: the op's path for 1 to 8 blocks
+of 16 output rows per SM at up to 16 tokens, also timed by benchmarks/multi_linear_tune.cu) run on the host by the
+kernel emulation (tests/multi_linear_emulation_shim.py: bulk copies landing late and out of order on the mbarriers,
+one fiber per thread) against the fp64 formula: the CTAs' shares of row blocks, the ring going round, ragged last
+chunks, a partial last row block, row blocks spanning weights, biases, 1 and 2 token tiles, and which outputs are
+written."""
 
 from __future__ import annotations
 
