@@ -1,5 +1,5 @@
 """Test fixtures shared by the fusion tests: small reference drafts and their inputs; `quick_first`, the quick
-tier's share of a parametrized test."""
+tier's share of a parametrized test; `LayoutKeepingMove`, device copies that keep strides and storage offsets."""
 
 from __future__ import annotations
 
@@ -129,3 +129,26 @@ def quick_first(n: int, params: Iterable) -> list:
         else:
             out.append(pytest.param(p, marks=pytest.mark.slow))
     return out
+
+
+class LayoutKeepingMove:
+    """Copies tensors to `device` with their strides and storage offsets: each storage is copied once, whole, and
+    every tensor becomes the same view of its storage's copy (views of one storage stay views of one copy, so
+    aliasing, gaps and misalignment are as before). `Tensor.to` / `.cuda()` do not keep them: a view with gaps
+    between its rows comes out contiguous, at offset 0 of a fresh allocation. Anything not a tensor passes through."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def __call__(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key not in self.copies:  # empty storages share the null data pointer
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            self.copies[key] = whole.to(self.device, copy=True)
+        data = self.copies[key]
+        usable = data.numel() - data.numel() % t.element_size()
+        return data[:usable].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())

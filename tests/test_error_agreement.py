@@ -30,6 +30,7 @@ from bad_argument_cases import (
     op_parameters,
 )
 from dsv4_cases import assert_cache_bytes_close
+from helpers import LayoutKeepingMove
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
@@ -78,18 +79,12 @@ def _moved(args: dict, device: str) -> dict:
     """`args` on `device`: each storage copied once (views of one storage stay views of one storage, with their
     offsets and strides, so overlaps, aliasing and misalignment are as before); a meta tensor becomes a zero CPU
     tensor of its layout (the "other device" of a device-mismatch entry)."""
-    moved: dict[int, torch.Tensor] = {}
+    keeping_layout = LayoutKeepingMove(device)
 
     def move(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":
             return torch.zeros(_span(t), dtype=t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if storage.nbytes() == 0 or key not in moved:
-            moved[key] = _storage_bytes(t).to(device, copy=True)
-        data = moved[key]
-        usable = data.numel() - data.numel() % t.element_size()
-        return data[:usable].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        return keeping_layout(t)
 
     return _map(args, move)
 

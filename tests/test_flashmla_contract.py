@@ -37,6 +37,7 @@ from flashmla_cases import (
     plant_non_finite,
     structural_cases,
 )
+from helpers import LayoutKeepingMove
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
@@ -275,7 +276,11 @@ def _run_cuda(name, args, graph, checks_in_capture=False):
     """Run the op on CUDA copies of `args`, eagerly or as the replay of a captured CUDA graph (the mutated tensor
     reset to its initial contents before the replay; checking mode on during the capture if `checks_in_capture`).
     Returns the result on CPU."""
-    dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    move = LayoutKeepingMove("cuda")
+    dev = {k: move(v) for k, v in args.items()}
+    for k, v in args.items():
+        if isinstance(v, torch.Tensor):
+            assert dev[k].stride() == v.stride() and dev[k].storage_offset() == v.storage_offset(), k
     mutated = dev.get(MUTATED.get(name))
     initial = mutated.clone() if mutated is not None else None
     if not graph:
@@ -396,7 +401,8 @@ def test_cuda_checking_mode_raises_the_cpu_message(case):
     args.update(change(args))
     with pytest.raises(ValueError) as cpu:
         _call(name, args)
-    dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    move = LayoutKeepingMove("cuda")
+    dev = {k: move(v) for k, v in args.items()}
     before = _snapshot(name, dev)
     with custom_ops.checks(), pytest.raises(ValueError) as gpu:
         _call(name, dev)

@@ -27,6 +27,7 @@ from flashmla_cases import (
     _written_mask,
     negative_nan,
 )
+from helpers import LayoutKeepingMove
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
@@ -427,7 +428,9 @@ def test_cuda_entry_and_build_errors():
 
 
 def _cuda(*ts):
-    return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in ts)
+    """CUDA copies keeping strides and storage offsets (kv is a column slice of a wider buffer)."""
+    move = LayoutKeepingMove("cuda")
+    return tuple(move(t) for t in ts)
 
 
 @pytest.mark.cuda
@@ -456,7 +459,9 @@ def test_cuda_k_write_dtypes_strides(dtype, row_stride, pos_dtype, loc_dtype):
     want = cache.clone()
     ops.fused_k_norm_rope_flashmla(kv, weight, EPS, freqs, pos, loc, want, 64)
     got = cache.cuda()
-    ops.fused_k_norm_rope_flashmla(*_cuda(kv, weight, EPS, freqs, pos, loc), got, 64)
+    moved = _cuda(kv, weight, EPS, freqs, pos, loc)
+    assert moved[0].stride() == (row_stride, 1) and moved[0].storage_offset() == row_stride - 512
+    ops.fused_k_norm_rope_flashmla(*moved, got, 64)
     _assert_cache_acceptance(got.cpu(), want, before, 64, loc)
 
 

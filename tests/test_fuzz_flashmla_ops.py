@@ -35,6 +35,7 @@ from flashmla_cases import (
     _tol,
     _written_mask,
 )
+from helpers import LayoutKeepingMove
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -286,19 +287,8 @@ def test_fuzz_cpu_op_and_reference(name, data):
 
 def _to_cuda(args: dict, whole: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
     """CUDA copies with the same strides and storage offsets (views of one storage stay views of one copy)."""
-    storages: dict[int, torch.Tensor] = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().nbytes() == 0:
-            return t.cuda()  # empty storages share the null data pointer
-        key = t.untyped_storage().data_ptr()
-        if key not in storages:
-            n = t.untyped_storage().nbytes() // t.element_size()
-            storages[key] = t.as_strided((n,), (1,), 0).cuda()
-        return storages[key].as_strided(t.shape, t.stride(), t.storage_offset())
-
-    dev = {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return dev, (move(whole) if whole is not None else None)
+    move = LayoutKeepingMove("cuda")
+    return {k: move(v) for k, v in args.items()}, move(whole)
 
 
 @pytest.mark.cuda
