@@ -160,21 +160,24 @@ def test_the_streaming_kernel_with_more_weights_than_one_launch():
 
 
 @needs_sm90
-@pytest.mark.parametrize("tokens", [1, 9, 16, 17])
+@pytest.mark.parametrize("tokens", [1, 8, 9, 16, 17])
 def test_the_op_streams_where_the_rule_says(tokens):
-    """A group whose 16-row blocks give every SM one to eight of them streams at up to 16 tokens (the K/V weights of
-    a five-layer draft, q/k/v of one layer, one [4096, 4096] weight); one with fewer blocks than SMs, one with more
-    than eight per SM, and 17 tokens do not; the kernel the profiler sees is the one `uses_stream` names."""
+    """Row ranges whose 16-row blocks give every SM one to eight of them stream at up to 16 tokens (the K/V weights
+    of a five-layer draft, q/k/v of one layer), a single range at up to 8 (one [4096, 4096] weight); fewer blocks
+    than SMs, more than eight per SM, and 17 tokens do not; the kernel the profiler sees is the one `uses_stream`
+    names."""
     sms = _sm_count()
     cases = {
         "K/V of 5 layers": (512, [2048] * 5),
         "q/k/v": (512, [4096, 1024, 1024]),
+        "one [4096, 4096] weight": (512, [4096]),
         "fewer blocks than SMs": (512, [16 * sms - 16]),
         "more than 8 blocks per SM": (128, [64 * sms, 64 * sms + 16]),
     }
     for name, (k, counts) in cases.items():
         args = _case(tokens, k, counts, seed=len(name), pad_rows=1, bias=(False,))
-        expected = tokens <= 16 and name in ("K/V of 5 layers", "q/k/v")
+        blocks = -(-sum(counts) // 16)
+        expected = sms <= blocks <= 8 * sms and tokens <= (16 if len(counts) >= 2 else 8)
         assert uses_stream(tokens, counts) == expected, name
         names = _kernel_names(lambda a=args: op(*a))
         assert any("multi_linear_stream_kernel" in n for n in names) == expected, (name, names)
@@ -388,7 +391,7 @@ def test_a_single_tall_weight_in_row_blocks(tokens, misaligned_x):
     """A single range of >= 4096 rows without bias, up to 64 tokens: one strided batched GEMM of row blocks (4096:
     two blocks of 2048; 6144: four of 1536), no pointer table, also at decode sizes (not the kernel); from 65 tokens
     one GEMM; a row count that gives no block height (4104) takes the kernel up to 8 tokens, else one GEMM; on an
-    sm_90 GPU of 132 SMs (or fewer: 256 to 385 blocks of 16 rows) all three stream up to 16 tokens. All match
+    sm_90 GPU of 132 SMs (or fewer: 256 to 385 blocks of 16 rows) all three stream up to 8 tokens (one range). All match
     the fp64 formula and the GEMM per range, also when x is not 16-byte aligned (the batched GEMMs read an aligned
     copy)."""
     for rows in (4096, 6144, 4104):
@@ -398,7 +401,7 @@ def test_a_single_tall_weight_in_row_blocks(tokens, misaligned_x):
         args = (x, weights, starts, counts, biases)
         streams = uses_stream(tokens, counts)
         blocks = -(-rows // 16)
-        assert streams == (_streams_here() and tokens <= 16 and _sm_count() <= blocks <= 8 * _sm_count())
+        assert streams == (_streams_here() and tokens <= 8 and _sm_count() <= blocks <= 8 * _sm_count())
         kernel = not streams and rows == 4104 and tokens <= kernel_token_threshold()
         assert (streams or uses_kernel(tokens, counts) == kernel) and not cublas_batches(counts)
         names = _kernel_names(lambda a=args: op(*a))

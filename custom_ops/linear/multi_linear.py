@@ -50,9 +50,10 @@ copy (none when K % 8 != 0: then nothing is batched). The rule is `kernel_pays` 
 streaming kernel (`csrc/linear/multi_linear_stream.cuh`): one CTA per SM, each an equal share of the 16-row blocks
 of the output, the weights streamed through shared memory in 2 KB bulk copies of the copy engine; it runs where
 the rows give every SM 1 to 8 such blocks (the K/V of a 5-layer draft, q/k/v, single [4096, K] weights) at up to 16
-tokens (`stream_pays`; `uses_stream(tokens, row_counts)` evaluates it): in one launch after an L2 flush it read
-those groups 6-13 % faster than the tile kernel and 2-11 % faster than cuBLAS on a concatenated copy (H100,
-BENCHMARKS.md "The streaming kernel"). The kernel itself
+tokens for several row ranges and up to 8 for one (`stream_pays`; `uses_stream(tokens, row_counts)` evaluates it):
+in one launch after an L2 flush it read those groups 6-13 % faster than the tile kernel and 2-11 % faster than
+cuBLAS on a concatenated copy (H100, BENCHMARKS.md "The streaming kernel"); in the op's table (CUDA-graph replay)
+a single weight at 16 tokens ran 1-5 % slower than cuBLAS, hence 8 there. The kernel itself
 handles up to 64 tokens (`_multi_linear_variant` forces it); `_multi_linear_cublas(..., batched)` forces the cuBLAS
 path, batched or one GEMM per range.
 
@@ -228,15 +229,17 @@ STREAM_VARIANT = -2  # `_multi_linear_variant`'s index of the streaming kernel (
 
 
 def uses_stream(tokens: int, row_counts: Sequence[int], device: torch.device | str | int | None = None) -> bool:
-    """Whether the CUDA op runs the streaming kernel for `tokens` rows of `x` over row ranges of `row_counts` rows on
-    `device` (default: the current CUDA device), given a kernel-readable bf16/fp16 layout (the rule of `stream_pays`
-    in the binding; only GPUs that run the library's sm_90a code stream)."""
+    """Whether the CUDA op runs the streaming kernel for `tokens` rows of `x` over separate (not adjacent in memory)
+    row ranges of `row_counts` rows on `device` (default: the current CUDA device), given a kernel-readable bf16/fp16
+    layout (the rule of `stream_pays` in the binding: 1 to 8 blocks of 16 output rows per SM, up to 16 tokens for
+    several ranges and 8 for one; only GPUs that run the library's sm_90a code stream)."""
     props = torch.cuda.get_device_properties(device)
     if (props.major, props.minor) != (9, 0):
         return False
+    runs = [c for c in row_counts if c > 0]
     lib = _native()
-    lib.dspark_multi_linear_uses_stream.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    return bool(lib.dspark_multi_linear_uses_stream(tokens, sum(row_counts), props.multi_processor_count))
+    lib.dspark_multi_linear_uses_stream.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    return bool(lib.dspark_multi_linear_uses_stream(tokens, len(runs), sum(runs), props.multi_processor_count))
 
 
 def _in_strided_blocks(tokens: int, runs: Sequence[int]) -> bool:

@@ -461,9 +461,10 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   };
   const bool kernels_read = kernel_blocker(x, runs) == nullptr;  // the same layout rules for both kernels
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
-  if (kernels_read && syncs_on(x.device()) && stream_pays(x.size(0), rows, sm_count)) {
+  const auto run_count = static_cast<int64_t>(runs.size());
+  if (kernels_read && syncs_on(x.device()) && stream_pays(x.size(0), run_count, rows, sm_count)) {
     dispatch_kernel(x, runs, out, kStreamVariant, 0);
-  } else if (kernels_read && kernel_pays(x.size(0), static_cast<int64_t>(runs.size()), rows, all_batched)) {
+  } else if (kernels_read && kernel_pays(x.size(0), run_count, rows, all_batched)) {
     dispatch_kernel(x, runs, out, -1, 0);
   } else {
     cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
@@ -536,11 +537,11 @@ extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_k
   return dspark::mlinear::kernel_pays(tokens, runs, rows, [=] { return all_batched != 0; }) ? 1 : 0;
 }
 
-// Whether a call of `tokens` tokens over `rows` output rows takes the streaming kernel on a GPU with `sm_count` SMs
-// that runs the sm_90a code, given a layout the kernels can read.
-extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_stream(int64_t tokens, int64_t rows,
-                                                                                      int sm_count) {
-  return dspark::mlinear::stream_pays(tokens, rows, sm_count) ? 1 : 0;
+// Whether a call of `tokens` tokens over `runs` row ranges of `rows` output rows takes the streaming kernel on a GPU
+// with `sm_count` SMs that runs the sm_90a code, given a layout the kernels can read.
+extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_uses_stream(int64_t tokens, int64_t runs,
+                                                                                      int64_t rows, int sm_count) {
+  return dspark::mlinear::stream_pays(tokens, runs, rows, sm_count) ? 1 : 0;
 }
 
 extern "C" __attribute__((visibility("default"))) int dspark_multi_linear_stream_variant() {

@@ -159,6 +159,12 @@ constexpr int kStreamMaxTokens = 16;
 // leave SMs idle (the kernel does not split K), with more (gate/up of a Qwen3-8B layer: 11.6 per SM) the tile kernel
 // and cuBLAS measured as fast or faster.
 constexpr int kStreamBlocksPerSm = 8;
+// A single row range (one weight, or weights adjacent in memory: one run) streams up to this many tokens, several up
+// to kStreamMaxTokens. H100, benchmarks/multi_linear.py (CUDA-graph replay, L2-cold weights), µs at 16 tokens,
+// streaming kernel against cuBLAS: [12288, 4096] 45.3 / 43.2, [4096, 4096] 17.4 / 17.0, [4096, 12288] 44.3 / 43.8;
+// at 1 and 8 tokens within 2 % of cuBLAS or faster. Groups of separate weights at 16 tokens: K/V 38.8 against 40.6
+// for the tile kernel (the old path), q/k/v 24.2 against 24.6.
+constexpr int kStreamSingleMaxTokens = 8;
 
 inline int stream_threads() { return 32 * (kStreamConsumers + 1); }
 
@@ -182,11 +188,12 @@ inline int64_t stream_grid(int64_t rows, int sm_count) {
   return blocks < sm_count ? blocks : sm_count;
 }
 
-// Whether a call of `tokens` tokens over `rows` output rows in all takes the streaming kernel (on a GPU that runs
-// the sm_90a code, with a layout the kernels can read).
-inline bool stream_pays(int64_t tokens, int64_t rows, int sm_count) {
+// Whether a call of `tokens` tokens over `runs` row ranges of `rows` output rows in all takes the streaming kernel
+// (on a GPU that runs the sm_90a code, with a layout the kernels can read).
+inline bool stream_pays(int64_t tokens, int64_t runs, int64_t rows, int sm_count) {
   const int64_t blocks = (rows + 15) / 16;
-  return tokens >= 1 && tokens <= kStreamMaxTokens && blocks >= sm_count &&
+  const int64_t max_tokens = runs >= 2 ? kStreamMaxTokens : kStreamSingleMaxTokens;
+  return tokens >= 1 && tokens <= max_tokens && blocks >= sm_count &&
          blocks <= static_cast<int64_t>(kStreamBlocksPerSm) * sm_count;
 }
 
