@@ -136,7 +136,7 @@ def multi_linear(gen: torch.Generator) -> None:
         if DEV != "cuda":
             continue
         if torch.cuda.get_device_capability() == (9, 0):
-            # the streaming kernel forced (the 4096-row range above streams too): a ragged last stage of columns,
+            # the streaming kernel forced (the 4096-row range above streams at 1 token): a ragged last stage of columns,
             # ranges that split 16-row blocks, a partial last block, one and two token tiles
             ragged = [torch.randn(rows, 1000, generator=gen).to(dtype).to(DEV) for rows in (40, 300, 17)]
             ragged_biases = [torch.randn(300, generator=gen).to(dtype).to(DEV) if i == 1 else None for i in range(3)]
