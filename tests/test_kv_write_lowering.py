@@ -1004,6 +1004,38 @@ def test_fp16_round_trip_that_overflows_keeps_eagers_non_finite_values(where):
     assert "casts torch.bfloat16 to torch.float16" in _kept(capture)
 
 
+class _SquaresInModelDtype(torch.nn.Module):
+    """HF's RMSNorm without its fp32 upcast: the squares and their mean in the model dtype."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, k):
+        return self.weight * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale", "lowered"), [(torch.float16, 1000.0, False), (torch.bfloat16, 1000.0, True)]
+)
+def test_a_norm_squaring_in_float16_keeps_eagers_values(dtype, scale, lowered):
+    """K of a few hundred: squared in float16 (above 256) it overflows, the norm's rsqrt gives 0 and eager writes
+    zeros where the op (fp32 squares) would write finite values: not lowered in fp16, the node named; bf16 (fp32's
+    range) lowers. Either way the caches hold what eager holds."""
+    model = _CastWriter(lambda t: t, (), scale=scale)
+    for layer in model.layers:
+        layer.k_norm = _SquaresInModelDtype(layer.k_norm)
+    for cache in model.caches():
+        cache.normal_(generator=torch.Generator().manual_seed(cache.numel()))  # no row of zeros but written ones
+    capture, caches = _cast_run(model, dtype)
+    if lowered:
+        _assert_lowered(capture, 4)
+    else:
+        assert any((c == 0).all(-1).any() for c in caches[::2]), "the case must overflow the fp16 norm in eager"
+        why = _kept(capture)
+        assert "computes the norm's squares of the projection in torch.float16" in why, why
+
+
 @pytest.mark.slow
 def test_narrowing_round_trip_in_an_fp32_model_keeps_todays_path():
     """fp32 -> bf16 -> fp32 in an fp32 model rounds to bf16 (not the model dtype): not lowered."""

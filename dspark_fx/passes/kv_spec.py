@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from dspark_fx.passes.graph_utils import aten, gemm_activation, op_name, tensor_val
-from dspark_fx.passes.kv_symbolic import Evaluation
+from dspark_fx.passes.kv_symbolic import Evaluation, Sym
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)  # a leaf of these is another projection
 
@@ -112,7 +112,52 @@ def read_written(ev: Evaluation, value: fx.Node, gemms: set[fx.Node], heads: int
         for hrows in rows
     ]
     norm_eps = _strip_norm(ev, local, gemm, column, head_dim, value)
+    if norm_eps is not None and ev.model == torch.float16:
+        _squares_in_float32(ev, value, gemm)
     return _with_weight_and_rope(ev, local, gemm, column, head_dim, norm_eps, value)
+
+
+def _squares_in_float32(ev: Evaluation, value: fx.Node, gemm: fx.Node) -> None:
+    """An fp16 model's norm must square the projection in a wider dtype: in float16 a square overflows above
+    |k| = 256, giving a zero or NaN K in eager, where the op computes in fp32 and would write finite values (bf16 has
+    fp32's range; fp32 models compute so). Raises `NotTheFormula` naming the first float16 node on the way to `value`
+    that holds a square of the projection."""
+    alg = ev.alg
+
+    def degree(e: int) -> float:
+        return max(
+            (
+                sum(k for aid, k in mono if alg.atoms[aid][0] == "leaf" and alg.atoms[aid][1] is gemm)
+                for mono, _ in alg.polys[e]
+            ),
+            default=0.0,
+        )
+
+    order = {n: i for i, n in enumerate(value.graph.nodes)}
+    seen: set[fx.Node] = set()
+    todo = [value]
+    found: list[fx.Node] = []
+    while todo:
+        node = todo.pop()
+        if node in seen or node is gemm:
+            continue
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+        val, sym = tensor_val(node), ev.memo.get(node)
+        if val is None or val.dtype != torch.float16 or not isinstance(sym, Sym):
+            continue
+        if any(degree(int(e)) >= 2 for e in np.unique(sym.ids)):
+            found.append(node)
+    if found:
+        node = min(found, key=order.__getitem__)
+        raise NotTheFormula(
+            "norm",
+            f"{node.name} ({op_name(node)}) computes the norm's squares of the projection in torch.float16, where "
+            "they overflow above |k| = 256 and eager then writes zeros or NaN; "
+            "the op squares and sums in fp32, so an fp16 model is lowered where its norm does so too (e.g. "
+            "`k.float().pow(2).mean(-1, keepdim=True)`, as Qwen3's RMSNorm does)",
+            node,
+        )
 
 
 def _product_of_projected(value: fx.Node, gemms: set[fx.Node], head_dim: int) -> fx.Node | None:
