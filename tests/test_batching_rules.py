@@ -196,6 +196,46 @@ def test_dtype_promotion_by_a_zero_dim_value_is_not_batched():
     assert len(cls.kept) == 1 and "type promotion" in cls.kept[0], group
 
 
+def test_a_zero_dim_integer_factor_per_branch_is_not_batched():
+    """`fp16 * int64 0-d` (70000) is fp16 either way, but eager multiplies by 70000 in fp32 where the stacked factor
+    would be cast to fp16 first (inf): not batched, eager's values."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+            for i in range(2):
+                self.register_buffer(f"scale_{i}", torch.tensor(70000 + i))
+
+        def forward(self, x):
+            return [lin(x) * getattr(self, f"scale_{i}") for i, lin in enumerate(self.lins)]
+
+    group = _check(Scaled().half(), (X * 0.01).half())
+    assert "aten.mul" not in _batched(group), group
+    assert not group.classes and len(group.unbatched) == 2, group
+    assert all("reads a 0-d torch.int64 value per branch" in u.reason for u in group.unbatched), group
+
+
+def test_constants_that_differ_only_in_the_sign_of_zero_are_not_one_class():
+    """`reciprocal(k * 0.0)` and `reciprocal(k * -0.0)` are infinities of opposite signs: two branches, not one
+    computation with the first branch's constant."""
+
+    class SignedZeros(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+
+        def forward(self, x):
+            return [torch.reciprocal(lin(x) * zero) for lin, zero in zip(self.lins, (0.0, -0.0), strict=True)]
+
+    torch._dynamo.reset()
+    model, capture = SignedZeros(), CaptureBackend()
+    with torch.no_grad():
+        got, want = torch.compile(model, backend=capture)(X), model(X)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_an_op_no_rule_batches_stays_per_branch_with_what_follows():
     """A boolean-mask index has a data-dependent shape: the ops before it are batched, it and its users are not."""
     x, mask = torch.randn(5, 32), torch.tensor([True, False, True, True, False])

@@ -103,6 +103,21 @@ def test_fp32_products_stay_where_matmuls_may_use_tf32():
     assert fp32 == [] and len(bf16) == 1
 
 
+def test_fp32_products_stay_under_a_backend_precision_setting():
+    """`torch.backends.mkldnn.matmul.fp32_precision = "bf16"` (the per-backend API, under which the legacy
+    `get_float32_matmul_precision` raises): fp32 products stay, the rewrite does not fail; "ieee" rewrites them."""
+    matmul = torch.backends.mkldnn.matmul
+    previous = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "bf16"
+        _, _, rounding = _rewritten(outer, torch.randn(5, 1), torch.randn(1, 3))
+        matmul.fp32_precision = "ieee"
+        _, _, exact = _rewritten(outer, torch.randn(5, 1), torch.randn(1, 3))
+    finally:
+        matmul.fp32_precision = previous
+    assert rounding == [] and exact == ["mm [5, 1] @ [1, 3]"]
+
+
 def test_a_product_whose_multiply_would_have_other_strides_stays():
     """A transposed batch-major left operand: the multiply's result would be laid out like it, the matmul's is
     contiguous; a view of the result after the graph would see other elements, so the matmul stays."""

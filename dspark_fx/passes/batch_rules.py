@@ -121,7 +121,8 @@ def _pointwise(batch: Batch, bound: dict) -> fx.Node:
     after K, so its branch slice lines up with the branch's operand; a shared operand broadcasts as it did."""
     if bound.get("memory_format") not in _KEEPS_LAYOUT:
         raise BatchError(f"{op_name(batch.node)} with memory_format={bound['memory_format']}")
-    out_rank = tensor_val(batch.node).dim()
+    out = tensor_val(batch.node)
+    out_rank = out.dim()
 
     def lift(value: Any) -> Any:
         if isinstance(value, (list, tuple)):
@@ -130,6 +131,11 @@ def _pointwise(batch: Batch, bound: dict) -> fx.Node:
             return value
         if value.kind == "shared":
             return value.node
+        if value.val.dim() == 0 and value.val.dtype != out.dtype:
+            raise BatchError(
+                f"type promotion: {op_name(batch.node)} reads a 0-d {value.val.dtype} value per branch, which eager "
+                f"reads as a scalar in the op's math type; stacked it would be cast to {out.dtype} first"
+            )
         return batch.unsqueezed_after_k(batch.batched(value), out_rank - value.val.dim())
 
     return batch.emit_bound(batch.node.target, {name: lift(value) for name, value in bound.items()})

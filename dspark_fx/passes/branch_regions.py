@@ -142,8 +142,8 @@ def _op_difference(a: fx.Node, b: fx.Node, ref: Region, mapping: dict, max_leaf_
                 sig = leaf_signature(x, max_leaf_numel)
                 if sig is None or sig != leaf_signature(y, max_leaf_numel):
                     return _leaf_size_difference(x, y, max_leaf_numel)
-        elif type(x) is not type(y) or x != y:
-            return ""
+        elif type(x) is not type(y) or (repr(x) != repr(y) if isinstance(x, (float, complex)) else x != y):
+            return ""  # repr: -0.0 is not 0.0 (x * -0.0 keeps signs apart), and a nan matches a nan
     return None
 
 

@@ -37,9 +37,13 @@ def _rounds_fp32_inputs(value: torch.Tensor) -> bool:
     """Whether a matmul of fp32 operands on this device may round them first (TF32), unlike a multiply."""
     if value.dtype != torch.float32:
         return False
-    return torch.get_float32_matmul_precision() != "highest" or (
-        value.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    )
+    try:
+        return torch.get_float32_matmul_precision() != "highest" or (
+            value.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+        )
+    except RuntimeError:  # the legacy and the per-backend settings were both set: read the backend's own
+        backend = torch.backends.cuda.matmul if value.device.type == "cuda" else torch.backends.mkldnn.matmul
+        return getattr(backend, "fp32_precision", None) != "ieee"
 
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
