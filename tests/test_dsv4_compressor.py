@@ -80,6 +80,17 @@ def test_c128_window_needs_only_its_own_tokens_mapped(last_call):
     out = comp.compress_scores(kv[first:], state, torch.tensor([256]), torch.tensor([0]), extend, addressing)
     assert out.valid.tolist() == [True] and out.window.tolist() == [1]
     torch.testing.assert_close(out.entries[0], want)
+    # and `store` writes that entry as it writes one whose plan row has the page mapped (the decode store took a
+    # row's read_page_0 = -1 for padding and wrote nothing)
+    mapped = out.plan.clone()
+    assert mapped.view(torch.int32)[0, 2] == -1
+    mapped.view(torch.int32)[0, 2] = 0
+    caches = []
+    for plan in (out.plan, mapped):
+        cache = torch.zeros(2, cache_page_bytes(128, 64), dtype=torch.uint8)
+        comp.store(out._replace(plan=plan), precompute_freqs(512), torch.arange(out.tokens) + 3, cache, 64)
+        caches.append(cache)
+    assert caches[0].any() and torch.equal(caches[0], caches[1])
 
 
 def test_compressor_rejects_bad_configs():

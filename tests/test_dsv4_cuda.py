@@ -206,6 +206,31 @@ def test_store_cuda_equals_cpu(d, fp4, decode):
     assert_cache_bytes_close(got, want)
 
 
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_decode_store_of_rows_whose_read_page_0_is_unmapped(ratio):
+    """Decode rows that close a window with read_page_0 = -1 (a paged c128 window whose previous token was evicted):
+    c128 never reads that page and stores them, c4 does not (its compress op makes no entry there); CUDA writes what
+    the CPU writes, and for c128 those rows' slots change."""
+    g = torch.Generator().manual_seed(ratio)
+    seq = torch.arange(1, 33) * ratio
+    plan = plan_decode(seq, torch.arange(32), None, None, ratio, 8 if ratio == 4 else 128)
+    plan.view(torch.int32)[::2, 2] = -1
+    out_loc = torch.randperm(500, generator=g)[:32]
+    kv = torch.randn(32, 128, generator=g) * 4
+    w = torch.rand(128, generator=g) + 0.5
+    cache = torch.randint(0, 256, (1024 // 64, cache_page_bytes(128, 64, False)), dtype=torch.uint8, generator=g)
+    want = cache.clone()
+    compress_norm_rope_store(kv, plan, w, 1e-6, FREQS, out_loc, want, 64, ratio, True, False)
+    codes = [(int(s) // 64, slice(int(s) % 64 * 128, int(s) % 64 * 128 + 128)) for s in out_loc[::2]]
+    written = [not torch.equal(want[page, at], cache[page, at]) for page, at in codes]
+    assert all(written) if ratio == 128 else not any(written)
+    got = cache.cuda()
+    compress_norm_rope_store(
+        kv.cuda(), plan.cuda(), w.cuda(), 1e-6, FREQS.cuda(), out_loc.cuda(), got, 64, ratio, True, False
+    )
+    assert_cache_bytes_close(got, want)
+
+
 @pytest.mark.parametrize(("d", "fp4"), [(512, False), (128, False), (128, True)])
 def test_store_cuda_codes_non_finite_rows_as_cpu(d, fp4):
     """Rows with a NaN or an infinity (tests/dsv4_cases.py, plant_non_finite_rows): the kernel writes the CPU path's

@@ -57,7 +57,10 @@ __device__ __forceinline__ bool store_target(const StoreArgs& a, int64_t row, in
   uint32_t seq_len;
   if (a.decode) {
     const DecodePlan p = reinterpret_cast<const DecodePlan*>(a.plan)[row];
-    if (p.write_loc < 0 || p.read_page_0 < 0 || p.seq_len % static_cast<uint32_t>(a.ratio) != 0u) return false;
+    // c4 reads the page of read_page_0 (-1: no entry was made); c128 never reads it (-1 where that token is unmapped)
+    if (p.write_loc < 0 || (a.ratio == 4 && p.read_page_0 < 0) || p.seq_len % static_cast<uint32_t>(a.ratio) != 0u) {
+      return false;
+    }
     seq_len = p.seq_len;
     src = row;
   } else {
