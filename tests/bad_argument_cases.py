@@ -456,6 +456,27 @@ def _inner_strided(t: torch.Tensor) -> torch.Tensor:
     return buf[..., ::2]
 
 
+def _inside(host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in the first bytes of the contiguous `host` (a view of host's storage, host's values changed)."""
+    nbytes = t.numel() * t.element_size()
+    assert host.is_contiguous() and host.numel() * host.element_size() >= nbytes
+    return host.view(-1).view(torch.uint8)[:nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
+def _shared_memory_cases() -> list[BadCase]:
+    """An input in the bytes of the tensor the op writes: each op raises naming the written tensor."""
+    return [
+        _case(op, f"{inp} inside {out}", lambda a, o=out, i=inp: {i: _inside(a[o], a[i])}, ValueError, out)
+        for op, out, inp in [
+            ("dsv4_compress_decode", "state", "ape"),
+            ("dsv4_compress_prefill", "state", "plan_w"),
+            ("dsv4_online_compress_decode", "state", "plan"),
+            ("dsv4_online_compress_prefill", "state", "plan_c"),
+            ("dsv4_compress_norm_rope_store", "kvcache", "kv"),
+        ]
+    ]
+
+
 def _decode_structure_cases() -> list[BadCase]:
     def adapt(change):
         return lambda a: (change(a), {})[1]
@@ -472,6 +493,7 @@ def _compress_cases() -> list[BadCase]:
     c128 = functools.partial(_compress, 128, False, False)
     return [
         *_decode_structure_cases(),
+        *_shared_memory_cases(),
         _case(
             cd, "kv_score inner stride 2", lambda a: {"kv_score": _inner_strided(a["kv_score"])}, ValueError, "kv_score"
         ),

@@ -38,6 +38,7 @@ from custom_ops.dsv4.common import (
     check_device,
     check_head_dim,
     check_matrix,
+    check_no_shared_memory,
     check_plan,
     check_ratio,
     check_rows,
@@ -71,6 +72,7 @@ def check_decode_args(state, kv_score, ape, plan, ratio: int) -> int:
     d = check_compress_args(state, kv_score, ape, ratio)
     check_plan("plan", plan, 16, state.device)
     check_rows("plan", plan, kv_score.shape[0], "one per kv_score row")
+    check_no_shared_memory("state", state, (("kv_score", kv_score), ("ape", ape), ("plan", plan)))
     return d
 
 
@@ -79,6 +81,8 @@ def check_prefill_args(state, kv_score, ape, plan_c, plan_w, ratio: int) -> int:
     d = check_compress_args(state, kv_score, ape, ratio)
     check_plan("plan_c", plan_c, 16, state.device)
     check_plan("plan_w", plan_w, 8, state.device)
+    inputs = (("kv_score", kv_score), ("ape", ape), ("plan_c", plan_c), ("plan_w", plan_w))
+    check_no_shared_memory("state", state, inputs)
     return d
 
 

@@ -36,6 +36,7 @@ from custom_ops.dsv4.common import (
     check_device,
     check_head_dim,
     check_matrix,
+    check_no_shared_memory,
     check_plan,
     check_rows,
     raise_first,
@@ -62,6 +63,7 @@ def check_online_decode_args(state, kv_score, ape, plan) -> int:
     d = check_online_args(state, kv_score, ape)
     check_plan("plan", plan, 16, state.device)
     check_rows("plan", plan, kv_score.shape[0], "one per kv_score row")
+    check_no_shared_memory("state", state, (("kv_score", kv_score), ("ape", ape), ("plan", plan)))
     return d
 
 
@@ -70,6 +72,8 @@ def check_online_prefill_args(state, kv_score, ape, plan_c, plan_w) -> int:
     d = check_online_args(state, kv_score, ape)
     check_plan("plan_c", plan_c, 16, state.device)
     check_plan("plan_w", plan_w, 16, state.device)
+    inputs = (("kv_score", kv_score), ("ape", ape), ("plan_c", plan_c), ("plan_w", plan_w))
+    check_no_shared_memory("state", state, inputs)
     return d
 
 

@@ -39,6 +39,7 @@ from custom_ops.checks import check_index_range, is_aligned
 from custom_ops.dsv4.common import (
     check_device,
     check_index,
+    check_no_shared_memory,
     check_plan,
     check_plan_field,
     check_ratio,
@@ -159,6 +160,8 @@ def check_store_args(
             raise ValueError(f"{name}: expected a 16-byte aligned tensor")
     if not is_aligned(kvcache, 4):
         raise ValueError("kvcache: expected a 4-byte aligned tensor")
+    inputs = (("kv", kv), ("plan", plan), ("norm_weight", norm_weight), ("freqs", freqs), ("out_loc", out_loc))
+    check_no_shared_memory("kvcache", kvcache, inputs)
     return d
 
 

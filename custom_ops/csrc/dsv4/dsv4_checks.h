@@ -2,13 +2,16 @@
 // docs/contract.md). ATen ops on the plan's device and a host sync, so call them only when must_check_values().
 // Each function mirrors a Python check of the CPU path, condition for condition and in the same order, and raises
 // its message word for word: "<plan>[<i>].<field> = <v> is out of range: <what>"
-// (custom_ops/dsv4/common.py, check_plan_field; the functions named in each comment).
+// (custom_ops/dsv4/common.py, check_plan_field; the functions named in each comment). check_no_shared_memory is a
+// structural check (no sync): every call.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "common/error_format.h"
 #include "dsv4/dsv4_ratio.h"
@@ -19,6 +22,24 @@ namespace dsv4 {
 // custom_ops/dsv4/common.py, check_ratio: the ratio is c4 or c128 (dsv4_ratio.h), with the CPU path's message.
 inline void check_ratio(int64_t ratio) {
   TORCH_CHECK_VALUE(is_ratio(ratio), "ratio: expected ", num(kRatioC4), " or ", num(kRatioC128), ", got ", num(ratio));
+}
+
+// custom_ops/dsv4/common.py, check_no_shared_memory: `written` (a tensor the op writes) shares no byte with any of
+// `inputs` (tensors it reads meanwhile); byte spans within one storage are compared.
+inline void check_no_shared_memory(const char* name, const at::Tensor& written,
+                                   std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  const auto span = [](const at::Tensor& t) {
+    int64_t end = t.storage_offset() + 1;
+    for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
+    return std::pair<int64_t, int64_t>{t.storage_offset() * t.element_size(), end * t.element_size()};
+  };
+  for (const auto& [other, t] : inputs) {
+    if (written.numel() == 0 || t->numel() == 0 || !written.storage().is_alias_of(t->storage())) continue;
+    const auto [a_lo, a_hi] = span(written);
+    const auto [b_lo, b_hi] = span(*t);
+    TORCH_CHECK_VALUE(!(a_lo < b_hi && b_lo < a_hi), name, ": must not share memory with ", other, " (the op writes ",
+                      name, " while it reads ", other, ")");
+  }
 }
 
 // Raise for the first row where `bad` is set; `what(i)` says what is valid for row i.

@@ -205,6 +205,7 @@ at::Tensor compress_decode(at::Tensor& state, const at::Tensor& kv_score, const 
   const int64_t d = check_args(state, kv_score, ape, ratio, false);
   check_plan(plan, "plan", 16, state);
   check_plan_rows(plan, kv_score);
+  check_no_shared_memory("state", state, {{"kv_score", &kv_score}, {"ape", &ape}, {"plan", &plan}});
   if (must_check_values()) check_decode_plan_values(plan, state.size(0), ratio);
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   launch_compress<true>(state, kv_score, make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d), ratio);
@@ -216,6 +217,8 @@ at::Tensor compress_prefill(at::Tensor& state, const at::Tensor& kv_score, const
   const int64_t d = check_args(state, kv_score, ape, ratio, false);
   check_plan(plan_c, "plan_c", 16, state);
   check_plan(plan_w, "plan_w", 8, state);
+  check_no_shared_memory("state", state,
+                         {{"kv_score", &kv_score}, {"ape", &ape}, {"plan_c", &plan_c}, {"plan_w", &plan_w}});
   if (must_check_values()) check_prefill_plan_values(plan_c, plan_w, state.size(0), kv_score.size(0), ratio);
   at::Tensor out = at::empty({plan_c.size(0), d}, kv_score.options().dtype(at::kFloat));
   launch_compress<false>(state, kv_score, make_args(state, kv_score, ape, plan_c, out.data_ptr<float>(), d), ratio);
@@ -228,6 +231,7 @@ at::Tensor online_compress_decode(at::Tensor& state, const at::Tensor& kv_score,
   const int64_t d = check_args(state, kv_score, ape, 128, true);
   check_plan(plan, "plan", 16, state);
   check_plan_rows(plan, kv_score);
+  check_no_shared_memory("state", state, {{"kv_score", &kv_score}, {"ape", &ape}, {"plan", &plan}});
   if (must_check_values()) check_online_decode_plan_values(plan, state.size(0));
   at::Tensor out = at::empty({plan.size(0), d}, kv_score.options().dtype(at::kFloat));
   const CompressArgs a = make_args(state, kv_score, ape, plan, out.data_ptr<float>(), d);
@@ -249,6 +253,8 @@ at::Tensor online_compress_prefill(at::Tensor& state, const at::Tensor& kv_score
   const int64_t d = check_args(state, kv_score, ape, 128, true);
   check_plan(plan_c, "plan_c", 16, state);
   check_plan(plan_w, "plan_w", 16, state);
+  check_no_shared_memory("state", state,
+                         {{"kv_score", &kv_score}, {"ape", &ape}, {"plan_c", &plan_c}, {"plan_w", &plan_w}});
   if (must_check_values()) {
     check_online_segment_values("plan_c", plan_c, state.size(0), kv_score.size(0));
     check_online_segment_values("plan_w", plan_w, state.size(0), kv_score.size(0));

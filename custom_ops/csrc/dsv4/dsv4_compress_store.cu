@@ -110,6 +110,9 @@ int64_t check_store_args(const at::Tensor& kv, const at::Tensor& plan, const at:
   }
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(kvcache.data_ptr()) % 4 == 0,
                     "kvcache: expected a 4-byte aligned tensor");
+  check_no_shared_memory(
+      "kvcache", kvcache,
+      {{"kv", &kv}, {"plan", &plan}, {"norm_weight", &norm_weight}, {"freqs", &freqs}, {"out_loc", &out_loc}});
   return d;
 }
 
