@@ -164,6 +164,29 @@ def test_column_slice_with_a_symbolic_bound_fuses_without_narrowing():
     assert capture.reports[-1].groups[0].branches == ["lins.0.weight[0:32]", "lins.1.weight[0:32]"]
 
 
+class _EmptyColumnSlice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.o, self.p = nn.Linear(32, 48), nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = self.o(x)
+        return y[:, 16:32] * 2, y[:, 20:10], y[:, 20:10].sum(-1), self.p(x)
+
+
+def test_an_empty_column_slice_stays_empty_when_the_gemm_is_narrowed():
+    """`y[:, 20:10]` (start past stop: empty) next to `y[:, 16:32]`: the GEMM is narrowed to columns [16, 32); the
+    empty slice was rebased to [4, -6), which reads columns, and its sum was not 0."""
+    torch._dynamo.reset()
+    model, capture = _EmptyColumnSlice(), CaptureBackend()
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        got, want = torch.compile(model, backend=capture)(x), model(x)
+    assert capture.report.groups[0].branches == ["o.weight[16:32] + bias", "p.weight[0:8] + bias"]
+    assert got[1].shape == (5, 0) and torch.equal(got[2], torch.zeros(5))
+    assert_close_for_dtype(got, want)
+
+
 class _Chained(nn.Module):
     """GEMMs reading another GEMM's output with nothing in between: `b(a(x))`, `c(a(x))` (a down projection
     straight after an up projection, o_proj straight after q_proj); `a` and `a2` share x."""

@@ -184,6 +184,8 @@ def _used_columns(node: fx.Node) -> tuple[int, int] | None:
             return None
         if user.target is aten.slice.Tensor and _slice_args(user)[1] in (1, -1) and _slice_args(user)[4] == 1:
             start, stop = slice(*_slice_args(user)[2:4]).indices(width)[:2]
+            if stop <= start:
+                continue  # an empty slice reads no column (start may lie past stop: `y[:, 20:10]`)
         elif user.target in _SPLITS and _split_dim(user) in (1, -1):
             bounds = _split_bounds(user, width)
             used = [bounds[g.args[1]] for g in user.users if g.target is operator.getitem]
@@ -242,6 +244,8 @@ def _rewire_users(graph: fx.Graph, branch: GemmBranch, block: fx.Node) -> None:
             bounds = _split_bounds(user, width)
             pieces += [(g, *bounds[g.args[1]]) for g in list(user.users) if g.target is operator.getitem]
         for old, start, stop in pieces:
+            if stop <= start:  # empty: an empty slice of the block (rebased bounds could go negative and wrap)
+                start = stop = branch.col_lo
             with graph.inserting_after(block):
                 new = call(graph, aten.slice.Tensor, (block, 1, start - branch.col_lo, stop - branch.col_lo))
             old.replace_all_uses_with(new)
