@@ -62,6 +62,8 @@ def register_op(
     reference: Callable[..., object] | None = None,
     fake: Callable[..., object] | None = None,
     reference_key: str = "CPU",
+    backward: Callable[..., object] | None = None,
+    setup_context: Callable[..., object] | None = None,
 ) -> str:
     """Register `dspark::<schema>` and return the op's name.
 
@@ -69,7 +71,9 @@ def register_op(
     - `reference`: the implementation registered under `reference_key` (None: the op has none, CUDA only);
     - `fake`: the fake impl for fake and meta tensors (None: the op cannot be traced);
     - `reference_key`: `"CPU"` (the default; the op also gets the CUDA entry) or `"CompositeExplicitAutograd"`
-      (a reference that serves every device; no entry).
+      (a reference that serves every device; no entry);
+    - `backward`, `setup_context`: the op's derivative on every device (`torch.library.register_autograd`; None:
+      the op is not differentiable).
     """
     if reference_key not in REFERENCE_KEYS:
         raise ValueError(f"reference_key: expected one of {REFERENCE_KEYS}, got {reference_key!r}")
@@ -81,6 +85,8 @@ def register_op(
         torch.library.register_fake(f"dspark::{name}", fake, lib=LIB)
     if reference_key != "CompositeExplicitAutograd":
         LIB.impl(name, _cuda_entry(name), "CompositeExplicitAutograd")
+    if backward is not None:
+        torch.library.register_autograd(f"dspark::{name}", backward, setup_context=setup_context, lib=LIB)
     return name
 
 

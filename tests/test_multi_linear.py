@@ -85,3 +85,45 @@ def test_cuda_calls_reach_the_library_entry():
 def test_variant_op_is_cuda_only():
     with pytest.raises(NotImplementedError, match="CUDA"):
         torch.ops.dspark._multi_linear_variant(*_case(), 0, 0)
+
+
+def _grads(fn, x, weights, biases):
+    """`fn(x, weights, biases).sum() * 1.5` differentiated: the gradients of x, each weight and each bias."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *weights, *biases)]
+    n = len(weights)
+    (fn(leaves[0], leaves[1 : 1 + n], leaves[1 + n :]).sum() * 1.5).backward()
+    return [t.grad for t in leaves]
+
+
+def test_gradients_match_the_formulas():
+    """Backward: x's gradient sums every range's block against its rows, a weight's gradient fills its used rows
+    (zeros elsewhere; the same weight passed twice adds up), a bias's its used rows; against autograd of the formula
+    in fp64. opcheck with inputs that need gradients."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 24, generator=gen)
+    shared = torch.randn(20, 24, generator=gen)
+    weights = [shared, torch.randn(9, 24, generator=gen), shared]
+    biases = [torch.randn(20, generator=gen), torch.randn(9, generator=gen), torch.randn(20, generator=gen)]
+    starts, counts = [2, 0, 10], [6, 9, 7]
+
+    def formula(x, ws, bs):
+        blocks = zip(ws, bs, starts, counts, strict=True)
+        return torch.cat([x @ w[s : s + c].T + b[s : s + c] for w, b, s, c in blocks], 1)
+
+    got = _grads(lambda x, ws, bs: op(x, ws, starts, counts, bs), x, weights, biases)
+    want = _grads(formula, x.double(), [w.double() for w in weights], [b.double() for b in biases])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    assert not got[1][:2].any() and not got[1][8:].any()  # rows of the first range only: 2..7
+    need = [x.requires_grad_(), [w.clone().requires_grad_() for w in weights], starts, counts, biases]
+    torch.library.opcheck(op, tuple(need))
+
+
+def test_a_bias_list_with_none_cannot_carry_gradients():
+    """torch.library differentiates a tensor list only when every entry is a tensor: a bias that needs a gradient
+    next to a None, in a call that x or a weight makes differentiable, raises naming biases (its gradient would be
+    dropped otherwise; docs/ops.md)."""
+    x, w = torch.randn(3, 8, requires_grad=True), [torch.randn(4, 8), torch.randn(4, 8)]
+    with pytest.raises(ValueError, match="biases needs a gradient but holds None entries"):
+        op(x, w, [0, 0], [4, 4], [None, torch.randn(4, requires_grad=True)])
+    assert op(x, w, [0, 0], [4, 4], [None, torch.randn(4)]).shape == (3, 8)

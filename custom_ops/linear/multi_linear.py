@@ -301,10 +301,48 @@ def kernel_variants() -> list[KernelVariant]:
     return variants
 
 
+def _setup_backward(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weights, row_starts, row_counts, biases = inputs
+    if any(b is None for b in biases) and any(b is not None and b.requires_grad for b in biases):
+        raise ValueError(
+            "multi_linear: biases needs a gradient but holds None entries: torch.library differentiates a tensor "
+            "list only when every entry is a tensor, so pass zeros for the ranges without a bias"
+        )
+    ctx.save_for_backward(x, *weights)
+    ctx.ranges = (list(row_starts), list(row_counts))
+    ctx.bias_shapes = [None if b is None else b.shape for b in biases]
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple:
+    """Each range's block of `grad` against its rows: `x`'s gradient sums `g_i @ W_i`, weight `i` gets `g_i^T @ x` in
+    its used rows (zeros elsewhere), a bias the column sums of `g_i` in its used rows."""
+    x, *weights = ctx.saved_tensors
+    starts, counts = ctx.ranges
+    grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+    grad_weights, grad_biases, col = [], [], 0
+    for w, start, count, bias_shape in zip(weights, starts, counts, ctx.bias_shapes, strict=True):
+        g = grad[:, col : col + count]
+        col += count
+        if grad_x is not None:
+            grad_x += g @ w[start : start + count]
+        gw = torch.zeros_like(w)
+        gw[start : start + count] = g.transpose(0, 1) @ x
+        grad_weights.append(gw)
+        if bias_shape is None:
+            grad_biases.append(None)
+        else:
+            gb = grad.new_zeros(bias_shape)
+            gb[start : start + count] = g.sum(0)
+            grad_biases.append(gb)
+    return grad_x, grad_weights, None, None, None if any(g is None for g in grad_biases) else grad_biases
+
+
 register_op(
     "multi_linear(Tensor x, Tensor[] weights, int[] row_starts, int[] row_counts, Tensor?[] biases) -> Tensor",
     reference=multi_linear_reference,
     fake=_multi_linear_fake,
+    backward=_backward,
+    setup_context=_setup_backward,
 )
 
 
