@@ -95,15 +95,16 @@ def _grads(fn, x, weights, biases):
     return [t.grad for t in leaves]
 
 
-def test_gradients_match_the_formulas():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_match_the_formulas(dtype):
     """Backward: x's gradient sums every range's block against its rows, a weight's gradient fills its used rows
     (zeros elsewhere; the same weight passed twice adds up), a bias's its used rows; against autograd of the formula
     in fp64. opcheck with inputs that need gradients."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 24, generator=gen)
-    shared = torch.randn(20, 24, generator=gen)
-    weights = [shared, torch.randn(9, 24, generator=gen), shared]
-    biases = [torch.randn(20, generator=gen), torch.randn(9, generator=gen), torch.randn(20, generator=gen)]
+    x = torch.randn(5, 24, generator=gen).to(dtype)
+    shared = torch.randn(20, 24, generator=gen).to(dtype)
+    weights = [shared, torch.randn(9, 24, generator=gen).to(dtype), shared]
+    biases = [torch.randn(n, generator=gen).to(dtype) for n in (20, 9, 20)]
     starts, counts = [2, 0, 10], [6, 9, 7]
 
     def formula(x, ws, bs):
@@ -112,8 +113,10 @@ def test_gradients_match_the_formulas():
 
     got = _grads(lambda x, ws, bs: op(x, ws, starts, counts, bs), x, weights, biases)
     want = _grads(formula, x.double(), [w.double() for w in weights], [b.double() for b in biases])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * w.abs().max().item())
     assert not got[1][:2].any() and not got[1][8:].any()  # rows of the first range only: 2..7
     need = [x.requires_grad_(), [w.clone().requires_grad_() for w in weights], starts, counts, biases]
     torch.library.opcheck(op, tuple(need))

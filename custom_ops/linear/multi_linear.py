@@ -314,17 +314,18 @@ def _setup_backward(ctx, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _backward(ctx, grad: torch.Tensor) -> tuple:
-    """Each range's block of `grad` against its rows: `x`'s gradient sums `g_i @ W_i`, weight `i` gets `g_i^T @ x` in
-    its used rows (zeros elsewhere), a bias the column sums of `g_i` in its used rows."""
+    """Each range's block of `grad` against its rows: `x`'s gradient sums `g_i @ W_i` (in fp32, rounded once, as one
+    GEMM over the concatenated rows would), weight `i` gets `g_i^T @ x` in its used rows (zeros elsewhere), a bias
+    the column sums of `g_i` in its used rows."""
     x, *weights = ctx.saved_tensors
     starts, counts = ctx.ranges
-    grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+    grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[0] else None
     grad_weights, grad_biases, col = [], [], 0
     for w, start, count, bias_shape in zip(weights, starts, counts, ctx.bias_shapes, strict=True):
         g = grad[:, col : col + count]
         col += count
         if grad_x is not None:
-            grad_x += g @ w[start : start + count]
+            grad_x += g.float() @ w[start : start + count].float()
         gw = torch.zeros_like(w)
         gw[start : start + count] = g.transpose(0, 1) @ x
         grad_weights.append(gw)
@@ -334,6 +335,7 @@ def _backward(ctx, grad: torch.Tensor) -> tuple:
             gb = grad.new_zeros(bias_shape)
             gb[start : start + count] = g.sum(0)
             grad_biases.append(gb)
+    grad_x = None if grad_x is None else grad_x.to(x.dtype)
     return grad_x, grad_weights, None, None, None if any(g is None for g in grad_biases) else grad_biases
 
 
