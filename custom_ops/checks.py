@@ -1,5 +1,5 @@
-"""Value-range checks of the `dspark` ops: always on CPU, opt-in on CUDA (they need a host sync there); and
-`is_aligned`, the alignment test the families' structural checks share.
+"""Value-range checks of the `dspark` ops: always on CPU, opt-in on CUDA (they need a host sync there); and the
+layout tests the families' structural checks share: `is_aligned`, `overlaps_itself`, `share_memory`.
 
 The contract (docs/contract.md): structural checks (types, dtypes, shapes, strides, devices, scalar arguments)
 always raise before anything is modified, on every device. Index *values* (slots, positions, request ids) are
@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["check_index_range", "checks", "checks_enabled", "is_aligned", "must_check_values", "set_checks"]
 
@@ -101,3 +103,51 @@ def is_aligned(t: torch.Tensor, alignment: int) -> bool:
     align every storage to at least 16 bytes, and a fake tensor has no address): the CUDA bindings check the
     address itself, which agrees for every tensor torch allocated, so CPU, fake and CUDA raise alike."""
     return t.storage_offset() * t.element_size() % alignment == 0
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Sufficient test of internal overlap: in order of increasing stride, every dim steps past the whole block
+    spanned by the dims before it (a broadcast or otherwise self-overlapping view fails it)."""
+    span = 1
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride < span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
+    """Whether `delta == sum(d_k * stride_k)` for some `|d_k| < size_k`, dims `(stride, size)` by decreasing stride.
+    For a layout that does not overlap itself each stride exceeds the reach of the dims after it, so at most two
+    digits fit each level."""
+    if not dims:
+        return delta == 0
+    (stride, size), inner = dims[0], dims[1:]
+    reach = sum((n - 1) * s for s, n in inner)
+    lo = max(-(size - 1), -((reach - delta) // stride))
+    hi = min(size - 1, (delta + reach) // stride)
+    return any(_offsets_meet(delta - d * stride, inner) for d in range(lo, hi + 1))
+
+
+def share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` have a byte in common. Exact for two views of one storage with the same element size,
+    shape and strides (e.g. the K and V halves of an interleaved `[S, 2, heads, head_dim]` buffer, or the layers of a
+    stacked one); for other pairs in one storage, whether their byte ranges intersect (storage offsets and strides
+    count elements of each tensor's own size). Works on fake tensors (the storage identity is `StorageWeakRef`, no
+    data pointer is read); a size not known at compile time (a data-dependent token count) is taken as nonzero."""
+    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    if guard_or_false(a.numel() == 0) or guard_or_false(b.numel() == 0):
+        return False
+    a_lo, b_lo = a.storage_offset(), b.storage_offset()
+    a_hi = a_lo + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
+    b_hi = b_lo + sum((n - 1) * s for n, s in zip(b.shape, b.stride(), strict=True))
+    a_size, b_size = a.element_size(), b.element_size()
+    if a_size != b_size:
+        return a_lo * a_size < (b_hi + 1) * b_size and b_lo * b_size < (a_hi + 1) * a_size
+    if a_hi < b_lo or b_hi < a_lo:
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or overlaps_itself(a):
+        return True
+    dims = sorted(((s, n) for n, s in zip(a.shape, a.stride(), strict=True) if n > 1), reverse=True)
+    return _offsets_meet(b_lo - a_lo, dims)

@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from custom_ops.checks import is_aligned
+from custom_ops.checks import is_aligned, share_memory
 
 FLT_MAX = torch.finfo(torch.float32).max
 HEAD_DIMS = (128, 512)
@@ -196,23 +195,12 @@ def page_range(pages: int) -> str:
     return f"expected >= 0 and < {pages} (pages of state)"
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) bytes of `t`'s storage that its elements reach."""
-    end = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-    return t.storage_offset() * t.element_size(), end * t.element_size()
-
-
 def check_no_shared_memory(name: str, written: torch.Tensor, inputs: Iterable[tuple[str, torch.Tensor]]) -> None:
     """`written` (a tensor the op writes) shares no byte with any of `inputs` (tensors it reads meanwhile), else
-    `ValueError`: byte spans within one storage are compared (a strided input whose span straddles `written` counts
-    as sharing), the storage identity by `StorageWeakRef`, so a fake tensor answers as a real one."""
+    `ValueError` (`custom_ops.checks.share_memory`: storages, offsets and strides, so a fake tensor answers as a
+    real one)."""
     for other, t in inputs:
-        if StorageWeakRef(written.untyped_storage()) != StorageWeakRef(t.untyped_storage()):
-            continue
-        if written.numel() == 0 or t.numel() == 0:
-            continue
-        (a_lo, a_hi), (b_lo, b_hi) = _byte_span(written), _byte_span(t)
-        if a_lo < b_hi and b_lo < a_hi:
+        if share_memory(written, t):
             raise ValueError(
                 f"{name}: must not share memory with {other} (the op writes {name} while it reads {other})"
             )

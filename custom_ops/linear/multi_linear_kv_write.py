@@ -88,11 +88,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from custom_ops._library import register_op
-from custom_ops.checks import check_index_range, is_aligned, must_check_values
+from custom_ops.checks import check_index_range, is_aligned, must_check_values, overlaps_itself, share_memory
 from custom_ops.linear.multi_linear import FLOAT_DTYPES
 
 __all__ = ["layer_kv", "multi_linear_kv_write_reference", "rope_rows", "rotary_dim", "table_form"]
@@ -220,54 +218,6 @@ def _check_rope(x: torch.Tensor, caches: Sequence[torch.Tensor], positions: torc
             )
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Sufficient test of internal overlap: in order of increasing stride, every dim steps past the whole block
-    spanned by the dims before it (a broadcast or otherwise self-overlapping view fails it)."""
-    span = 1
-    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
-        if stride < span:
-            return True
-        span += (size - 1) * stride
-    return False
-
-
-def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
-    """Whether `delta == sum(d_k * stride_k)` for some `|d_k| < size_k`, dims `(stride, size)` by decreasing stride.
-    For a layout that does not overlap itself each stride exceeds the reach of the dims after it, so at most two
-    digits fit each level."""
-    if not dims:
-        return delta == 0
-    (stride, size), inner = dims[0], dims[1:]
-    reach = sum((n - 1) * s for s, n in inner)
-    lo = max(-(size - 1), -((reach - delta) // stride))
-    hi = min(size - 1, (delta + reach) // stride)
-    return any(_offsets_meet(delta - d * stride, inner) for d in range(lo, hi + 1))
-
-
-def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` have a byte in common. Exact for two views of one storage with the same element size,
-    shape and strides (e.g. the K and V halves of an interleaved `[S, 2, heads, head_dim]` buffer, or the layers of a
-    stacked one); for other pairs in one storage, whether their byte ranges intersect (storage offsets and strides
-    count elements of each tensor's own size). Works on fake tensors (the storage identity is `StorageWeakRef`, no
-    data pointer is read); a size not known at compile time (a data-dependent token count) is taken as nonzero."""
-    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
-        return False
-    if guard_or_false(a.numel() == 0) or guard_or_false(b.numel() == 0):
-        return False
-    a_lo, b_lo = a.storage_offset(), b.storage_offset()
-    a_hi = a_lo + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
-    b_hi = b_lo + sum((n - 1) * s for n, s in zip(b.shape, b.stride(), strict=True))
-    a_size, b_size = a.element_size(), b.element_size()
-    if a_size != b_size:
-        return a_lo * a_size < (b_hi + 1) * b_size and b_lo * b_size < (a_hi + 1) * a_size
-    if a_hi < b_lo or b_hi < a_lo:
-        return False
-    if a.shape != b.shape or a.stride() != b.stride() or _overlaps_itself(a):
-        return True
-    dims = sorted(((s, n) for n, s in zip(a.shape, a.stride(), strict=True) if n > 1), reverse=True)
-    return _offsets_meet(b_lo - a_lo, dims)
-
-
 def _named_caches(k_caches, v_caches) -> list[tuple[str, torch.Tensor]]:
     return [
         (f"{kind}_caches[{i}]", c) for kind, caches in (("k", k_caches), ("v", v_caches)) for i, c in enumerate(caches)
@@ -285,7 +235,7 @@ def _check_caches(x: torch.Tensor, k_caches, v_caches, num_kv_heads: int, head_d
         if c.dtype != x.dtype:
             raise _wrong_type(f"{name} dtype {c.dtype} differs from x dtype {x.dtype}")
         _check_device(name, c, x)
-        if c.numel() and _overlaps_itself(c):
+        if c.numel() and overlaps_itself(c):
             raise _fail(
                 f"{name} must not overlap itself (its rows are written independently), got strides {tuple(c.stride())}"
             )
@@ -320,7 +270,7 @@ def _check_aliasing(caches: list[tuple[str, torch.Tensor]], inputs: list[tuple[s
     cache in one pass, so an overlap would make the result depend on the order of the writes."""
     for j, (name, c) in enumerate(caches):
         for other, t in [*caches[:j], *inputs]:
-            if t is not None and _share_memory(c, t):
+            if t is not None and share_memory(c, t):
                 raise _fail(f"{name} shares memory with {other}: the caches must not overlap each other or any input")
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from dspark_fx.passes.graph_utils import aten, gemm_activation, op_name, tensor_val
-from dspark_fx.passes.kv_symbolic import Evaluation, Sym
+from dspark_fx.passes.kv_symbolic import Evaluation, Sym, same_size
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)  # a leaf of these is another projection
 
@@ -133,7 +133,6 @@ def _squares_in_float32(ev: Evaluation, value: fx.Node, gemm: fx.Node) -> None:
             default=0.0,
         )
 
-    order = {n: i for i, n in enumerate(value.graph.nodes)}
     seen: set[fx.Node] = set()
     todo = [value]
     found: list[fx.Node] = []
@@ -149,6 +148,7 @@ def _squares_in_float32(ev: Evaluation, value: fx.Node, gemm: fx.Node) -> None:
         if any(degree(int(e)) >= 2 for e in np.unique(sym.ids)):
             found.append(node)
     if found:
+        order = {n: i for i, n in enumerate(value.graph.nodes)}
         node = min(found, key=order.__getitem__)
         raise NotTheFormula(
             "norm",
@@ -172,18 +172,11 @@ def _product_of_projected(value: fx.Node, gemms: set[fx.Node], head_dim: int) ->
         if (
             act is not None
             and act.dim() == 2
-            and _same_size(act.shape[1], head_dim)
-            and not _same_size(act.shape[0], tokens.shape[0])
+            and same_size(act.shape[1], head_dim)
+            and not same_size(act.shape[0], tokens.shape[0])
         ):
             return gemm
     return None
-
-
-def _same_size(a: object, b: object) -> bool:
-    """Whether two sizes (ints or SymInts) are the same expression, without adding a guard."""
-    a = a.node.expr if isinstance(a, torch.SymInt) else a
-    b = b.node.expr if isinstance(b, torch.SymInt) else b
-    return bool(a == b)
 
 
 class _Terms:

@@ -424,10 +424,10 @@ def _whole(source: Any, d: int, start: Any, stop: Any, step: Any) -> bool:
         return False
     if _open_end(stop):
         return True
-    return val is not None and d < val.dim() and _same_size(stop, val.shape[d])
+    return val is not None and d < val.dim() and same_size(stop, val.shape[d])
 
 
-def _same_size(a: Any, b: Any) -> bool:
+def same_size(a: Any, b: Any) -> bool:
     """Whether two sizes (ints or SymInts) are the same expression."""
     exprs = [v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(v) for v in (a, b) if v is not None]
     return len(exprs) == 2 and sympy.simplify(exprs[0] - exprs[1]) == 0

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "common/error_format.h"
+#include "common/memory_overlap.h"
 #include "dsv4/dsv4_ratio.h"
 
 namespace dspark {
@@ -25,19 +26,11 @@ inline void check_ratio(int64_t ratio) {
 }
 
 // custom_ops/dsv4/common.py, check_no_shared_memory: `written` (a tensor the op writes) shares no byte with any of
-// `inputs` (tensors it reads meanwhile); byte spans within one storage are compared.
+// `inputs` (tensors it reads meanwhile; common/memory_overlap.h).
 inline void check_no_shared_memory(const char* name, const at::Tensor& written,
                                    std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
-  const auto span = [](const at::Tensor& t) {
-    int64_t end = t.storage_offset() + 1;
-    for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
-    return std::pair<int64_t, int64_t>{t.storage_offset() * t.element_size(), end * t.element_size()};
-  };
   for (const auto& [other, t] : inputs) {
-    if (written.numel() == 0 || t->numel() == 0 || !written.storage().is_alias_of(t->storage())) continue;
-    const auto [a_lo, a_hi] = span(written);
-    const auto [b_lo, b_hi] = span(*t);
-    TORCH_CHECK_VALUE(!(a_lo < b_hi && b_lo < a_hi), name, ": must not share memory with ", other, " (the op writes ",
+    TORCH_CHECK_VALUE(!share_memory(written, *t), name, ": must not share memory with ", other, " (the op writes ",
                       name, " while it reads ", other, ")");
   }
 }
