@@ -459,13 +459,12 @@ at::Tensor multi_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const auto all_batched = [&] {
     return gemm_runs.size() == 1 ? strided_block(x, gemm_runs[0], rows) > 0 : batches_every_run(x, gemm_runs);
   };
-  const bool kernels_read = kernel_blocker(x, runs) == nullptr;  // the same layout rules for both kernels
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, x.device());
   const auto run_count = static_cast<int64_t>(runs.size());
-  if (kernels_read && syncs_on(x.device()) && stream_pays(x.size(0), run_count, rows, sm_count)) {
-    dispatch_kernel(x, runs, out, kStreamVariant, 0);
-  } else if (kernels_read && kernel_pays(x.size(0), run_count, rows, all_batched)) {
-    dispatch_kernel(x, runs, out, -1, 0);
+  const bool stream = syncs_on(x.device()) && stream_pays(x.size(0), run_count, rows, sm_count);
+  // the layout is asked about only where a kernel would run; the same rules hold for both kernels
+  if ((stream || kernel_pays(x.size(0), run_count, rows, all_batched)) && kernel_blocker(x, runs) == nullptr) {
+    dispatch_kernel(x, runs, out, stream ? kStreamVariant : -1, 0);
   } else {
     cublas_path(x, weights, row_starts, biases, gemm_runs, out, /*batched=*/true);
   }
