@@ -108,13 +108,14 @@ class HFStyleDraft(nn.Module):
         return [layer(x, cos, sin) for layer in self.layers]
 
 
-HF_WRITES = ("index_copy", "index_put", "slice")
+HF_WRITES = ("index_copy", "index_put", "scatter", "slice")
 
 
 class HFStyleKVWriter(HFStyleDraft):
     """`HFStyleDraft` whose K/V go into per-layer `[slots, kv_heads, head_dim]` caches (buffers `k_cache_i`,
     `v_cache_i`): `forward(x, positions, loc)` with `loc` a `[T]` slot tensor (`index_copy`: `cache.index_copy_(0,
-    loc, k)`, `index_put`: `cache[loc] = k`) or the first slot, an int (`slice`: `cache[loc : loc + T] = k`)."""
+    loc, k)`, `index_put`: `cache[loc] = k`, `scatter`: `cache.scatter_(0, loc.view(-1, 1, 1).expand_as(k), k)`) or
+    the first slot, an int (`slice`: `cache[loc : loc + T] = k`)."""
 
     def __init__(self, write="index_copy", slots=64, layers=4, kv_heads=2, head_dim=16, **options):
         super().__init__(layers=layers, kv_heads=kv_heads, head_dim=head_dim, **options)
@@ -133,5 +134,7 @@ class HFStyleKVWriter(HFStyleDraft):
                     cache.index_copy_(0, loc, value)
                 elif self.write == "index_put":
                     cache[loc] = value
+                elif self.write == "scatter":
+                    cache.scatter_(0, loc.view(-1, 1, 1).expand_as(value), value)
                 else:
                     cache[loc : loc + x.shape[0]] = value

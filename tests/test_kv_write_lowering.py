@@ -38,6 +38,7 @@ GONE = (
     "aten.mm",
     "aten.addmm",
     "aten.index_put",
+    "aten.scatter",
     "aten.slice_scatter",
     "aten.copy_",
     "aten.rsqrt",
@@ -70,7 +71,7 @@ def _assert_lowered(capture, layers: int, other_scatters: int = 0) -> None:
         counts = op_counts(after)
         assert counts[OP] == 1 and not any(counts[op] for op in GONE), capture.graph_diff()
         writes = op_counts(before)
-        scatters = writes["aten.index_put"] + writes["aten.slice_scatter"] - other_scatters
+        scatters = writes["aten.index_put"] + writes["aten.slice_scatter"] + writes["aten.scatter"] - other_scatters
         assert writes["aten.copy_"] == 2 * layers and scatters == 2 * layers
         args = _op_node(after).args
         assert all(w.op == "placeholder" for w in args[1] + args[4]), "weights must be read in place"
@@ -140,8 +141,20 @@ def test_rotate_half_spellings_lower_on_cuda_with_auto(rotate):
     """On CUDA with the default `kv_write_op="auto"`, through Inductor codegen: each of those spellings becomes the
     op's CUDA kernel and leaves eager's caches (poisoned first: unwritten slots keep their values), bf16, one token
     and then one symbolic graph for 9 and 17."""
+    _lowers_on_cuda_with_auto(HFStyleKVWriter("index_put", rotate=rotate))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("write", [w for w in HF_WRITES if w != "slice"])
+def test_hf_write_forms_lower_on_cuda_with_auto(write):
+    """Each slot-index write form (`index_copy_`, `cache[loc] = k`, `scatter_`) lowers to the op's CUDA kernel under
+    Inductor codegen, as the rotate_half spellings above."""
+    _lowers_on_cuda_with_auto(HFStyleKVWriter(write))
+
+
+def _lowers_on_cuda_with_auto(eager: HFStyleKVWriter) -> None:
     torch._dynamo.reset()
-    eager = HFStyleKVWriter("index_put", rotate=rotate).to(device="cuda", dtype=torch.bfloat16)
+    eager = eager.to(device="cuda", dtype=torch.bfloat16)
     for cache in eager.caches():
         cache.normal_()
     compiled_model = copy.deepcopy(eager)
@@ -400,6 +413,73 @@ def _kept(capture) -> str:
     assert not capture.report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
     assert all(r.n_groups == 1 for r in capture.reports), "the horizontal fusion still fuses the GEMMs"
     return "\n".join(map(str, capture.report.kv_kept))
+
+
+class _ScatterWriter(HFStyleKVWriter):
+    """`HFStyleKVWriter` writing with `scatter_` in the form `how` (see the test)."""
+
+    def __init__(self, how):
+        super().__init__("scatter", slots=24)
+        self.how = how
+
+    def forward(self, x, positions, loc):
+        for (k, v), i in zip(HFStyleDraft.forward(self, x, positions), range(len(self.layers)), strict=True):
+            for cache, value in ((getattr(self, f"k_cache_{i}"), k), (getattr(self, f"v_cache_{i}"), v)):
+                tokens, heads, dim = value.shape
+                if self.how == "int32-slots, unsqueezed":
+                    cache.scatter_(0, loc.long()[:, None, None].expand(tokens, heads, dim), value)
+                elif self.how == "flat rows":
+                    index = loc.view(tokens, 1).expand(tokens, heads * dim)
+                    cache.view(-1, heads * dim).scatter_(0, index, value.reshape(tokens, heads * dim))
+                elif self.how == "first head only":
+                    cache.scatter_(0, loc.view(-1, 1, 1).expand(tokens, 1, dim), value)
+                elif self.how == "fewer index rows than tokens":
+                    cache.scatter_(0, loc[1:].view(-1, 1, 1).expand(tokens - 1, heads, dim), value)
+                elif self.how == "along the heads dim":
+                    cache.scatter_(1, loc.remainder(heads).view(-1, 1, 1).expand(tokens, heads, dim), value)
+                else:  # an index of its own for every element
+                    index = (loc.view(-1, 1, 1) + torch.arange(heads * dim).view(1, heads, dim)) % cache.shape[0]
+                    cache.scatter_(0, index, value)
+
+
+@pytest.mark.parametrize("how", ["int32-slots, unsqueezed", "flat rows"])
+def test_scatter_of_whole_rows_is_a_slot_write(how):
+    """`cache.scatter_(0, loc.view(-1, 1, 1).expand_as(k), k)` writes row i of k to row loc[i]: `cache[loc] = k`,
+    whatever the view of the slot index or of the cache."""
+    capture = _hf_run(_ScatterWriter(how), torch.float32, slots=24)
+    if how == "flat rows":  # the op writes an [S, heads, head_dim] view of each [S, heads * head_dim] cache
+        assert [len(r.kv_writes[0].layers) for r in capture.reports] == [4] * len(capture.reports)
+        assert all(op_counts(g)[OP] == 1 and not op_counts(g)["aten.scatter"] for g in capture.after)
+    else:
+        _assert_lowered(capture, 4)
+
+
+@pytest.mark.parametrize(
+    "how", ["first head only", "fewer index rows than tokens", "along the heads dim", "an index per element"]
+)
+def test_scatter_of_part_of_a_row_or_elementwise_keeps_todays_path(how):
+    """A scatter that writes part of each row, reads part of the value, runs along another dim or scatters each
+    element to a slot of its own is no slot write: it keeps its own ops (the caches still equal eager's)."""
+    capture = _hf_run(_ScatterWriter(how), torch.float32, slots=24)
+    assert "aten.scatter into k_cache_0 [24, 2, 16]: the op writes rows at one slot per token" in _kept(capture)
+
+
+def test_scatter_with_a_negative_slot_raises_in_eager_and_counts_from_the_end_when_lowered():
+    """Documented: eager's `scatter_` raises on a negative index; the lowered write counts it from the end, as
+    `cache[loc] = k` does."""
+    model = _ScatterWriter("int32-slots, unsqueezed")
+    x, positions, loc = torch.randn(3, 64), torch.arange(3), torch.tensor([4, -1, 7], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of bounds"), torch.no_grad():
+        model(x, positions, loc)
+    reference = HFStyleKVWriter("index_put", slots=24)
+    reference.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    capture = CaptureBackend(ALWAYS)
+    with torch.no_grad():
+        reference(x, positions, loc)
+        torch.compile(model, backend=capture)(x, positions, loc)
+    assert len(capture.report.kv_writes) == 1
+    assert_close_for_dtype(model.caches(), reference.caches())
 
 
 class _WritesAndReturnsK(DraftKVWriter):

@@ -17,7 +17,9 @@ After (the weights, norm weights, tables and caches are the original placeholder
 would skip a negative slot), so no kernel runs before the op to wrap them.
 
 Write sites (each the only mutation of a cache placeholder, its new value read by nothing but the final `copy_`):
-`index_put(cache, [loc], value)` (`cache[loc] = k`, `cache.index_copy_(0, loc, k)`); `slice_scatter(cache,
+`index_put(cache, [loc], value)` (`cache[loc] = k`, `cache.index_copy_(0, loc, k)`), or `scatter(cache, 0,
+expand(view(loc, [T, 1, 1]), [T, h, d]), value)` (`cache.scatter_(0, loc.view(-1, 1, 1).expand_as(k), k)`: whole
+rows, the same write but that eager raises on a negative slot); `slice_scatter(cache,
 copy(slice(cache, 0, a, b), value), 0, a, b)` (`cache[a:b] = k`, `a >= 0`; the op gets `a + arange(T)`); and
 `index_put(cache, [view(loc2d, [-1])], where(keep, value, index(cache, [view(loc2d, [-1])])))` with `keep =
 view(lt(unsqueeze(arange(W), 0), unsqueeze(lens, 1)), [-1, 1, 1])` (rows `j < lens[b]` of `loc2d [B, W]`: the op's
@@ -104,7 +106,7 @@ prims = torch.ops.prims
 _GEMMS = (aten.mm.default, aten.addmm.default)
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _COPIES = (aten.alias.default, aten.clone.default)
-_SCATTERS = (aten.index_put.default, aten.slice_scatter.default, aten.select_scatter.default)
+_SCATTERS = (aten.index_put.default, aten.slice_scatter.default, aten.select_scatter.default, aten.scatter.src)
 # writes into a cache reported as kept (`_other_write`) when none of the forms above matched, through any layout view
 _ANY_SCATTER = (
     *_SCATTERS,
@@ -388,14 +390,46 @@ def _strip_layout_views(node: fx.Node) -> fx.Node:
 
 
 def _index_site(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node | None = None) -> _Site | None:
-    """`index_put(target, [loc], value)` written back to `cache` (`target`: the cache, or a view of it)."""
+    """`index_put(target, [loc], value)` written back to `cache` (`target`: the cache, or a view of it), or the same
+    write as a `scatter` (`_scattered_rows`)."""
     target = cache if target is None else target
+    if new.target is aten.scatter.src and new.args[0] is target and not new.kwargs:
+        loc = _scattered_rows(target, new)
+        return _indexed(cache, copy, new, target, loc, new.args[3]) if loc is not None else None
     if new.target is not aten.index_put.default or new.args[0] is not target:
         return None
     indices = new.args[1]
     if _accumulates(new) or len(indices) != 1 or not isinstance(indices[0], fx.Node):
         return None
     return _indexed(cache, copy, new, target, indices[0], new.args[2])
+
+
+def _scattered_rows(target: fx.Node, scatter: fx.Node) -> fx.Node | None:
+    """The 1-D slot index `loc` of `scatter(target, 0, expand(view(loc, [T, 1, ..]), [T, *rows]), value)` with
+    `value` of the index's shape (`cache.scatter_(0, loc.view(-1, 1, 1).expand_as(k), k)`): every element of row
+    `i` of `value` goes to row `loc[i]` of `target`, which is `target[loc] = value`. Eager raises on a negative
+    index here, where `target[loc] = value` counts it from the end, as the op then does."""
+    _, dim, index, value = scatter.args
+    if not isinstance(index, fx.Node) or index.target is not aten.expand.default:
+        return None
+    if not _have_vals(target, index, value):
+        return None
+    rank = tensor_val(target).dim()
+    if not isinstance(dim, int) or dim % rank != 0 or tensor_val(index).dim() != rank:
+        return None
+    index_shape, rows = tensor_val(index).shape, tensor_val(target).shape[1:]
+    if not same_shape(index_shape[1:], rows) or not same_shape(tensor_val(value).shape, index_shape):
+        return None
+    loc = index.args[0]
+    while isinstance(loc, fx.Node) and _have_vals(loc) and tensor_val(loc).dim() > 1:
+        if loc.target not in (*_VIEWS, aten.unsqueeze.default):
+            return None
+        if not same_shape(tensor_val(loc).shape, [index_shape[0], *[1] * (tensor_val(loc).dim() - 1)]):
+            return None
+        loc = loc.args[0]
+    if not isinstance(loc, fx.Node) or not _slot_index(loc) or not same_shape(tensor_val(loc).shape, index_shape[:1]):
+        return None
+    return loc
 
 
 def _accumulates(put: fx.Node) -> bool:
@@ -832,7 +866,8 @@ def _other_write(copy: fx.Node, names: Namer) -> KVKept:
         (f"{writes} writes into one cache in a call, the last " if writes > 1 else "")
         + f"{op_name(scatter)}{' with accumulate=True (adding to the rows)' if adds else ''} into {names.of(cache)} "
         f"{list(tensor_val(cache).shape)}: the op writes "
-        "rows at one slot per token (cache[loc] = k, index_copy_, index_put_, cache[a:b] = k, the commit-where form) "
+        "rows at one slot per token (cache[loc] = k, index_copy_, index_put_, scatter_ of whole rows along the slot "
+        "dim, cache[a:b] = k, the commit-where form) "
         "of an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
         "cache whose other dims but heads and head_dim have size 1",
         scatter,
