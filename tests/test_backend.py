@@ -141,6 +141,20 @@ def test_an_installed_pass_manager_does_not_run_twice_under_a_backend():
     assert counters["dspark_fx"]["pass_runs"] == 1 and log == [("user", False)]
 
 
+def test_the_user_passes_of_an_installed_pass_manager_still_run_under_a_backend():
+    """README's way to keep a user pass with the pass installed for plain torch.compile, `DsparkPassManager(
+    user_pass=...)`: under a dspark backend the manager gives way to the backend's, and its user passes run, in
+    their place among the installed ones."""
+    torch._dynamo.reset()
+    counters.clear()
+    log = []
+    installed = [_Recording("first", log), DsparkPassManager(user_pass=[_Recording("a", log), _Recording("b", log)])]
+    with torch._inductor.config.patch(post_grad_custom_post_pass=installed):
+        _compile_and_run(make_backend(inner="aot_eager"))
+    assert counters["dspark_fx"]["pass_runs"] == 1
+    assert log == [("first", False), ("a", False), ("b", False)]
+
+
 def test_uuid_of_composed_passes():
     log = []
     base = DsparkPassManager().uuid()

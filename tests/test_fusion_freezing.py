@@ -14,6 +14,8 @@ from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from dspark_fx import make_backend
+from dspark_fx.passes import horizontal
 from dspark_fx.passes.frozen import expose_frozen_weights
 from dspark_fx.passes.gemm_branches import match_gemm
 from dspark_fx.reference_draft import DraftKVWriter
@@ -60,7 +62,7 @@ def test_transposed_view_constant_becomes_its_rows_without_a_copy():
     gm = _frozen_gemm_module(weight.t(), None, None)
     x = torch.randn(5, 16)
     _propagate(gm, x)
-    expose_frozen_weights(gm.graph)
+    expose_frozen_weights(gm.graph).settle(gm.graph)
     gm.recompile()
     (gemm,) = [n for n in gm.graph.nodes if n.target is aten.mm.default]
     branch = match_gemm(gemm)
@@ -82,7 +84,7 @@ def test_concatenated_constant_is_split_back_into_one_gemm_per_piece(with_bias):
     gm = _frozen_gemm_module(cat_t, bias, [8, 12, 8])
     x = torch.randn(5, 16)
     _propagate(gm, x)
-    expose_frozen_weights(gm.graph)
+    expose_frozen_weights(gm.graph).settle(gm.graph)
     gm.graph.lint()
     gm.recompile()
     counts = op_counts(gm)
@@ -147,3 +149,43 @@ def test_frozen_draft_lowers_its_kv_writes_reading_the_frozen_constants(concat_l
         (op,) = [n for n in after.nodes if n.target is torch.ops.dspark.multi_linear_kv_write.default]
         constants = [*op.args[1], *op.args[4], *op.args[7], *op.args[9]]
         assert all(c.op == "get_attr" for c in constants), constants
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [{"min_branches": 10}, None], ids=["fewer-than-min-branches", "cpu-default"])
+def test_frozen_graph_the_pass_leaves_as_it_came_compiles(config, monkeypatch):
+    """Where nothing fuses, the pass restores the graph as it came: the `[K, N]` constants its frozen-weight rewrite
+    had replaced are read again, so they must still be there (the compile failed in Inductor's lint before)."""
+    if config is None:  # GEMM groups do not fuse on CPU by default
+        monkeypatch.setattr(horizontal, "GROUP_GEMM_DEVICES", ("cuda",))
+        config = {}
+    torch._dynamo.reset()
+    cfg = small_config(num_layers=3)
+    eager = DraftKVWriter(cfg)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend({**config, "kv_write_op": "never"}, inner="inductor")
+    with torch.no_grad(), torch._inductor.config.patch(FREEZING):
+        args = draft_inputs(cfg, 7, seed=1)
+        eager(*args)
+        torch.compile(model, backend=capture)(*args)
+    assert_close_for_dtype([c for kv in model.caches() for c in kv], [c for kv in eager.caches() for c in kv])
+    assert not capture.report.groups
+
+
+@pytest.mark.slow
+def test_a_second_frozen_model_of_the_same_shapes_computes_with_its_own_weights(tmp_path, monkeypatch):
+    """Inductor's cache keys frozen parameters by their shapes; the pass's rewrite adds constants to the graph
+    module, which a cache entry would hold by value. So the pass opts out of the cache under freezing (`uuid()` is
+    None) and a second model of the same shapes, other weights, is compiled for itself."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for seed in (0, 1):
+        torch._dynamo.reset()
+        cfg = small_config(num_layers=3, seed=seed)
+        eager = DraftKVWriter(cfg)
+        model = copy.deepcopy(eager)
+        patch = {**FREEZING, "fx_graph_cache": True, "force_disable_caches": False}
+        with torch.no_grad(), torch._inductor.config.patch(patch):
+            args = draft_inputs(cfg, 7, seed=1)
+            eager(*args)
+            torch.compile(model, backend=make_backend({"kv_write_op": "never"}))(*args)
+        assert_close_for_dtype([c for kv in model.caches() for c in kv], [c for kv in eager.caches() for c in kv])

@@ -13,7 +13,8 @@ three GEMMs on one activation (Inductor's concat-linear freezing pattern; on CPU
 This pass gives each such GEMM the operand a parameter's GEMM has, `permute(w, [1, 0])` of an `[N, K]` weight `w`
 with unit inner stride, and `w` is a new frozen constant: `c`'s transpose, a view of the same storage where `c` is
 a transposed view, else a contiguous copy made once, now (the `[K, N]` constant is dropped when nothing else
-reads it, so the weights are not held twice). A concatenated GEMM (a contiguous constant whose output is read
+reads it once the pass keeps its rewrite, so the weights are not held twice; where the pass restores the graph, the
+new constant is dropped instead). A concatenated GEMM (a contiguous constant whose output is read
 only through one column split) becomes one GEMM per used piece again, each on its row range of `w`:
 
     w = get_attr _frozen_param<j>        [3 * 2kv, K], strides (K, 1)
@@ -26,6 +27,7 @@ with any frozen constant, an in-place update of a parameter after compiling is n
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -39,11 +41,33 @@ _GEMMS = (aten.mm.default, aten.addmm.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 
 
-def expose_frozen_weights(graph: fx.Graph) -> None:
+@dataclass
+class FrozenWeights:
+    """The constants `expose_frozen_weights` added to the graph module and those whose GEMMs it rewrote. Nothing is
+    deleted until the pass knows whether its rewrite stays (`settle`): a graph restored as it came reads the old
+    constants again."""
+
+    module: fx.GraphModule | None = None
+    added: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+
+    def settle(self, graph: fx.Graph) -> None:
+        """Drop what `graph` (the final graph) no longer reads: the replaced `[K, N]` constants where the rewrite
+        stayed (so the weights are not held twice), the added ones where the graph was restored."""
+        if self.module is None:
+            return
+        read = {n.target for n in graph.nodes if n.op == "get_attr"}
+        for name in dict.fromkeys(self.added + self.replaced):
+            if name not in read and "." not in name and hasattr(self.module, name):
+                delattr(self.module, name)
+
+
+def expose_frozen_weights(graph: fx.Graph) -> FrozenWeights:
     """Rewrite every GEMM whose weight operand is a frozen `[K, N]` constant (see the module docstring)."""
     gm = graph.owning_module
+    frozen = FrozenWeights(gm)
     if gm is None:
-        return
+        return frozen
     rows_of: dict[str, fx.Node] = {}  # constant name -> its [N, K] transpose
     for gemm in [n for n in graph.nodes if n.target in _GEMMS]:
         operand = gemm.args[-1]
@@ -54,6 +78,8 @@ def expose_frozen_weights(graph: fx.Graph) -> None:
             continue
         if operand.target not in rows_of:
             rows_of[operand.target] = _transposed_constant(graph, gm, operand, constant)
+            frozen.added.append(rows_of[operand.target].target)
+            frozen.replaced.append(operand.target)
         weight = rows_of[operand.target]
         with graph.inserting_before(gemm):
             gemm.args = (*gemm.args[:-1], call(graph, aten.permute.default, (weight, [1, 0])))
@@ -62,9 +88,7 @@ def expose_frozen_weights(graph: fx.Graph) -> None:
             _split_into_pieces(graph, gemm, split, weight)
         if not operand.users:
             graph.erase_node(operand)
-            unread = not any(n.op == "get_attr" and n.target == operand.target for n in graph.nodes)
-            if unread and "." not in operand.target:
-                delattr(gm, operand.target)
+    return frozen
 
 
 def _real_matrix(value: object) -> bool:

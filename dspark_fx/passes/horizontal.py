@@ -70,7 +70,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     eager_layouts = EagerLayouts(graph)
     eliminate_common_subexpressions(graph)
     remove_row_padding(graph)
-    expose_frozen_weights(graph)
+    frozen = expose_frozen_weights(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
         report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names)
@@ -101,6 +101,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
         graph.lint()
     else:  # nothing rewritten: the graph as it came (the normalization alone can change Inductor's kernels)
         restore_graph(graph, snapshot)
+    frozen.settle(graph)
     return report
 
 

@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch.fx as fx
+from torch._inductor import config as inductor_config
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+import custom_ops._build
 import custom_ops.linear.multi_linear
 import custom_ops.linear.multi_linear_kv_write
 from dspark_fx.colocate import ColocatedGroup
 from dspark_fx.config import DsparkConfig, as_config
+from dspark_fx.passes import kv_write
 from dspark_fx.passes.graph_utils import copy_graph
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.passes.outer_products import multiply_outer_products
@@ -85,7 +88,13 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
                 self.observer(before, copy_graph(graph), report)
 
     def uuid(self) -> bytes | None:
+        if inductor_config.freezing:
+            # the frozen weights' rewrite adds constants to the graph module, which Inductor's cache would store by
+            # value under a key that hashes frozen parameters by shape: a model of the same shapes would get them
+            return None
         extra = self.config.to_json()
+        # what the pass emits for CUDA tensors depends on whether the dspark CUDA library can run in this process
+        extra += f"cuda library: {not custom_ops._build.cuda_library_problem()}, {kv_write.has_cuda_kernel()}"
         for user_pass in self.user_passes:
             user_uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
             if user_uuid is None:
