@@ -92,12 +92,16 @@ class DsparkBackend:
 
 
 def _without_managers(user_pass: Any) -> Any:
-    """The installed post-grad passes less any `DsparkPassManager` (one installed for plain `torch.compile`): this
-    backend's own manager takes its place, with the backend's config, instead of the pass running twice."""
+    """The installed post-grad passes with each `DsparkPassManager` (one installed for plain `torch.compile`)
+    replaced by the user passes it composes: this backend's own manager takes its place, with the backend's config,
+    instead of the pass running twice, and those passes still run, in their place."""
     from dspark_fx.passes.manager import DsparkPassManager
 
     passes = user_pass if isinstance(user_pass, (list, tuple)) else [user_pass]
-    return [p for p in passes if p is not None and not isinstance(p, DsparkPassManager)]
+    kept = []
+    for p in passes:
+        kept += list(p.user_passes) if isinstance(p, DsparkPassManager) else [p] if p is not None else []
+    return kept
 
 
 def _input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:

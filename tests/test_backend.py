@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import custom_ops._build
 import dspark_fx
 from dspark_fx import DsparkConfig, make_backend
 from dspark_fx.backend import DsparkBackend
@@ -166,6 +167,18 @@ def test_uuid_of_composed_passes():
     assert DsparkPassManager(user_pass=[]).uuid() == base
     with pytest.raises(TypeError, match="post_grad_custom_post_pass: expected a pass"):
         DsparkPassManager(user_pass=[_Recording("a", log), "not a pass"])
+
+
+def test_uuid_is_none_under_freezing_and_tells_whether_the_cuda_library_runs(monkeypatch):
+    """Under freezing the pass adds constants to the graph module, which Inductor's cache would keep by value under a
+    key that hashes frozen parameters by shape: no key, no cache. What the pass emits for CUDA tensors depends on
+    whether the dspark CUDA library can run here: part of the key."""
+    base = DsparkPassManager().uuid()
+    with torch._inductor.config.patch(freezing=True):
+        assert DsparkPassManager().uuid() is None
+    problem = custom_ops._build.cuda_library_problem()
+    monkeypatch.setattr(custom_ops._build, "cuda_library_problem", lambda: "" if problem else "no nvcc")
+    assert DsparkPassManager().uuid() not in (base, None)
 
 
 @pytest.mark.skipif(_INFERENCE_AWARE is None, reason="torch without inference-aware post-grad passes")
