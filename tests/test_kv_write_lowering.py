@@ -869,6 +869,71 @@ def test_cos_sin_whose_halves_are_only_equal_in_value_say_so(as_inputs):
         assert "nothing in the graph shows that its two halves hold the same numbers" in why.detail, str(why)
 
 
+class _OneRowForAllTokens(torch.nn.Module):
+    """sglang-style `[P, R]` `[cos | sin]` table read at `positions // 64`, but every token rotated by the first
+    token's row (`table[index][0]`), the writes `cache[loc] = k`."""
+
+    def __init__(self, layers=2, hidden=32, heads=2, head_dim=8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.k = torch.nn.ModuleList(torch.nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(layers))
+        self.v = torch.nn.ModuleList(torch.nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(layers))
+        inv_freq = 10000.0 ** -(torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.arange(64).float()[:, None] * inv_freq
+        self.register_buffer("table", torch.cat([angles.cos(), angles.sin()], -1))
+        for i in range(layers):
+            self.register_buffer(f"k_cache_{i}", torch.randn(16, heads, head_dim))
+            self.register_buffer(f"v_cache_{i}", torch.randn(16, heads, head_dim))
+
+    def forward(self, x, positions, loc):
+        cos, sin = self.table[positions // 64][0].chunk(2, -1)
+        half = self.head_dim // 2
+        for i, (k_proj, v_proj) in enumerate(zip(self.k, self.v, strict=True)):
+            k = k_proj(x).view(x.shape[0], self.heads, self.head_dim)
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)
+            a, b = k[..., :half], k[..., half:]
+            getattr(self, f"k_cache_{i}")[loc] = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+            getattr(self, f"v_cache_{i}")[loc] = v_proj(x).view(x.shape[0], self.heads, self.head_dim)
+
+
+def test_one_table_row_for_every_token_is_not_read_per_token():
+    """`table[index][0]` gives every token the first token's row: the op, which reads row `index[t]` for token t,
+    would rotate the others by their own rows (the numeric self-check draws small positions, whose `// 64` is 0 for
+    every token, so the proof itself must see it). Kept, with eager's caches."""
+    torch._dynamo.reset()
+    model = _OneRowForAllTokens()
+    compiled_model = copy.deepcopy(model)
+    capture = CaptureBackend(ALWAYS)
+    x, positions, loc = torch.randn(4, 32), torch.tensor([0, 64, 128, 192]), torch.tensor([0, 5, 9, 14])
+    with torch.no_grad():
+        model(x, positions, loc)
+        torch.compile(compiled_model, backend=capture)(x, positions, loc)
+    assert_close_for_dtype(list(compiled_model.buffers()), list(model.buffers()))
+    assert not capture.report.kv_writes and capture.report.kv_kept, str(capture.report)
+
+
+class _RoundedAngles(HFStyleDraft):
+    """HF's cos/sin of angles rounded to the model dtype first (`(positions.float() * inv_freq).to(x.dtype)`)."""
+
+    def forward(self, x, positions):
+        angles = (positions[:, None].float() * self.inv_freq[None, :]).to(x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        return [layer(x, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)) for layer in self.layers]
+
+
+class _AnglesInModelDtype(HFStyleKVWriter, _RoundedAngles):
+    pass
+
+
+def test_cos_sin_of_angles_rounded_to_the_model_dtype_are_read_as_the_graph_computes_them():
+    """A bf16 angle is off by up to |angle| / 256 radians (positions up to 4096): cos/sin of it are not the op's
+    cos/sin of the fp32 angle (the proof used to leave that rounding out, as it does for values). The op reads the
+    graph's own cos/sin rows instead, and the caches equal eager's to bf16 rounding."""
+    capture = _hf_run(_AnglesInModelDtype("index_put"), torch.bfloat16)
+    _assert_lowered(capture, 4)
+    assert "rows built in the graph from the model's per-token cos/sin" in str(capture.report)
+
+
 def test_explain_reports_the_lowering():
     cfg = small_config(write="commit")
     model = DraftKVWriter(cfg)

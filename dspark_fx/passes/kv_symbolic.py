@@ -731,10 +731,36 @@ def _power_rule(ev: Evaluation, node: fx.Node) -> Sym | None:
 
 
 def _function(ev: Evaluation, node: fx.Node) -> Sym | None:
+    """`cos`, `sin`, `exp` of an expression; a leaf (the graph's own values) where the argument is computed through a
+    float cast that rounds, even one the proof leaves out elsewhere (`Evaluation.rounds`): an angle rounded to bf16
+    is off by up to |angle| / 256 radians, which no tolerance on values covers."""
     x = ev.arg(node, 0)
-    if x.complex:
+    if x.complex or _rounded_on_the_way(ev, node.args[0]):
         return None
     return ev.elementwise(lambda e: ev.alg.fn(_FUNCTIONS[node.target], e), x)
+
+
+def _rounds(cast: fx.Node) -> bool:
+    """Whether a float-to-float cast node does not keep every value."""
+    src, dst = tensor_val(cast.args[0]), tensor_val(cast)
+    if src is None or dst is None or not (src.dtype.is_floating_point and dst.dtype.is_floating_point):
+        return False
+    return not keeps_values(src.dtype, dst.dtype)
+
+
+def _rounded_on_the_way(ev: Evaluation, arg: Any) -> bool:
+    """Whether a float cast that does not keep every value is among the nodes `arg` is computed from (down to the
+    leaves the evaluation holds opaque)."""
+    seen, todo = set(), [arg]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen or node in ev.opaque or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target in (prims.convert_element_type.default, aten._to_copy.default) and _rounds(node):
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
 
 
 def _reduce(ev: Evaluation, node: fx.Node) -> Sym | None:

@@ -84,10 +84,12 @@ def scale_of(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, tokens: Any) -> f
 
 
 def _gathered(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, columns: Any) -> tuple[fx.Node, fx.Node] | None:
-    """`(table, index)` if, for every token, cos/sin element i are the elements `columns(i)` of one gathered row of
-    one table, read at one index node."""
+    """`(table, index)` if, for every token t, cos/sin element i are the elements `columns(i)` of row `index[t]` of
+    one table (one gathered row per token, read at one index node of one element per token: not, say, the first
+    token's row for every token, `table[index][0]`)."""
     alg = ev.alg
     found: set[tuple[fx.Node, fx.Node]] = set()
+    token_rows = []
     for t in range(cos.shape[0]):
         rows = set()
         for i in range(cos.shape[1]):
@@ -99,7 +101,14 @@ def _gathered(ev: Evaluation, cos: np.ndarray, sin: np.ndarray, columns: Any) ->
                 found.add((atom[1], ev.gathers[alg.atom_id(atom)]))
         if len(rows) != 1:
             return None
-    return next(iter(found)) if len(found) == 1 else None
+        token_rows.append(rows.pop())
+    if len(found) != 1:
+        return None
+    table, index = next(iter(found))
+    index_rows = ev(index).ids.reshape(-1)
+    if index_rows.size != len(token_rows) or any(int(r) != row for r, row in zip(index_rows, token_rows, strict=True)):
+        return None
+    return table, index
 
 
 def _table_holds(table: fx.Node, form: str, half: int) -> bool:
