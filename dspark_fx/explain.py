@@ -9,6 +9,7 @@ frames too: those get entries for explain's backend, as with any other backend, 
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,9 +35,11 @@ def explain(
     `config`). It runs under the caller's grad mode, as a compile there would: with grad enabled and parameters
     that require grad, AOTAutograd makes a training graph, which writes no cache in the graph (the report says
     why nothing is lowered). Afterwards the module's parameters and buffers (persistent or not: a KV cache), its
-    attributes, the tensors passed in and `counters["dspark_fx"]` are as they were (tensors a function reaches
-    otherwise, e.g. globals, are not restored). With `colocate_weights` on, the report says which weight groups a
-    compile would move (`colocated`), and none is moved."""
+    attributes (none added), the tensors in them and in the inputs (lists, tuples, dicts and the attributes of plain
+    objects there), the random number generators, Dynamo's recorded sizes and `counters["dspark_fx"]` are as they
+    were (tensors a function reaches otherwise, e.g. globals, are not restored). A module compiled in place or by
+    `torch.compile` is explained as the module, with this `config`. With `colocate_weights` on, the report says
+    which weight groups a compile would move (`colocated`), and none is moved."""
     config = as_config(config, "explain")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile(module): explain the module
         model = model._orig_mod
@@ -46,9 +49,13 @@ def explain(
     backend = DsparkBackend(
         config, inner="aot_eager", observer=lambda _before, _after, report: reports.append(report), move_weights=False
     )
-    # automatic_dynamic_shapes=False: neither read nor update the sizes other compiles of the same code recorded
+    # automatic_dynamic_shapes=False: do not read the sizes other compiles of the same code recorded; and what
+    # Dynamo records of this trace's sizes (keyed by the code's file, line and name, which the fresh code shares) is
+    # put back as it was
     with (
         _restored(model, (example_args, example_kwargs)),
+        torch.random.fork_rng(_current_cuda_devices(), device_type="cuda"),  # dropout and the like draw numbers
+        _recorded_sizes_kept(),
         _fresh_code(model) as entry,
         torch._dynamo.config.patch(automatic_dynamic_shapes=False),
     ):
@@ -57,6 +64,40 @@ def explain(
     for part in reports:
         report.merge(part)
     return report
+
+
+@contextmanager
+def _recorded_sizes_kept() -> Iterator[None]:
+    """Dynamo's record of the sizes each code saw (`torch._dynamo.pgo`, what makes a second size compile a dynamic
+    graph), as it was before."""
+    from torch._dynamo import pgo
+
+    state, init = pgo._CODE_STATE, pgo._INIT_CODE_STATE
+    saved = copy.deepcopy(dict(state)) if state is not None else {}
+    try:
+        yield
+    finally:
+        if state is not None:
+            state.clear()
+            state.update(saved)
+        pgo._CODE_STATE, pgo._INIT_CODE_STATE = state, init
+
+
+def _current_cuda_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+
+
+def _reachable_tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among `values` (lists, tuples, dicts), and among the attributes of the plain objects there (a
+    cache object holding its tensors, as HF's caches do); modules are left to their parameters and buffers."""
+    found = []
+    for leaf in torch.utils._pytree.tree_leaves(values):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif not isinstance(leaf, torch.nn.Module) and isinstance(getattr(leaf, "__dict__", None), dict):
+            inner = torch.utils._pytree.tree_leaves(list(vars(leaf).values()))
+            found += [t for t in inner if isinstance(t, torch.Tensor)]
+    return found
 
 
 def _fresh_function(func: types.FunctionType) -> types.FunctionType:
@@ -79,10 +120,13 @@ def _fresh_code(model: Any) -> Iterator[Any]:
             return
         had_own = "forward" in vars(model)
         own = vars(model).get("forward")
+        compiled_call = getattr(model, "_compiled_call_impl", None)  # nn.Module.compile(): calls go to that
         model.forward = types.MethodType(_fresh_function(func), model)
+        model._compiled_call_impl = None
         try:
             yield model
         finally:
+            model._compiled_call_impl = compiled_call
             if had_own:
                 model.forward = own
             else:
@@ -113,11 +157,12 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
 
     counts = dict(counters["dspark_fx"])
     module = _module_of(model)
-    tensors = torch.utils._pytree.tree_leaves(inputs)
+    tensors = _reachable_tensors(inputs)
     attributes = []
     if module is not None:
         tensors += [*module.parameters(), *module.buffers()]
         attributes = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+        tensors += _reachable_tensors([attrs for _, attrs, _, _ in attributes])
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
     saved = [(t, t.detach().clone(), _version(t), t.requires_grad, t.grad_fn is None) for t in unique.values()]
     try:
@@ -126,6 +171,7 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
         errors = []
         try:
             for m, attrs, params, buffers in attributes:
+                vars(m).clear()  # and without the attributes tracing added
                 vars(m).update(attrs)
                 _refill(m._parameters, params)
                 _refill(m._buffers, buffers)

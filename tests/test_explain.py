@@ -229,3 +229,116 @@ def test_explain_says_which_shared_op_stays_per_branch_and_why(limit, add_weight
         (line,) = cls.kept
         assert line.startswith("aten.") and line.endswith(kept), report
         assert f"kept per branch from {line}" in str(report)
+
+
+class _ResidualAdded(nn.Module):
+    """Three projections of `x`, each plus a residual (`kind="residual"`) or a shift computed in the graph."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lins = nn.ModuleList(nn.Linear(32, 16, bias=False) for _ in range(3))
+        self.shifts = nn.ParameterList(nn.Parameter(torch.randn(16)) for _ in range(3))
+
+    def forward(self, x, residual):
+        if self.kind == "residual":
+            return [lin(x) + residual for lin in self.lins]
+        return [lin(x) + shift * 2 for lin, shift in zip(self.lins, self.shifts, strict=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["residual", "computed-shift"])
+def test_a_term_added_to_each_projection_fuses_under_inductor_as_explain_says(kind):
+    """Inductor's own post-grad passes fold `mm + add` into `addmm` before the pass runs (explain's graph keeps the
+    add): the term is no bias of the weight's rows, and the pass makes it `mm + add` again, so the real compile
+    fuses the group as explain() reports it, with eager's results."""
+    torch._dynamo.reset()
+    model = _ResidualAdded(kind)
+    x, residual = torch.randn(5, 32), torch.randn(5, 16)
+    capture = CaptureBackend(inner="inductor")
+    with torch.no_grad():
+        expected = model(x, residual)
+        report = explain(model, x, residual)
+        got = torch.compile(model, backend=capture)(x, residual)
+    torch.testing.assert_close(got, expected)
+    assert report.n_branches == [3] and capture.report.n_branches == [3], str(capture.report)
+    assert not capture.report.rejected
+
+
+class _Projections(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 16, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return [lin(x) for lin in self.lins]
+
+
+def _symbolic(graph: torch.fx.GraphModule) -> bool:
+    values = [n.meta.get("example_value") for n in graph.graph.nodes if n.op == "placeholder"]
+    return any(isinstance(d, torch.SymInt) for v in values for d in getattr(v, "shape", ()))
+
+
+def test_explain_leaves_the_sizes_dynamo_recorded_as_they_were():
+    """Dynamo records the sizes each code saw by its file, line and name (which explain's fresh code shares): after
+    explain() at 7 tokens, another instance's first compile at 5 is still static, its second size dynamic."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explain(_Projections(), torch.randn(7, 32))
+        graphs = []
+        compiled = torch.compile(_Projections(), backend=lambda gm, _inputs: graphs.append(gm) or gm.forward)
+        compiled(torch.randn(5, 32))
+        compiled(torch.randn(6, 32))
+    assert [_symbolic(g) for g in graphs] == [False, True]
+
+
+def test_explain_reports_a_module_compiled_in_place_without_calling_its_compiled_code():
+    """`module.compile(...)` routes calls to the compiled code: explain() traces the module itself (the report has
+    the group), runs nothing through that code, and leaves it in place."""
+    torch._dynamo.reset()
+    model = _Projections()
+    counter = CompileCounter()
+    model.compile(backend=counter)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        model(x)
+        report = explain(model, x)
+        assert report.n_branches == [3] and counter.frame_count == 1
+        model(x)
+    assert counter.frame_count == 1 and model._compiled_call_impl is not None
+
+
+class _KVHolder:
+    """A cache object holding its tensors, as HF's caches do."""
+
+    def __init__(self):
+        self.keys = [torch.zeros(8, 16) for _ in range(2)]
+
+
+class _WritesEverywhere(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 16, bias=False) for _ in range(2))
+        self.plain = torch.zeros(8, 16)  # a tensor attribute, not a buffer
+        self.listed = [torch.zeros(8, 16) for _ in range(2)]
+        self.held = _KVHolder()
+
+    def forward(self, x, loc, passed):
+        ks = [lin(x) for lin in self.lins]
+        self.plain[loc] = ks[0]
+        for cache, k in zip([*self.listed, *self.held.keys, *passed.keys], ks * 3, strict=True):
+            cache[loc] = k
+        self.seen_tokens = x.shape[0]
+        return [F.dropout(k, 0.5, training=True) for k in ks]
+
+
+def test_explain_restores_tensors_in_attributes_and_objects_removes_new_attributes_and_keeps_the_rng():
+    model, passed, x = _WritesEverywhere(), _KVHolder(), torch.randn(5, 32)
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        explain(model, x, torch.arange(5), passed)
+    assert torch.equal(torch.rand(3), expected)
+    tensors = [model.plain, *model.listed, *model.held.keys, *passed.keys]
+    assert all(not t.any() for t in tensors) and not hasattr(model, "seen_tokens")

@@ -135,6 +135,33 @@ def _row_range(node: fx.Node) -> RowRange | str:
     return f"weight is computed by {op_name(node)} (quantized or transformed weights never fuse)"
 
 
+def split_added_terms(graph: fx.Graph) -> list[fx.Node]:
+    """`addmm(t, x, permute(W))` whose added term `t` is no bias of `W`'s rows (a residual, a computed shift: Inductor
+    folds `mm + add` into `addmm` wherever the term broadcasts to the output) made `add(mm(x, permute(W)), t)`
+    again, as the model wrote it, so the GEMM fuses as an `mm` does. Returns the new `mm` nodes."""
+    split = []
+    for node in [n for n in graph.nodes if n.target is aten.addmm.default and not n.kwargs and len(n.args) == 3]:
+        why = match_gemm(node)
+        if not isinstance(why, str) or not (why.startswith("bias: ") or why == _BIAS_ROWS):
+            continue
+        term, x, w_t = node.args
+        with graph.inserting_before(node):
+            product = call(graph, aten.mm.default, (x, w_t))
+            if isinstance(match_gemm(product), str):
+                graph.erase_node(product)
+                continue
+            total = call(graph, aten.add.Tensor, (product, term))
+        for new in (product, total):
+            new.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+        split.append(product)
+    return split
+
+
+_BIAS_ROWS = "bias rows do not match the weight rows"
+
+
 def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     """A `GemmBranch` for a fusable GEMM, a reason string for a GEMM that cannot fuse, None for other nodes."""
     if node.target is aten.mm.default:
@@ -170,7 +197,7 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
             return "bias: " + bias_rows
         same_rows = (bias_rows.start, bias_rows.stop) == (rows.start, rows.stop)
         if not same_rows or tensor_val(bias_rows.base).shape != (tensor_val(rows.base).shape[0],):
-            return "bias rows do not match the weight rows"
+            return _BIAS_ROWS
     bias_base = bias_rows.base if bias_rows is not None else None
     return GemmBranch(node, x, rows.base, rows.start, rows.stop - rows.start, bias_base)
 

@@ -71,6 +71,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     eliminate_common_subexpressions(graph)
     remove_row_padding(graph)
     frozen = expose_frozen_weights(graph)
+    gemm_branches.split_added_terms(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
         report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names)
