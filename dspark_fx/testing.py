@@ -11,6 +11,7 @@ assert_close_for_dtype(out, model(*inputs))
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -49,13 +50,15 @@ def assert_ops(graph: fx.Graph | fx.GraphModule, expected: dict[str, int]) -> No
     """Assert exact op counts, e.g. `{"aten.mm": 0, "dspark.multi_linear": 1}`; names are `op_counts`'s (`namespace.op`
     of a registered op, no overload, or a Python callable's name such as `getitem`): any other name raises
     `ValueError`, so a misspelled op expected 0 times cannot pass unseen."""
-    unknown = [op for op in expected if not _is_op_name(op)]
+    counts = op_counts(graph)
+    unknown = [op for op in expected if not _is_op_name(op, counts)]
     if unknown:
+        hints = [f"{ns}.{op}" for op in unknown for ns in _NAMESPACES if "." not in op and _registered(ns, op)]
         raise ValueError(
             f"assert_ops: {unknown} are not op names as op_counts writes them ('aten.mm', 'dspark.multi_linear', "
-            "'getitem': a registered op's namespace.name without overload, or a callable's name)"
+            "'getitem': a registered op's namespace.name without overload, or the name of a Python callable in the "
+            "graph, of the operator module or of a higher-order op)" + (f"; did you mean {hints}?" if hints else "")
         )
-    counts = op_counts(graph)
     wrong = {op: (counts[op], n) for op, n in expected.items() if counts[op] != n}
     if wrong:
         lines = ", ".join(f"{op}: found {got}, expected {want}" for op, (got, want) in wrong.items())
@@ -67,10 +70,10 @@ def assert_close_for_dtype(actual: Any, expected: Any, dtype: torch.dtype | None
     project's dtype tolerances (`TOLERANCES`: fp32 1e-5, fp16 5e-3, bf16 2e-2; any other dtype exactly)."""
     leaves_a, spec_a = torch.utils._pytree.tree_flatten(actual)
     leaves_e, spec_e = torch.utils._pytree.tree_flatten(expected)
-    assert spec_a == spec_e, f"the outputs' structure differs:\n{spec_a}\nexpected\n{spec_e}"
+    _check(spec_a == spec_e, f"the outputs' structure differs:\n{spec_a}\nexpected\n{spec_e}")
     for a, e in zip(leaves_a, leaves_e, strict=True):
         if not isinstance(e, torch.Tensor):
-            assert a == e
+            _check(a == e, f"{a!r} != {e!r}")
             continue
         tol = TOLERANCES.get(dtype or e.dtype, 0.0)
         torch.testing.assert_close(a, e, rtol=tol, atol=tol)
@@ -123,11 +126,11 @@ class CaptureBackend:
 
     def assert_fused(self, n_groups: int, n_branches: list[int] | None = None) -> None:
         """Every graph compiled so far fused `n_groups` GEMM groups with `n_branches` GEMMs each."""
-        assert self.reports, "nothing was compiled with this backend yet"
+        _check(bool(self.reports), "nothing was compiled with this backend yet")
         for report in self.reports:
-            assert report.n_groups == n_groups, f"expected {n_groups} fused group(s):\n{report}"
+            _check(report.n_groups == n_groups, f"expected {n_groups} fused group(s):\n{report}")
             if n_branches is not None:
-                assert report.n_branches == n_branches, f"expected branches {n_branches}:\n{report}"
+                _check(report.n_branches == n_branches, f"expected branches {n_branches}:\n{report}")
 
 
 @contextmanager
@@ -171,11 +174,35 @@ def reinplacing_misses() -> Iterator[Counter[str]]:
             setattr(counters, name, original)
 
 
-def _is_op_name(name: str) -> bool:
-    """Whether `name` is a name `op_counts` can write: `namespace.op` of a registered op, or a callable's name."""
-    if "." not in name:
-        return name.isidentifier()
-    namespace, _, op = name.partition(".")
+_NAMESPACES = ("aten", "prims", "dspark")
+
+
+def _check(holds: bool, message: str) -> None:
+    """An `AssertionError` with `message` unless `holds` (a bare `assert` would vanish under `python -O`)."""
+    if not holds:
+        raise AssertionError(message)
+
+
+def _is_op_name(name: str, counts: Counter[str]) -> bool:
+    """Whether `name` is a name `op_counts` can write: `namespace.op` of a registered op; or, bare, a callable's name
+    that is in the graph, a function of the `operator` module or a higher-order op (a bare `mm` is none of these:
+    `op_counts` writes `aten.mm`)."""
+    if "." in name:
+        namespace, _, op = name.partition(".")
+        return _registered(namespace, op)
+    if not name.isidentifier():
+        return False
+    if counts[name]:
+        return True
+    if callable(getattr(operator, name, None)):
+        return True
+    try:
+        return isinstance(getattr(torch.ops.higher_order, name), torch._ops.HigherOrderOperator)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _registered(namespace: str, op: str) -> bool:
     try:
         return isinstance(getattr(getattr(torch.ops, namespace), op), torch._ops.OpOverloadPacket)
     except (AttributeError, RuntimeError):

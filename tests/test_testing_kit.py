@@ -1,5 +1,8 @@
 """The graph-diff test kit (`dspark_fx.testing`) on its own edges."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -61,9 +64,33 @@ def test_assert_ops_rejects_names_op_counts_never_writes():
     assert_ops(graph, {"add": 1})
     assert op_counts(graph)["aten.mm"] == 0
     assert_ops(graph, {"aten.mm": 0})
+    assert_ops(graph, {"getitem": 0, "cond": 0})  # a function of the operator module, a higher-order op
     for name in ("dspark.multi_linear.default", "dspark::multi_linear", "torch.ops.aten.mm", "aten.no_such_op"):
         with pytest.raises(ValueError, match="not op names as op_counts writes them"):
             assert_ops(graph, {name: 0})
+    for name, hint in (("mm", "aten.mm"), ("multi_linear", "dspark.multi_linear"), ("aten_mm", None)):
+        with pytest.raises(ValueError, match="did you mean" if hint else "not op names") as raised:
+            assert_ops(graph, {name: 0})  # bare: op_counts writes aten.mm, so {"mm": 0} would always hold
+        assert hint is None or hint in str(raised.value)
+
+
+def test_the_kits_checks_raise_under_python_dash_o():
+    """Bare asserts vanish under `python -O`: the kit's checks must fail there too."""
+    code = (
+        "import torch\n"
+        "from dspark_fx.testing import CaptureBackend, assert_close_for_dtype\n"
+        "failed = 0\n"
+        "for check in (lambda: CaptureBackend().assert_fused(1),\n"
+        "              lambda: assert_close_for_dtype([torch.ones(1)], (torch.ones(1),)),\n"
+        "              lambda: assert_close_for_dtype([1.0], [2.0])):\n"
+        "    try:\n"
+        "        check()\n"
+        "    except AssertionError:\n"
+        "        failed += 1\n"
+        "print(failed)\n"
+    )
+    result = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "3", result.stderr
 
 
 def test_assert_close_for_dtype_compares_the_structure():
