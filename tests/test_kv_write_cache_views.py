@@ -42,13 +42,14 @@ CACHE_SHAPES = {
     "heads_first_index": (HEADS, SLOTS, HEAD_DIM),  # cache[:, loc] = k.transpose(0, 1)
     "page_offset": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache[loc // page, loc % page] = k: two indices
     "hf_static_batch_2": (2, HEADS, SLOTS, HEAD_DIM),  # two batch rows, each written the same K
-    "scatter": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc expanded to k's shape, k)
+    "scatter_heads_apart": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc + head, k): head j to slot loc + j
     "heads_first_transposed": (HEADS, SLOTS, HEAD_DIM),  # cache.transpose(0, 1)[loc] = k
     "accumulate": (SLOTS, HEADS, HEAD_DIM),  # cache.index_put_((loc,), k, accumulate=True): adds, not a write
     "written_twice": (SLOTS, HEADS, HEAD_DIM),  # cache[loc] = 0, then cache[loc] = k
     "read_after": (SLOTS, HEADS, HEAD_DIM),  # cache[loc] = k, and the forward returns cache[loc] read back
 }
-KEPT = ("page_offset", "hf_static_batch_2", "scatter", "heads_first_transposed", "accumulate", "written_twice")
+KEPT = ("page_offset", "hf_static_batch_2", "scatter_heads_apart", "heads_first_transposed", "accumulate")
+KEPT += ("written_twice",)
 KEPT += ("read_after",)
 BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
     "stacked": "index",  # k_cache [L, S, h, d]: k_cache[i][loc] = k
@@ -75,8 +76,9 @@ def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) ->
         cache[:, loc] = k.transpose(0, 1)
     elif how == "page_offset":
         cache[loc // PAGE, loc % PAGE] = k
-    elif how == "scatter":
-        cache.scatter_(0, loc[:, None, None].expand_as(k), k)
+    elif how == "scatter_heads_apart":
+        heads = torch.arange(k.shape[1], device=loc.device)[None, :, None]
+        cache.scatter_(0, (loc[:, None, None] + heads).remainder(cache.shape[0]).expand_as(k), k)
     elif how == "heads_first_transposed":
         cache.transpose(0, 1)[loc] = k
     elif how == "accumulate":
@@ -223,7 +225,7 @@ def test_writes_through_a_view_compile_through_inductor(how):
             "stacked_two_inputs",
             "hf_static_batch_2",
             "stacked_one_slice",
-            "scatter",
+            "scatter_heads_apart",
             "heads_first_transposed",
             "accumulate",
             "written_twice",
@@ -233,9 +235,10 @@ def test_writes_through_a_view_compile_through_inductor(how):
 def test_other_write_forms_keep_todays_path_and_say_why(how):
     """Two indices (page, offset), one K written to two batch rows, every layer written to the same slice of a
     stacked buffer, the layers of one buffer projecting two activations (the buffer's writes lower together or
-    not at all), a `scatter_`, a write through a transposed view, an `index_put_` that adds (`accumulate=True`) or
-    two writes into one cache: no view of the cache is the op's `[S, heads, head_dim]` (or the writes overwrite each
-    other, or belong to two ops, or add); eager's caches, and a `WRITE_FORM` reason per buffer naming it."""
+    not at all), a `scatter_` of each head to a slot of its own, a write through a transposed view, an
+    `index_put_` that adds (`accumulate=True`) or two writes into one cache: no view of the cache is the op's `[S,
+    heads, head_dim]` (or the writes overwrite each other, or belong to two ops, or add); eager's caches, and a
+    `WRITE_FORM` reason per buffer naming it."""
     capture = _run(how, torch.float32)
     report = capture.report
     assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)

@@ -27,7 +27,6 @@ import custom_ops.linear.multi_linear
 import custom_ops.linear.multi_linear_kv_write
 from dspark_fx.colocate import ColocatedGroup
 from dspark_fx.config import DsparkConfig, as_config
-from dspark_fx.passes import kv_write
 from dspark_fx.passes.graph_utils import copy_graph
 from dspark_fx.passes.horizontal import fuse_kv_branches
 from dspark_fx.passes.outer_products import multiply_outer_products
@@ -94,7 +93,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
             return None
         extra = self.config.to_json()
         # what the pass emits for CUDA tensors depends on whether the dspark CUDA library can run in this process
-        extra += f"cuda library: {not custom_ops._build.cuda_library_problem()}, {kv_write.has_cuda_kernel()}"
+        extra += f"cuda library: {not custom_ops._build.cuda_library_problem()}"
         for user_pass in self.user_passes:
             user_uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
             if user_uuid is None:
