@@ -87,17 +87,24 @@ def _current_cuda_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
 
 
-def _reachable_tensors(values: Any) -> list[torch.Tensor]:
-    """The tensors among `values` (lists, tuples, dicts), and among the attributes of the plain objects there (a
-    cache object holding its tensors, as HF's caches do); modules are left to their parameters and buffers."""
+def _reachable_tensors(values: Any, depth: int = 4, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors among `values` (lists, tuples, dicts), and among the attributes of the plain objects there, down
+    to `depth` objects deep (a cache object holding per-layer objects holding tensors, as HF's caches do); modules
+    are left to their parameters and buffers, classes, functions and Python modules are not looked into."""
+    seen = set() if seen is None else seen
     found = []
     for leaf in torch.utils._pytree.tree_leaves(values):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
-        elif not isinstance(leaf, torch.nn.Module) and isinstance(getattr(leaf, "__dict__", None), dict):
-            inner = torch.utils._pytree.tree_leaves(list(vars(leaf).values()))
-            found += [t for t in inner if isinstance(t, torch.Tensor)]
+        elif depth > 0 and id(leaf) not in seen and _plain_object(leaf):
+            seen.add(id(leaf))
+            found += _reachable_tensors(list(vars(leaf).values()), depth - 1, seen)
     return found
+
+
+def _plain_object(value: Any) -> bool:
+    opaque = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
+    return not isinstance(value, opaque) and isinstance(getattr(value, "__dict__", None), dict)
 
 
 def _fresh_function(func: types.FunctionType) -> types.FunctionType:

@@ -185,8 +185,8 @@ def _check(holds: bool, message: str) -> None:
 
 def _is_op_name(name: str, counts: Counter[str]) -> bool:
     """Whether `name` is a name `op_counts` can write: `namespace.op` of a registered op; or, bare, a callable's name
-    that is in the graph, a function of the `operator` module or a higher-order op (a bare `mm` is none of these:
-    `op_counts` writes `aten.mm`)."""
+    that is in the graph, or else a function of the `operator` module or a higher-order op with no op of that name
+    in aten, prims or dspark (a bare `mm` or `mul` is refused: `op_counts` writes `aten.mm`, `aten.mul`)."""
     if "." in name:
         namespace, _, op = name.partition(".")
         return _registered(namespace, op)
@@ -194,6 +194,8 @@ def _is_op_name(name: str, counts: Counter[str]) -> bool:
         return False
     if counts[name]:
         return True
+    if any(_registered(namespace, name) for namespace in _NAMESPACES):
+        return False  # `mul` is both operator.mul and aten.mul: which one is meant must be written out
     if callable(getattr(operator, name, None)):
         return True
     try:

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import draft_inputs, small_config
+from hf_models import HFStyleKVWriter
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounter
 
 from dspark_fx import explain
 from dspark_fx.reference_draft import DraftKVWriter
-from dspark_fx.testing import CaptureBackend, compile_counts
+from dspark_fx.testing import CaptureBackend, compile_counts, op_counts
 
 counters = torch._dynamo.utils.counters
 ATEN_NODE = re.compile(r"(add)?mm(_\d+)?|primals_\d+|arg\d+_\d+")
@@ -309,10 +310,19 @@ def test_explain_reports_a_module_compiled_in_place_without_calling_its_compiled
 
 
 class _KVHolder:
-    """A cache object holding its tensors, as HF's caches do."""
+    """A cache object holding per-layer objects holding their tensors, as HF's caches do."""
+
+    class Layer:
+        def __init__(self):
+            self.keys = torch.zeros(8, 16)
 
     def __init__(self):
-        self.keys = [torch.zeros(8, 16) for _ in range(2)]
+        self.layers = [self.Layer() for _ in range(2)]
+        self.owner = self  # a cycle
+
+    @property
+    def keys(self):
+        return [layer.keys for layer in self.layers]
 
 
 class _WritesEverywhere(nn.Module):
@@ -342,3 +352,31 @@ def test_explain_restores_tensors_in_attributes_and_objects_removes_new_attribut
     assert torch.equal(torch.rand(3), expected)
     tensors = [model.plain, *model.listed, *model.held.keys, *passed.keys]
     assert all(not t.any() for t in tensors) and not hasattr(model, "seen_tokens")
+
+
+class _WriterWithAHead(HFStyleKVWriter):
+    """K/V writes that lower, and a lone linear whose bias is computed (`addmm(b * 2, x, W^T)`)."""
+
+    def __init__(self):
+        super().__init__("index_put")
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, positions, loc):
+        super().forward(x, positions, loc)
+        return F.linear(x, self.head.weight, self.head.bias * 2)
+
+
+def test_an_added_term_whose_gemm_fuses_into_nothing_stays_in_its_addmm():
+    """The pass makes `addmm(t, x, W^T)` `mm + add` so that the GEMM can fuse; where it does not (a lone GEMM here,
+    while the K/V writes lower), it is one `addmm` again: no extra kernel, no second rounding."""
+    torch._dynamo.reset()
+    model = _WriterWithAHead()
+    capture = CaptureBackend({"kv_write_op": "always"})
+    x, positions, loc = torch.randn(6, 64), torch.arange(6), torch.randperm(64)[:6]
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(x, positions, loc)
+        got = torch.compile(model, backend=capture)(x, positions, loc)
+    torch.testing.assert_close(got, expected)
+    assert capture.report.kv_writes and not capture.report.groups, str(capture.report)
+    counts = op_counts(capture.after[-1])
+    assert counts["aten.addmm"] == 1 and counts["aten.mm"] == 0, capture.graph_diff()

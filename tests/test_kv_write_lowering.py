@@ -435,6 +435,10 @@ class _ScatterWriter(HFStyleKVWriter):
                     cache.scatter_(0, loc.view(-1, 1, 1).expand(tokens, 1, dim), value)
                 elif self.how == "fewer index rows than tokens":
                     cache.scatter_(0, loc[1:].view(-1, 1, 1).expand(tokens - 1, heads, dim), value)
+                elif self.how == "slots broadcast along the heads":  # index[i, j, :] = loc[j] (T == heads)
+                    cache.scatter_(0, loc.view(-1, 1).expand(tokens, heads, dim), value)
+                elif self.how == "slots broadcast along the head dim":  # index[i, j, m] = loc[m] (T == head_dim)
+                    cache.scatter_(0, loc.expand(tokens, heads, dim), value)
                 elif self.how == "along the heads dim":
                     cache.scatter_(1, loc.remainder(heads).view(-1, 1, 1).expand(tokens, heads, dim), value)
                 else:  # an index of its own for every element
@@ -455,12 +459,22 @@ def test_scatter_of_whole_rows_is_a_slot_write(how):
 
 
 @pytest.mark.parametrize(
-    "how", ["first head only", "fewer index rows than tokens", "along the heads dim", "an index per element"]
+    ("how", "tokens"),
+    [
+        ("first head only", 6),
+        ("fewer index rows than tokens", 6),
+        ("along the heads dim", 6),
+        ("an index per element", 6),
+        ("slots broadcast along the heads", 2),
+        ("slots broadcast along the head dim", 16),
+    ],
 )
-def test_scatter_of_part_of_a_row_or_elementwise_keeps_todays_path(how):
-    """A scatter that writes part of each row, reads part of the value, runs along another dim or scatters each
-    element to a slot of its own is no slot write: it keeps its own ops (the caches still equal eager's)."""
-    capture = _hf_run(_ScatterWriter(how), torch.float32, slots=24)
+def test_scatter_of_part_of_a_row_or_elementwise_keeps_todays_path(how, tokens):
+    """A scatter that writes part of each row, reads part of the value, runs along another dim, scatters each
+    element to a slot of its own or has the slots broadcast along a later dim (`expand` lines a lower-rank index up
+    with the last dims; the token count equal to that dim's size) is no slot write: it keeps its own ops (the caches
+    still equal eager's)."""
+    capture = _hf_run(_ScatterWriter(how), torch.float32, tokens_list=(tokens,), slots=24)
     assert "aten.scatter into k_cache_0 [24, 2, 16]: the op writes rows at one slot per token" in _kept(capture)
 
 

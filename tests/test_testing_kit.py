@@ -68,7 +68,8 @@ def test_assert_ops_rejects_names_op_counts_never_writes():
     for name in ("dspark.multi_linear.default", "dspark::multi_linear", "torch.ops.aten.mm", "aten.no_such_op"):
         with pytest.raises(ValueError, match="not op names as op_counts writes them"):
             assert_ops(graph, {name: 0})
-    for name, hint in (("mm", "aten.mm"), ("multi_linear", "dspark.multi_linear"), ("aten_mm", None)):
+    cases = [("mm", "aten.mm"), ("mul", "aten.mul"), ("multi_linear", "dspark.multi_linear"), ("aten_mm", None)]
+    for name, hint in cases:
         with pytest.raises(ValueError, match="did you mean" if hint else "not op names") as raised:
             assert_ops(graph, {name: 0})  # bare: op_counts writes aten.mm, so {"mm": 0} would always hold
         assert hint is None or hint in str(raised.value)

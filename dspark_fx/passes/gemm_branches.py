@@ -138,7 +138,8 @@ def _row_range(node: fx.Node) -> RowRange | str:
 def split_added_terms(graph: fx.Graph) -> list[fx.Node]:
     """`addmm(t, x, permute(W))` whose added term `t` is no bias of `W`'s rows (a residual, a computed shift: Inductor
     folds `mm + add` into `addmm` wherever the term broadcasts to the output) made `add(mm(x, permute(W)), t)`
-    again, as the model wrote it, so the GEMM fuses as an `mm` does. Returns the new `mm` nodes."""
+    again, as the model wrote it, so the GEMM fuses as an `mm` does. Returns the new `mm` nodes (`rejoin_added_terms`
+    makes those that did not fuse `addmm` again)."""
     split = []
     for node in [n for n in graph.nodes if n.target is aten.addmm.default and not n.kwargs and len(n.args) == 3]:
         why = match_gemm(node)
@@ -157,6 +158,24 @@ def split_added_terms(graph: fx.Graph) -> list[fx.Node]:
         graph.erase_node(node)
         split.append(product)
     return split
+
+
+def rejoin_added_terms(graph: fx.Graph, split: list[fx.Node]) -> None:
+    """`add(mm(x, w), t)` made `addmm(t, x, w)` again for each `mm` of `split_added_terms` still in the graph (it
+    fused into nothing): one GEMM that adds its term, as Inductor had it."""
+    live = set(graph.nodes)
+    for product in split:
+        if product not in live or product.target is not aten.mm.default or len(product.users) != 1:
+            continue
+        (total,) = product.users
+        if total.target is not aten.add.Tensor or total.args[0] is not product or total.kwargs:
+            continue
+        with graph.inserting_before(total):
+            rejoined = call(graph, aten.addmm.default, (total.args[1], *product.args))
+        rejoined.meta["stack_trace"] = total.meta.get("stack_trace")
+        total.replace_all_uses_with(rejoined)
+        graph.erase_node(total)
+        graph.erase_node(product)
 
 
 _BIAS_ROWS = "bias rows do not match the weight rows"

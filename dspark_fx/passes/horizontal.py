@@ -71,7 +71,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     eliminate_common_subexpressions(graph)
     remove_row_padding(graph)
     frozen = expose_frozen_weights(graph)
-    gemm_branches.split_added_terms(graph)
+    added_terms = gemm_branches.split_added_terms(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
         report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names)
@@ -94,6 +94,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
             why = f"{len(group.branches)} fusable GEMM(s) on {names.of(group.activation)}, fewer than min_branches"
             report.rejected.extend(Rejection(b.describe(names), why) for b in group.branches)
     if report.groups or report.routed or report.kv_writes:
+        gemm_branches.rejoin_added_terms(graph, added_terms)
         fused = [n for n in graph.nodes if n.target is gemm_branches.MULTI_LINEAR]
         views_to_reshapes(list(branch_regions.descendants(graph, fused)))
         eliminate_common_subexpressions(graph)

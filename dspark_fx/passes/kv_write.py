@@ -420,7 +420,9 @@ def _scattered_rows(target: fx.Node, scatter: fx.Node) -> fx.Node | None:
     index_shape, rows = tensor_val(index).shape, tensor_val(target).shape[1:]
     if not same_shape(index_shape[1:], rows) or not same_shape(tensor_val(value).shape, index_shape):
         return None
-    loc = index.args[0]
+    loc = index.args[0]  # of the index's rank: expand lines a lower-rank input up with the index's last dims
+    if not isinstance(loc, fx.Node) or not _have_vals(loc) or tensor_val(loc).dim() != rank:
+        return None
     while isinstance(loc, fx.Node) and _have_vals(loc) and tensor_val(loc).dim() > 1:
         if loc.target not in (*_VIEWS, aten.unsqueeze.default):
             return None
