@@ -200,3 +200,14 @@ def test_an_inference_aware_user_pass_gets_is_inference():
     assert user_pass.calls == [True]
     with pytest.raises(TypeError, match="inference-aware pass"):
         DsparkPassManager(user_pass=user_pass)(torch.fx.Graph())
+
+
+def test_a_backward_graphs_report_names_the_forward_inputs():
+    """A training compile runs the pass on the backward graph too, whose placeholders are `primals_<i>` (the forward's
+    inputs, in order) and `tangents_<i>`: its report lines name the forward's inputs by their paths."""
+    torch._dynamo.reset()
+    capture = CaptureBackend(inner="aot_eager")
+    model = _Three()
+    sum(y.sum() for y in torch.compile(model, backend=capture)(torch.randn(5, 16))).backward()
+    backward = capture.reports[-1]
+    assert backward.rejected and "primals_" not in str(backward), str(backward)

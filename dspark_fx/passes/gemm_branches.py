@@ -203,7 +203,8 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     if (w_t.target is aten.permute.default and list(w_t.args[1]) == [1, 0]) or w_t.target is aten.t.default:
         weight = w_t.args[0]
     else:
-        return f"weight operand is {op_name(w_t)}, not a transposed [out, in] weight"
+        operand = "the input named above" if w_t.op == "placeholder" else op_name(w_t)
+        return f"weight operand is {operand}, not a transposed [out, in] weight"
     rows = _row_range(weight)
     if isinstance(rows, str):
         return rows

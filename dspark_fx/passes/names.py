@@ -17,6 +17,11 @@ class Namer:
         self.names = {}
         if input_names and len(input_names) == len(placeholders):
             self.names = {p: readable_name(name) for p, name in zip(placeholders, input_names, strict=True)}
+        elif input_names:  # a backward graph: the forward's inputs it reads are `primals_<i>`, i counted from 1
+            for p in placeholders:
+                prefix, _, number = p.name.rpartition("_")
+                if prefix == "primals" and number.isdigit() and 1 <= int(number) <= len(input_names):
+                    self.names[p] = readable_name(input_names[int(number) - 1])
 
     def of(self, node: fx.Node) -> str:
         return self.names.get(node, node.name)
