@@ -166,8 +166,7 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
     module = _module_of(model)
     tensors = _reachable_tensors(inputs)
     attributes = []
-    if module is not None:
-        tensors += [*module.parameters(), *module.buffers()]
+    if module is not None:  # every module's attributes: its parameters, buffers, tensor attributes, cache objects
         attributes = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
         tensors += _reachable_tensors([attrs for _, attrs, _, _ in attributes])
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
