@@ -33,7 +33,10 @@ k)`; slots along another dim than the first, the other dims of size 1), whose ca
 Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). There must
 be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
 token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
-graph), after every read of the old cache values, which must all come before it.
+graph), after every read of the old cache values, which must all come before it; where a tensor it reads is written
+in place before that (`positions += 1` after the writes in the model: AOT writes a mutated input back at the end of
+the graph, in input order), it moves before that write, or the writes are kept (`OPERAND_WRITTEN`) where an operand
+is computed, or a cache used, after it.
 
 What is written must be, element for element, the op's formula applied to a column block of a GEMM on the shared
 activation, whatever the spelling. `kv_symbolic` evaluates every element of the written values (all writes of a
@@ -91,7 +94,9 @@ from dspark_fx.passes.graph_utils import (
     is_pure,
     op_name,
     source_line,
+    storage_family,
     tensor_val,
+    written_args,
 )
 from dspark_fx.passes.kv_spec import Norm, NotTheFormula, Rope, Written, normed_size, read_written
 from dspark_fx.passes.kv_symbolic import Evaluation, Unevaluable
@@ -985,14 +990,20 @@ def _guard_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _check_exclusive(group: _Group, names: Namer) -> None:
-    """Every node computing a written value only feeds the writes (the op returns nothing), and every other read of
-    a cache comes before the writes."""
+def _replaced_nodes(group: _Group) -> set[fx.Node]:
+    """The nodes the op takes the place of: each write's value chain from its GEMM, its write site and `copy_`."""
     inside: set[fx.Node] = set()
     for w in group.writes:
         gemm = w.branch.node
         chain = _ancestors(w.site.value) & descendants(gemm.graph, [gemm])
         inside |= chain | set(w.site.nodes) | {w.site.copy}
+    return inside
+
+
+def _check_exclusive(group: _Group, names: Namer) -> None:
+    """Every node computing a written value only feeds the writes (the op returns nothing), and every other read of
+    a cache comes before the writes."""
+    inside = _replaced_nodes(group)
     order = {n: i for i, n in enumerate(group.activation.graph.nodes)}
     for node in sorted(inside, key=order.__getitem__):  # graph order: the reason names the same node every run
         for user in node.users:
@@ -1139,6 +1150,7 @@ def _emit(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> KVWriteR
     existing = set(graph.nodes)
     try:
         op, report = _insert_op(graph, group, plan, names)
+        _before_operand_writes(graph, [n for n in graph.nodes if n not in existing], group, names)
         why = self_check(op, [(k.site.value, v.site.value) for k, v in zip(plan.ks, plan.vs, strict=True)], op.args[0])
         if why:
             raise _NoMatch(KVKeptReason.SELF_CHECK, why)
@@ -1225,6 +1237,51 @@ def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tup
     else:
         norm = "no k_norm"
     return op, KVWriteReport(names.of(x), layers, write, norm, rope)
+
+
+def _before_operand_writes(graph: fx.Graph, emitted: list[fx.Node], group: _Group, names: Namer) -> None:
+    """Move the op (with the nodes emitted for it, `emitted` in graph order, the op last) before the earliest node
+    that writes in place into a tensor the op reads, where that write comes before the first cache write: AOT
+    writes a mutated input back with a `copy_` at the end of the graph, so `positions.add_(1)` (or a weight or table
+    updated) after the K/V writes in the model is a `copy_` that may come before the caches' ones, and the op there
+    would read the new value. Where the op cannot move before that write (an operand computed after it, or a cache
+    read or written in between), the writes are kept."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    start = order[emitted[0]]
+    inputs = dict.fromkeys(i for n in emitted for i in n.all_input_nodes if i not in emitted)
+    caches = storage_family(dict.fromkeys(w.site.target for w in group.writes))
+    earliest: tuple[fx.Node, fx.Node] | None = None  # (writer, the operand it writes)
+    for operand in inputs:
+        if operand in caches:
+            continue
+        family = storage_family([operand])
+        first = next((n for n in nodes[order[operand] + 1 : start] if family.intersection(written_args(n))), None)
+        if first is not None and (earliest is None or order[first] < order[earliest[0]]):
+            earliest = (first, operand)
+    if earliest is None:
+        return
+    writer, operand = earliest
+    written = f"{names.of(operand)} is written in place by {writer.name} ({op_name(writer)}) before the cache writes"
+    late = next((i for i in inputs if order[i] >= order[writer]), None)
+    if late is not None:
+        raise _NoMatch(
+            KVKeptReason.OPERAND_WRITTEN,
+            f"{written}, and the op, which reads it, also reads {names.of(late)}, computed after that write",
+            writer,
+        )
+    replaced = _replaced_nodes(group)
+    for node in nodes[order[writer] : start]:
+        touches = node in caches or caches.intersection(node.all_input_nodes) or caches.intersection(written_args(node))
+        if touches and node not in replaced:
+            raise _NoMatch(
+                KVKeptReason.OPERAND_WRITTEN,
+                f"{written}, and {node.name} ({op_name(node)}) uses a cache between that write and the cache "
+                "writes: the op cannot move before it",
+                node,
+            )
+    for node in emitted:
+        writer.prepend(node)
 
 
 def _cache_operand(graph: fx.Graph, w: _Write, plan: _Plan) -> fx.Node:
