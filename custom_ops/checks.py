@@ -1,5 +1,6 @@
 """Value-range checks of the `dspark` ops: always on CPU, opt-in on CUDA (they need a host sync there); and the
-layout tests the families' structural checks share: `is_aligned`, `overlaps_itself`, `share_memory`.
+layout tests the families' structural checks share: `is_aligned`, `overlaps_itself`, `share_memory`,
+`check_no_shared_memory`.
 
 The contract (docs/contract.md): structural checks (types, dtypes, shapes, strides, devices, scalar arguments)
 always raise before anything is modified, on every device. Index *values* (slots, positions, request ids) are
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -127,6 +128,26 @@ def _offsets_meet(delta: int, dims: Sequence[tuple[int, int]]) -> bool:
     lo = max(-(size - 1), -((reach - delta) // stride))
     hi = min(size - 1, (delta + reach) // stride)
     return any(_offsets_meet(delta - d * stride, inner) for d in range(lo, hi + 1))
+
+
+def check_no_shared_memory(name: str, written: torch.Tensor, inputs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """`written` (a tensor the op writes) shares no byte with any of `inputs` (tensors it reads meanwhile), else
+    `ValueError` (`share_memory`: storages, offsets and strides, so a fake tensor answers as a real one). The CUDA
+    bindings raise the same message (`csrc/common/memory_overlap.h`)."""
+    for other, t in inputs:
+        if share_memory(written, t):
+            raise ValueError(
+                f"{name}: must not share memory with {other} (the op writes {name} while it reads {other})"
+            )
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements of one storage in one layout (an op writing `a` in place of `b`)."""
+    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()) or a.dim() != b.dim():
+        return False
+    pairs = [(a.storage_offset(), b.storage_offset())]
+    pairs += [*zip(a.shape, b.shape, strict=True), *zip(a.stride(), b.stride(), strict=True)]
+    return all(guard_or_false(x == y) for x, y in pairs)
 
 
 def share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

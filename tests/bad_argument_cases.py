@@ -34,7 +34,7 @@ from dsv4_cases import (
     store_case,
     storing_rows,
 )
-from flashmla_cases import HEADS, offset_copy, structural_cases
+from flashmla_cases import HEADS, inside, offset_copy, structural_cases
 from flashmla_cases import _inputs as flashmla_inputs
 from multi_linear_cases import (
     BAD,
@@ -99,7 +99,7 @@ def argument_named(message: str) -> str:
 
 def _first_word(pattern: str) -> str:
     """The first word of a message regex of the family tables, unescaped (`k_caches\\[0\\]` -> `k_caches[0]`)."""
-    return re.sub(r"\\(.)", r"\1", pattern.strip().split(" ")[0])
+    return re.sub(r"\\(.)", r"\1", pattern.strip().split(" ")[0]).rstrip(":")
 
 
 # ---------------------------------------------------------------------------------------------- the entry
@@ -456,17 +456,10 @@ def _inner_strided(t: torch.Tensor) -> torch.Tensor:
     return buf[..., ::2]
 
 
-def _inside(host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values in the first bytes of the contiguous `host` (a view of host's storage, host's values changed)."""
-    nbytes = t.numel() * t.element_size()
-    assert host.is_contiguous() and host.numel() * host.element_size() >= nbytes
-    return host.view(-1).view(torch.uint8)[:nbytes].view(t.dtype).view(t.shape).copy_(t)
-
-
 def _shared_memory_cases() -> list[BadCase]:
     """An input in the bytes of the tensor the op writes: each op raises naming the written tensor."""
     return [
-        _case(op, f"{inp} inside {out}", lambda a, o=out, i=inp: {i: _inside(a[o], a[i])}, ValueError, out)
+        _case(op, f"{inp} inside {out}", lambda a, o=out, i=inp: {i: inside(a[o], a[i])}, ValueError, out)
         for op, out, inp in [
             ("dsv4_compress_decode", "state", "ape"),
             ("dsv4_compress_prefill", "state", "plan_w"),

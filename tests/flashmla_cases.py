@@ -314,6 +314,59 @@ def offset_copy(t, elements):
     return view
 
 
+def inside(host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in the first bytes of the contiguous `host` (a view of host's storage, host's values changed)."""
+    nbytes = t.numel() * t.element_size()
+    assert host.is_contiguous() and host.numel() * host.element_size() >= nbytes
+    return host.view(-1).view(torch.uint8)[:nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
+def _put_inside(args: dict, out: str, inp: str) -> dict:
+    """`args[inp]` moved into the first bytes of the written `args[out]` (made contiguous first)."""
+    host = args[out].contiguous()
+    return {out: host, inp: inside(host, args[inp])}
+
+
+def _shifted_q_out(args: dict) -> torch.Tensor:
+    """`q` and `q_out` one row apart in one buffer (`args["q"]` replaced): each row written is the next one read."""
+    q = args["q"]
+    buf = torch.empty((q.shape[0] + 1, *q.shape[1:]), dtype=q.dtype, device=q.device)
+    buf[:-1] = q
+    args["q"] = buf[:-1]
+    return buf[1:]
+
+
+def _shared_memory_cases():
+    """An input in the bytes of the tensor the op writes: the op raises naming both (as the DSV4 ops do)."""
+    return [
+        (
+            f"{inp} inside {out}",
+            op,
+            lambda a, o=out, i=inp: _put_inside(a, o, i),
+            ValueError,
+            rf"{out}: must not share memory with {inp}",
+        )
+        for op, out, inp in [
+            ("fused_k_norm_rope_flashmla", "kvcache", "out_loc"),
+            ("fused_k_norm_rope_flashmla", "kvcache", "positions"),
+            ("fused_k_norm_rope_flashmla", "kvcache", "weight"),
+            ("store_flashmla_cache", "kvcache", "out_loc"),
+            ("store_flashmla_cache", "kvcache", "kv"),
+            ("fused_q_norm_rope", "q_out", "positions"),
+            ("fused_norm_rope_inplace", "kv", "weight"),
+            ("fused_norm_rope_inplace", "kv", "positions"),
+        ]
+    ] + [
+        (
+            "q_out one row after q",
+            "fused_q_norm_rope",
+            lambda a: {"q_out": _shifted_q_out(a)},
+            ValueError,
+            "q_out: must not share memory with q",
+        )
+    ]
+
+
 def structural_cases():
     """(id, op, change(args) -> dict, exception, message regex): rules every impl (CPU, fake, CUDA) enforces."""
     return [
@@ -430,6 +483,7 @@ def structural_cases():
             TypeError,
             "weight must have dtype",
         ),
+        *_shared_memory_cases(),
     ]
 
 

@@ -203,6 +203,23 @@ def test_dequantize_rejects_out_of_range_slots(slot):
         dequantize_flashmla_cache(cache, 2, torch.tensor([0, slot]))
 
 
+@pytest.mark.parametrize(
+    ("slots", "error", "says"),
+    [
+        (torch.tensor([1.9]), TypeError, "slots must be an int32 or int64 tensor, got torch.float32"),
+        (torch.tensor([True]), TypeError, "slots must be an int32 or int64 tensor, got torch.bool"),
+        ([1], TypeError, "slots must be an int32 or int64 tensor, got list"),
+        (torch.tensor([[0, 1]]), ValueError, "slots must have shape (N,), got (1, 2)"),
+    ],
+    ids=["float", "bool", "list", "2-D"],
+)
+def test_dequantize_names_slots_of_another_type_or_shape(slots, error, says):
+    """A float or bool slot tensor decoded slot 1 (`.long()`), a 2-D one failed inside a reshape."""
+    cache = torch.randint(0, 256, (4, flashmla_page_bytes(2)), dtype=torch.uint8, generator=_gen(9))
+    with pytest.raises(error, match=re.escape(says)):
+        dequantize_flashmla_cache(cache, 2, slots)
+
+
 # ---------------------------------------------------------------------------------------------- CPU: structure
 
 
@@ -230,6 +247,12 @@ def test_valid_layouts_still_accepted():
     interleaved = torch.empty(HEADS, 8, 512, dtype=torch.bfloat16).transpose(0, 1)  # strides (512, 4096, 1)
     args["q_out"] = interleaved
     _call("fused_q_norm_rope", args)
+    args = _inputs("fused_q_norm_rope")  # in place: q_out is q (each row is read whole before it is written)
+    expected = args["q_out"]
+    _call("fused_q_norm_rope", args)
+    args["q_out"] = args["q"]
+    _call("fused_q_norm_rope", args)
+    assert torch.equal(args["q"], expected)
     args = _inputs("fused_k_norm_rope_flashmla")
     args["kvcache"] = args["kvcache"][1:]  # a view of a larger cache, starting at a page boundary
     args["out_loc"] = torch.randperm(args["kvcache"].shape[0] * PAGE_SIZE)[:8]
@@ -439,6 +462,16 @@ def test_cuda_strided_index_tensors(name):
     before = args[MUTATED[name]].clone() if name in MUTATED else None
     got = _run_cuda(name, args, graph=False)
     _assert_matches_reference(name, got, _reference_result(name, args), before, valid, args)
+
+
+@pytest.mark.cuda
+def test_cuda_q_norm_rope_in_place_equals_out_of_place():
+    args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _inputs("fused_q_norm_rope").items()}
+    expected = args["q_out"]
+    _call("fused_q_norm_rope", args)
+    args["q_out"] = args["q"]
+    _call("fused_q_norm_rope", args)
+    assert torch.equal(args["q"], expected)
 
 
 @pytest.mark.cuda

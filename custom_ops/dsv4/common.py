@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops.checks import is_aligned, share_memory
+from custom_ops.checks import is_aligned
 
 FLT_MAX = torch.finfo(torch.float32).max
 HEAD_DIMS = (128, 512)
@@ -193,14 +193,3 @@ def skipped_rows(problems: Iterable[FieldProblem], plan: str, rows: int, device:
 def page_range(pages: int) -> str:
     """The valid range of a page field, as the messages state it."""
     return f"expected >= 0 and < {pages} (pages of state)"
-
-
-def check_no_shared_memory(name: str, written: torch.Tensor, inputs: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """`written` (a tensor the op writes) shares no byte with any of `inputs` (tensors it reads meanwhile), else
-    `ValueError` (`custom_ops.checks.share_memory`: storages, offsets and strides, so a fake tensor answers as a
-    real one)."""
-    for other, t in inputs:
-        if share_memory(written, t):
-            raise ValueError(
-                f"{name}: must not share memory with {other} (the op writes {name} while it reads {other})"
-            )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from custom_ops._library import register_op
+from custom_ops.checks import check_no_shared_memory
 from custom_ops.dsv4.common import (
     FLT_MAX,
     INPUT_DTYPES,
@@ -38,7 +39,6 @@ from custom_ops.dsv4.common import (
     check_device,
     check_head_dim,
     check_matrix,
-    check_no_shared_memory,
     check_plan,
     check_ratio,
     check_rows,

@@ -35,11 +35,10 @@ from typing import NamedTuple
 import torch
 
 from custom_ops._library import register_op
-from custom_ops.checks import check_index_range, is_aligned
+from custom_ops.checks import check_index_range, check_no_shared_memory, is_aligned
 from custom_ops.dsv4.common import (
     check_device,
     check_index,
-    check_no_shared_memory,
     check_plan,
     check_plan_field,
     check_ratio,

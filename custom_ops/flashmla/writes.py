@@ -32,7 +32,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
 from custom_ops._library import register_op
-from custom_ops.checks import check_index_range, is_aligned
+from custom_ops.checks import check_index_range, check_no_shared_memory, is_aligned, same_view
 from custom_ops.layouts.fp8 import (
     FP8_MAX,
     HEAD_DIM,
@@ -186,6 +186,8 @@ def _check_k(kv, weight, eps, freqs, positions, out_loc, kvcache, page_size) -> 
     _check_eps(eps)
     _check_table(freqs, positions, kv.shape[0], "kv", kv.device)
     _check_cache(out_loc, kvcache, page_size, kv)
+    inputs = (("kv", kv), ("weight", weight), ("freqs", freqs), ("positions", positions), ("out_loc", out_loc))
+    check_no_shared_memory("kvcache", kvcache, inputs)
 
 
 def _check_q(q, q_out, eps, freqs, positions) -> None:
@@ -201,6 +203,9 @@ def _check_q(q, q_out, eps, freqs, positions) -> None:
     _device("q_out", q_out, "q", q.device)
     _check_eps(eps)
     _check_table(freqs, positions, q.shape[0], "q", q.device)
+    if not same_view(q_out, q):  # in place (q_out is q) is fine: each row is read whole before it is written
+        check_no_shared_memory("q_out", q_out, (("q", q),))
+    check_no_shared_memory("q_out", q_out, (("freqs", freqs), ("positions", positions)))
 
 
 def _check_inplace(kv, weight, eps, freqs, positions) -> None:
@@ -209,11 +214,13 @@ def _check_inplace(kv, weight, eps, freqs, positions) -> None:
     _check_weight(weight, kv)
     _check_eps(eps)
     _check_table(freqs, positions, kv.shape[0], "kv", kv.device)
+    check_no_shared_memory("kv", kv, (("weight", weight), ("freqs", freqs), ("positions", positions)))
 
 
 def _check_store(kv, out_loc, kvcache, page_size) -> None:
     kv = _check_rows("kv", kv, HEAD_DIM)
     _check_cache(out_loc, kvcache, page_size, kv)
+    check_no_shared_memory("kvcache", kvcache, (("kv", kv), ("out_loc", out_loc)))
 
 
 def _check_indexer(q, weight, weight_scale, freqs, positions) -> None:
@@ -278,7 +285,7 @@ def fused_k_norm_rope_flashmla_reference(
     | `freqs` | (max_pos, 64) | fp32 | no | contiguous, `precompute_freqs` |
     | `positions` | (B,) | int32/int64 | no | table row per token, in `[0, max_pos)` |
     | `out_loc` | (B,) | int32/int64 | no | slot id in `[0, num_pages * page_size)`; `< 0` skips the row |
-    | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1) |
+    | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1); shares no byte with an input |
     | `page_size` | int | | | power of two |
 
     Math: `y = x*nf*w` kept in fp32; rope `bf16(rot(y[448:]))`; nope `y[:448]` in 7 tiles with UE8M0 scales.
@@ -348,7 +355,7 @@ def store_flashmla_cache_reference(
     |---|---|---|---|---|
     | `kv` | (B, 512) | bf16/fp16/fp32 | no | last-dim stride 1 |
     | `out_loc` | (B,) | int32/int64 | no | slot id in `[0, num_pages * page_size)`; `< 0` skips the row |
-    | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1) |
+    | `kvcache` | (num_pages, page_bytes) | uint8 | **yes** | strides (page_bytes, 1); shares no byte with an input |
     | `page_size` | int | | | power of two |
 
     A row whose slot is out of range writes nothing (the CUDA kernel's rule).
@@ -369,11 +376,13 @@ def fused_q_indexer_rope_hadamard_quant_reference(
     | `weight_scale` | float | | | e.g. `128**-0.5 * H**-0.5` |
     | `freqs` | (max_pos, 64) | fp32 | no | |
     | `positions` | (B,) | int32/int64 | no | |
-    | returns `q_fp8` | (B, H, 128) | float8_e4m3fn | new | `e4m3(y / scale)` |
+    | returns `q_fp8` | (B, H, 128) | float8_e4m3fn | new | `e4m3(y * r)`, `r = fp32(1 / scale)` |
     | returns `weights_out` | (B, H, 1) | fp32 | new | `weight * weight_scale * scale` |
 
-    `scale = max(amax(|y|), 1e-4) / 448` (plain fp32, not a power of two). A token whose position is out of range
-    gets zero codes and a zero weight in every head (the CUDA kernel's rule): it contributes nothing.
+    `scale = max(amax(|y|), 1e-4) / 448` (plain fp32, not a power of two); the codes are of the product `y * r`, not
+    of `y / scale`, which can differ by one code where `y / scale` lies within an fp32 step of a rounding boundary. A
+    token whose position is out of range gets zero codes and a zero weight in every head (the CUDA kernel's rule): it
+    contributes nothing.
     """
     x = q.float()
     table, valid = rope_table_rows(freqs, positions)

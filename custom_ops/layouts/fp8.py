@@ -176,9 +176,9 @@ def scatter_flashmla_rows(
 
 
 def dequantize_flashmla_cache(kvcache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """Decode the tokens at `slots` (N,) of a V4 cache to fp32 (N, 512): nope codes times `2^(e-127)`, rope as the
-    stored bf16 values. Every slot must lie in `[0, num_pages * page_size)` (`ValueError` otherwise; a debugging
-    helper, so it reads the slots on the host)."""
+    """Decode the tokens at `slots` (N,) int32 / int64 of a V4 cache to fp32 (N, 512): nope codes times
+    `2^(e-127)`, rope as the stored bf16 values. Every slot must lie in `[0, num_pages * page_size)` (`ValueError`
+    otherwise; a debugging helper, so it reads the slots on the host)."""
     if kvcache.dtype != torch.uint8 or kvcache.dim() != 2:
         raise TypeError(f"kvcache must be a 2-D uint8 tensor, got {kvcache.dtype} with {kvcache.dim()} dims")
     if kvcache.shape[1] != flashmla_page_bytes(page_size):
@@ -186,6 +186,10 @@ def dequantize_flashmla_cache(kvcache: torch.Tensor, page_size: int, slots: torc
             f"kvcache rows must be {flashmla_page_bytes(page_size)} bytes for page_size={page_size}, "
             f"got {kvcache.shape[1]}"
         )
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slots must be an int32 or int64 tensor, got {getattr(slots, 'dtype', type(slots).__name__)}")
+    if slots.dim() != 1:
+        raise ValueError(f"slots must have shape (N,), got {tuple(slots.shape)}")
     capacity = kvcache.shape[0] * page_size
     check_index_range("slots", slots, capacity, f"slots must be in [0, {capacity}) of this cache", negative_skips=False)
     flat = kvcache.reshape(-1)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -65,6 +66,22 @@ inline bool share_memory(const at::Tensor& a, const at::Tensor& b) {
   }
   std::sort(dims.rbegin(), dims.rend());
   return offsets_meet(b.storage_offset() - a.storage_offset(), dims, 0);
+}
+
+// Whether a and b are the same elements of one storage in one layout (as custom_ops.checks.same_view).
+inline bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.storage().is_alias_of(b.storage()) && a.storage_offset() == b.storage_offset() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides();
+}
+
+// custom_ops.checks.check_no_shared_memory: `written` (a tensor the op writes) shares no byte with any of `inputs`
+// (tensors it reads meanwhile), with the Python message word for word.
+inline void check_no_shared_memory(const char* name, const at::Tensor& written,
+                                   std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  for (const auto& [other, t] : inputs) {
+    TORCH_CHECK_VALUE(!share_memory(written, *t), name, ": must not share memory with ", other, " (the op writes ",
+                      name, " while it reads ", other, ")");
+  }
 }
 
 }  // namespace dspark

@@ -2,14 +2,13 @@
 // docs/contract.md). ATen ops on the plan's device and a host sync, so call them only when must_check_values().
 // Each function mirrors a Python check of the CPU path, condition for condition and in the same order, and raises
 // its message word for word: "<plan>[<i>].<field> = <v> is out of range: <what>"
-// (custom_ops/dsv4/common.py, check_plan_field; the functions named in each comment). check_no_shared_memory is a
-// structural check (no sync): every call.
+// (custom_ops/dsv4/common.py, check_plan_field; the functions named in each comment). check_no_shared_memory
+// (common/memory_overlap.h) is a structural check (no sync): every call.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -23,16 +22,6 @@ namespace dsv4 {
 // custom_ops/dsv4/common.py, check_ratio: the ratio is c4 or c128 (dsv4_ratio.h), with the CPU path's message.
 inline void check_ratio(int64_t ratio) {
   TORCH_CHECK_VALUE(is_ratio(ratio), "ratio: expected ", num(kRatioC4), " or ", num(kRatioC128), ", got ", num(ratio));
-}
-
-// custom_ops/dsv4/common.py, check_no_shared_memory: `written` (a tensor the op writes) shares no byte with any of
-// `inputs` (tensors it reads meanwhile; common/memory_overlap.h).
-inline void check_no_shared_memory(const char* name, const at::Tensor& written,
-                                   std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
-  for (const auto& [other, t] : inputs) {
-    TORCH_CHECK_VALUE(!share_memory(written, *t), name, ": must not share memory with ", other, " (the op writes ",
-                      name, " while it reads ", other, ")");
-  }
 }
 
 // Raise for the first row where `bad` is set; `what(i)` says what is valid for row i.

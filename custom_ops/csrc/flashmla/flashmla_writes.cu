@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/error_format.h"
+#include "common/memory_overlap.h"
 #include "common/range_checks.h"
 
 #include "flashmla/flashmla_writes_kernels.cuh"
@@ -239,6 +240,9 @@ void fused_k_norm_rope_flashmla(const at::Tensor& kv, const at::Tensor& weight, 
   check_eps(eps);
   check_table(freqs, positions, kv.size(0), "kv", kv.device());
   check_cache(out_loc, kvcache, page_size, kv);
+  check_no_shared_memory("kvcache", kvcache,
+                         {{"kv", &kv}, {"weight", &weight}, {"freqs", &freqs}, {"positions", &positions},
+                          {"out_loc", &out_loc}});
   check_position_values(freqs, positions);
   check_slot_values(out_loc, kvcache, page_size);
   flashmla_write<true>(kv, &weight, eps, &freqs, &positions, out_loc, kvcache, page_size);
@@ -247,6 +251,7 @@ void fused_k_norm_rope_flashmla(const at::Tensor& kv, const at::Tensor& weight, 
 void store_flashmla_cache(const at::Tensor& kv, const at::Tensor& out_loc, at::Tensor& kvcache, int64_t page_size) {
   check_rows(kv, "kv");
   check_cache(out_loc, kvcache, page_size, kv);
+  check_no_shared_memory("kvcache", kvcache, {{"kv", &kv}, {"out_loc", &out_loc}});
   check_slot_values(out_loc, kvcache, page_size);
   flashmla_write<false>(kv, nullptr, 0.0, nullptr, nullptr, out_loc, kvcache, page_size);
 }
@@ -298,6 +303,10 @@ void fused_q_norm_rope(const at::Tensor& q, at::Tensor& q_out, double eps, const
   check_device(q_out, "q_out", "q", q.device());
   check_eps(eps);
   check_table(freqs, positions, q.size(0), "q", q.device());
+  if (!same_view(q_out, q)) {  // in place (q_out is q) is fine: each row is read whole before it is written
+    check_no_shared_memory("q_out", q_out, {{"q", &q}});
+  }
+  check_no_shared_memory("q_out", q_out, {{"freqs", &freqs}, {"positions", &positions}});
   check_position_values(freqs, positions);
   norm_rope<false>(q, q_out, nullptr, eps, freqs, positions);
 }
@@ -309,6 +318,7 @@ void fused_norm_rope_inplace(at::Tensor& kv, const at::Tensor& weight, double ep
   check_weight(weight, kv);
   check_eps(eps);
   check_table(freqs, positions, kv.size(0), "kv", kv.device());
+  check_no_shared_memory("kv", kv, {{"weight", &weight}, {"freqs", &freqs}, {"positions", &positions}});
   check_position_values(freqs, positions);
   norm_rope<true>(kv, kv, &weight, eps, freqs, positions);
 }
