@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 from fuzz_models import dense_rows
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from dspark_fx import DsparkConfig
+from dspark_fx.passes.graph_utils import op_name
+from dspark_fx.passes.manager import DsparkPassManager
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
 
 
@@ -60,3 +64,26 @@ def test_returned_values_have_eager_strides():
     capture.assert_fused(n_groups=1, n_branches=[3])
     assert [o.stride() for o in out] == [e.stride() for e in expected]
     assert_close_for_dtype([o.view(-1) for o in out], [e.view(-1) for e in expected])
+
+
+def _row_parallel_after_fused_gemms(x, wa, wb, wo):
+    """Two GEMMs on `x` (they fuse), a gather by a tensor constant (which the layout check cannot re-run on fake
+    values: the strides below it are unknown), a row-parallel GEMM and its all-reduce."""
+    c10d = torch.ops._c10d_functional
+    y = x @ wa.t() + x @ wb.t()
+    y = y[:, torch.tensor([1, 0, 3, 2] * 4)]
+    return c10d.wait_tensor(c10d.all_reduce(y @ wo.t(), "sum", "0"))
+
+
+def test_a_collective_is_waited_on_itself_never_on_a_copy():
+    """A copy of an all-reduce's output placed before its `wait_tensor` read the buffer before the collective had
+    written it (ranks got part of the sum); the layout step may copy after the wait, never between."""
+    args = (torch.randn(8, 32), torch.randn(16, 32), torch.randn(16, 32), torch.randn(32, 16))
+    gm = make_fx(_row_parallel_after_fused_gemms, tracing_mode="fake")(*args)
+    manager = DsparkPassManager(DsparkConfig(fuse_on_cpu=True))
+    manager(gm.graph, is_inference=True)
+    assert manager.reports[-1].groups, "the two GEMMs on x must fuse for this test to mean anything"
+    (wait,) = [n for n in gm.graph.nodes if op_name(n) == "_c10d_functional.wait_tensor"]
+    assert op_name(wait.args[0]) == "_c10d_functional.all_reduce", gm.graph
+    (reduce,) = wait.args[0].all_input_nodes
+    assert op_name(reduce) in ("aten.mm", "aten.clone"), gm.graph

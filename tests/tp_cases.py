@@ -195,6 +195,8 @@ def compiled_facts(rank: int, capture: CaptureBackend, frames: int) -> dict[str,
     counters = torch._dynamo.utils.counters
     (before,), (after,) = capture.before, capture.after
     assert collectives(after) == collectives(before), f"rank {rank}: the pass moved or changed a collective"
+    waits = [n for n in after.nodes if op_name(n) == "_c10d_functional.wait_tensor"]
+    assert all(op_name(w.args[0]).startswith(COLLECTIVES) for w in waits), f"rank {rank}: a wait on a copy"
     return {
         "counters": dict(counters["dspark_fx"]),
         "frames": frames,

@@ -14,7 +14,8 @@ Inductor (`inner="aot_eager"`, `explain()`, `CaptureBackend`) does not, so the p
 (`p` the eager dim order; `clone(x, contiguous)` alone where eager was contiguous). Only where the strides now
 differ (the new nodes' `meta["val"]`, and the ATen ops after them run on fake values) and the eager value was
 dense (a non-dense eager value cannot be recreated by a copy and is left as is); a written argument is never
-replaced by a copy. ATen consumers, the fast path, are left alone.
+replaced by a copy, nor a collective's output before its `wait_tensor` (the copy would read the buffer before the
+collective has written it). ATen consumers, the fast path, are left alone.
 """
 
 from __future__ import annotations
@@ -30,18 +31,32 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from dspark_fx.passes.graph_utils import aten, call, fake_mode_of, written_args
 
 _STRIDE_AGNOSTIC = ("aten", "prims")  # namespaces whose ops compute values, whatever the input strides
+_COLLECTIVES = "_c10d_functional"
 
 
 def reads_memory(node: fx.Node) -> bool:
-    """Whether a consumer may depend on its inputs' strides: the graph's outputs, custom ops, higher-order ops."""
+    """Whether a consumer may depend on its inputs' strides: the graph's outputs, custom ops, higher-order ops; not
+    a collective's `wait_tensor`, which reads nothing (it waits for the collective that writes its argument)."""
     if node.op == "output":
         return True
     if node.op != "call_function":
         return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return target.namespace not in _STRIDE_AGNOSTIC
+        return target.namespace not in _STRIDE_AGNOSTIC and not _is_wait(target)
     return target is not operator.getitem and getattr(target, "__module__", None) != "_operator"
+
+
+def _is_wait(target: Any) -> bool:
+    collective = isinstance(target, torch._ops.OpOverload) and target.namespace == _COLLECTIVES
+    return collective and target.__name__.startswith("wait_tensor")
+
+
+def _in_flight(node: fx.Node) -> bool:
+    """A collective's output before its `wait_tensor`: a copy of it would read the buffer before the collective
+    has written it."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == _COLLECTIVES and not _is_wait(target)
 
 
 class EagerLayouts:
@@ -68,7 +83,7 @@ class EagerLayouts:
                 continue
             written = set(written_args(consumer))
             for pos, arg in enumerate(flat):
-                if not isinstance(arg, fx.Node) or arg not in changed or arg in written:
+                if not isinstance(arg, fx.Node) or arg not in changed or arg in written or _in_flight(arg):
                     continue
                 runtime = runtime if runtime is not None else _runtime_values(graph, nodes, changed, self.vals)
                 order = _dense_order(eager[pos])
