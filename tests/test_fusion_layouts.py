@@ -66,6 +66,85 @@ def test_returned_values_have_eager_strides():
     assert_close_for_dtype([o.view(-1) for o in out], [e.view(-1) for e in expected])
 
 
+@torch.library.custom_op("dspark_layout_test::scale_", mutates_args=["x"])
+def _scale_(x: torch.Tensor) -> None:
+    """Multiply every element in place by its flat index plus one (an in-place op like vLLM's rotary_embedding)."""
+    x.mul_(torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device).view(x.shape))
+
+
+@_scale_.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+def _scaled_in_place(how: str):
+    """Three projections of `x`, each scaled in place by `_scale_` (auto_functionalized_v2 after Dynamo, which
+    rebuilds the view from its base at the eager storage offset): on the GEMM output's `[T, 2, 8]` view (at T = 1 a
+    column block of the fused output has the eager strides but another offset), or on a flat view of its
+    rotate_half (each a `select` of the batched cat: the eager strides, another offset)."""
+    ws = [torch.randn(16, 32) for _ in range(3)]
+
+    def fn(x):
+        outs = []
+        for w in ws:
+            y = (x @ w.t()).view(-1, 2, 8)
+            if how == "rotate_half":
+                y = torch.cat([-y[..., 4:], y[..., :4]], -1)
+                _scale_(y.view(-1))
+            else:
+                _scale_(y)
+            outs.append(y)
+        return outs
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("how", "tokens", "inner"),
+    [
+        ("gemm_view", 1, "aot_eager"),
+        ("rotate_half", 5, "aot_eager"),
+        pytest.param("gemm_view", 1, "inductor", marks=pytest.mark.slow),
+        pytest.param("rotate_half", 5, "inductor", marks=pytest.mark.slow),
+    ],
+)
+def test_an_in_place_op_on_a_fused_value_writes_its_own_elements(how, tokens, inner):
+    """Each branch's base was a slice / select of the fused buffer with the eager strides, so no copy was made, and
+    auto_functionalized_v2 rebuilt the view at the eager offset: every branch scaled the first branch's elements."""
+    torch._dynamo.reset()
+    fn = _scaled_in_place(how)
+    x = torch.randn(tokens, 32)
+    capture = CaptureBackend({"fuse_on_cpu": True}, inner=inner)
+    with torch.no_grad():
+        out = torch.compile(fn, backend=capture, fullgraph=True)(x)
+        expected = fn(x)
+    capture.assert_fused(n_groups=1, n_branches=[3])
+    assert_close_for_dtype(out, expected)
+
+
+def test_returned_views_of_a_returned_value_still_share_its_memory():
+    """`ya` is copied into its eager strides; `ya[2]` and `ya[:, 4:]` stayed views of the fused output, so a caller
+    writing `ya` in place no longer saw it through them (eager: they share memory)."""
+    torch._dynamo.reset()
+    wa, wb = torch.randn(16, 32), torch.randn(16, 32)
+
+    def fn(x):
+        ya, yb = x @ wa.t(), x @ wb.t()
+        return ya, ya[2], ya[:, 4:], yb, ya
+
+    x = torch.randn(6, 32)
+    capture = CaptureBackend({"fuse_on_cpu": True})
+    with torch.no_grad():
+        out = torch.compile(fn, backend=capture, fullgraph=True)(x)
+        expected = fn(x)
+    capture.assert_fused(n_groups=1, n_branches=[2])
+    assert_close_for_dtype(out, expected)
+    assert [o.stride() for o in out] == [e.stride() for e in expected]
+    out[0].add_(100.0)
+    expected[0].add_(100.0)
+    assert_close_for_dtype(out, expected)
+
+
 def _row_parallel_after_fused_gemms(x, wa, wb, wo):
     """Two GEMMs on `x` (they fuse), a gather by a tensor constant (which the layout check cannot re-run on fake
     values: the strides below it are unknown), a row-parallel GEMM and its all-reduce."""

@@ -82,7 +82,7 @@ def is_pure(node: fx.Node) -> bool:
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
 _STORAGE_READERS = (aten.as_strided.default, aten.view.dtype)
-_ALIASING = (
+ALIASING = (
     *_VIEWS, aten.reshape.default, aten.slice.Tensor, aten.select.int, aten.permute.default, aten.expand.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.alias.default,
     aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, operator.getitem,
@@ -120,14 +120,14 @@ def storage_family(nodes: Any) -> set[fx.Node]:
     family: set[fx.Node] = set()
     stack = []
     for node in nodes:
-        while node.target in _ALIASING and isinstance(node.args[0], fx.Node):
+        while node.target in ALIASING and isinstance(node.args[0], fx.Node):
             node = node.args[0]
         stack.append(node)
     while stack:
         node = stack.pop()
         if node not in family:
             family.add(node)
-            stack += [u for u in node.users if u.target in _ALIASING and u.args[0] is node]
+            stack += [u for u in node.users if u.target in ALIASING and u.args[0] is node]
     return family
 
 
@@ -137,7 +137,7 @@ def reads_storage_layout(node: fx.Node) -> bool:
     for user in node.users:
         if user.target in _STORAGE_READERS:
             return True
-        if user.target in _ALIASING and reads_storage_layout(user):
+        if user.target in ALIASING and reads_storage_layout(user):
             return True
     return False
 

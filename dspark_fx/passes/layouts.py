@@ -5,9 +5,11 @@ The fusion replaces values by views with other strides: a GEMM output by a colum
 after them compute with those strides (TensorIterator keeps the input's layout) while their `meta["val"]` still
 shows the eager strides. ATen ops give the same values for any strides (`as_strided` and dtype views excepted:
 such values never fuse, `graph_utils.reads_storage_layout`). Other consumers may not: a custom op whose kernel
-reads `data_ptr()` as dense rows, a higher-order op wrapping one, and the graph's outputs (the caller may `.view`
-them or hand them to such a kernel). Inductor restores eager strides for these itself; AOTAutograd without
-Inductor (`inner="aot_eager"`, `explain()`, `CaptureBackend`) does not, so the pass does:
+reads `data_ptr()` as dense rows, a higher-order op wrapping one (`auto_functionalized_v2` rebuilds a view of its
+base at the eager storage offset: for these the offset must be eager's too), and the graph's outputs (the caller
+may `.view` them or hand them to such a kernel; a returned view of another returned value is taken again from that
+value's copy, so the two still share memory, as in eager). Inductor restores eager strides for these itself;
+AOTAutograd without Inductor (`inner="aot_eager"`, `explain()`, `CaptureBackend`) does not, so the pass does:
 
     custom(relu(select(n, 0, 1)))   ->   custom(permute(clone(permute(relu(select(n, 0, 1)), p), contiguous), p⁻¹))
 
@@ -28,7 +30,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from dspark_fx.passes.graph_utils import aten, call, fake_mode_of, written_args
+from dspark_fx.passes.graph_utils import ALIASING, aten, call, fake_mode_of, written_args
 
 _STRIDE_AGNOSTIC = ("aten", "prims")  # namespaces whose ops compute values, whatever the input strides
 _COLLECTIVES = "_c10d_functional"
@@ -76,20 +78,40 @@ class EagerLayouts:
         nodes = list(graph.nodes)
         changed = self._changed(nodes)
         runtime: dict[fx.Node, Any] | None = None
+        order_of = {n: i for i, n in enumerate(nodes)}
         for consumer in nodes:
             eager = self.consumers.get(consumer)
             flat, spec = tree_flatten((consumer.args, consumer.kwargs))
             if eager is None or len(eager) != len(flat) or not changed.intersection(consumer.all_input_nodes):
                 continue
             written = set(written_args(consumer))
-            for pos, arg in enumerate(flat):
+            # a higher-order op (auto_functionalized_v2 rebuilding a view of its base at the eager storage offset)
+            # may read the storage offset too; an op reads from its tensor's first element, wherever it lies
+            offset_read = consumer.op == "call_function" and not isinstance(consumer.target, torch._ops.OpOverload)
+            outputs = {a for a in flat if isinstance(a, fx.Node)} if consumer.op == "output" else set()
+            moved: dict[fx.Node, fx.Node] = {}  # an argument and what takes its place
+            positions = sorted(range(len(flat)), key=lambda i: order_of.get(flat[i], -1))  # views after their bases
+            for pos in positions:
+                arg = flat[pos]
                 if not isinstance(arg, fx.Node) or arg not in changed or arg in written or _in_flight(arg):
+                    continue
+                if arg in moved:
+                    flat[pos] = moved[arg]
+                    continue
+                base = _viewed_output(arg, outputs)
+                if base is not None:  # a returned view of another returned value: it stays that value's view
+                    if base in moved:
+                        with graph.inserting_before(consumer):
+                            flat[pos] = moved[arg] = _view_again(graph, arg, base, moved[base])
                     continue
                 runtime = runtime if runtime is not None else _runtime_values(graph, nodes, changed, self.vals)
                 order = _dense_order(eager[pos])
-                if order is not None and not _same_strides(eager[pos], runtime.get(arg)):
+                now = runtime.get(arg)
+                if order is not None and not (
+                    _same_strides(eager[pos], now) and (not offset_read or _same_offset(eager[pos], now))
+                ):
                     with graph.inserting_before(consumer):
-                        flat[pos] = _copy_to_order(graph, arg, order)
+                        flat[pos] = moved[arg] = _copy_to_order(graph, arg, order)
             consumer.args, consumer.kwargs = tree_unflatten(flat, spec)
 
     def _changed(self, nodes: list[fx.Node]) -> set[fx.Node]:
@@ -172,6 +194,32 @@ def _same_strides(eager: torch.Tensor, now: Any) -> bool:
     if not isinstance(now, torch.Tensor) or now.dim() != eager.dim():
         return False
     return all(_known(eager.shape[d] == 1) or _known(eager.stride(d) == now.stride(d)) for d in range(eager.dim()))
+
+
+def _same_offset(eager: torch.Tensor, now: torch.Tensor) -> bool:
+    return _known(eager.storage_offset() == now.storage_offset())
+
+
+def _viewed_output(node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
+    """The nearest returned value `node` is a view of (through view ops), if any: in eager the two share storage,
+    and a caller that writes one in place sees it through the other."""
+    while node.target in ALIASING and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        if node in outputs:
+            return node
+    return None
+
+
+def _view_again(graph: fx.Graph, view: fx.Node, base: fx.Node, new_base: fx.Node) -> fx.Node:
+    """`view`'s chain of view ops from `base`, applied to `new_base`."""
+    chain = []
+    while view is not base:
+        chain.append(view)
+        view = view.args[0]
+    node = new_base
+    for step in reversed(chain):
+        node = call(graph, step.target, (node, *step.args[1:]), dict(step.kwargs))
+    return node
 
 
 def _copy_to_order(graph: fx.Graph, node: fx.Node, order: list[int]) -> fx.Node:
