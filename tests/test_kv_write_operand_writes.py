@@ -74,7 +74,9 @@ def _updated_after_writes(what: str, inner: str = "aot_eager", device: str = "cp
     (op,) = [n for n in nodes if n.target is KV_WRITE]
     operands = {n for n in op.all_input_nodes if n.op == "placeholder"}
     updates = [n for n in nodes if n.target is torch.ops.aten.copy_.default and n.args[0] in operands]
-    assert updates and all(nodes.index(op) < nodes.index(u) for u in updates), graph
+    assert all(nodes.index(op) < nodes.index(u) for u in updates), graph
+    # a bf16 inv_freq is not the op's operand (the op reads fp32 rows the graph builds from the cos/sin it computes)
+    assert updates or (what == "inv_freq" and dtype != torch.float32), graph
 
 
 WHAT = ["positions", "activation", "k_weight", "v_bias", "norm_weight", "inv_freq", "slots"]
