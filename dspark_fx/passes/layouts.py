@@ -90,7 +90,9 @@ class EagerLayouts:
             offset_read = consumer.op == "call_function" and not isinstance(consumer.target, torch._ops.OpOverload)
             outputs = {a for a in flat if isinstance(a, fx.Node)} if consumer.op == "output" else set()
             moved: dict[fx.Node, fx.Node] = {}  # an argument and what takes its place
-            positions = sorted(range(len(flat)), key=lambda i: order_of.get(flat[i], -1))  # views after their bases
+            positions = sorted(
+                range(len(flat)), key=lambda i: order_of.get(flat[i], -1) if isinstance(flat[i], fx.Node) else -1
+            )  # views after their bases
             for pos in positions:
                 arg = flat[pos]
                 if not isinstance(arg, fx.Node) or arg not in changed or arg in written or _in_flight(arg):
