@@ -6,7 +6,7 @@ after them compute with those strides (TensorIterator keeps the input's layout) 
 shows the eager strides. ATen ops give the same values for any strides (`as_strided` and dtype views excepted:
 such values never fuse, `graph_utils.reads_storage_layout`). Other consumers may not: a custom op whose kernel
 reads `data_ptr()` as dense rows, a higher-order op wrapping one (`auto_functionalized_v2` rebuilds a view of its
-base at the eager storage offset: for these the offset must be eager's too), and the graph's outputs (the caller
+bases at the eager storage offset: for those the offset must be eager's too), and the graph's outputs (the caller
 may `.view` them or hand them to such a kernel; a returned view of another returned value is taken again from that
 value's copy, so the two still share memory, as in eager). Inductor restores eager strides for these itself;
 AOTAutograd without Inductor (`inner="aot_eager"`, `explain()`, `CaptureBackend`) does not, so the pass does:
@@ -85,9 +85,7 @@ class EagerLayouts:
             if eager is None or len(eager) != len(flat) or not changed.intersection(consumer.all_input_nodes):
                 continue
             written = set(written_args(consumer))
-            # a higher-order op (auto_functionalized_v2 rebuilding a view of its base at the eager storage offset)
-            # may read the storage offset too; an op reads from its tensor's first element, wherever it lies
-            offset_read = consumer.op == "call_function" and not isinstance(consumer.target, torch._ops.OpOverload)
+            offset_read = _offset_readers(consumer)
             outputs = {a for a in flat if isinstance(a, fx.Node)} if consumer.op == "output" else set()
             moved: dict[fx.Node, fx.Node] = {}  # an argument and what takes its place
             positions = sorted(
@@ -110,7 +108,7 @@ class EagerLayouts:
                 order = _dense_order(eager[pos])
                 now = runtime.get(arg)
                 if order is not None and not (
-                    _same_strides(eager[pos], now) and (not offset_read or _same_offset(eager[pos], now))
+                    _same_strides(eager[pos], now) and (arg not in offset_read or _same_offset(eager[pos], now))
                 ):
                     with graph.inserting_before(consumer):
                         flat[pos] = moved[arg] = _copy_to_order(graph, arg, order)
@@ -196,6 +194,15 @@ def _same_strides(eager: torch.Tensor, now: Any) -> bool:
     if not isinstance(now, torch.Tensor) or now.dim() != eager.dim():
         return False
     return all(_known(eager.shape[d] == 1) or _known(eager.stride(d) == now.stride(d)) for d in range(eager.dim()))
+
+
+def _offset_readers(consumer: fx.Node) -> set[fx.Node]:
+    """The arguments whose storage offset `consumer` reads: the bases of an `auto_functionalized_v2`, which rebuilds
+    each mutated view from its base at the eager offset (`as_strided`); every other op reads a tensor from its first
+    element, wherever that lies."""
+    if consumer.target is not torch.ops.higher_order.auto_functionalized_v2:
+        return set()
+    return {b for b in consumer.kwargs.get("_all_bases", ()) if isinstance(b, fx.Node)}
 
 
 def _same_offset(eager: torch.Tensor, now: torch.Tensor) -> bool:
