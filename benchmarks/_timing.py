@@ -10,8 +10,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def graphed(fn: Callable[..., object], args: tuple) -> Callable[[], None]:
+def graphed(
+    fn: Callable[..., object], args: tuple, check: Callable[[object], object] | None = None
+) -> Callable[[], None]:
     """`fn(*args)` captured in a `torch.cuda.CUDAGraph` after three warm-up calls; returns the graph's replay.
+    `check(output)`, if given, runs on what one replay computed (the output captured, refilled by the replay): what
+    is timed is checked, not only a direct call.
 
     The cuBLAS workspace cache is emptied right before and right after the capture, so that the graph's GEMMs get a
     workspace of their own, in the graph's memory pool, that lives as long as the graph. Without that, graphs that
@@ -23,8 +27,12 @@ def graphed(fn: Callable[..., object], args: tuple) -> Callable[[], None]:
     torch._C._cuda_clearCublasWorkspaces()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(*args)
+        output = fn(*args)
     torch._C._cuda_clearCublasWorkspaces()
+    if check is not None:
+        graph.replay()
+        torch.cuda.synchronize()
+        check(output)
     return graph.replay
 
 

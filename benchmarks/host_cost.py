@@ -6,9 +6,11 @@ cost the CPU on every call, at N = 5 and N = 32 layers (Qwen3-8B draft dims by d
 
 Per N: `host µs`, the wall time of `--calls` calls in a row divided by their number, taken before the synchronize
 that ends them (on CUDA the calls only enqueue kernels: at a few launches per call the launch queue does not fill,
-so this is the host's time per call); `device µs`, the median time of one call between CUDA events (CUDA only);
-`wall µs`, the same loop's time per call including that synchronize. On CPU the op is its fp32 reference, so host
-time is the whole computation there. The median of `--repeats` loops is reported.
+so this is the host's time per call); `device µs`, the median time of one call alone after an L2 flush, between
+CUDA events (`triton.testing.do_bench`; CUDA only): cold weights and the launch included, so above the per-call GPU
+time of calls back to back; `wall µs`, the loop's time per call including that synchronize (calls back to back).
+On CPU the op is its fp32 reference, so host time is the whole computation there. The median of `--repeats` loops
+is reported.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def main() -> None:
         f"heads per layer, T = {args.tokens}, {args.device}, {dtype}, torch {torch.__version__}; median of "
         f"{args.repeats} loops of {args.calls} calls",
         "",
-        "| layers | host µs | device µs | wall µs |",
+        "| layers | host µs | device µs (one cold call) | wall µs |",
         "|---|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)

@@ -12,6 +12,7 @@ replay; on CPU a plain call (`--rounds` interleaved rounds, the median).
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,8 +51,9 @@ def time_tokens(model: MLP, tokens: int, device: str, dtype: torch.dtype, rounds
         for backend in VARIANTS.values():
             torch._dynamo.reset()
             compiled = torch.compile(model, backend=backend)
-            assert_close_for_dtype(compiled(x), want, dtype)
-            calls.append(graphed(compiled, (x,)) if device == "cuda" else (lambda c=compiled: c(x)))
+            check = partial(assert_close_for_dtype, expected=want, dtype=dtype)
+            check(compiled(x))
+            calls.append(graphed(compiled, (x,), check) if device == "cuda" else (lambda c=compiled: c(x)))
         times = interleaved_median_us(calls, device, rounds)
     return dict(zip(VARIANTS, times, strict=True))
 

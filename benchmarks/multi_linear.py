@@ -140,14 +140,24 @@ def placed_weights(placement: str, count: int, rows: int, k: int) -> list[torch.
     return weights
 
 
-def us_per_call(call: Callable[[int], torch.Tensor], copies: int, warmup: int, rep: int) -> float:
-    """Median µs per call of a CUDA graph that runs `call(i)` for every weight copy i once."""
+def us_per_call(
+    call: Callable[[int], torch.Tensor], copies: int, warmup: int, rep: int, ref: torch.Tensor | None = None
+) -> float:
+    """Median µs per call of a CUDA graph that runs `call(i)` for every weight copy i once. With `ref` (the result
+    for copy 0), one replay's result for copy 0 is checked against it first: `ValueError` if it is wrong."""
     for i in range(copies):
         call(i)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(copies):
+        first = call(0)
+        for i in range(1, copies):
             call(i)
+    if ref is not None:
+        first.fill_(float("nan"))  # written by the replay or reported wrong
+        graph.replay()
+        torch.cuda.synchronize()
+        if (err := rel_error(first, ref)) > MAX_REL_ERROR:
+            raise ValueError(f"the replay computes another result (rel err {err:.2e})")
     return 1e3 * do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") / copies
 
 
@@ -231,7 +241,11 @@ def main_table(groups: list[Group], bandwidth: float, rate: float) -> str:
                 if err > MAX_REL_ERROR:
                     cells.append(f"WRONG (rel err {err:.2e})")
                     continue
-                times[name] = us_per_call(call, len(group.copies), warmup=25, rep=100)
+                try:
+                    times[name] = us_per_call(call, len(group.copies), warmup=25, rep=100, ref=ref)
+                except ValueError as replayed:
+                    cells.append(f"WRONG ({replayed})")
+                    continue
                 cells.append(f"{times[name]:.1f} ({100 * floor / times[name]:.0f}%)")
             cells.append(f"{read:.1f} ({100 * group.bytes_moved(0) / bandwidth * 1e6 / read:.0f}%)")  # weights only
             times["fastest reader"] = min(read, times.get("cuBLAS concat", read))
