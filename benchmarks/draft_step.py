@@ -15,7 +15,11 @@ before it is joined with the block's K, as an engine that writes the context K/V
 Qwen3-8B draft dims (5 layers, hidden 4096, 32/8 heads x 128, intermediate 12288, bf16), block 16, T in {16, 512}.
 T is marked dynamic, so each compiled variant compiles one graph for both T (the graph that automatic dynamic
 shapes switch to at the second T anyway). Parity with eager is checked first; then every variant is captured in a
-`torch.cuda.CUDAGraph` and timed by replay (medians of `triton.testing.do_bench`). The floor and the roofline bound
+`torch.cuda.CUDAGraph`, one replay is checked against eager too, and the replays are timed interleaved
+(`interleaved_median_us`: `ROUNDS` rounds, each variant once per round in a shuffled order after an L2 flush,
+medians), with a control: the hand-stacked draft compiled a second time (its time ÷ the first's is what two compiles
+of one model read apart in this run; Inductor's per-layer norm/RoPE kernels have taken 2 or 5 µs per launch from
+compile to compile). The floor and the roofline bound
 the step's GEMMs with the copy bandwidth and GEMM rate measured in the same run (`gemm_bounds`): each weight read
 once, each GEMM's FLOPs over every row it multiplies. Under the table (CUDA), per T, what `TARGET_SPEEDUP` over
 torch.compile asks of the step's GEMMs after dspark_backend's other kernels as profiled (µs and the average rate
@@ -50,7 +54,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import copy_bandwidth, gemm_rate, graphed, median_us
+from _timing import copy_bandwidth, gemm_rate, graphed, interleaved_median_us
 from torch import nn
 
 import dspark_fx
@@ -86,6 +90,8 @@ UNBATCHED = "dspark_backend, no batched regions"
 # v_proj are in the larger context group)
 COLOCATED = "dspark_backend, colocated weights"
 HAND = "hand-stacked torch.compile"  # HandStackedDraft under plain torch.compile
+CONTROL = "hand-stacked, second compile"  # the same, compiled again: what two compiles of one model read apart
+ROUNDS = {"cuda": 50, "cpu": 10}  # interleaved rounds of every variant's step
 
 
 class RMSNorm(nn.Module):
@@ -563,8 +569,10 @@ def main() -> None:
         UNBATCHED: torch.compile(copy.deepcopy(eager), backend=dspark_fx.make_backend({"batch_regions": False})),
         COLOCATED: torch.compile(copy.deepcopy(eager), backend=dspark_fx.make_backend({"colocate_weights": True})),
         HAND: torch.compile(HandStackedDraft(eager)),
+        CONTROL: torch.compile(HandStackedDraft(eager)),
     }
     compiled = [name for name in variants if name != "eager"]
+    profiled_variants = [name for name in compiled if name != CONTROL]
     weight_bytes = sum(p.numel() * p.element_size() for p in eager.parameters())
     rows, gemm_lines, bound_lines, reads = [], [], [], {}
     reference32 = copy.deepcopy(eager).float() if dtype != torch.float32 else eager
@@ -585,17 +593,17 @@ def main() -> None:
                         f"; against an fp32 copy {error:.1e}, eager's {eager_error:.1e} ({error / eager_error:.2f}x)"
                     )
                 print(f"T={ctx_len} {name}: first call {seconds:.1f} s, {counts['frames']} graph(s) compiled; {parity}")
-            times = {}
-            for name, model in variants.items():
+            steps = []
+            for model in variants.values():
                 if device == "cuda":  # the replay timed computes the step: checked against eager as the first call
-                    step = graphed(model, step_inputs, check=partial(assert_parity, expected=expected, dtype=dtype))
+                    steps.append(graphed(model, step_inputs, partial(assert_parity, expected=expected, dtype=dtype)))
                 else:
-                    step = partial(model, *step_inputs)
-                times[name] = median_us(step, device)
+                    steps.append(partial(model, *step_inputs))
+            times = dict(zip(variants, interleaved_median_us(steps, device, ROUNDS[device]), strict=True))
             print(f"T={ctx_len} µs:", {k: round(v, 1) for k, v in times.items()}, flush=True)
             floor_us, roofline_us = gemm_bounds(step_gemm_work(eager, ctx_len), bandwidth, rate)
             gemm_times = {}
-            for name in compiled:
+            for name in profiled_variants:
                 profiled = gemm_profile(variants[name], step_inputs, variants[name]._orig_mod, device)
                 table = gemm_table(name, ctx_len, profiled, bandwidth, dtype.itemsize, device)
                 gemm_lines += table
@@ -626,12 +634,15 @@ def main() -> None:
         "the GEMM rate, the larger; roofline: each GEMM at the larger of the two, one after another (`gemm_bounds`). "
         f"{gemms}.",
         "",
-        "| T | floor µs | roofline µs | " + " | ".join(variants) + " | dspark_backend ÷ hand-stacked |",
-        "|" + "---|" * (len(variants) + 4),
+        "| T | floor µs | roofline µs | "
+        + " | ".join(variants)
+        + " | dspark_backend ÷ hand-stacked | control: second compile ÷ hand-stacked |",
+        "|" + "---|" * (len(variants) + 5),
     ]
     for ctx_len, floor_us, roofline_us, times in rows:
         cells = [f"{t:.1f} ({t / times['torch.compile']:.2f}x, {t / floor_us:.2f}x)" for t in times.values()]
         cells.append(f"{times['dspark_backend'] / times[HAND]:.2f}x")
+        cells.append(f"{times[CONTROL] / times[HAND]:.3f}x")
         lines.append(f"| {ctx_len} | {floor_us:.1f} | {roofline_us:.1f} | " + " | ".join(cells) + " |")
     bounds = ["", *bound_lines] if bound_lines else []
     table = "\n".join([*lines, *bounds, "", *gemm_lines])
