@@ -40,8 +40,8 @@
 #             (ACCEPT_TIMEOUTS="write draft multi_linear lone host" seconds, default "340 0 80 40 20"; 0 skips a
 #             part). On a fresh H100 the build took 93 s, the write about 290 s (before its one-launch read also
 #             timed the copy-engine reader: a few seconds more, its nvcc build included), multi_linear 60 s, the
-#             last two 40 s, and the draft step (five compiled variants) about 170 s: more than one call holds, so
-#             the draft step is off by default; ACCEPT_TIMEOUTS="0 250 0 0 0" runs it alone in a second call (50 s
+#             last two 40 s, and the draft step (five compiled variants then; six with its control since) about
+#             170 s: more than one call holds, so the draft step is off by default; ACCEPT_TIMEOUTS="0 250 0 0 0" runs it alone in a second call (50 s
 #             on a warm machine, which keeps the build and Inductor's cache)
 #   profile   where the write's replay time goes, per kernel, per spelling (benchmarks/dspark_write.py --breakdown;
 #             PROFILE_SPELLINGS, default "reference sglang hf complex"; PROFILE_VARIANTS, default "dspark never
