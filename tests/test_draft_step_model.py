@@ -232,7 +232,10 @@ def test_speedup_bound_measures_the_target_against_the_fastest_way_of_running_th
     )
     assert f"fastest of them as measured: cuBLAS {cublas_us:.1f} " in line
     assert f"{verdict} that (then {draft_step.READ} 950.0; dspark_backend's GEMM kernels 990.0)" in line
-    assert line.endswith("at their roofline (700.0) the step would take 850.0.")
+    assert line.endswith(
+        "at their roofline with each weight read once (700.0; the GEMMs as run read the K/V weights twice) the step "
+        "would take 850.0."
+    )
 
 
 def test_speedup_bound_when_the_other_kernels_alone_miss_the_target():
