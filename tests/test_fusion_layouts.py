@@ -124,13 +124,14 @@ def test_an_in_place_op_on_a_fused_value_writes_its_own_elements(how, tokens, in
 
 def test_returned_views_of_a_returned_value_still_share_its_memory():
     """`ya` is copied into its eager strides; `ya[2]` and `ya[:, 4:]` stayed views of the fused output, so a caller
-    writing `ya` in place no longer saw it through them (eager: they share memory)."""
+    writing `ya` in place no longer saw it through them (eager: they share memory); views by ops the pass did not
+    know as views (`diagonal`, `unfold`, `squeeze()`) too."""
     torch._dynamo.reset()
     wa, wb = torch.randn(16, 32), torch.randn(16, 32)
 
     def fn(x):
         ya, yb = x @ wa.t(), x @ wb.t()
-        return ya, ya[2], ya[:, 4:], yb, ya
+        return ya, ya[2], ya[:, 4:], yb, ya, ya.diagonal(), ya.unfold(1, 4, 4), ya.squeeze(), ya.t()
 
     x = torch.randn(6, 32)
     capture = CaptureBackend({"fuse_on_cpu": True})

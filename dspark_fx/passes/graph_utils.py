@@ -82,11 +82,25 @@ def is_pure(node: fx.Node) -> bool:
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
 _STORAGE_READERS = (aten.as_strided.default, aten.view.dtype)
-ALIASING = (
-    *_VIEWS, aten.reshape.default, aten.slice.Tensor, aten.select.int, aten.permute.default, aten.expand.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.alias.default,
-    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, operator.getitem,
-)  # fmt: skip
+
+
+def is_view(node: Any) -> bool:
+    """Whether `node` is a view of its first argument: an op whose schema returns an alias of an input it does not
+    write (`Tensor(a)`: view, slice, select, squeeze, t, diagonal, unfold, expand, split, alias, as_strided, ...;
+    `reshape` too, which may be one), or an item of such an op's list (a piece of a `split` or `unbind`)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
+        return False
+    if not isinstance(node.args[0], fx.Node):
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return is_view(node.args[0])
+    if target in _VIEWS or target is aten.reshape.default:  # `_unsafe_view` declares no alias, but is one
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 def views_to_reshapes(nodes: list[fx.Node]) -> None:
@@ -120,14 +134,14 @@ def storage_family(nodes: Any) -> set[fx.Node]:
     family: set[fx.Node] = set()
     stack = []
     for node in nodes:
-        while node.target in ALIASING and isinstance(node.args[0], fx.Node):
+        while is_view(node):
             node = node.args[0]
         stack.append(node)
     while stack:
         node = stack.pop()
         if node not in family:
             family.add(node)
-            stack += [u for u in node.users if u.target in ALIASING and u.args[0] is node]
+            stack += [u for u in node.users if is_view(u) and u.args[0] is node]
     return family
 
 
@@ -137,7 +151,7 @@ def reads_storage_layout(node: fx.Node) -> bool:
     for user in node.users:
         if user.target in _STORAGE_READERS:
             return True
-        if user.target in ALIASING and reads_storage_layout(user):
+        if is_view(user) and user.args[0] is node and reads_storage_layout(user):
             return True
     return False
 

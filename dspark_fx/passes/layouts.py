@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from dspark_fx.passes.graph_utils import ALIASING, aten, call, fake_mode_of, written_args
+from dspark_fx.passes.graph_utils import aten, call, fake_mode_of, is_view, written_args
 
 _STRIDE_AGNOSTIC = ("aten", "prims")  # namespaces whose ops compute values, whatever the input strides
 _COLLECTIVES = "_c10d_functional"
@@ -212,7 +212,7 @@ def _same_offset(eager: torch.Tensor, now: torch.Tensor) -> bool:
 def _viewed_output(node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
     """The nearest returned value `node` is a view of (through view ops), if any: in eager the two share storage,
     and a caller that writes one in place sees it through the other."""
-    while node.target in ALIASING and isinstance(node.args[0], fx.Node):
+    while is_view(node):
         node = node.args[0]
         if node in outputs:
             return node
