@@ -141,9 +141,32 @@ def _advance(pos, x, caches):
     return x, None
 
 
-def _pass_on(between):
+def _advanced_at(when: str):
+    """Two layers' writes whose positions are advanced in place, through a view, `when`: "first" (both layers read
+    the advanced positions), "between_layers" (layer 0 reads them before, layer 1 after) or "after_a_v_write"
+    (layer 0's V is written first, then the positions advanced, then every K computed from them)."""
+
+    def fn(x, ws, table, pos, loc, caches):
+        if when == "after_a_v_write":
+            caches[1].copy_(torch.index_put(caches[1], [loc], (x @ ws[1].t()).view(-1, 2, 16)))
+        if when in ("first", "after_a_v_write"):
+            pos.view(-1).add_(1)
+        for layer in range(2):
+            if when == "between_layers" and layer == 1:
+                pos.view(-1).add_(1)
+            k = _pieces(table, pos, None)(x @ ws[2 * layer].t())
+            kc, vc = caches[2 * layer], caches[2 * layer + 1]
+            kc.copy_(torch.index_put(kc, [loc], k))
+            if when != "after_a_v_write" or layer:
+                vc.copy_(torch.index_put(vc, [loc], (x @ ws[2 * layer + 1].t()).view(-1, 2, 16)))
+
+    return fn
+
+
+def _pass_on(between, body=None):
     """The pass run on the traced function `_writes(..., between)` (a graph whose positions are written in place in
-    the middle, as a user pass running before the dspark pass may leave it): (graph module, report, inputs)."""
+    the middle, as a user pass running before the dspark pass may leave it), or on `body` with `_writes`'s
+    arguments: (graph module, report, inputs, the function)."""
     torch.manual_seed(1)
     inputs = (
         torch.randn(4, 32),
@@ -157,6 +180,7 @@ def _pass_on(between):
     def fn(x, ws, table, pos, loc, caches):
         return _writes(x, ws, table, pos, loc, caches, between)
 
+    fn = body or fn
     gm = make_fx(fn, tracing_mode="fake")(*copy.deepcopy(inputs))
     manager = DsparkPassManager(DsparkConfig(kv_write_op="always", fuse_on_cpu=True))
     manager(gm.graph, is_inference=True)
@@ -193,3 +217,68 @@ def test_writes_whose_op_cannot_move_before_a_write_into_its_operand_are_kept(be
     assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
     if out_expected is not None:
         assert_close_for_dtype(out_got, out_expected)
+
+
+def test_a_write_the_model_read_after_stays_before_the_op():
+    """`positions` advanced before the K/V computation reads them: the op stays after that write (it reads what the
+    model read), where moving it before the write would rotate at the old positions."""
+    gm, report, inputs, fn = _pass_on(None, _advanced_at("first"))
+    assert op_counts(gm.graph)[OP] == 1, str(report)
+    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
+    fn(*expected)
+    gm(*got)
+    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+
+
+@pytest.mark.parametrize(
+    ("when", "says"),
+    [
+        ("between_layers", "read by the K/V computation before and after add_"),
+        ("after_a_v_write", "after the first cache write and read by the K/V computation after that"),
+    ],
+)
+def test_an_operand_written_where_the_op_cannot_read_what_the_model_read_keeps_the_writes(when, says):
+    """Layer 0 reads the positions before the advance and layer 1 after it; or the advance comes after layer 0's V
+    write (the op's place) and every read after it."""
+    gm, report, inputs, fn = _pass_on(None, _advanced_at(when))
+    assert op_counts(gm.graph)[OP] == 0
+    (kept,) = report.kv_kept
+    assert kept.reason is KVKeptReason.OPERAND_WRITTEN and says in kept.detail, str(kept)
+    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
+    fn(*expected)
+    gm(*got)
+    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+
+
+class _SqueezedPositions(torch.nn.Module):
+    """HF-style `position_ids [1, T]` read through `squeeze()` (`aten.squeeze.default`) by a RoPE on the model's own
+    table, advanced in place after the K/V writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)])
+        self.register_buffer("table", torch.randn(64, 16))
+        for i in range(4):
+            self.register_buffer(f"cache_{i}", torch.full((24, 2, 16), -7.0))
+
+    def forward(self, position_ids, x, loc):
+        rotate = _pieces(self.table, position_ids.squeeze(), None)
+        for layer in range(2):
+            getattr(self, f"cache_{2 * layer}")[loc] = rotate(x @ self.ws[2 * layer].t())
+            getattr(self, f"cache_{2 * layer + 1}")[loc] = (x @ self.ws[2 * layer + 1].t()).view(-1, 2, 16)
+        position_ids.add_(1)
+
+
+def test_positions_read_through_a_squeeze_and_advanced_after_the_writes():
+    """`squeeze()` was not known as a view, so the op read the advanced positions (caches 57 off)."""
+    torch._dynamo.reset()
+    eager = _SqueezedPositions()
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    inputs = [torch.tensor([[5, 17, 40, 2]]), torch.randn(4, 32), torch.tensor([3, 9, 11, 20])]
+    mine = [t.clone() for t in inputs]
+    with torch.no_grad():
+        eager(*inputs)
+        torch.compile(model, backend=capture)(*mine)
+    assert op_counts(capture.after[-1])[OP] == 1, str(capture.report)
+    assert_close_for_dtype(list(model.buffers()) + mine, list(eager.buffers()) + inputs)

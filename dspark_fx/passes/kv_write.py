@@ -1244,19 +1244,41 @@ def _before_operand_writes(graph: fx.Graph, emitted: list[fx.Node], group: _Grou
     that writes in place into a tensor the op reads, where that write comes before the first cache write: AOT
     writes a mutated input back with a `copy_` at the end of the graph, so `positions.add_(1)` (or a weight or table
     updated) after the K/V writes in the model is a `copy_` that may come before the caches' ones, and the op there
-    would read the new value. Where the op cannot move before that write (an operand computed after it, or a cache
-    read or written in between), the writes are kept."""
+    would read the new value. Only writes after the model's last read count (one before it, the model's reads saw
+    too); where the model reads an operand both before and after a write, or the op cannot move before the write
+    (an operand computed after it, or a cache read or written in between), the writes are kept."""
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     start = order[emitted[0]]
     inputs = dict.fromkeys(i for n in emitted for i in n.all_input_nodes if i not in emitted)
     caches = storage_family(dict.fromkeys(w.site.target for w in group.writes))
+    computed = set().union(*(_ancestors(w.site.value) for w in group.writes))  # what the writes are computed from
     earliest: tuple[fx.Node, fx.Node] | None = None  # (writer, the operand it writes)
     for operand in inputs:
         if operand in caches:
             continue
         family = storage_family([operand])
-        first = next((n for n in nodes[order[operand] + 1 : start] if family.intersection(written_args(n))), None)
+        reads = [order[n] for n in computed if n not in family and family.intersection(n.all_input_nodes)]
+        writers = [n for n in nodes[order[operand] + 1 :] if family.intersection(written_args(n))]
+        twice = next((w for w in writers if reads and min(reads) < order[w] < max(reads)), None)
+        if twice is not None:
+            raise _NoMatch(
+                KVKeptReason.OPERAND_WRITTEN,
+                f"{names.of(operand)} is read by the K/V computation before and after {twice.name} "
+                f"({op_name(twice)}) writes it in place: the op reads it once",
+                twice,
+            )
+        ahead = next((w for w in writers if reads and start < order[w] < min(reads)), None)
+        if ahead is not None:  # the model reads it after a write that comes after the op's place
+            raise _NoMatch(
+                KVKeptReason.OPERAND_WRITTEN,
+                f"{names.of(operand)} is written in place by {ahead.name} ({op_name(ahead)}) after the first cache "
+                "write and read by the K/V computation after that: the op, at the first cache write, would read it "
+                "before the write",
+                ahead,
+            )
+        last_read = max(reads, default=order[operand])  # a write before it is one the model's reads saw too
+        first = next((w for w in writers if last_read < order[w] < start), None)
         if first is not None and (earliest is None or order[first] < order[earliest[0]]):
             earliest = (first, operand)
     if earliest is None:
