@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["check_index_range", "checks", "checks_enabled", "is_aligned", "must_check_values", "set_checks"]
@@ -142,11 +142,12 @@ def check_no_shared_memory(name: str, written: torch.Tensor, inputs: Iterable[tu
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` are the same elements of one storage in one layout (an op writing `a` in place of `b`)."""
+    """Whether `a` and `b` are the same elements of one storage in one layout (an op writing `a` in place of `b`;
+    the stride of a dim of size 1 is no part of the layout)."""
     if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()) or a.dim() != b.dim():
         return False
-    pairs = [(a.storage_offset(), b.storage_offset())]
-    pairs += [*zip(a.shape, b.shape, strict=True), *zip(a.stride(), b.stride(), strict=True)]
+    pairs = [(a.storage_offset(), b.storage_offset()), *zip(a.shape, b.shape, strict=True)]
+    pairs += [(sa, sb) for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if not guard_or_false(n == 1)]
     return all(guard_or_false(x == y) for x, y in pairs)
 
 
@@ -160,6 +161,8 @@ def share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if guard_or_false(a.numel() == 0) or guard_or_false(b.numel() == 0):
         return False
+    if free_unbacked_symbols((a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(), b.storage_offset())):
+        return False  # a data-dependent size (fake tensors): the real call decides, by the same rule
     a_lo, b_lo = a.storage_offset(), b.storage_offset()
     a_hi = a_lo + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
     b_hi = b_lo + sum((n - 1) * s for n, s in zip(b.shape, b.stride(), strict=True))

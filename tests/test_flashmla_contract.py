@@ -253,6 +253,9 @@ def test_valid_layouts_still_accepted():
     args["q_out"] = args["q"]
     _call("fused_q_norm_rope", args)
     assert torch.equal(args["q"], expected)
+    args = _inputs("fused_q_norm_rope", b=1)  # in place, the size-1 dim's stride another: the same elements
+    args["q_out"] = args["q"].as_strided(args["q"].shape, (12345, *args["q"].stride()[1:]))
+    _call("fused_q_norm_rope", args)
     args = _inputs("fused_k_norm_rope_flashmla")
     args["kvcache"] = args["kvcache"][1:]  # a view of a larger cache, starting at a page boundary
     args["out_loc"] = torch.randperm(args["kvcache"].shape[0] * PAGE_SIZE)[:8]

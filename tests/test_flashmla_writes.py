@@ -30,6 +30,8 @@ from flashmla_cases import (
 from helpers import LayoutKeepingMove
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import custom_ops  # noqa: F401  (registers torch.ops.dspark.*)
 from custom_ops.flashmla import writes as fw
@@ -309,6 +311,21 @@ def test_q_norm_rope_compiles_with_a_data_dependent_row_count():
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         compiled = torch.compile(rotate, backend="aot_eager", fullgraph=True)(torch.tensor(5))
     assert torch.equal(compiled, rotate(torch.tensor(5)))
+
+
+def test_q_norm_rope_into_the_other_half_of_one_buffer_with_a_data_dependent_row_count():
+    """q and q_out the two halves of one `[B, 2, H, 512]` buffer (no byte shared) with an unbacked B: the fake impl's
+    shared-memory check does not guard on B (it raised GuardOnDataDependentSymNode); in place is accepted too."""
+    env = ShapeEnv()
+    freqs, pos = precompute_freqs(MAX_POS), torch.randint(0, MAX_POS, (6,))
+    with FakeTensorMode(shape_env=env) as mode:
+        rows = env.create_unbacked_symint()
+        torch._check(rows >= 0)
+        buf = torch.empty(rows, 2, 4, 512)
+        fake_freqs, fake_pos = mode.from_tensor(freqs), torch.empty(rows, dtype=pos.dtype)
+        ops.fused_q_norm_rope(buf[:, 0], buf[:, 1], EPS, fake_freqs, fake_pos)
+        q = torch.empty(rows, 4, 512)
+        ops.fused_q_norm_rope(q, q, EPS, fake_freqs, fake_pos)
 
 
 def _mutating_calls():

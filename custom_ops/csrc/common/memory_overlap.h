@@ -68,10 +68,16 @@ inline bool share_memory(const at::Tensor& a, const at::Tensor& b) {
   return offsets_meet(b.storage_offset() - a.storage_offset(), dims, 0);
 }
 
-// Whether a and b are the same elements of one storage in one layout (as custom_ops.checks.same_view).
+// Whether a and b are the same elements of one storage in one layout, the stride of a dim of size 1 no part of it (as
+// custom_ops.checks.same_view).
 inline bool same_view(const at::Tensor& a, const at::Tensor& b) {
-  return a.storage().is_alias_of(b.storage()) && a.storage_offset() == b.storage_offset() && a.sizes() == b.sizes() &&
-         a.strides() == b.strides();
+  if (!a.storage().is_alias_of(b.storage()) || a.storage_offset() != b.storage_offset() || a.sizes() != b.sizes()) {
+    return false;
+  }
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
 }
 
 // custom_ops.checks.check_no_shared_memory: `written` (a tensor the op writes) shares no byte with any of `inputs`
