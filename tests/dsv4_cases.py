@@ -373,7 +373,8 @@ def decode_corruptions(ratio: int, online: bool, rows: int):
         good[0][r, 0] += 1
 
     cases = [("write_loc", write_loc), ("read_page_1", page(3, rows // ratio + 3)), ("write_loc", not_last_row)]
-    return [*cases, ("read_page_0", page(2, -7))] if ratio == 4 else cases
+    # c4: a negative read_page_0 is an unmapped overlap (no entry, no error); past the state it is out of range
+    return [*cases, ("read_page_0", page(2, rows // ratio + 5))] if ratio == 4 else cases
 
 
 def prefill_corruptions(ratio: int, online: bool, rows: int, inputs: int):

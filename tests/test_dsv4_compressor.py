@@ -93,6 +93,31 @@ def test_c128_window_needs_only_its_own_tokens_mapped(last_call):
     assert caches[0].any() and torch.equal(caches[0], caches[1])
 
 
+@pytest.mark.parametrize("one_at_a_time", ["decode", "extend"])
+def test_c4_window_after_an_unmapped_page_reads_the_states_its_tokens_wrote(one_at_a_time):
+    """Paged c4: the first SWA page unmapped (evicted) after a 256-token prefill, then tokens 256..263 one at a time.
+    Window 64 (tokens 256..259, overlap 252..255) makes no entry; window 65 (overlap 256..259, all mapped) is the
+    whole sequence's. Decode rows whose overlap token was unmapped were not planned at all, so tokens 256..259 wrote
+    no state and window 65 was computed from rows never written (3.0 off), where extend-of-1 was right."""
+    torch.manual_seed(0)
+    comp = DSV4Compressor(16, 128, 4)
+    kv = torch.randn(264, 4 * 128)
+    want = compress_sequence(kv, comp.kernel_ape(), 4)
+    req_to_token, full_to_state = torch.arange(512)[None].clone(), torch.arange(512)
+    addressing = PagedAddressing(req_to_token, full_to_state, 256)
+    state = comp.new_state(num_rows=2 * 8)
+    comp.compress_scores(kv[:256], state, torch.tensor([256]), torch.tensor([0]), torch.tensor([256]), addressing)
+    full_to_state[:256] = -1
+    made = {}
+    for pos in range(256, 264):
+        extend = None if one_at_a_time == "decode" else torch.tensor([1])
+        seq = torch.tensor([pos + 1])
+        out = comp.compress_scores(kv[pos : pos + 1], state, seq, torch.tensor([0]), extend, addressing)
+        made.update({int(w): e for w, e, v in zip(out.window, out.entries, out.valid, strict=True) if v})
+    assert sorted(made) == [65]
+    torch.testing.assert_close(made[65], want[65])
+
+
 def test_compressor_rejects_bad_configs():
     with pytest.raises(ValueError, match="ratio"):
         DSV4Compressor(64, 128, 8)

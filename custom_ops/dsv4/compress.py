@@ -15,7 +15,8 @@ first and then compresses, reading every window slot from the state; prefill com
 writes may overwrite rows the compression reads).
 
 Outputs are fresh fp32 `[plan rows, D]` tensors; rows that produce no entry (invalid plan rows, decode rows
-whose `seq_len % ratio != 0`) are zero. Decode row b pairs with request b; prefill row k with `plan_c[k]`.
+whose `seq_len % ratio != 0`, c4 decode rows whose `read_page_0` is -1: an unmapped overlap token; they still write
+the state) are zero. Decode row b pairs with request b; prefill row k with `plan_c[k]`.
 
 Plan values (docs/contract.md): a plan row is padding when it has the invalid pattern (DecodePlan: `write_loc <
 0`; CompressPlan: `seq_len == 0xFFFFFFFF`; WritePlan: `ragged_id == 0xFFFFFFFF` or `write_loc < 0`). Every
@@ -97,6 +98,13 @@ def _outside(page: torch.Tensor, pages: int) -> torch.Tensor:
     return (page < 0) | (page >= pages)
 
 
+def _decode_emits(p, ratio: int) -> torch.Tensor:
+    """The DecodePlan rows that make an entry: they close a window (`seq_len % ratio == 0`) and, for c4, the page
+    of the window's overlap half is mapped (`read_page_0 >= 0`; -1: unmapped, the row only writes its state)."""
+    emit = p.valid & (p.seq_len % ratio == 0)
+    return emit & (p.read_page_0 >= 0) if ratio == 4 else emit
+
+
 def decode_plan_problems(plan: torch.Tensor, state_rows: int, ratio: int) -> list[FieldProblem]:
     """The non-padding DecodePlan rows that write outside the state or, when they close a window, read a page
     outside the state or are not the last row of their page (in the order the CPU path reports them)."""
@@ -104,7 +112,7 @@ def decode_plan_problems(plan: torch.Tensor, state_rows: int, ratio: int) -> lis
     pages = state_rows // ratio
     big = p.valid & (p.write_loc >= state_rows)
     problems = [FieldProblem("plan", "write_loc", p.write_loc, big, f"expected < {state_rows} (rows of state)")]
-    emit = p.valid & (p.seq_len % ratio == 0)
+    emit = _decode_emits(p, ratio)
     for field, page in _read_pages(p.read_page_0, p.read_page_1, ratio):
         problems.append(FieldProblem("plan", field, page, emit & _outside(page, pages), page_range(pages)))
     last = p.read_page_1 * ratio + ratio - 1
@@ -276,7 +284,7 @@ def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
     active = p.valid.nonzero().squeeze(1)
     state[p.write_loc[active]] = kv_score[active].to(state.dtype)
     # the new row is the window's last slot: the last row of page read_page_1
-    emit = (p.valid & (p.seq_len % ratio == 0)).nonzero().squeeze(1)
+    emit = _decode_emits(p, ratio).nonzero().squeeze(1)
     window = window_of(ratio)
     kv, sc = _window(
         state,

@@ -264,7 +264,7 @@ class DSV4Compressor(torch.nn.Module):
                 entries = compress_decode(state, kv_score, ape, plan, r)
                 problems = decode_plan_problems(plan, state_rows, r)
             rows = read_decode_plan(plan)
-            valid = rows.valid & (rows.seq_len % r == 0)
+            valid = rows.valid & (rows.seq_len % r == 0) & ((rows.read_page_0 >= 0) | (r != 4))  # _decode_emits
             request = torch.arange(plan.shape[0], device=plan.device)
         else:
             if self.online:

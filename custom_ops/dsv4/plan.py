@@ -406,8 +406,8 @@ def decode_plan_unchecked(
     pos0 = (pos1 - ratio).clamp(min=0)
     write_loc, ok = _state_loc(problems, rid, pos1, ok, addr)
     loc0, ok0 = _state_loc(problems, rid, pos0, ok, addr)
-    if ratio == 4:  # c4 reads read_page_0 (its window's overlap half); c128 never does: -1 where unmapped
-        ok = ok0
+    # -1 where unmapped: c128 never reads it; a c4 row that closes a window then makes no entry (its overlap half is
+    # gone), and every c4 row still writes its token's state (the next window's overlap half)
     read_page_0 = torch.where(ok0, loc0 // ratio, -1)
     rows = _pack_rows([seq, write_loc, read_page_0, write_loc // ratio], ok, DECODE_INVALID)
     return rows.contiguous().view(torch.uint8), problems

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const PlanDec
       int64_t loc1 = 0, loc0 = 0;
       const bool ok1 = state_loc(a, rid, pos1, loc1);
       const bool ok0 = ok1 && state_loc(a, rid, pos0, loc0);
-      if (ok1 && (ok0 || a.ratio == kRatioC128)) {  // c128 never reads read_page_0 (plan.py): -1 where unmapped
+      if (ok1) {  // read_page_0 -1 where unmapped: c128 never reads it, c4 makes no entry there (plan.py)
         p = DecodePlan{static_cast<uint32_t>(seq), static_cast<int32_t>(loc1),
                        ok0 ? static_cast<int32_t>(loc0 / a.ratio) : -1, static_cast<int32_t>(loc1 / a.ratio)};
       }
