@@ -118,6 +118,30 @@ def test_c4_window_after_an_unmapped_page_reads_the_states_its_tokens_wrote(one_
     torch.testing.assert_close(made[65], want[65])
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("ratio", "online"), [(4, False), (128, True)], ids=["c4_ring", "c128_online"])
+def test_ring_and_online_addressing_compile_with_fullgraph(ratio, online, backend):
+    """The request-id check read the ids while tracing (a data-dependent guard under fullgraph=True); compiled, the
+    graph checks them when it runs: the same entries as eager, and an id past the state raises naming it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    comp = DSV4Compressor(16, 128, ratio, online=online)
+    kv = torch.randn(ratio + 1, comp.wkv_gate.shape[0])
+    seq = torch.tensor([ratio + 1])
+
+    def step(kv, state, seq, rid):
+        return comp.compress_scores(kv, state, seq, rid, seq).entries
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    states = [comp.new_state(2), comp.new_state(2)]
+    torch.testing.assert_close(
+        compiled(kv, states[0], seq, torch.tensor([1])), step(kv, states[1], seq, torch.tensor([1]))
+    )
+    torch.testing.assert_close(states[0], states[1])
+    with pytest.raises(RuntimeError, match="req_pool_indices"):
+        compiled(kv, comp.new_state(2), seq, torch.tensor([2]))
+
+
 def test_compressor_rejects_bad_configs():
     with pytest.raises(ValueError, match="ratio"):
         DSV4Compressor(64, 128, 8)

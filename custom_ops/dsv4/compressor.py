@@ -297,7 +297,11 @@ class DSV4Compressor(torch.nn.Module):
         capacity = state.shape[0] // per_request
         if must_check_values(req_pool_indices):
             what = f"expected < {capacity} (requests of state: {state.shape[0]} rows, {per_request} per request)"
-            check_index_range("req_pool_indices", req_pool_indices, capacity, what)
+            if torch.compiler.is_compiling():  # no value to read while tracing: the graph checks when it runs
+                inside = (req_pool_indices < capacity).all()
+                torch._assert_async(inside, f"req_pool_indices: an entry is out of range: {what}")
+            else:
+                check_index_range("req_pool_indices", req_pool_indices, capacity, what)
         return torch.where(req_pool_indices < capacity, req_pool_indices, -1)
 
     def store(
