@@ -85,9 +85,9 @@ _STORAGE_READERS = (aten.as_strided.default, aten.view.dtype)
 
 
 def is_view(node: Any) -> bool:
-    """Whether `node` is a view of its first argument: an op whose schema returns an alias of an input it does not
-    write (`Tensor(a)`: view, slice, select, squeeze, t, diagonal, unfold, expand, split, alias, as_strided, ...;
-    `reshape` too, which may be one), or an item of such an op's list (a piece of a `split` or `unbind`)."""
+    """Whether `node` is a view of its first argument: an op whose schema returns an alias of that input, which it
+    does not write (`Tensor(a)`: view, slice, select, squeeze, t, diagonal, unfold, expand, split, alias, as_strided,
+    ...; `reshape` too, which may be one), or an item of such an op's list (a piece of a `split` or `unbind`)."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
         return False
     if not isinstance(node.args[0], fx.Node):
@@ -97,10 +97,13 @@ def is_view(node: Any) -> bool:
         return is_view(node.args[0])
     if target in _VIEWS or target is aten.reshape.default:  # `_unsafe_view` declares no alias, but is one
         return True
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns or not target._schema.arguments:
         return False
-    alias = target._schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
+    alias, first = target._schema.returns[0].alias_info, target._schema.arguments[0].alias_info
+    if alias is None or alias.is_write or first is None:
+        return False
+    # the alias is of the first argument (a list's, `Tensor(a)[]`, names its set on the elements)
+    return not alias.before_set or bool(alias.before_set & first.before_set)
 
 
 def views_to_reshapes(nodes: list[fx.Node]) -> None:
