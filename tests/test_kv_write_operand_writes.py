@@ -189,13 +189,18 @@ def _pass_on(between, body=None):
     return gm, manager.reports[-1], inputs, fn
 
 
+def _runs_as_the_function(gm, inputs, fn) -> tuple:
+    """`gm` and `fn` on copies of `inputs`: the caches and positions agree; returns (gm's output, fn's)."""
+    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
+    out_expected, out_got = fn(*expected), gm(*got)
+    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+    return out_got, out_expected
+
+
 def test_the_op_moves_before_a_write_into_its_positions_in_the_middle_of_the_graph():
     gm, report, inputs, fn = _pass_on(_advance)
     assert op_counts(gm.graph)[OP] == 1, str(report)
-    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
-    fn(*expected)
-    gm(*got)
-    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+    _runs_as_the_function(gm, inputs, fn)
 
 
 @pytest.mark.parametrize(
@@ -212,9 +217,7 @@ def test_writes_whose_op_cannot_move_before_a_write_into_its_operand_are_kept(be
     (kept,) = report.kv_kept
     assert kept.reason is KVKeptReason.OPERAND_WRITTEN and says in kept.detail, str(kept)
     assert "is written in place by" in kept.detail
-    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
-    out_expected, out_got = fn(*expected), gm(*got)
-    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+    out_got, out_expected = _runs_as_the_function(gm, inputs, fn)
     if out_expected is not None:
         assert_close_for_dtype(out_got, out_expected)
 
@@ -224,10 +227,7 @@ def test_a_write_the_model_read_after_stays_before_the_op():
     model read), where moving it before the write would rotate at the old positions."""
     gm, report, inputs, fn = _pass_on(None, _advanced_at("first"))
     assert op_counts(gm.graph)[OP] == 1, str(report)
-    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
-    fn(*expected)
-    gm(*got)
-    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+    _runs_as_the_function(gm, inputs, fn)
 
 
 @pytest.mark.parametrize(
@@ -244,10 +244,7 @@ def test_an_operand_written_where_the_op_cannot_read_what_the_model_read_keeps_t
     assert op_counts(gm.graph)[OP] == 0
     (kept,) = report.kv_kept
     assert kept.reason is KVKeptReason.OPERAND_WRITTEN and says in kept.detail, str(kept)
-    expected, got = copy.deepcopy(inputs), copy.deepcopy(inputs)
-    fn(*expected)
-    gm(*got)
-    assert_close_for_dtype(got[5] + [got[3]], expected[5] + [expected[3]])
+    _runs_as_the_function(gm, inputs, fn)
 
 
 class _SqueezedPositions(torch.nn.Module):
