@@ -18,6 +18,12 @@ from dspark_fx.passes import gemm_branches, kv_write
 from dspark_fx.passes.horizontal import fuse_kv_branches
 
 UNAVAILABLE = "the dspark CUDA library is not built and cannot be built here: "
+# a CUDA build of torch on a machine without a driver initializes CUDA for a fake CUDA tensor, and fails (the CPU
+# wheel, and a machine with a GPU, make them)
+MAKES_FAKE_CUDA_TENSORS = pytest.mark.skipif(
+    torch.backends.cuda.is_built() and not torch.cuda.is_available(),
+    reason="a CUDA build of torch without a driver cannot make fake CUDA tensors",
+)
 
 
 def _clear_probes() -> None:
@@ -76,6 +82,7 @@ def _graph(device: str) -> torch.fx.GraphModule:
         return make_fx(_two_gemms)(x, *ws)
 
 
+@MAKES_FAKE_CUDA_TENSORS
 @pytest.mark.parametrize("missing", ["CPU-only torch", "no nvcc"])
 def test_gemms_on_cuda_tensors_stay_where_the_library_cannot_be_built(toolchain, missing):
     """Two GEMMs on one CUDA activation: fused into one dspark::multi_linear while the library can be built, left
@@ -98,6 +105,7 @@ def test_gemms_on_cuda_tensors_stay_where_the_library_cannot_be_built(toolchain,
     assert fuse_kv_branches(on_cpu.graph, DsparkConfig()).groups
 
 
+@MAKES_FAKE_CUDA_TENSORS
 @pytest.mark.parametrize("missing", ["CPU-only torch", "no nvcc"])
 def test_kv_write_auto_names_the_missing_library(toolchain, missing):
     """The multi_linear_kv_write rewrite's device rule: no kernel on CUDA tensors where the library cannot be built,
