@@ -73,6 +73,14 @@ def read_decode_plan(plan: torch.Tensor) -> DecodeRows:
     return DecodeRows(seq, w[:, 1], w[:, 2], w[:, 3], w[:, 1] >= 0)
 
 
+def decode_emits(p: DecodeRows, ratio: int) -> torch.Tensor:
+    """The DecodePlan rows that make an entry (the compress op) and store it (the store): they close a window
+    (`seq_len % ratio == 0`) and, for c4, the page of the window's overlap half is mapped (`read_page_0 >= 0`; -1:
+    unmapped, the row only writes its state). c128 never reads `read_page_0` (-1 where unmapped)."""
+    emit = p.valid & (p.seq_len % ratio == 0)
+    return emit & (p.read_page_0 >= 0) if ratio == 4 else emit
+
+
 def read_compress_plan(plan: torch.Tensor) -> CompressRows:
     w = _words(plan, 16)
     seq = w[:, 0] & 0xFFFFFFFF

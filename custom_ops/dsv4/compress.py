@@ -43,6 +43,7 @@ from custom_ops.dsv4.common import (
     check_plan,
     check_ratio,
     check_rows,
+    decode_emits,
     page_range,
     raise_first,
     read_compress_plan,
@@ -98,13 +99,6 @@ def _outside(page: torch.Tensor, pages: int) -> torch.Tensor:
     return (page < 0) | (page >= pages)
 
 
-def _decode_emits(p, ratio: int) -> torch.Tensor:
-    """The DecodePlan rows that make an entry: they close a window (`seq_len % ratio == 0`) and, for c4, the page
-    of the window's overlap half is mapped (`read_page_0 >= 0`; -1: unmapped, the row only writes its state)."""
-    emit = p.valid & (p.seq_len % ratio == 0)
-    return emit & (p.read_page_0 >= 0) if ratio == 4 else emit
-
-
 def decode_plan_problems(plan: torch.Tensor, state_rows: int, ratio: int) -> list[FieldProblem]:
     """The non-padding DecodePlan rows that write outside the state or, when they close a window, read a page
     outside the state or are not the last row of their page (in the order the CPU path reports them)."""
@@ -112,7 +106,7 @@ def decode_plan_problems(plan: torch.Tensor, state_rows: int, ratio: int) -> lis
     pages = state_rows // ratio
     big = p.valid & (p.write_loc >= state_rows)
     problems = [FieldProblem("plan", "write_loc", p.write_loc, big, f"expected < {state_rows} (rows of state)")]
-    emit = _decode_emits(p, ratio)
+    emit = decode_emits(p, ratio)
     for field, page in _read_pages(p.read_page_0, p.read_page_1, ratio):
         problems.append(FieldProblem("plan", field, page, emit & _outside(page, pages), page_range(pages)))
     last = p.read_page_1 * ratio + ratio - 1
@@ -284,7 +278,7 @@ def _compress_decode_cpu(state, kv_score, ape, plan, ratio):
     active = p.valid.nonzero().squeeze(1)
     state[p.write_loc[active]] = kv_score[active].to(state.dtype)
     # the new row is the window's last slot: the last row of page read_page_1
-    emit = _decode_emits(p, ratio).nonzero().squeeze(1)
+    emit = decode_emits(p, ratio).nonzero().squeeze(1)
     window = window_of(ratio)
     kv, sc = _window(
         state,

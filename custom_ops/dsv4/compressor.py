@@ -34,6 +34,7 @@ from custom_ops.dsv4.common import (
     check_index,
     check_ratio,
     check_tensor,
+    decode_emits,
     read_compress_plan,
     read_decode_plan,
     skipped_rows,
@@ -264,7 +265,7 @@ class DSV4Compressor(torch.nn.Module):
                 entries = compress_decode(state, kv_score, ape, plan, r)
                 problems = decode_plan_problems(plan, state_rows, r)
             rows = read_decode_plan(plan)
-            valid = rows.valid & (rows.seq_len % r == 0) & ((rows.read_page_0 >= 0) | (r != 4))  # _decode_emits
+            valid = decode_emits(rows, r)
             request = torch.arange(plan.shape[0], device=plan.device)
         else:
             if self.online:

@@ -44,6 +44,7 @@ from custom_ops.dsv4.common import (
     check_ratio,
     check_rows,
     check_tensor,
+    decode_emits,
     read_compress_plan,
     read_decode_plan,
 )
@@ -175,8 +176,7 @@ class StoredRows(NamedTuple):
 def stored_rows(plan: torch.Tensor, ratio: int, decode: bool) -> StoredRows:
     if decode:
         p = read_decode_plan(plan)
-        # c4 reads the page of read_page_0 (-1: the compress op made no entry); c128 never reads it, -1 where unmapped
-        valid = p.valid & ((p.read_page_0 >= 0) | (ratio != 4)) & (p.seq_len % ratio == 0)
+        valid = decode_emits(p, ratio)
         source = torch.arange(plan.shape[0], device=plan.device)
     else:
         p = read_compress_plan(plan)

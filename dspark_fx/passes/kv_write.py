@@ -35,8 +35,8 @@ be one slot per token (from the shapes, or a guard on the symbolic sizes: a writ
 token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
 graph), after every read of the old cache values, which must all come before it; where a tensor it reads is written
 in place before that (`positions += 1` after the writes in the model: AOT writes a mutated input back at the end of
-the graph, in input order), it moves before that write, or the writes are kept (`OPERAND_WRITTEN`) where an operand
-is computed, or a cache used, after it.
+the graph, in input order), it moves before that write, or the writes are kept (`OPERAND_WRITTEN`) where the
+model reads the tensor before and after a write, or where an operand is computed, or a cache used, after it.
 
 What is written must be, element for element, the op's formula applied to a column block of a GEMM on the shared
 activation, whatever the spelling. `kv_symbolic` evaluates every element of the written values (all writes of a
@@ -1259,8 +1259,9 @@ def _before_operand_writes(graph: fx.Graph, emitted: list[fx.Node], group: _Grou
             continue
         family = storage_family([operand])
         reads = [order[n] for n in computed if n not in family and family.intersection(n.all_input_nodes)]
+        first_read, last_read = (min(reads), max(reads)) if reads else (start, order[operand])
         writers = [n for n in nodes[order[operand] + 1 :] if family.intersection(written_args(n))]
-        twice = next((w for w in writers if reads and min(reads) < order[w] < max(reads)), None)
+        twice = next((w for w in writers if first_read < order[w] < last_read), None)
         if twice is not None:
             raise _NoMatch(
                 KVKeptReason.OPERAND_WRITTEN,
@@ -1268,7 +1269,7 @@ def _before_operand_writes(graph: fx.Graph, emitted: list[fx.Node], group: _Grou
                 f"({op_name(twice)}) writes it in place: the op reads it once",
                 twice,
             )
-        ahead = next((w for w in writers if reads and start < order[w] < min(reads)), None)
+        ahead = next((w for w in writers if start < order[w] < first_read), None)
         if ahead is not None:  # the model reads it after a write that comes after the op's place
             raise _NoMatch(
                 KVKeptReason.OPERAND_WRITTEN,
@@ -1277,8 +1278,7 @@ def _before_operand_writes(graph: fx.Graph, emitted: list[fx.Node], group: _Grou
                 "before the write",
                 ahead,
             )
-        last_read = max(reads, default=order[operand])  # a write before it is one the model's reads saw too
-        first = next((w for w in writers if last_read < order[w] < start), None)
+        first = next((w for w in writers if last_read < order[w] < start), None)  # the model read before it
         if first is not None and (earliest is None or order[first] < order[earliest[0]]):
             earliest = (first, operand)
     if earliest is None:

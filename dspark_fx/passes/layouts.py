@@ -49,16 +49,18 @@ def reads_memory(node: fx.Node) -> bool:
     return target is not operator.getitem and getattr(target, "__module__", None) != "_operator"
 
 
+def _collective(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == _COLLECTIVES
+
+
 def _is_wait(target: Any) -> bool:
-    collective = isinstance(target, torch._ops.OpOverload) and target.namespace == _COLLECTIVES
-    return collective and target.__name__.startswith("wait_tensor")
+    return _collective(target) and target.__name__.startswith("wait_tensor")
 
 
 def _in_flight(node: fx.Node) -> bool:
     """A collective's output before its `wait_tensor`: a copy of it would read the buffer before the collective
     has written it."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == _COLLECTIVES and not _is_wait(target)
+    return _collective(node.target) and not _is_wait(node.target)
 
 
 class EagerLayouts:

@@ -62,7 +62,7 @@ inline void check_decode_plan_values(const at::Tensor& plan, int64_t state_rows,
   const int64_t pages = state_rows / ratio;
   const std::string big = rows_what(state_rows, "state");
   check_plan_field("plan", "write_loc", loc, valid.logical_and(loc.ge(state_rows)), [&](int64_t) { return big; });
-  // dsv4/compress.py, _decode_emits: a c4 row whose read_page_0 is -1 (unmapped) makes no entry
+  // dsv4/common.py, decode_emits: a c4 row whose read_page_0 is -1 (unmapped) makes no entry
   at::Tensor emit = valid.logical_and(seq.remainder(ratio).eq(0));
   if (ratio == 4) emit = emit.logical_and(rp0.ge(0));
   const auto page_what = [&](int64_t) { return page_range(pages); };
