@@ -1,11 +1,11 @@
 """Build, cache and load the CUDA kernels of `custom_ops`: every `.cu` / `.cpp` under `custom_ops/csrc/` (all
 subfolders) in one library.
 
-Where the sources are: `csrc/common/` (error formatting, the range-check switch, programmatic dependent launch, the
-device primitives shared by the FlashMLA and DeepSeek-V4 kernels), `csrc/flashmla/`, `csrc/dsv4/` and `csrc/linear/`,
-one folder per op family, like the Python packages `custom_ops.flashmla`, `custom_ops.dsv4` and `custom_ops.linear`.
-Every `#include` of this project names its header relative to `csrc/` (`#include "common/error_format.h"`); the build
-passes `-I csrc`.
+Where the sources are: `csrc/common/` (error formatting, the range-check switch, the refusal of arguments that require
+grad, programmatic dependent launch, the device primitives shared by the FlashMLA and DeepSeek-V4 kernels),
+`csrc/flashmla/`, `csrc/dsv4/` and `csrc/linear/`, one folder per op family, like the Python packages
+`custom_ops.flashmla`, `custom_ops.dsv4` and `custom_ops.linear`. Every `#include` of this project names its header
+relative to `csrc/` (`#include "common/error_format.h"`); the build passes `-I csrc`.
 Source basenames are unique across the folders (the extension builder names object files by basename).
 
 This module is the implementation; `custom_ops/build.py` is the `python -m custom_ops.build` command on top of it.

@@ -47,10 +47,11 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["LIB", "REFERENCE_KEYS", "register_op"]
+__all__ = ["LIB", "NOT_DIFFERENTIABLE", "REFERENCE_KEYS", "register_op"]
 
 LIB = torch.library.Library("dspark", "DEF")
 REFERENCE_KEYS = ("CPU", "CompositeExplicitAutograd")
+NOT_DIFFERENTIABLE: list[str] = []  # the ops registered without a derivative (csrc/common/not_differentiable.cpp)
 
 # After LIB: importing `_build` loads an already built CUDA library, whose kernels register into this namespace.
 from custom_ops import _build  # noqa: E402
@@ -73,7 +74,8 @@ def register_op(
     - `reference_key`: `"CPU"` (the default; the op also gets the CUDA entry) or `"CompositeExplicitAutograd"`
       (a reference that serves every device; no entry);
     - `backward`, `setup_context`: the op's derivative on every device (`torch.library.register_autograd`; None:
-      the op is not differentiable).
+      the op has no derivative, and a tensor argument that requires grad raises while grad mode is on:
+      `_not_differentiable`).
     """
     if reference_key not in REFERENCE_KEYS:
         raise ValueError(f"reference_key: expected one of {REFERENCE_KEYS}, got {reference_key!r}")
@@ -87,7 +89,57 @@ def register_op(
         LIB.impl(name, _cuda_entry(name), "CompositeExplicitAutograd")
     if backward is not None:
         torch.library.register_autograd(f"dspark::{name}", backward, setup_context=setup_context, lib=LIB)
+    else:
+        LIB.impl(name, _not_differentiable(name), "Autograd", with_keyset=True)
+        NOT_DIFFERENTIABLE.append(name)
     return name
+
+
+def _holds_tensors(arg: torch._C.Argument) -> bool:
+    """Whether a schema argument is a Tensor, an optional one or a list of them."""
+    kind = arg.type
+    if isinstance(kind, torch._C.OptionalType):
+        kind = kind.getElementType()
+    if isinstance(kind, torch._C.ListType):
+        kind = kind.getElementType()
+        if isinstance(kind, torch._C.OptionalType):
+            kind = kind.getElementType()
+    return isinstance(kind, torch._C.TensorType)
+
+
+def _not_differentiable(name: str) -> Callable[..., object]:
+    """The `Autograd` kernel of an op without a derivative: with grad mode on, a tensor argument that requires grad
+    raises `ValueError` naming it (eagerly, and on fake tensors when AOTAutograd traces a compiled graph), instead of
+    a gradient that torch would derive from the CPU reference's math, drop in a compiled graph, or route through a
+    cache row the op overwrote. Otherwise it dispatches below autograd (the mutated arguments' version counters are
+    still bumped, by torch's `ADInplaceOrView` handling of the schema's `(a!)` arguments, so autograd sees a saved
+    tensor change). Under `torch.inference_mode()` the dispatcher skips this kernel. The CUDA library registers the
+    same rule in C++ directly under `AutogradCUDA` (csrc/common/not_differentiable.cpp), which takes precedence for
+    CUDA tensors once it is loaded, so eager CUDA calls run no Python here."""
+    op = getattr(torch.ops.dspark, name).default
+    arguments = op._schema.arguments
+    tensors = [(i, a.name) for i, a in enumerate(arguments) if _holds_tensors(a)]
+
+    def argument(args: tuple, kwargs: dict, index: int, arg_name: str) -> list[torch.Tensor]:
+        value = args[index] if index < len(args) else kwargs.get(arg_name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        return [t for t in values if isinstance(t, torch.Tensor)]
+
+    below_autograd = torch._C._after_autograd_keyset
+    is_grad_enabled = torch.is_grad_enabled
+
+    def kernel(keyset: torch._C.DispatchKeySet, *args: object, **kwargs: object) -> object:
+        if is_grad_enabled():
+            for index, arg_name in tensors:
+                if any(t.requires_grad for t in argument(args, kwargs, index, arg_name)):
+                    raise ValueError(
+                        f"{name}: {arg_name} requires grad, but dspark::{name} has no derivative: call it under "
+                        f"torch.no_grad() or torch.inference_mode(), or pass {arg_name}.detach()"
+                    )
+        # no argument requires grad (or grad mode is off), so nothing below records a graph: no guard needed
+        return op.redispatch(keyset & below_autograd, *args, **kwargs)
+
+    return kernel
 
 
 def _cuda_entry(name: str) -> Callable[..., object]:

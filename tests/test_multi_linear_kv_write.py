@@ -321,14 +321,16 @@ def test_compiles_with_a_data_dependent_token_count():
 
 
 def test_caches_that_require_grad_or_are_inference_tensors_are_written():
-    """A cache that requires grad and an inference tensor among normal caches are written like the others (the CUDA
-    kernel writes any cache), not after the layers before them were written."""
+    """A cache that requires grad (under no_grad: with grad mode on the op refuses it, test_not_differentiable.py)
+    and an inference tensor among normal caches are written like the others (the CUDA kernel writes any cache), not
+    after the layers before them were written."""
     case, twin = make_case(BAD), make_case(BAD)
     caches = case.args["k_caches"]
     caches[1] = caches[1].clone().requires_grad_()
     with torch.inference_mode():
         case.args["v_caches"][1] = case.args["v_caches"][1].clone()
-    case.call()
+    with torch.no_grad():
+        case.call()
     twin.call()
     written, expected = (a.args["k_caches"] + a.args["v_caches"] for a in (case, twin))
     for got, want in zip(written, expected, strict=True):

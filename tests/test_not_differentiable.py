@@ -1,0 +1,205 @@
+"""Ops without a derivative (every `dspark` op but `multi_linear`) refuse arguments that require grad while grad mode
+is on, on every path: eagerly (where torch would otherwise differentiate the CPU reference's math, with a warning),
+under torch.compile (where the gradient would silently be missing) and for written caches (where a gradient would
+reach a row the op overwrote). Under `torch.no_grad()` they run as on detached arguments; under
+`torch.inference_mode()` the check is not even reached."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from bad_argument_cases import VALID_ARGS, argument_named
+from helpers import LayoutKeepingMove
+from multi_linear_cases import bits
+
+from custom_ops import _build
+from custom_ops._library import NOT_DIFFERENTIABLE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ops = torch.ops.dspark
+WITH_VALID_ARGS = sorted(op for op in VALID_ARGS if op != "multi_linear")
+
+
+def _float_tensors(value: object) -> list[torch.Tensor]:
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return [t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _differentiable_cases() -> list[tuple[str, str]]:
+    return [(op, name) for op in WITH_VALID_ARGS for name, value in VALID_ARGS[op]().items() if _float_tensors(value)]
+
+
+def _map(value: object, fn) -> object:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+def _requiring_grad(value: object) -> object:
+    """`value` (a tensor or a list of them) with every floating tensor a fresh leaf that requires grad."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_requiring_grad(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().clone().requires_grad_()
+    return value
+
+
+def _snapshot(args: dict) -> list[torch.Tensor]:
+    return [t.detach().clone() for v in args.values() for t in _float_tensors(v) + _index_tensors(v)]
+
+
+def _index_tensors(value: object) -> list[torch.Tensor]:
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return [t for t in values if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("op", "name"), _differentiable_cases(), ids=lambda v: str(v))
+def test_an_argument_that_requires_grad_raises_naming_it_before_anything_is_written(op, name):
+    args = VALID_ARGS[op]()
+    args[name] = _requiring_grad(args[name])
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match=f"^{op}: {name} requires grad, but dspark::{op} has no derivative") as info:
+        getattr(ops, op)(**args)
+    assert argument_named(str(info.value)) == name
+    assert _same([t for v in args.values() for t in _float_tensors(v) + _index_tensors(v)], before)
+
+
+@pytest.mark.parametrize("op", WITH_VALID_ARGS)
+def test_under_no_grad_arguments_that_require_grad_run_as_detached(op):
+    """The same values and written bytes as a call on detached copies; no output requires grad."""
+    args, twin = VALID_ARGS[op](), VALID_ARGS[op]()
+    args = {name: _requiring_grad(value) for name, value in args.items()}
+    with torch.no_grad():
+        got = getattr(ops, op)(**args)
+    want = getattr(ops, op)(**twin)
+    outputs = [t for t in (got if isinstance(got, (list, tuple)) else (got,)) if isinstance(t, torch.Tensor)]
+    expected = [t for t in (want if isinstance(want, (list, tuple)) else (want,)) if isinstance(t, torch.Tensor)]
+    assert not any(t.requires_grad for t in outputs)
+    assert _same(outputs, expected)
+    written = [t for v in args.values() for t in _float_tensors(v) + _index_tensors(v)]
+    assert _same(written, [t for v in twin.values() for t in _float_tensors(v) + _index_tensors(v)])
+
+
+def test_inference_mode_skips_the_check():
+    args = {name: _requiring_grad(value) for name, value in VALID_ARGS["fused_norm_rope_inplace"]().items()}
+    with torch.inference_mode():
+        ops.fused_norm_rope_inplace(**args)
+
+
+def test_a_compiled_graph_raises_the_same_error():
+    """Traced by AOTAutograd with grad mode on, the op is refused when the graph is compiled (a returned output and
+    a written argument), where the gradient would otherwise be missing without a word."""
+    op = "fused_q_indexer_rope_hadamard_quant"
+    args = VALID_ARGS[op]()
+    args["weight"] = _requiring_grad(args["weight"])
+
+    def returned(**kw):
+        return getattr(ops, op)(**kw)[1] * 2
+
+    with pytest.raises(Exception, match=f"{op}: weight requires grad"):
+        torch.compile(returned, backend="aot_eager", fullgraph=True)(**args)
+
+    args = VALID_ARGS["fused_norm_rope_inplace"]()
+    kv = _requiring_grad(args.pop("kv"))
+
+    def written(kv, **kw):
+        x = kv * 1
+        ops.fused_norm_rope_inplace(x, **kw)
+        return x
+
+    with pytest.raises(Exception, match="fused_norm_rope_inplace: kv requires grad"):
+        torch.compile(written, backend="aot_eager", fullgraph=True)(kv, **args)
+
+
+def test_a_write_under_no_grad_still_invalidates_a_saved_tensor():
+    """The written argument's version counter is bumped, so a backward through a tensor saved before the write
+    raises torch's in-place error instead of using the new values."""
+    args = VALID_ARGS["fused_norm_rope_inplace"]()
+    base = args["kv"].detach().clone().requires_grad_()
+    kv = base * 2
+    saved = kv.sin()  # saves kv
+    with torch.no_grad():
+        ops.fused_norm_rope_inplace(**{**args, "kv": kv})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+def test_multi_linear_stays_differentiable():
+    args = VALID_ARGS["multi_linear"]()
+    x = _requiring_grad(args["x"])
+    out = ops.multi_linear(**{**args, "x": x})
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+
+def test_the_cuda_library_refuses_grad_for_exactly_the_ops_without_a_derivative():
+    """csrc/common/not_differentiable.cpp lists the ops it registers its AutogradCUDA kernel for: every op
+    `register_op` registered without a derivative, and not `multi_linear` (whose derivative it would hide)."""
+    source = (ROOT / "custom_ops" / "csrc" / "common" / "not_differentiable.cpp").read_text()
+    listed = re.search(r"kNotDifferentiable\[\] = \{(.*?)\};", source, re.S).group(1)
+    names = sorted(re.findall(r'"(\w+)"', listed))
+    every = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("dspark::"))
+    assert names == sorted(NOT_DIFFERENTIABLE) == [n for n in every if n != "multi_linear"]
+
+
+@pytest.fixture
+def cuda_library():
+    _build.load()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("op", "name"), _differentiable_cases(), ids=lambda v: str(v))
+def test_on_cuda_the_cpp_kernel_raises_the_same_error(op, name, cuda_library):
+    assert "not_differentiable.cpp" in next(
+        line for line in torch._C._dispatch_dump(f"dspark::{op}").splitlines() if line.startswith("AutogradCUDA")
+    )
+    move = LayoutKeepingMove("cuda")
+    args = {k: _map(v, move) for k, v in VALID_ARGS[op]().items()}
+    args[name] = _requiring_grad(args[name])
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match=f"^{op}: {name} requires grad, but dspark::{op} has no derivative"):
+        getattr(ops, op)(**args)
+    torch.cuda.synchronize()
+    assert _same([t for v in args.values() for t in _float_tensors(v) + _index_tensors(v)], before)
+
+
+@pytest.mark.cuda
+def test_on_cuda_no_grad_writes_and_bumps_the_version(cuda_library):
+    move = LayoutKeepingMove("cuda")
+    args = {k: _map(v, move) for k, v in VALID_ARGS["fused_norm_rope_inplace"]().items()}
+    twin = {k: _map(v, move) for k, v in VALID_ARGS["fused_norm_rope_inplace"]().items()}
+    base = args["kv"].detach().clone().requires_grad_()
+    kv = base * 1
+    saved = kv.sin()
+    with torch.no_grad():
+        ops.fused_norm_rope_inplace(**{**args, "kv": kv})
+    ops.fused_norm_rope_inplace(**twin)
+    assert torch.equal(bits(kv), bits(twin["kv"]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_compiled_graph_raises(cuda_library):
+    move = LayoutKeepingMove("cuda")
+    args = {k: _map(v, move) for k, v in VALID_ARGS["fused_norm_rope_inplace"]().items()}
+    kv = _requiring_grad(args.pop("kv"))
+
+    def written(kv, **kw):
+        x = kv * 1
+        ops.fused_norm_rope_inplace(x, **kw)
+        return x
+
+    with pytest.raises(Exception, match="fused_norm_rope_inplace: kv requires grad"):
+        torch.compile(written, backend="aot_eager", fullgraph=True)(kv, **args)
