@@ -40,15 +40,17 @@ CACHE_SHAPES = {
     "paged_flat_view": (PAGES, PAGE, HEADS * HEAD_DIM),  # cache.view(-1, h * d)[loc] = k.flatten(1)
     "hf_static": (1, HEADS, SLOTS, HEAD_DIM),  # HF StaticCache: cache.index_copy_(2, loc, k[None])
     "heads_first_index": (HEADS, SLOTS, HEAD_DIM),  # cache[:, loc] = k.transpose(0, 1)
-    "page_offset": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache[loc // page, loc % page] = k: two indices
+    "page_offset": (PAGES, PAGE, HEADS, HEAD_DIM),  # cache[loc // page, loc % page] = k: the op writes view(-1, h, d)
     "hf_static_batch_2": (2, HEADS, SLOTS, HEAD_DIM),  # two batch rows, each written the same K
     "scatter_heads_apart": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc + head, k): head j to slot loc + j
     "heads_first_transposed": (HEADS, SLOTS, HEAD_DIM),  # cache.transpose(0, 1)[loc] = k
     "accumulate": (SLOTS, HEADS, HEAD_DIM),  # cache.index_put_((loc,), k, accumulate=True): adds, not a write
+    "scatter_multiply": (SLOTS, HEADS, HEAD_DIM),  # cache.scatter_(0, loc, k, reduce="multiply"): multiplies
     "written_twice": (SLOTS, HEADS, HEAD_DIM),  # cache[loc] = 0, then cache[loc] = k
     "read_after": (SLOTS, HEADS, HEAD_DIM),  # cache[loc] = k, and the forward returns cache[loc] read back
 }
-KEPT = ("page_offset", "hf_static_batch_2", "scatter_heads_apart", "heads_first_transposed", "accumulate")
+KEPT = ("hf_static_batch_2", "scatter_heads_apart", "heads_first_transposed", "accumulate")
+KEPT += ("scatter_multiply",)
 KEPT += ("written_twice",)
 KEPT += ("read_after",)
 BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are taken, and how they are written
@@ -83,6 +85,8 @@ def _write(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, how: str) ->
         cache.transpose(0, 1)[loc] = k
     elif how == "accumulate":
         cache.index_put_((loc,), k, accumulate=True)
+    elif how == "scatter_multiply":
+        cache.scatter_(0, loc[:, None, None].expand_as(k), k, reduce="multiply")
     elif how == "written_twice":
         cache[loc] = torch.zeros_like(k)
         cache[loc] = k
@@ -210,7 +214,7 @@ def test_writes_through_a_view_of_the_cache_lower(how, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["paged_view", "hf_static", "stacked", "vllm_kv", "vllm_kv_unbind"])
+@pytest.mark.parametrize("how", ["paged_view", "page_offset", "hf_static", "stacked", "vllm_kv", "vllm_kv_unbind"])
 def test_writes_through_a_view_compile_through_inductor(how):
     """Inductor's codegen of the op writing views of graph inputs: eager's caches."""
     _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor"))
@@ -221,24 +225,25 @@ def test_writes_through_a_view_compile_through_inductor(how):
     quick_first(
         2,
         [
-            "page_offset",
             "stacked_two_inputs",
             "hf_static_batch_2",
             "stacked_one_slice",
             "scatter_heads_apart",
             "heads_first_transposed",
             "accumulate",
+            "scatter_multiply",
             "written_twice",
         ],
     ),
 )
 def test_other_write_forms_keep_todays_path_and_say_why(how):
-    """Two indices (page, offset), one K written to two batch rows, every layer written to the same slice of a
-    stacked buffer, the layers of one buffer projecting two activations (the buffer's writes lower together or
-    not at all), a `scatter_` of each head to a slot of its own, a write through a transposed view, an
-    `index_put_` that adds (`accumulate=True`) or two writes into one cache: no view of the cache is the op's `[S,
-    heads, head_dim]` (or the writes overwrite each other, or belong to two ops, or add); eager's caches, and a
-    `WRITE_FORM` reason per buffer naming it."""
+    """One K written to two batch rows, every layer written to the same slice of a stacked buffer, the layers of
+    one buffer projecting two activations (the buffer's writes lower together or not at all), a `scatter_` of each
+    head to a slot of its own, a write through a transposed view, an `index_put_` that adds (`accumulate=True`), a
+    `scatter_` that multiplies (`reduce="multiply"`, which the pass once did not count as a write, so the report
+    said nothing) or two writes into one cache: no view of the cache is the op's `[S, heads, head_dim]` (or the
+    writes overwrite each other, or belong to two ops, or add); eager's caches, and a `WRITE_FORM` reason per buffer
+    naming it."""
     capture = _run(how, torch.float32)
     report = capture.report
     assert not report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
@@ -249,6 +254,23 @@ def test_other_write_forms_keep_todays_path_and_say_why(how):
     assert all(f"{list(shapes[k.cache])}: the op writes rows at one slot per token" in k.detail for k in kept)
     assert all(("with accumulate=True" in k.detail) == (how == "accumulate") for k in kept), str(report)
     assert all(k.detail.startswith("2 writes into one cache") == (how == "written_twice") for k in kept), str(report)
+
+
+def test_two_index_paged_writes_count_negative_slots_from_the_end_as_eager_does():
+    """`cache[loc // page, loc % page] = k` with negative slots (page `pages + loc // page`, offset `loc % page`:
+    slot `S + loc`): the op writes `cache.view(-1, h, d)` at `loc` counting from the end too; eager's caches."""
+    torch._dynamo.reset()
+    eager = CacheViewWriter("page_offset", torch.float32)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    gen = torch.Generator().manual_seed(3)
+    loc = torch.tensor([-1, -SLOTS, -PAGE - 1, 5, SLOTS - PAGE])
+    args = (torch.randn(5, HIDDEN, generator=gen), torch.randint(0, POSITIONS, (5,), generator=gen), loc)
+    with torch.no_grad():
+        eager(*args)
+        torch.compile(model, backend=capture)(*args)
+    assert op_counts(capture.after[0])[OP] == 1, str(capture.report)
+    assert_close_for_dtype(model.caches(), eager.caches())
 
 
 def test_a_cache_read_after_its_write_keeps_todays_path_and_says_so():
@@ -262,7 +284,7 @@ def test_a_cache_read_after_its_write_keeps_todays_path_and_says_so():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("how", ["paged_view", "paged_flat_view", "hf_static", "stacked", "vllm_kv"])
+@pytest.mark.parametrize("how", ["paged_view", "paged_flat_view", "page_offset", "hf_static", "stacked", "vllm_kv"])
 def test_writes_through_a_view_lower_on_cuda_with_auto(how):
     """The default `kv_write_op="auto"` on CUDA (bf16, real Inductor codegen, the op's CUDA kernel writing the
     views): eager's caches."""

@@ -27,9 +27,11 @@ view(lt(unsqueeze(arange(W), 0), unsqueeze(lens, 1)), [-1, 1, 1])` (rows `j < le
 [-1, h, d]), [loc], value), cache.shape)` (a paged `[pages, page, h, d]` cache, `cache.view(-1, h, d)[loc] = k`),
 and `index_put(cache, [None, None, loc], value)` of HF's static cache `[1, h, S, d]` (`cache.index_copy_(2, loc,
 k)`; slots along another dim than the first, the other dims of size 1), whose cache and value the pass views as
-`[S, h, d]` and `[T, h, d]`. Several caches in one buffer (`buf[i][loc] = k_i` for distinct `i`: layers stacked in
-`[L, S, h, d]`, or vLLM's `[2, pages, page, h, d]` K and V of a layer) are a chain of `select_scatter(prev, write_i,
-0, i)` ending in one `copy_`: each link is a site on `select(buf, 0, i)`, and they lower together or not at all.
+`[S, h, d]` and `[T, h, d]`; and a paged cache written with two indices, `cache[loc // page, loc % page] = k`
+(`_page_offset_site`), whose `view(-1, h, d)` the op writes at `loc`. Several caches in one buffer (`buf[i][loc] =
+k_i` for distinct `i`: layers stacked in `[L, S, h, d]`, or vLLM's `[2, pages, page, h, d]` K and V of a layer) are a
+chain of `select_scatter(prev, write_i, 0, i)` ending in one `copy_`: each link is a site on `select(buf, 0, i)`, and
+they lower together or not at all.
 Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). There must
 be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
 token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
@@ -117,6 +119,8 @@ _ANY_SCATTER = (
     *_SCATTERS,
     aten.scatter.src,
     aten.scatter.value,
+    aten.scatter.reduce,
+    aten.scatter.value_reduce,
     aten.scatter_add.default,
     aten.scatter_reduce.two,
     aten.index_add.default,
@@ -285,6 +289,7 @@ def _one_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> _
         or _slice_site(cache, copy, new)
         or _paged_site(cache, copy, new)
         or _slot_dim_site(graph, cache, copy, new)
+        or _page_offset_site(graph, cache, copy, new)
     )
 
 
@@ -560,6 +565,59 @@ def _slot_dim_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
         return None
     site.inserted = inserted
     return site
+
+
+def _page_offset_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> _Site | None:
+    """A paged `[pages, page, h, d]` (or `[pages, page, h * d]`) cache written with two indices, `cache[loc // page,
+    loc % page] = k`: `index_put(cache, [div(loc, page, floor), remainder(loc, page)], k)`. That element is row `loc`
+    of `cache.view(-1, h, d)`, for a negative `loc` too (eager counts its page from the end: page `pages + loc //
+    page`, offset `loc % page`, i.e. row `S + loc`, where the op's index counts from the end as well), and a `loc`
+    out of `[-S, S)` gives a page out of `[-pages, pages)`: out of range both ways. The op writes that view, inserted
+    here before the write and erased again if it does not lower."""
+    if new.target is not aten.index_put.default or new.args[0] is not cache or _accumulates(new):
+        return None
+    indices = new.args[1]
+    if len(indices) != 2 or not all(isinstance(i, fx.Node) for i in indices) or not _have_vals(cache):
+        return None
+    cache_val = tensor_val(cache)
+    if cache_val.dim() not in (3, 4):
+        return None
+    page = cache_val.shape[1]
+    loc = _page_index(indices[0], page)
+    if loc is None or _offset_index(indices[1], page) is not loc or not _slot_index(loc):
+        return None
+    with graph.inserting_before(new):
+        target = call(graph, aten.view.default, (cache, [-1, *cache_val.shape[2:]]))
+    target.meta["stack_trace"] = new.meta.get("stack_trace")
+    site = _indexed(cache, copy, new, target, loc, new.args[2]) if _aliases(cache, target) else None
+    if site is None:
+        graph.erase_node(target)
+        return None
+    site.nodes += [i for i in indices if len(i.users) == 1]
+    site.inserted = [target]
+    return site
+
+
+def _page_index(node: fx.Node, page: Any) -> fx.Node | None:
+    """`loc` of `loc // page` (`div(loc, page, rounding_mode="floor")` or `floor_divide`), else None."""
+    floor = node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor"
+    if not (floor or node.target in (aten.floor_divide.default, aten.floor_divide.Scalar)):
+        return None
+    return node.args[0] if _is_size(node.args[1], page) and isinstance(node.args[0], fx.Node) else None
+
+
+def _offset_index(node: fx.Node, page: Any) -> fx.Node | None:
+    """`loc` of `loc % page` (`remainder(loc, page)`), else None."""
+    if node.target is not aten.remainder.Scalar or not _is_size(node.args[1], page):
+        return None
+    return node.args[0] if isinstance(node.args[0], fx.Node) else None
+
+
+def _is_size(value: Any, size: Any) -> bool:
+    """Whether `value` (an int or a SymInt argument) is statically `size`."""
+    return (
+        isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and statically_known_true(value == size)
+    )
 
 
 def _slots_first(graph: fx.Graph, node: fx.Node, slot: int, heads: list[int]) -> fx.Node:
@@ -874,7 +932,7 @@ def _other_write(copy: fx.Node, names: Namer) -> KVKept:
         + f"{op_name(scatter)}{' with accumulate=True (adding to the rows)' if adds else ''} into {names.of(cache)} "
         f"{list(tensor_val(cache).shape)}: the op writes "
         "rows at one slot per token (cache[loc] = k, index_copy_, index_put_, scatter_ of whole rows along the slot "
-        "dim, cache[a:b] = k, the commit-where form) "
+        "dim, cache[a:b] = k, cache[loc // page, loc % page] = k, the commit-where form) "
         "of an [S, heads, head_dim] or [S, heads * head_dim] cache, of a view of one, or along the slot dim of a "
         "cache whose other dims but heads and head_dim have size 1",
         scatter,
