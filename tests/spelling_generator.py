@@ -104,7 +104,7 @@ NEAR_MISSES = (
     "norm_over_heads",  # the RMSNorm mean over the heads dim instead of head_dim
     "eps_outside",  # x / (sqrt(mean) + eps) with an eps that matters
     "row_offset",  # rotate_half with cos/sin = cat(table[pos] half, table[pos + 1] half)
-    "per_layer_width",  # layer 0 rotates D/2, the others all of D (the op rotates every layer alike)
+    "per_layer_width",  # layer 0 rotates D/2, the others all of D (one op rotates its layers alike: two ops)
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 INDEX_DTYPES = {"int64": torch.int64, "int32": torch.int32}

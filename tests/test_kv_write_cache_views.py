@@ -273,11 +273,15 @@ def test_two_index_paged_writes_count_negative_slots_from_the_end_as_eager_does(
     assert_close_for_dtype(model.caches(), eager.caches())
 
 
-def test_a_cache_read_after_its_write_keeps_todays_path_and_says_so():
+def test_a_cache_read_after_its_write_keeps_that_write_and_says_so():
     """The forward returns rows of layer 0's K cache read back after the write: that cache's write stays, with a
-    `CACHE_READ_AFTER` reason naming it."""
-    report = _run("read_after", torch.float32).report
-    assert not report.kv_writes, str(report)
+    `CACHE_READ_AFTER` reason naming it, and so does layer 0's V (no K left to pair it with); the other layers
+    lower."""
+    capture = _run("read_after", torch.float32)
+    for graph_report in capture.reports:
+        assert [len(w.layers) for w in graph_report.kv_writes] == [LAYERS - 1], str(graph_report)
+        assert {k.cache for k in graph_report.kv_kept} == {"k_cache_0", "v_cache_0"}, str(graph_report)
+    report = capture.report
     kept = [k for k in report.kv_kept if k.cache == "k_cache_0"]  # one per graph
     assert kept and all(k.reason is KVKeptReason.CACHE_READ_AFTER for k in kept), str(report)
     assert all(re.fullmatch(r"k_cache_0 is read by \w+ \(aten\.index\) after a write to it", k.detail) for k in kept)

@@ -409,6 +409,16 @@ def _five_tokens_eager_vs_compiled(model: torch.nn.Module) -> CaptureBackend:
     return capture
 
 
+def _layers_per_op(capture) -> list[list[int]]:
+    """Per compiled graph, the layers of each op the writes were lowered to (the per-layer fallback: layers the op
+    writes alike in one op each, where the layers differ)."""
+    counts = []
+    for graph, report in zip(capture.after, capture.reports, strict=True):
+        assert op_counts(graph)[OP] == len(report.kv_writes), str(report)
+        counts.append([len(w.layers) for w in report.kv_writes])
+    return counts
+
+
 def _kept(capture) -> str:
     assert not capture.report.kv_writes and all(op_counts(g)[OP] == 0 for g in capture.after)
     assert all(r.n_groups == 1 for r in capture.reports), "the horizontal fusion still fuses the GEMMs"
@@ -519,12 +529,13 @@ def _gptj_layer_1(cfg, device):
     return model
 
 
-def test_rope_style_differing_across_layers_keeps_todays_path():
+def test_rope_style_differing_across_layers_lowers_each_style_apart():
     torch._dynamo.reset()
     capture = CaptureBackend(ALWAYS)
     for eager, compiled in eager_and_compiled(small_config(), capture, model_factory=_gptj_layer_1):
         assert_close_for_dtype(compiled, eager)
-    assert "the RoPE differs across layers" in _kept(capture)
+    assert all(sorted(c) == [1, 2] for c in _layers_per_op(capture)), str(capture.report)
+    assert {w.rope.split(" ")[0] for w in capture.report.kv_writes} == {"neox", "GPT-J"}
 
 
 class _HalfTableLayer(DraftKVLayer):
@@ -540,15 +551,16 @@ def _half_table_layer_1(cfg, device):
     return model
 
 
-def test_rope_tables_of_different_widths_keep_todays_path():
+def test_rope_tables_of_different_widths_lower_each_width_apart():
     torch._dynamo.reset()
     capture = CaptureBackend(ALWAYS)
     for eager, compiled in eager_and_compiled(small_config(), capture, model_factory=_half_table_layer_1):
         assert_close_for_dtype(compiled, eager)
-    assert "the RoPE differs across layers (neox R=16, neox R=8)" in _kept(capture)
+    assert all(sorted(c) == [1, 2] for c in _layers_per_op(capture)), str(capture.report)
+    assert {w.rope.split(" of ")[0] for w in capture.report.kv_writes} == {"neox RoPE on 16", "neox RoPE on 8"}
 
 
-def test_head_layouts_differing_across_layers_keep_todays_path():
+def test_head_layouts_differing_across_layers_lower_each_layout_apart():
     class TwoLayouts(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -562,15 +574,16 @@ def test_head_layouts_differing_across_layers_keep_todays_path():
                 cache[loc] = lin(x).view(-1, *cache.shape[1:])
 
     capture = _five_tokens_eager_vs_compiled(TwoLayouts())
-    assert "the caches or heads differ across layers" in _kept(capture)
+    assert _layers_per_op(capture) == [[1, 1]], str(capture.report)
 
 
 @pytest.mark.slow
-def test_norm_on_some_layers_only_keeps_todays_path():
+def test_norm_on_some_layers_only_lowers_the_normed_and_the_others_apart():
     model = HFStyleKVWriter("index_put")
     model.layers[2].k_norm = None
     capture = _hf_run(model, torch.float32)
-    assert "some layers norm K and others do not" in _kept(capture)
+    assert all(sorted(c) == [1, 3] for c in _layers_per_op(capture)), str(capture.report)
+    assert sorted(w.norm.startswith("k_norm") for w in capture.report.kv_writes) == [False, True]
 
 
 class _VOnlyLayer(HFStyleKVWriter):
@@ -584,9 +597,12 @@ class _VOnlyLayer(HFStyleKVWriter):
 
 
 @pytest.mark.slow
-def test_v_only_layer_keeps_todays_path():
+def test_v_only_layer_lowers_the_others_and_keeps_its_write():
+    """Three K/V pairs lower; layer 0's V, with no K to pair with, stays as it was, with a reason naming its cache."""
     capture = _hf_run(_VOnlyLayer("index_put"), torch.float32)
-    assert "3 normed/rotated (K) and 4 plain (V) cache writes" in _kept(capture)
+    assert all(c == [3] for c in _layers_per_op(capture)), str(capture.report)
+    kept = capture.report.kv_kept
+    assert kept and all(k.reason is KVKeptReason.LAYERS_DIFFER and k.cache == "v_cache_0" for k in kept), kept
 
 
 class _UnequalHalves(HFStyleKVWriter):

@@ -32,7 +32,9 @@ k)`; slots along another dim than the first, the other dims of size 1), whose ca
 k_i` for distinct `i`: layers stacked in `[L, S, h, d]`, or vLLM's `[2, pages, page, h, d]` K and V of a layer) are a
 chain of `select_scatter(prev, write_i, 0, i)` ending in one `copy_`: each link is a site on `select(buf, 0, i)`, and
 they lower together or not at all.
-Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). There must
+Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). Where a group as a whole does not lower
+because its layers differ, or because some of its writes are not the op's formula (`_lower_parts`), the layers the
+op writes alike lower, one op per kind, and the other writes stay with their reasons. There must
 be one slot per token (from the shapes, or a guard on the symbolic sizes: a write of one
 token to several slots broadcasts in eager). The op takes the place of the first cache `copy_` (the end of the
 graph), after every read of the old cache values, which must all come before it; where a tensor it reads is written
@@ -768,6 +770,13 @@ class _Group:
         self.gemms = {n for n in activation.users if n.target in _GEMMS and gemm_activation(n) is activation}
         self.ev: Evaluation | None = None
 
+    def subset(self, writes: list[_Write]) -> _Group:
+        """A group of some of this group's analysed writes (sharing its evaluation)."""
+        part = _Group(self.activation)
+        part.gemms, part.ev = self.gemms, self.ev
+        part.writes, part.sites = writes, [w.site for w in writes]
+        return part
+
     def analyse(self) -> None:
         """Read every write; with a static token count read as `TOKENS` first, and as it is where that fails."""
         tokens = tensor_val(self.activation).shape[0]
@@ -896,16 +905,103 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
     done: set[_Site] = set()
     for group in groups.values():
         group.analyse()
-        if group.failed:
-            kept += [err.kept(group.activation, names) for err in group.failed]
-            continue
-        try:
-            lowered.append(_emit(graph, group, _plan(graph, group, config, names), names))
-            done.update(group.sites)
-        except _NoMatch as err:
-            kept.append(err.kept(group.activation, names))
+        kept += [err.kept(group.activation, names) for err in group.failed]
+        whole = None
+        if not group.failed:
+            try:
+                lowered.append(_emit(graph, group, _plan(graph, group, config, names), names))
+                done.update(group.sites)
+                continue
+            except _NoMatch as err:
+                whole = err
+        if whole is None or whole.reason is KVKeptReason.LAYERS_DIFFER:
+            lowered_parts, part_kept = _lower_parts(graph, group, config, names)
+            if lowered_parts:
+                lowered += [report for report, _ in lowered_parts]
+                kept += part_kept
+                done.update(site for _, part in lowered_parts for site in part.sites)
+                continue
+        if whole is not None:
+            kept.append(whole.kept(group.activation, names))
     _unwind(graph, [site for site in sites if site not in done])  # writes kept as they were
     return KVLowering(lowered, kept)
+
+
+def _lower_parts(
+    graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer
+) -> tuple[list[tuple[KVWriteReport, _Group]], list[KVKept]]:
+    """Per-layer fallback, where the group as a whole does not lower (its layers differ, or some of its writes do not
+    read as the op's formula): its analysed writes in parts the op writes alike (`_parts`), each lowered on its own
+    (one op per part; where some writes do not read as the op's formula, only parts with a normed or rotated K); the
+    writes of the parts that do not lower stay as they are, with their reasons, and so do the writes in no part.
+    Returns the parts lowered with their reports, and the kept writes' reasons (both empty if no part lowered)."""
+    parts, leftover = _parts(group)
+    if group.failed:  # some writes do not read as the op's formula: lower only parts with a normed or rotated K
+        leftover += [w for part in parts if not any(w.transformed for w in part.writes) for w in part.writes]
+        parts = [part for part in parts if any(w.transformed for w in part.writes)]
+    lowered, kept = [], []
+    for part in parts:
+        try:
+            report = _emit(graph, part, _plan(graph, part, config, names), names)
+        except _NoMatch as err:
+            kept.append(err.kept(group.activation, names))
+            continue
+        lowered.append((report, part))
+    for w in leftover:
+        kept.append(
+            KVKept(
+                names.of(group.activation),
+                KVKeptReason.LAYERS_DIFFER,
+                "not in a set of writes the op takes alike (a normed or rotated K with a plain V of the same shape "
+                "and slots, or two plain writes) where other writes on this activation were lowered",
+                names.of(w.site.cache),
+            )
+        )
+    return (lowered, kept) if lowered else ([], [])
+
+
+def _parts(group: _Group) -> tuple[list[_Group], list[_Write]]:
+    """The group's analysed writes as K/V pairs in parts the op writes alike: K normed or not, rotated or not and
+    how, the same cache shapes and slots, within a part (largest part first). A K (a normed or rotated write) pairs
+    with a plain write of its own GEMM where there is one (a fused k/v projection: the two must lower together,
+    the GEMM's output feeding both), else with the plain write nearest to it in the graph (the V a model writes
+    beside its K; any pairing computes the same); plain writes left over pair among themselves
+    (no norm, no RoPE: either is the K). A part that takes some but not all the writes of one buffer (its sites
+    share one `copy_`) is dropped. Also returns the writes in no part."""
+    ks = [w for w in group.writes if w.transformed]
+    plain = [w for w in group.writes if not w.transformed]
+    order = {id(w): i for i, w in enumerate(group.writes)}
+    pairs: list[tuple[_Write, _Write]] = []
+    for same_gemm in (True, False):
+        for k in [k for k in ks if not any(k is a for a, _ in pairs)]:
+            near = sorted(plain, key=lambda v: (abs(order[id(v)] - order[id(k)]), order[id(v)] < order[id(k)]))
+            v = next((v for v in near if not same_gemm or v.branch.node is k.branch.node), None)
+            if v is not None:
+                plain.remove(v)
+                pairs.append((k, v))
+    while len(plain) >= 2:
+        a = plain.pop(0)
+        b = next((v for v in plain if v.branch.node is a.branch.node), plain[0])
+        plain.remove(b)
+        pairs.append((a, b))
+    by_kind: dict[tuple, list[tuple[_Write, _Write]]] = {}
+    for k, v in pairs:
+        rope = None if k.rope is None else (k.rope.rot, k.rope.neox)
+        shapes = tuple(
+            (w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.target).shape), w.site.key) for w in (k, v)
+        )
+        by_kind.setdefault((k.norm is None, k.rope is None, rope, shapes), []).append((k, v))
+    sites_of: dict[fx.Node, set[_Site]] = {}
+    for site in group.sites:
+        sites_of.setdefault(site.copy, set()).add(site)
+    parts = []
+    for part in sorted(by_kind.values(), key=len, reverse=True):
+        writes = [w for pair in part for w in pair]
+        taken = {w.site for w in writes}
+        if all(sites_of[site.copy] <= taken for site in taken):
+            parts.append(group.subset(writes))
+    placed = {id(w) for part in parts for w in part.writes}
+    return parts, [w for w in group.writes if id(w) not in placed]
 
 
 def _other_write(copy: fx.Node, names: Namer) -> KVKept:
