@@ -111,14 +111,15 @@ def _not_differentiable(name: str) -> Callable[..., object]:
     """The `Autograd` kernel of an op without a derivative: with grad mode on, a tensor argument that requires grad
     raises `ValueError` naming it (eagerly, and on fake tensors when AOTAutograd traces a compiled graph), instead of
     a gradient that torch would derive from the CPU reference's math, drop in a compiled graph, or route through a
-    cache row the op overwrote. Otherwise it dispatches below autograd (the mutated arguments' version counters are
-    still bumped, by torch's `ADInplaceOrView` handling of the schema's `(a!)` arguments, so autograd sees a saved
-    tensor change). Under `torch.inference_mode()` the dispatcher skips this kernel. The CUDA library registers the
-    same rule in C++ directly under `AutogradCUDA` (csrc/common/not_differentiable.cpp), which takes precedence for
-    CUDA tensors once it is loaded, so eager CUDA calls run no Python here."""
+    cache row the op overwrote. Otherwise it bumps the version counters of the arguments the schema marks written
+    (`(a!)`: nothing else would, the kernels write memory directly, so autograd sees a saved tensor change) and
+    dispatches below autograd. Under `torch.inference_mode()` the dispatcher skips this kernel. The CUDA library
+    registers the same rule in C++ directly under `AutogradCUDA` (csrc/common/not_differentiable.cpp), which takes
+    precedence for CUDA tensors once it is loaded, so eager CUDA calls run no Python here."""
     op = getattr(torch.ops.dspark, name).default
     arguments = op._schema.arguments
     tensors = [(i, a.name) for i, a in enumerate(arguments) if _holds_tensors(a)]
+    written = [(i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
 
     def argument(args: tuple, kwargs: dict, index: int, arg_name: str) -> list[torch.Tensor]:
         value = args[index] if index < len(args) else kwargs.get(arg_name)
@@ -136,6 +137,10 @@ def _not_differentiable(name: str) -> Callable[..., object]:
                         f"{name}: {arg_name} requires grad, but dspark::{name} has no derivative: call it under "
                         f"torch.no_grad() or torch.inference_mode(), or pass {arg_name}.detach()"
                     )
+        for index, arg_name in written:
+            for t in argument(args, kwargs, index, arg_name):
+                if not t.is_inference():  # an inference tensor has no version counter
+                    torch.autograd.graph.increment_version(t)
         # no argument requires grad (or grad mode is off), so nothing below records a graph: no guard needed
         return op.redispatch(keyset & below_autograd, *args, **kwargs)
 

@@ -139,6 +139,21 @@ def test_a_write_under_no_grad_still_invalidates_a_saved_tensor():
         saved.sum().backward()
 
 
+@pytest.mark.parametrize("op", WITH_VALID_ARGS)
+def test_every_written_argument_gets_its_version_bumped(op):
+    """On meta tensors (no reference runs, so nothing else bumps them; the CUDA kernels are alike: they write memory
+    directly) each argument the schema marks written gets a new version, the others keep theirs."""
+    args = {k: _map(v, lambda t: t.to("meta")) for k, v in VALID_ARGS[op]().items()}
+    schema = getattr(ops, op).default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    before = {name: [t._version for t in _float_tensors(v) + _index_tensors(v)] for name, v in args.items()}
+    with torch.no_grad():
+        getattr(ops, op)(**args)
+    for name, value in args.items():
+        after = [t._version for t in _float_tensors(value) + _index_tensors(value)]
+        assert all((a > b) == (name in written) for a, b in zip(after, before[name], strict=True)), (name, after)
+
+
 def test_multi_linear_stays_differentiable():
     args = VALID_ARGS["multi_linear"]()
     x = _requiring_grad(args["x"])
