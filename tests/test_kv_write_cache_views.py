@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import mark_tokens_dynamic, quick_first
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -330,3 +331,31 @@ def test_nodes_without_a_value_are_not_read_as_writes_through_views(how):
         node.meta["val"] = val
     sites, _ = kv_write._find_sites(graph)
     assert len(sites) == 2 * LAYERS
+
+
+def test_two_index_writes_into_pages_apart_keep_their_path():
+    """FlashInfer's NHD layout, `kv [pages, 2, page, h, d]` and `k_cache = kv[:, 0]` passed in: the pages of one
+    cache are not back to back, so there is no `[S, h, d]` view for the op to write; the two-index write keeps its
+    path (it once raised out of the pass) and eager's caches."""
+
+    class Writer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.k = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+            self.v = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+
+        def forward(self, x, loc, k_cache, v_cache):
+            k_cache[loc // PAGE, loc % PAGE] = F.rms_norm(self.k(x).view(-1, HEADS, HEAD_DIM), (HEAD_DIM,), eps=1e-6)
+            v_cache[loc // PAGE, loc % PAGE] = self.v(x).view(-1, HEADS, HEAD_DIM)
+
+    torch._dynamo.reset()
+    model = Writer()
+    caches = [torch.randn(PAGES, 2, PAGE, HEADS, HEAD_DIM)[:, i] for i in (0, 1)]
+    expected = [c.clone() for c in caches]
+    x, loc = torch.randn(3, HIDDEN), torch.tensor([0, 5, PAGES * PAGE - 1])
+    capture = CaptureBackend(ALWAYS)
+    with torch.no_grad():
+        model(x, loc, *expected)
+        torch.compile(model, backend=capture)(x, loc, *caches)
+    assert_close_for_dtype(caches, expected)
+    assert not capture.report.kv_writes, str(capture.report)

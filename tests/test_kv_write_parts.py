@@ -119,3 +119,39 @@ def test_two_ops_in_one_graph_compile_through_inductor():
     """Inductor's codegen of a graph holding two of the ops (layer 1 apart): eager's caches."""
     capture = _run("no_norm", inner="inductor")
     assert all(c == [1, 3] for c in _layers_per_op(capture)), str(capture.report)
+
+
+class VllmBuffers(nn.Module):
+    """vLLM's `[2, pages, page, h, d]` buffer per layer, V written before K; layer 1's K not normed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kv = HEADS * HEAD_DIM
+        self.k = nn.ModuleList(nn.Linear(HIDDEN, kv, bias=False) for _ in range(LAYERS))
+        self.v = nn.ModuleList(nn.Linear(HIDDEN, kv, bias=False) for _ in range(LAYERS))
+        for i in range(LAYERS):
+            self.register_buffer(f"kv_cache_{i}", torch.randn(2, SLOTS // 4, 4, HEADS, HEAD_DIM))
+
+    def forward(self, ctx: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> None:
+        for i in range(LAYERS):
+            key_cache, value_cache = getattr(self, f"kv_cache_{i}").unbind(0)
+            value_cache.view(-1, HEADS, HEAD_DIM)[loc] = self.v[i](ctx).view(-1, HEADS, HEAD_DIM)
+            k = self.k[i](ctx).view(-1, HEADS, HEAD_DIM)
+            key_cache.view(-1, HEADS, HEAD_DIM)[loc] = k if i == 1 else F.rms_norm(k, (HEAD_DIM,), eps=1e-6)
+
+
+def test_k_and_v_of_one_buffer_stay_together_when_v_is_written_first():
+    """The K of each layer pairs with the V written into its own `[2, ...]` buffer (the two share one `copy_` and
+    lower together), not with the nearest plain write (the next layer's V): three normed layers in one op, layer 1
+    (K and V plain) in another; eager's caches."""
+    torch._dynamo.reset()
+    eager = VllmBuffers()
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(5, HIDDEN, generator=gen), torch.zeros(5, dtype=torch.long), torch.randperm(SLOTS)[:5])
+    with torch.no_grad():
+        eager(*args)
+        torch.compile(model, backend=capture)(*args)
+    assert_close_for_dtype(list(model.buffers()), list(eager.buffers()))
+    assert _layers_per_op(capture) == [[1, 3]], str(capture.report)

@@ -518,9 +518,14 @@ def _other_alias(node: fx.Node, target: fx.Node) -> list[fx.Node]:
 def _aliases(cache: fx.Node, target: fx.Node) -> bool:
     """Whether `target` (a view or a reshape of `cache`: Inductor's post-grad graphs have views as reshapes) is an
     alias of it: a reshape that must copy would give the op a copy to write."""
+    return _viewable(cache, tensor_val(target).shape)
+
+
+def _viewable(cache: fx.Node, shape: Any) -> bool:
+    """Whether `cache` can be viewed (not copied) as `shape`."""
     with fake_mode_of(cache.graph):
         try:
-            tensor_val(cache).view(tensor_val(target).shape)
+            tensor_val(cache).view(shape)
         except (RuntimeError, ValueError):  # fake tensors raise the ValueError of torch._refs
             return False
     return True
@@ -588,10 +593,13 @@ def _page_offset_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.No
     loc = _page_index(indices[0], page)
     if loc is None or _offset_index(indices[1], page) is not loc or not _slot_index(loc):
         return None
+    rows = [-1, *cache_val.shape[2:]]
+    if not _viewable(cache, rows):  # pages apart (a page of K, then one of V, ...): no [S, h, d] view to write
+        return None
     with graph.inserting_before(new):
-        target = call(graph, aten.view.default, (cache, [-1, *cache_val.shape[2:]]))
+        target = call(graph, aten.view.default, (cache, rows))
     target.meta["stack_trace"] = new.meta.get("stack_trace")
-    site = _indexed(cache, copy, new, target, loc, new.args[2]) if _aliases(cache, target) else None
+    site = _indexed(cache, copy, new, target, loc, new.args[2])
     if site is None:
         graph.erase_node(target)
         return None
@@ -616,7 +624,8 @@ def _offset_index(node: fx.Node, page: Any) -> fx.Node | None:
 
 
 def _is_size(value: Any, size: Any) -> bool:
-    """Whether `value` (an int or a SymInt argument) is statically `size`."""
+    """Whether `value` (an int argument) is statically `size`; a page size computed in the graph (`sym_size` of a
+    dynamic cache) is not read, and such a write keeps its path."""
     return (
         isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and statically_known_true(value == size)
     )
@@ -914,7 +923,7 @@ def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLo
                 continue
             except _NoMatch as err:
                 whole = err
-        if whole is None or whole.reason is KVKeptReason.LAYERS_DIFFER:
+        if whole is None or whole.reason in (KVKeptReason.LAYERS_DIFFER, KVKeptReason.SLOTS):
             lowered_parts, part_kept = _lower_parts(graph, group, config, names)
             if lowered_parts:
                 lowered += [report for report, _ in lowered_parts]
@@ -944,6 +953,8 @@ def _lower_parts(
         try:
             report = _emit(graph, part, _plan(graph, part, config, names), names)
         except _NoMatch as err:
+            if err.cache is None:
+                err.cache = part.writes[0].site.cache
             kept.append(err.kept(group.activation, names))
             continue
         lowered.append((report, part))
@@ -963,19 +974,24 @@ def _lower_parts(
 def _parts(group: _Group) -> tuple[list[_Group], list[_Write]]:
     """The group's analysed writes as K/V pairs in parts the op writes alike: K normed or not, rotated or not and
     how, the same cache shapes and slots, within a part (largest part first). A K (a normed or rotated write) pairs
-    with a plain write of its own GEMM where there is one (a fused k/v projection: the two must lower together,
-    the GEMM's output feeding both), else with the plain write nearest to it in the graph (the V a model writes
-    beside its K; any pairing computes the same); plain writes left over pair among themselves
-    (no norm, no RoPE: either is the K). A part that takes some but not all the writes of one buffer (its sites
-    share one `copy_`) is dropped. Also returns the writes in no part."""
+    with a plain write into its own buffer where there is one (vLLM's `[2, ...]` K/V buffer: one `copy_`), else of
+    its own GEMM (a fused k/v projection: the two must lower together, the GEMM's output feeding both), else with
+    the plain write nearest to it in the graph (the V a model writes beside its K; any pairing computes the same);
+    plain writes left over pair among themselves (no norm, no RoPE: either is the K). A part that takes some but not
+    all the writes of one buffer (its sites share one `copy_`) is dropped. Also returns the writes in no part."""
     ks = [w for w in group.writes if w.transformed]
     plain = [w for w in group.writes if not w.transformed]
     order = {id(w): i for i, w in enumerate(group.writes)}
     pairs: list[tuple[_Write, _Write]] = []
-    for same_gemm in (True, False):
+    partners = (
+        lambda k, v: v.site.copy is k.site.copy,  # K and V of one buffer (vLLM's [2, ...]): they lower together
+        lambda k, v: v.branch.node is k.branch.node,  # one fused k/v GEMM: its output feeds both
+        lambda k, v: True,
+    )
+    for partner in partners:
         for k in [k for k in ks if not any(k is a for a, _ in pairs)]:
             near = sorted(plain, key=lambda v: (abs(order[id(v)] - order[id(k)]), order[id(v)] < order[id(k)]))
-            v = next((v for v in near if not same_gemm or v.branch.node is k.branch.node), None)
+            v = next((v for v in near if partner(k, v)), None)
             if v is not None:
                 plain.remove(v)
                 pairs.append((k, v))
