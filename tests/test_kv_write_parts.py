@@ -155,3 +155,41 @@ def test_k_and_v_of_one_buffer_stay_together_when_v_is_written_first():
         torch.compile(model, backend=capture)(*args)
     assert_close_for_dtype(list(model.buffers()), list(eager.buffers()))
     assert _layers_per_op(capture) == [[1, 3]], str(capture.report)
+
+
+class SliceWriter(nn.Module):
+    """Caches passed in, written at `cache[start : start + T]`; `odd`: layer 1's K not normed."""
+
+    def __init__(self, odd: bool) -> None:
+        super().__init__()
+        self.odd = odd
+        self.k = nn.ModuleList(nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(LAYERS))
+        self.v = nn.ModuleList(nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(LAYERS))
+
+    def forward(self, ctx: torch.Tensor, start: int, *caches: torch.Tensor) -> None:
+        end = start + ctx.shape[0]
+        for i in range(LAYERS):
+            k = self.k[i](ctx).view(-1, HEADS, HEAD_DIM)
+            caches[2 * i][start:end] = k if self.odd and i == 1 else F.rms_norm(k, (HEAD_DIM,), eps=1e-6)
+            caches[2 * i + 1][start:end] = self.v[i](ctx).view(-1, HEADS, HEAD_DIM)
+
+
+@pytest.mark.parametrize(("odd", "layers"), [(False, [LAYERS]), (True, [1, LAYERS - 1])], ids=["alike", "odd"])
+def test_slice_writes_at_a_symbolic_start_under_dynamic_true(odd, layers):
+    """Under `dynamic=True` the slice bounds and the caches' sizes are SymInts, which do not hash: comparing the
+    layers' slots and shapes raised out of the pass (`unhashable type: non-nested SymInt`); now they lower, one op
+    (or one per kind), with eager's caches."""
+    torch._dynamo.reset()
+    eager = SliceWriter(odd)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(copy.deepcopy(eager), backend=capture, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tokens, start in ((5, 3), (4, 7)):
+            want = [torch.randn(SLOTS, HEADS, HEAD_DIM, generator=gen) for _ in range(2 * LAYERS)]
+            got = [c.clone() for c in want]
+            x = torch.randn(tokens, HIDDEN, generator=gen)
+            eager(x, start, *want)
+            compiled(x, start, *got)
+            assert_close_for_dtype(got, want)
+    assert all(c == layers for c in _layers_per_op(capture)), str(capture.report)

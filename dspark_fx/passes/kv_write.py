@@ -97,6 +97,7 @@ from dspark_fx.passes.graph_utils import (
     gemm_activation,
     is_pure,
     op_name,
+    shape_key,
     source_line,
     storage_family,
     tensor_val,
@@ -971,6 +972,12 @@ def _lower_parts(
     return (lowered, kept) if lowered else ([], [])
 
 
+def _slot_key(w: _Write) -> tuple:
+    """`w`'s slot key as compared across writes: nodes as they are, anything else (a slice bound, a SymInt under
+    `dynamic=True`: it does not hash) as text."""
+    return tuple(part if isinstance(part, fx.Node) or part is None else str(part) for part in w.site.key)
+
+
 def _parts(group: _Group) -> tuple[list[_Group], list[_Write]]:
     """The group's analysed writes as K/V pairs in parts the op writes alike: K normed or not, rotated or not and
     how, the same cache shapes and slots, within a part (largest part first). A K (a normed or rotated write) pairs
@@ -1003,9 +1010,8 @@ def _parts(group: _Group) -> tuple[list[_Group], list[_Write]]:
     by_kind: dict[tuple, list[tuple[_Write, _Write]]] = {}
     for k, v in pairs:
         rope = None if k.rope is None else (k.rope.rot, k.rope.neox)
-        shapes = tuple(
-            (w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.target).shape), w.site.key) for w in (k, v)
-        )
+        # as text: a dynamic cache's sizes or a slice's bounds are SymInts, which neither hash nor compare guard-free
+        shapes = tuple((w.written.heads, w.written.head_dim, shape_key(w.site.target), _slot_key(w)) for w in (k, v))
         by_kind.setdefault((k.norm is None, k.rope is None, rope, shapes), []).append((k, v))
     sites_of: dict[fx.Node, set[_Site]] = {}
     for site in group.sites:
@@ -1071,16 +1077,16 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
         ks, vs = vs[0::2], vs[1::2]
     if len(ks) != len(vs):
         raise _unpaired(ks, vs, names)
-    shapes = {(w.written.heads, w.written.head_dim, tuple(tensor_val(w.site.target).shape)) for w in writes}
+    shapes = {(w.written.heads, w.written.head_dim, shape_key(w.site.target)) for w in writes}
     if len(shapes) != 1:
         raise _NoMatch(
             KVKeptReason.LAYERS_DIFFER, f"the caches or heads differ across layers: {sorted(str(s) for s in shapes)}"
         )
-    keys = {w.site.key for w in writes}
+    keys = {_slot_key(w): w.site.key for w in writes}
     if len(keys) != 1:
         raise _NoMatch(KVKeptReason.SLOTS, "the layers write at different slots (cache_loc, slice or commit lengths)")
     tokens = tensor_val(group.activation).shape[0]
-    key = next(iter(keys))
+    key = next(iter(keys.values()))
     slots = tensor_val(key[1]) if key[0] != "slice" else None
     if slots is not None and not _guard_equal(slots.numel(), tokens):
         raise _NoMatch(
@@ -1115,7 +1121,7 @@ def _plan(graph: fx.Graph, group: _Group, config: DsparkConfig, names: Namer) ->
     heads, head_dim, _ = shapes.pop()
     _check_exclusive(group, names)
     _check_device(config, x_val, heads, head_dim, [w.site.target for w in writes])
-    return _Plan(ks, vs, heads, head_dim, keys.pop(), ropes[0])
+    return _Plan(ks, vs, heads, head_dim, key, ropes[0])
 
 
 def _unpaired(ks: list[_Write], vs: list[_Write], names: Namer) -> _NoMatch:
