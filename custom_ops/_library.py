@@ -95,18 +95,6 @@ def register_op(
     return name
 
 
-def _holds_tensors(arg: torch._C.Argument) -> bool:
-    """Whether a schema argument is a Tensor, an optional one or a list of them."""
-    kind = arg.type
-    if isinstance(kind, torch._C.OptionalType):
-        kind = kind.getElementType()
-    if isinstance(kind, torch._C.ListType):
-        kind = kind.getElementType()
-        if isinstance(kind, torch._C.OptionalType):
-            kind = kind.getElementType()
-    return isinstance(kind, torch._C.TensorType)
-
-
 def _not_differentiable(name: str) -> Callable[..., object]:
     """The `Autograd` kernel of an op without a derivative: with grad mode on, a tensor argument that requires grad
     raises `ValueError` naming it (eagerly, and on fake tensors when AOTAutograd traces a compiled graph), instead of
@@ -118,7 +106,7 @@ def _not_differentiable(name: str) -> Callable[..., object]:
     precedence for CUDA tensors once it is loaded, so eager CUDA calls run no Python here."""
     op = getattr(torch.ops.dspark, name).default
     arguments = op._schema.arguments
-    tensors = [(i, a.name) for i, a in enumerate(arguments) if _holds_tensors(a)]
+    every = [(i, a.name) for i, a in enumerate(arguments)]
     written = [(i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
 
     def argument(args: tuple, kwargs: dict, index: int, arg_name: str) -> list[torch.Tensor]:
@@ -131,7 +119,7 @@ def _not_differentiable(name: str) -> Callable[..., object]:
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: object, **kwargs: object) -> object:
         if is_grad_enabled():
-            for index, arg_name in tensors:
+            for index, arg_name in every:
                 if any(t.requires_grad for t in argument(args, kwargs, index, arg_name)):
                     raise ValueError(
                         f"{name}: {arg_name} requires grad, but dspark::{name} has no derivative: call it under "

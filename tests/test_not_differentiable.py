@@ -24,13 +24,22 @@ ops = torch.ops.dspark
 WITH_VALID_ARGS = sorted(op for op in VALID_ARGS if op != "multi_linear")
 
 
-def _float_tensors(value: object) -> list[torch.Tensor]:
-    values = value if isinstance(value, (list, tuple)) else (value,)
-    return [t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()]
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of an argument (a tensor or a list of them), of an op's outputs, or of a dict of arguments."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
 
 
 def _differentiable_cases() -> list[tuple[str, str]]:
-    return [(op, name) for op in WITH_VALID_ARGS for name, value in VALID_ARGS[op]().items() if _float_tensors(value)]
+    return [
+        (op, name)
+        for op in WITH_VALID_ARGS
+        for name, value in VALID_ARGS[op]().items()
+        if any(t.is_floating_point() for t in _tensors(value))
+    ]
 
 
 def _map(value: object, fn) -> object:
@@ -41,20 +50,11 @@ def _map(value: object, fn) -> object:
 
 def _requiring_grad(value: object) -> object:
     """`value` (a tensor or a list of them) with every floating tensor a fresh leaf that requires grad."""
-    if isinstance(value, (list, tuple)):
-        return type(value)(_requiring_grad(v) for v in value)
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.detach().clone().requires_grad_()
-    return value
+    return _map(value, lambda t: t.detach().clone().requires_grad_() if t.is_floating_point() else t)
 
 
 def _snapshot(args: dict) -> list[torch.Tensor]:
-    return [t.detach().clone() for v in args.values() for t in _float_tensors(v) + _index_tensors(v)]
-
-
-def _index_tensors(value: object) -> list[torch.Tensor]:
-    values = value if isinstance(value, (list, tuple)) else (value,)
-    return [t for t in values if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    return [t.detach().clone() for t in _tensors(args)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -69,7 +69,7 @@ def test_an_argument_that_requires_grad_raises_naming_it_before_anything_is_writ
     with pytest.raises(ValueError, match=f"^{op}: {name} requires grad, but dspark::{op} has no derivative") as info:
         getattr(ops, op)(**args)
     assert argument_named(str(info.value)) == name
-    assert _same([t for v in args.values() for t in _float_tensors(v) + _index_tensors(v)], before)
+    assert _same(_tensors(args), before)
 
 
 @pytest.mark.parametrize("op", WITH_VALID_ARGS)
@@ -80,12 +80,9 @@ def test_under_no_grad_arguments_that_require_grad_run_as_detached(op):
     with torch.no_grad():
         got = getattr(ops, op)(**args)
     want = getattr(ops, op)(**twin)
-    outputs = [t for t in (got if isinstance(got, (list, tuple)) else (got,)) if isinstance(t, torch.Tensor)]
-    expected = [t for t in (want if isinstance(want, (list, tuple)) else (want,)) if isinstance(t, torch.Tensor)]
-    assert not any(t.requires_grad for t in outputs)
-    assert _same(outputs, expected)
-    written = [t for v in args.values() for t in _float_tensors(v) + _index_tensors(v)]
-    assert _same(written, [t for v in twin.values() for t in _float_tensors(v) + _index_tensors(v)])
+    assert not any(t.requires_grad for t in _tensors(got))
+    assert _same(_tensors(got), _tensors(want))
+    assert _same(_tensors(args), _tensors(twin))
 
 
 def test_inference_mode_skips_the_check():
@@ -146,11 +143,11 @@ def test_every_written_argument_gets_its_version_bumped(op):
     args = {k: _map(v, lambda t: t.to("meta")) for k, v in VALID_ARGS[op]().items()}
     schema = getattr(ops, op).default._schema
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    before = {name: [t._version for t in _float_tensors(v) + _index_tensors(v)] for name, v in args.items()}
+    before = {name: [t._version for t in _tensors(v)] for name, v in args.items()}
     with torch.no_grad():
         getattr(ops, op)(**args)
     for name, value in args.items():
-        after = [t._version for t in _float_tensors(value) + _index_tensors(value)]
+        after = [t._version for t in _tensors(value)]
         assert all((a > b) == (name in written) for a, b in zip(after, before[name], strict=True)), (name, after)
 
 
@@ -193,7 +190,7 @@ def test_on_cuda_the_cpp_kernel_raises_the_same_error(op, name, cuda_library):
     with pytest.raises(ValueError, match=f"^{op}: {name} requires grad, but dspark::{op} has no derivative"):
         getattr(ops, op)(**args)
     torch.cuda.synchronize()
-    assert _same([t for v in args.values() for t in _float_tensors(v) + _index_tensors(v)], before)
+    assert _same(_tensors(args), before)
 
 
 @pytest.mark.cuda

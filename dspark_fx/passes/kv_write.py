@@ -783,7 +783,7 @@ class _Group:
     def subset(self, writes: list[_Write]) -> _Group:
         """A group of some of this group's analysed writes (sharing its evaluation)."""
         part = _Group(self.activation)
-        part.gemms, part.ev = self.gemms, self.ev
+        part.ev = self.ev
         part.writes, part.sites = writes, [w.site for w in writes]
         return part
 
