@@ -8,14 +8,15 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import draft_inputs, small_config
-from hf_models import HFStyleKVWriter
+from helpers import draft_inputs, mark_tokens_dynamic, small_config
+from hf_models import HFStyleDraft, HFStyleKVWriter
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounter
 
 from dspark_fx import explain
 from dspark_fx.reference_draft import DraftKVWriter
+from dspark_fx.report import KVKeptReason
 from dspark_fx.testing import CaptureBackend, compile_counts, op_counts
 
 counters = torch._dynamo.utils.counters
@@ -133,6 +134,48 @@ def test_explain_runs_under_the_callers_grad_mode_and_says_why_nothing_is_lowere
     capture = CaptureBackend(config)
     torch.compile(copy.deepcopy(model), backend=capture)(*args)
     assert capture.report.kv_kept == report.kv_kept and not capture.report.kv_writes
+
+
+class _CachesPassedIn(HFStyleKVWriter):
+    """The caches passed in (layer i's K `caches[2 * i]`, its V `caches[2 * i + 1]`); returns the sum of the K."""
+
+    def forward(self, x, positions, loc, *caches):
+        total = x.new_zeros(())
+        for i, (k, v) in enumerate(HFStyleDraft.forward(self, x, positions)):
+            caches[2 * i][loc] = k
+            caches[2 * i + 1][loc] = v
+            total = total + k.sum()
+        return total
+
+
+def test_a_training_graph_names_the_caches_it_returns_not_the_gradients_of_the_backward():
+    """Caches passed in that require grad, at a token count marked dynamic (sizes saved for the backward, so
+    AOTAutograd compiles it with the forward and the pass runs on both): the backward returns the caches' gradients,
+    each an `index_put` into the gradient of the cache the forward returns (`tangents_<i>`), which is no cache write.
+    One TRAINING_GRAPH reason, naming the caches the forward returns; eager's loss, caches and gradients."""
+    torch._dynamo.reset()
+    model = _CachesPassedIn("index_put")
+    x, positions, loc = torch.randn(6, 64), torch.arange(6), torch.randperm(64)[:6]
+    leaves = [torch.randn(64, 2, 16, requires_grad=True) for _ in range(2 * len(model.layers))]
+    mark_tokens_dynamic((x, positions, loc))
+    report = explain(model, x, positions, loc, *(leaf.clone() for leaf in leaves))
+    (why,) = report.kv_kept
+    assert why.reason is KVKeptReason.TRAINING_GRAPH, str(report)
+    assert why.detail.startswith(f"writes to {', '.join(f'caches_{i}' for i in range(8))}: the graph returns"), why
+    assert "tangents" not in str(report), str(report)
+    capture = CaptureBackend()
+    compiled = torch.compile(copy.deepcopy(model), backend=capture)
+    results = []
+    for run in (model, compiled):
+        caches = [leaf.clone() for leaf in leaves]
+        loss = run(x, positions, loc, *caches) + sum(c.sum() for c in caches)  # the caches read after the call
+        loss.backward()
+        grads = [leaf.grad for leaf in leaves] + [p.grad for p in run.parameters()]
+        results.append([loss, *(c.detach() for c in caches), *grads])
+        for leaf in leaves:
+            leaf.grad = None
+    torch.testing.assert_close(results[1], results[0])
+    assert capture.report.kv_kept == report.kv_kept, str(capture.report)
 
 
 class _StatefulDraft(nn.Module):

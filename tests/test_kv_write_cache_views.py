@@ -1,10 +1,10 @@
 """K/V cache writes through a view of the cache (`dspark_fx/passes/kv_write.py`): a paged `[pages, page, heads,
 head_dim]` cache written as `[pages * page, heads, head_dim]` rows, HF's static cache `[1, heads, S, head_dim]`
 written along its slot dim (`index_copy_(2, loc, k)`), and several caches in one buffer (the layers stacked in
-`[L, S, heads, head_dim]`, or K and V of a layer in vLLM's `[2, pages, page, heads, head_dim]`, taken by index or by
-`unbind(0)`). They lower to one
-`multi_linear_kv_write` that writes a view of each cache placeholder (no copy), with eager's caches; writes of
-projections in other forms keep today's path with a `WRITE_FORM` reason naming the cache."""
+`[L, S, heads, head_dim]`, K and V of a layer in vLLM's `[2, pages, page, heads, head_dim]`, taken by index or by
+`unbind(0)`, or interleaved per slot in `[S, 2, heads, head_dim]`). They lower to one `multi_linear_kv_write` that
+writes a view of each cache placeholder (no copy), with eager's caches; writes of projections in other forms keep
+today's path with a `WRITE_FORM` reason naming the cache."""
 
 import copy
 import re
@@ -59,6 +59,8 @@ BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are
     "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
     "stacked_unbind": "index",  # k_cache.unbind(0)[i][loc] = k
     "vllm_kv_unbind": "paged_view",  # key_cache, value_cache = kv_cache_i.unbind(0), as vLLM takes them
+    "interleaved": "index",  # kv_cache_i [S, 2, h, d]: kv_cache_i[:, 0][loc] = k (K and V interleaved per slot)
+    "interleaved_unbind": "index",  # k_cache, v_cache = kv_cache_i.unbind(1)
 }
 LOWERED = [w for w in CACHE_SHAPES if w not in KEPT] + list(BUFFERS)
 
@@ -133,6 +135,11 @@ class CacheViewWriter(nn.Module):
             return kv[0], kv[1]
         if self.how == "vllm_kv_unbind":
             return getattr(self, f"kv_cache_{i}").unbind(0)
+        if self.how == "interleaved":
+            kv = getattr(self, f"kv_cache_{i}")
+            return kv[:, 0], kv[:, 1]
+        if self.how == "interleaved_unbind":
+            return getattr(self, f"kv_cache_{i}").unbind(1)
         return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor) -> torch.Tensor | None:
@@ -157,6 +164,8 @@ def _buffer_shapes(how: str) -> dict[str, tuple[int, ...]]:
         return {f"{kind}_cache": (LAYERS, SLOTS, HEADS, HEAD_DIM) for kind in "kv"}
     if how.startswith("vllm_kv"):
         return {f"kv_cache_{i}": (2, PAGES, PAGE, HEADS, HEAD_DIM) for i in range(LAYERS)}
+    if how.startswith("interleaved"):
+        return {f"kv_cache_{i}": (SLOTS, 2, HEADS, HEAD_DIM) for i in range(LAYERS)}
     return {f"{kind}_cache_{i}": CACHE_SHAPES[how] for i in range(LAYERS) for kind in "kv"}
 
 
@@ -215,7 +224,9 @@ def test_writes_through_a_view_of_the_cache_lower(how, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["paged_view", "page_offset", "hf_static", "stacked", "vllm_kv", "vllm_kv_unbind"])
+@pytest.mark.parametrize(
+    "how", ["paged_view", "page_offset", "hf_static", "stacked", "vllm_kv", "vllm_kv_unbind", "interleaved"]
+)
 def test_writes_through_a_view_compile_through_inductor(how):
     """Inductor's codegen of the op writing views of graph inputs: eager's caches."""
     _assert_lowered_into_views(_run(how, torch.bfloat16, inner="inductor"))
@@ -257,6 +268,57 @@ def test_other_write_forms_keep_todays_path_and_say_why(how):
     assert all(k.detail.startswith("2 writes into one cache") == (how == "written_twice") for k in kept), str(report)
 
 
+class InterleavedWriter(nn.Module):
+    """K and V of a layer interleaved per slot in one `[S, 2, heads, head_dim]` buffer (`kv_cache_i`), written as
+    `kv[loc, 0] = k; kv[loc, 1] = v` (`how="index"`) or through `k_cache, v_cache = kv.unbind(1)`."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.k = nn.ModuleList(nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(LAYERS))
+        self.v = nn.ModuleList(nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(LAYERS))
+        for i in range(LAYERS):
+            self.register_buffer(f"kv_cache_{i}", torch.randn(SLOTS, 2, HEADS, HEAD_DIM))
+
+    def forward(self, x: torch.Tensor, loc: torch.Tensor) -> None:
+        for i in range(LAYERS):
+            kv = getattr(self, f"kv_cache_{i}")
+            k = F.rms_norm(self.k[i](x).view(-1, HEADS, HEAD_DIM), (HEAD_DIM,), eps=1e-6)
+            v = self.v[i](x).view(-1, HEADS, HEAD_DIM)
+            if self.how == "index":
+                kv[loc, 0] = k
+                kv[loc, 1] = v
+            else:
+                k_cache, v_cache = kv.unbind(1)
+                k_cache[loc] = k
+                v_cache[loc] = v
+
+
+@pytest.mark.parametrize("how", ["index", "unbind"])
+def test_k_and_v_interleaved_per_slot_in_one_buffer_lower(how):
+    """`[S, 2, heads, head_dim]` buffers, K at `[:, 0]` and V at `[:, 1]` of each slot: each half is an
+    `[S, heads, head_dim]` view (slot stride `2 * heads * head_dim`), which the op writes (its caches may have any
+    strides and be disjoint views of one buffer). One op writes the views of all layers' buffers, nothing is kept,
+    and the caches are eager's."""
+    torch._dynamo.reset()
+    eager = InterleavedWriter(how)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    compiled = torch.compile(model, backend=capture)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for tokens in (6, 1):
+            args = (torch.randn(tokens, HIDDEN, generator=gen), torch.randperm(SLOTS, generator=gen)[:tokens])
+            eager(*args)
+            compiled(*args)
+            assert_close_for_dtype(list(model.buffers()), list(eager.buffers()))
+    for graph, report in zip(capture.after, capture.reports, strict=True):
+        assert op_counts(graph)[OP] == 1 and not report.kv_kept, str(report)
+        assert [len(w.layers) for w in report.kv_writes] == [LAYERS], str(report)
+        (op,) = [n for n in graph.nodes if n.target is kv_write.KV_WRITE]
+        assert all(_cache_of(c).op == "placeholder" for c in op.args[12] + op.args[13]), str(graph)
+
+
 def test_two_index_paged_writes_count_negative_slots_from_the_end_as_eager_does():
     """`cache[loc // page, loc % page] = k` with negative slots (page `pages + loc // page`, offset `loc % page`:
     slot `S + loc`): the op writes `cache.view(-1, h, d)` at `loc` counting from the end too; eager's caches."""
@@ -289,7 +351,9 @@ def test_a_cache_read_after_its_write_keeps_that_write_and_says_so():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("how", ["paged_view", "paged_flat_view", "page_offset", "hf_static", "stacked", "vllm_kv"])
+@pytest.mark.parametrize(
+    "how", ["paged_view", "paged_flat_view", "page_offset", "hf_static", "stacked", "vllm_kv", "interleaved"]
+)
 def test_writes_through_a_view_lower_on_cuda_with_auto(how):
     """The default `kv_write_op="auto"` on CUDA (bf16, real Inductor codegen, the op's CUDA kernel writing the
     views): eager's caches."""

@@ -855,6 +855,58 @@ def test_writes_that_do_not_pair_into_k_and_v_say_why():
         assert kept and all(why.reason is reason and detail in why.detail for why in kept), (name, kept)
 
 
+class _OneHeadRotatedLayer(HFLayer):
+    """RoPE on head 0 only: the other heads' K normed, not rotated."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape))
+        rotated = _hf_rope(k[:, :1], cos, sin)
+        return torch.cat((rotated, k[:, 1:]), dim=1), self.v_proj(x).view(shape)
+
+
+def test_a_rope_of_some_heads_only_is_reported_as_the_rope():
+    """Head 0 rotated and head 1 not: the heads differ in the elements they mix, not in a scale, so the writes keep
+    today's path with eager's caches and the report says the rotation (not the norm weight both heads read)."""
+    kept = _hf_run(_hf_writer_with(_OneHeadRotatedLayer), torch.float32).report.kv_kept
+    assert kept, "lowered"
+    for why in kept:
+        assert why.reason is KVKeptReason.ROPE, str(why)
+        assert "element 0 of head 0 mixes elements [0, 8] of its head, of head 1 elements [0]" in why.detail, str(why)
+
+
+class _LayerNormLayer(HFLayer):
+    """k_norm an `nn.LayerNorm` (`ln`): the head's mean subtracted and a bias added, not the op's RMSNorm."""
+
+    def forward(self, x, cos, sin):
+        shape = (x.shape[0], self.kv_heads, self.head_dim)
+        return _hf_rope(self.ln(self.k_proj(x).view(shape)), cos, sin), self.v_proj(x).view(shape)
+
+
+def test_a_layer_norm_as_k_norm_is_reported_as_the_norm():
+    """`nn.LayerNorm` as k_norm (`native_layer_norm`, an op the evaluation does not look into): the writes keep
+    today's path with eager's caches, and the report names the norm (NORM), not a value the pass cannot follow."""
+    kept = _hf_run(_hf_writer_with(_LayerNormLayer, ln=torch.nn.LayerNorm(16)), torch.float32).report.kv_kept
+    assert kept, "lowered"
+    for why in kept:
+        assert why.reason is KVKeptReason.NORM, str(why)
+        assert "the norm subtracts the mean of the normed elements before it scales them (a LayerNorm" in why.detail
+        assert "self.ln(" in (why.source or ""), str(why)
+
+
+def test_a_graph_of_zero_tokens_says_it_writes_nothing():
+    """An empty activation (T = 0, a graph of its own: Dynamo specializes size 0) writes no cache row, and no
+    element shows what the writes compute: they keep today's path, eager's (untouched) caches, and the report says
+    the graph has no tokens, not that the values are no projection. The next call, with tokens, lowers."""
+    capture = _hf_run(HFStyleKVWriter("index_put"), torch.float32, tokens_list=(0, 6))
+    empty, full = capture.reports
+    assert not empty.kv_writes and len(full.kv_writes) == 1 and not full.kv_kept, str(capture.report)
+    assert len(empty.kv_kept) == 8, str(empty)
+    for why in empty.kv_kept:
+        assert why.reason is KVKeptReason.NO_TOKENS, str(why)
+        assert why.detail.startswith("the activation has 0 rows (no tokens): the writes write nothing"), str(why)
+
+
 class _CachedTables(HFStyleKVWriter):
     """Old HF Llama / GPT-NeoX: `cos_cached` and `sin_cached` buffers `[max_pos, head_dim]` (`cat(freqs, freqs)`)
     read at the positions, or (`as_inputs`) the rows passed in as HF passes `position_embeddings` to its layers."""

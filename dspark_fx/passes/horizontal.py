@@ -118,14 +118,17 @@ _INPUT_UPDATES = (
 def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
     """Why cache writes that the graph returns instead of doing cannot be lowered: AOTAutograd writes the new
     values of mutated inputs after a training graph (grad enabled, parameters requiring grad); an inference
-    graph writes them itself (`copy_`), and only those writes are lowered."""
+    graph writes them itself (`copy_`), and only those writes are lowered. A backward graph's outputs are
+    gradients: an update of an output's gradient (`tangents_<i>`, the gradient of a cache written with values that
+    require grad: its written rows zeroed) is no cache write."""
     copied = {n.args[0] for n in graph.nodes if n.target is aten.copy_.default}
     caches = []
     for value in (a for out in graph.find_nodes(op="output") for a in out.all_input_nodes):
         base = value
         while base.target in (*_INPUT_UPDATES, aten.clone.default, aten.alias.default):
             base = base.args[0]
-        if value.target in _INPUT_UPDATES and base.op == "placeholder" and base not in copied:
+        tangent = base.name.startswith("tangents_")
+        if value.target in _INPUT_UPDATES and base.op == "placeholder" and base not in copied and not tangent:
             caches.append(names.of(base))
     if not caches:
         return []

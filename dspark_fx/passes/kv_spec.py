@@ -21,6 +21,7 @@ expressions are what the op's table rows must hold (`kv_tables`). Nothing here d
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from dspark_fx.passes.graph_utils import aten, gemm_activation, op_name, tensor_
 from dspark_fx.passes.kv_symbolic import Evaluation, Sym, same_size
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)  # a leaf of these is another projection
+_LAYER_NORMS = (aten.native_layer_norm.default, aten.var_mean.correction)
 
 
 class NotTheFormula(Exception):
@@ -231,6 +233,17 @@ class _Terms:
                 and alg.atoms[aid][1].op == "call_function"
                 and alg.atoms[aid][1].target not in _GEMMS
             ]
+            layer_norms = [n for n in unfollowed if _layer_norm(n) is not None]
+            if layer_norms:
+                node = layer_norms[0]
+                return NotTheFormula(
+                    "norm",
+                    f"{self.value.name}: the norm subtracts the mean of the normed elements before it scales them (a "
+                    f"LayerNorm: it reads {node.name}, an output of {_layer_norm(node).name} "
+                    f"({op_name(_layer_norm(node))})), where the op's k_norm is an RMSNorm, which scales the elements "
+                    "as they are and adds no bias",
+                    node,
+                )
             if unfollowed:
                 node = unfollowed[0]
                 return NotTheFormula(
@@ -270,6 +283,14 @@ class _Terms:
                             self.value,
                         )
         return self.gemm, column
+
+
+def _layer_norm(node: fx.Node) -> fx.Node | None:
+    """The op of a LayerNorm that `node` is an output of (through `getitem`): `native_layer_norm`, or the `var_mean`
+    of its decomposition (the mean it subtracts, the variance it scales by), else None."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.target in _LAYER_NORMS else None
 
 
 def _atoms_in(alg, e: int) -> list[int]:
@@ -447,9 +468,9 @@ def _with_weight_and_rope(
                 continue
             norm = Norm(eps, weight, gemma) if eps is not None else None
             return Written(gemm, column, heads, d, norm, rope)
-    scaled = _heads_scaled_apart(ev, local, value)
-    if scaled is not None:
-        raise scaled
+    for apart in (_heads_scaled_apart(ev, local, value), _heads_rotated_apart(local, value)):
+        if apart is not None:
+            raise apart
     if why is not None:
         raise why
     raise NotTheFormula("norm", f"{value.name}: the norm weight is neither w[j], 1 + w[j] nor absent", value)
@@ -459,12 +480,13 @@ def _heads_scaled_apart(ev: Evaluation, local: list, value: fx.Node) -> NotTheFo
     """Why no norm weight and rotation fit, where an element's factor differs between two heads by a value the graph
     holds or computes (a `[heads, head_dim]` norm weight, a scale the evaluation does not follow, such as
     `F.normalize`'s norm): the op applies one norm and one rotation to every head. None where every head's factors
-    are the same, or differ only in cos/sin (functions and table reads: the RoPE's own message says more)."""
+    are the same, or differ only in cos/sin (functions and table reads: the RoPE's own message says more) or in the
+    elements they mix (`_heads_rotated_apart`)."""
     alg = ev.alg
     for hrows in local:
         for h in range(1, len(hrows)):
             for j, (first, other) in enumerate(zip(hrows[0], hrows[h], strict=True)):
-                if first == other:
+                if first == other or set(first) != set(other):
                     continue
                 read = [
                     alg.atoms[aid][1]
@@ -483,6 +505,23 @@ def _heads_scaled_apart(ev: Evaluation, local: list, value: fx.Node) -> NotTheFo
                         f"{' and '.join(names)}: the op applies one RMSNorm (over each head's own elements, with one "
                         "[head_dim] weight) and one rotation to every head",
                         (computed or read)[0],
+                    )
+    return None
+
+
+def _heads_rotated_apart(local: list, value: fx.Node) -> NotTheFormula | None:
+    """Why no rotation fits, where an element of one head mixes other elements of its head than the same element of
+    another head (a RoPE of some heads only): the op rotates every head alike. Else None."""
+    for hrows in local:
+        for h in range(1, len(hrows)):
+            for j, (first, other) in enumerate(zip(hrows[0], hrows[h], strict=True)):
+                if set(first) != set(other):
+                    return NotTheFormula(
+                        "rope",
+                        f"{value.name}: element {j} of head 0 mixes elements {sorted(first)} of its head, of head {h} "
+                        f"elements {sorted(other)}: the op rotates every head alike (a RoPE of some heads only is not "
+                        "its formula)",
+                        value,
                     )
     return None
 

@@ -29,9 +29,10 @@ and `index_put(cache, [None, None, loc], value)` of HF's static cache `[1, h, S,
 k)`; slots along another dim than the first, the other dims of size 1), whose cache and value the pass views as
 `[S, h, d]` and `[T, h, d]`; and a paged cache written with two indices, `cache[loc // page, loc % page] = k`
 (`_page_offset_site`), whose `view(-1, h, d)` the op writes at `loc`. Several caches in one buffer (`buf[i][loc] =
-k_i` for distinct `i`: layers stacked in `[L, S, h, d]`, or vLLM's `[2, pages, page, h, d]` K and V of a layer) are a
-chain of `select_scatter(prev, write_i, 0, i)` ending in one `copy_`: each link is a site on `select(buf, 0, i)`, and
-they lower together or not at all.
+k_i` for distinct `i`: layers stacked in `[L, S, h, d]`, or vLLM's `[2, pages, page, h, d]` K and V of a layer; or
+`buf[loc, i] = k_i`: K and V interleaved per slot in `[S, 2, h, d]`) are a chain of `select_scatter(prev, write_i,
+dim, i)` along one dim ending in one `copy_`: each link is a site on `select(buf, dim, i)`, and they lower together
+or not at all.
 Other scatters of projections into a cache get a `KVKept` (`WRITE_FORM`). Where a group as a whole does not lower
 because its layers differ, or because some of its writes are not the op's formula (`_lower_parts`), the layers the
 op writes alike lower, one op per kind, and the other writes stay with their reasons. There must
@@ -298,26 +299,31 @@ def _one_site(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> _
 
 def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node) -> list[_Site] | None:
     """Several caches in one buffer: `buf[i][loc] = k_i` for distinct `i` (layers stacked in one `[L, S, h, d]`
-    buffer, or K and V of a layer in one `[2, ...]` buffer as vLLM keeps them), a chain `select_scatter(prev,
-    write_i, 0, i)` ending in the buffer's `copy_`. Each link's write reads `select(prev, 0, i)`, which is
-    `select(buf, 0, i)` since no earlier link writes slice `i`: the pass makes it read that (a rewrite that keeps
-    every value), and each link is then a site of its own on that slice; they share the `copy_`."""
-    links, node = [], new
+    buffer, or K and V of a layer in one `[2, ...]` buffer as vLLM keeps them), or `buf[loc, i] = k_i` (K and V
+    interleaved per slot in one `[S, 2, h, d]` buffer, each an `[S, h, d]` view with a slot stride of `2 * h * d`),
+    a chain `select_scatter(prev, write_i, dim, i)` along one dim ending in the buffer's `copy_`. Each link's write
+    reads `select(prev, dim, i)`, which is `select(buf, dim, i)` since no earlier link writes slice `i`: the pass
+    makes it read that (a rewrite that keeps every value), and each link is then a site of its own on that slice;
+    they share the `copy_`."""
+    links, node, dims = [], new, set()
+    rank = tensor_val(cache).dim()
     while node is not cache:
         if not isinstance(node, fx.Node) or node.target is not aten.select_scatter.default or node.kwargs:
             return None
         prev, write, dim, index = node.args
-        if dim != 0 or not isinstance(index, int) or not isinstance(write, fx.Node):
+        if not isinstance(dim, int) or not isinstance(index, int) or not isinstance(write, fx.Node):
             return None
-        links.append((node, write, index % tensor_val(cache).shape[0]))
+        dims.add(_dim(dim, rank))
+        links.append((node, write, index % tensor_val(cache).shape[dim]))
         node = prev
-    if len(links) < 2 or len({index for *_, index in links}) != len(links):
+    if len(links) < 2 or len(dims) != 1 or len({index for *_, index in links}) != len(links):
         return None
+    (dim,) = dims
     sites: list[_Site] = []
     for scatter, write, index in reversed(links):
         prev = scatter.args[0]
-        _unbind_as_selects(graph, prev)
-        sub = _base_select(write, prev, index)
+        _unbind_as_selects(graph, prev, dim)
+        sub = _base_select(write, prev, dim, index)
         site = None
         if sub is not None:
             # the read of a commit's or a slice's old rows has a select of its own
@@ -336,17 +342,18 @@ def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
     return sites
 
 
-def _unbind_as_selects(graph: fx.Graph, prev: fx.Node) -> None:
-    """`getitem(unbind(prev, 0), i)` (vLLM's `key_cache, value_cache = kv_cache.unbind(0)`) made `select(prev, 0,
-    i)`, the same view, so that a link's write is found from its select; it stays so whether the writes lower or
-    not."""
+def _unbind_as_selects(graph: fx.Graph, prev: fx.Node, dim: int) -> None:
+    """`getitem(unbind(prev, dim), i)` (vLLM's `key_cache, value_cache = kv_cache.unbind(0)`) made `select(prev,
+    dim, i)`, the same view, so that a link's write is found from its select; it stays so whether the writes lower
+    or not."""
+    rank = tensor_val(prev).dim()
     for unbind in [u for u in prev.users if u.target is aten.unbind.int]:
-        dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
-        if dim != 0 or any(u.target is not operator.getitem for u in unbind.users):
+        along = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+        if _dim(along, rank) != dim or any(u.target is not operator.getitem for u in unbind.users):
             continue
         for item in list(unbind.users):
             with graph.inserting_after(unbind):
-                select = graph.call_function(aten.select.int, (prev, 0, item.args[1]))
+                select = graph.call_function(aten.select.int, (prev, dim, item.args[1]))
             select.meta = dict(item.meta)
             item.replace_all_uses_with(select)
             graph.erase_node(item)
@@ -366,8 +373,8 @@ def _rebase_back(rebased: list[tuple[fx.Node, fx.Node]], cache: fx.Node) -> None
         select.replace_input_with(cache, prev)
 
 
-def _base_select(write: fx.Node, prev: fx.Node, index: int) -> fx.Node | None:
-    """The `select(prev, 0, index)` node a link's write starts from (its first argument, through views and
+def _base_select(write: fx.Node, prev: fx.Node, dim: int, index: int) -> fx.Node | None:
+    """The `select(prev, dim, index)` node a link's write starts from (its first argument, through views and
     scatters)."""
     node = write
     while isinstance(node, fx.Node) and (node.target in _VIEWS or node.target in _SCATTERS):
@@ -375,7 +382,10 @@ def _base_select(write: fx.Node, prev: fx.Node, index: int) -> fx.Node | None:
         if node.target is aten.select.int and node.args[0] is prev:
             break
     ok = isinstance(node, fx.Node) and node.target is aten.select.int and node.args[0] is prev
-    if not ok or not _have_vals(prev, node) or node.args[1] != 0 or node.args[2] % tensor_val(prev).shape[0] != index:
+    if not ok or not _have_vals(prev, node):
+        return None
+    rank = tensor_val(prev).dim()
+    if _dim(node.args[1], rank) != dim or node.args[2] % tensor_val(prev).shape[dim] != index:
         return None
     return node
 
@@ -835,6 +845,14 @@ class _Group:
         return layouts.pop() if len(layouts) == 1 else None
 
     def _analyse(self, site: _Site, layout: tuple[int, int] | None) -> _Write:
+        if statically_known_true(tensor_val(self.activation).shape[0] == 0):
+            raise _NoMatch(
+                KVKeptReason.NO_TOKENS,
+                "the activation has 0 rows (no tokens): the writes write nothing, and no element shows what they "
+                "compute (a call with tokens compiles a graph of its own)",
+                site.value,
+                site.cache,
+            )
         cache_val, value_val = tensor_val(site.target), tensor_val(site.value)
         flat = cache_val.dim() == 2 and value_val is not None and value_val.dim() == 2
         if not flat and (cache_val.dim() != 3 or value_val is None or value_val.dim() != 3):
