@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from dspark_fx.passes.manager import DsparkPassManager, Observer
 
 INNER_MODES = ("inductor", "aot_eager")
+BACKEND_NAME = "dspark"
 log = logging.getLogger("dspark_fx")
 
 
@@ -43,7 +44,15 @@ class DsparkBackend:
     installed in `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs
     first; a `DsparkPassManager` installed there is left out (this backend's own manager takes its place).
     `move_weights=False`: with `colocate_weights` on, judge and report the weight groups but move nothing
-    (`explain`)."""
+    (`explain`).
+
+    Its first compile registers `dspark_backend` in Dynamo's registry as `"dspark"`, the `compiler_name` (and
+    `__name__`, which `torch.compile(..., mode=...)` reads) of every instance: at the end of a compile Dynamo drops
+    its weak references to the model's real tensors only for registered backends, and a tensor with such a
+    reference cannot be swapped (`torch.utils.swap_tensors`), so `module.to(dtype)` of DTensor parameters (which
+    swaps them) raised after a compile with an unregistered backend."""
+
+    compiler_name = BACKEND_NAME
 
     def __init__(
         self,
@@ -58,6 +67,7 @@ class DsparkBackend:
         self.inner = inner
         self.observer = observer
         self.move_weights = move_weights
+        self.__name__ = BACKEND_NAME
 
     def __repr__(self) -> str:
         return f"DsparkBackend({self.config}, inner={self.inner!r})"
@@ -71,6 +81,7 @@ class DsparkBackend:
     ) -> Callable[..., Any]:
         from dspark_fx.passes.manager import DsparkPassManager
 
+        _register_name()
         options = dict(options or {})
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         manager = DsparkPassManager(self.config, user_pass=_without_managers(user_pass), observer=self.observer)
@@ -141,6 +152,19 @@ def _colocate(groups: list[Any], config: DsparkConfig, move: bool) -> list[Any]:
         log.info("dspark_fx: colocate_weights: %s", group)
         counters["dspark_fx"]["weight_groups_colocated" if group.moved else "weight_groups_left"] += 1
     return outcome
+
+
+@functools.cache
+def _register_name() -> None:
+    """`dspark_backend` in Dynamo's registry as `BACKEND_NAME`, unless a backend of that name is there already
+    (`DsparkBackend` says why)."""
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        lookup_backend(BACKEND_NAME)
+    except InvalidBackend:
+        register_backend(compiler_fn=dspark_backend, name=BACKEND_NAME)
 
 
 def make_backend(

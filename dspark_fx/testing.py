@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dspark_fx.backend import check_backend_args, make_backend
+from dspark_fx.backend import BACKEND_NAME, check_backend_args, make_backend
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.passes.manager import graph_diff
@@ -86,8 +86,10 @@ class CaptureBackend:
     `inner="inductor"` compiles it for real, with Inductor's FX graph and AOTAutograd caches off for these compiles:
     a cache hit would skip the passes, and there would be nothing to record. Inductor's cache of compiled kernels
     stays on (it is keyed by a kernel's source, after the passes ran): a kernel another compile already built is
-    loaded, not built again.
+    loaded, not built again. Its `compiler_name` is `DsparkBackend`'s (a registered backend: see there).
     """
+
+    compiler_name = BACKEND_NAME
 
     def __init__(self, config: DsparkConfig | Mapping[str, Any] | None = None, inner: str = "aot_eager") -> None:
         config = as_config(config, "CaptureBackend")
@@ -96,6 +98,7 @@ class CaptureBackend:
         self.after: list[fx.Graph] = []
         self.reports: list[FusionReport] = []
         self._backend = make_backend(config, inner=inner, observer=self._observe)
+        self.__name__ = BACKEND_NAME
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
         with (

@@ -211,3 +211,33 @@ def test_a_backward_graphs_report_names_the_forward_inputs():
     sum(y.sum() for y in torch.compile(model, backend=capture)(torch.randn(5, 16))).backward()
     backward = capture.reports[-1]
     assert backward.rejected and "primals_" not in str(backward), str(backward)
+
+
+@pytest.mark.parametrize("how", ["dspark_backend", "make_backend", "capture", "explain"])
+def test_parameters_can_be_swapped_after_a_compile(how):
+    """Dynamo drops its weak references to the real tensors at the end of a compile only for registered backends,
+    and a tensor it still refers to cannot be swapped (`torch.utils.swap_tensors`): `module.to(dtype)` of DTensor
+    parameters, which always swaps them, or of any module under `swap_module_params_on_conversion`, raised after a
+    compile with these backends. Every backend of the package counts as registered now."""
+    torch._dynamo.reset()
+    model = _Three()
+    x = torch.randn(4, 16)
+    backends = {
+        "dspark_backend": dspark_fx.dspark_backend,
+        "make_backend": make_backend(inner="aot_eager"),
+        "capture": CaptureBackend(),
+    }
+    with torch.no_grad():
+        if how == "explain":
+            dspark_fx.explain(model, x)
+        else:
+            torch.compile(model, backend=backends[how])(x)
+    before = [p.clone() for p in model.parameters()]
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert_close_for_dtype([p.float() for p in model.parameters()], before)
