@@ -111,16 +111,22 @@ def test_report_says_what_moved_and_a_second_compile_finds_them_in_place(inputs)
     assert not group.movable and group.reason == "already back to back"
 
 
-def test_a_weight_shared_with_another_tensor_is_left_where_it_is(inputs):
-    """A `state_dict()` kept from before holds views of the weights: moving them would leave its values stale."""
+@pytest.mark.parametrize("holder", ["state_dict", "dlpack"])
+def test_a_weight_shared_with_another_tensor_is_left_where_it_is(inputs, holder):
+    """A `state_dict()` kept from before holds views of the weights, a DLPack export (a weight handed to another
+    library; `to_dlpack` takes a parameter that requires grad) holds the weight itself: moving them would leave the
+    holder reading the old memory (stale values; after a DLPack export, memory the move freed)."""
     model = KV()
-    kept = model.state_dict()
+    if holder == "state_dict":
+        kept = model.state_dict()
+    else:
+        kept = {"k.0.weight": torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(model.k[0].weight))}
     storages = _storages(model.graph_order())
     capture = CaptureBackend(config=ON, inner="aot_eager")
     _compile_and_call(model, capture, *inputs)
     assert _storages(model.graph_order()) == storages
     (group,) = capture.report.colocated
-    assert not group.moved and "shares its storage" in group.reason
+    assert not group.moved and "shares its memory with another tensor" in group.reason
     with torch.no_grad():
         model.k[0].weight.mul_(3.0)
     assert torch.equal(kept["k.0.weight"], model.k[0].weight)
