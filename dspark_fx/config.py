@@ -49,7 +49,7 @@ class DsparkConfig:
     with another tensor is left where it is (so nothing can keep stale values), but a CUDA graph captured before
     the compile would keep reading the old allocations. `explain()` reports what it would move and moves nothing.
     `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles
-    `inv_freq @ position_ids`) as a broadcast multiply, the same bits, which Inductor fuses into its readers
+    `inv_freq @ position_ids`) as a broadcast multiply, the same values, which Inductor fuses into its readers
     (`passes/outer_products.py`; on CUDA Inductor otherwise keeps a GEMM whose output its RoPE kernels read
     transposed: BENCHMARKS.md, "HF RoPE angles").
     """

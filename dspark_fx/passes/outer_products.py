@@ -16,8 +16,11 @@ writes from `inv_freq[d]` and `pos[t]`, no transposed buffer, no GEMM launch):
     angles = permute(freqs, [0, 2, 1]) ...
 
 With one element to sum, each output of the product is one rounded multiply, as in the matmul: the rewrite gives
-the same bits. Not where the matmul may round its fp32 inputs first (TF32, `torch.set_float32_matmul_precision`
-other than "highest"), nor where the multiply's result would have other strides than the matmul's.
+the same values (the same bits but where a GEMM library differs from a plain multiply at the edges: a CPU GEMM in
+bf16/fp16 returns +0.0 for a product of -0.0 and flushes products below the normal range to zero, where the
+multiply keeps both, as Inductor's own rewrite does). Not where the matmul may round its fp32 inputs first (TF32,
+`torch.set_float32_matmul_precision` other than "highest"), nor where the multiply's result would have other strides
+than the matmul's.
 (Inductor's own decompositions do this for `bmm` from torch 2.13 on; on torch 2.11 the pass does.)
 """
 
