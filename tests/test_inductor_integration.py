@@ -3,6 +3,7 @@ no per-call weight copies, mode/options, and composition with a user's post-grad
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from helpers import draft_inputs, small_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
+import custom_ops
 import dspark_fx
 from dspark_fx.passes import manager as manager_module
+from dspark_fx.passes.manager import DsparkPassManager
 from dspark_fx.reference_draft import DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype, compile_counts
 
@@ -72,10 +75,37 @@ def test_fx_graph_cache_hits_and_misses(tmp_path, monkeypatch):
         assert counters["inductor"]["fxgraph_cache_miss"] == 2, "a changed pass config must miss the cache"
         changed_source = tmp_path / "extra_pass.py"
         changed_source.write_text("# a pass source that changed\n")
-        original = manager_module.source_files
-        monkeypatch.setattr(manager_module, "source_files", lambda: (*original(), str(changed_source)))
+        sources = (*manager_module.source_files(), str(changed_source))
+        monkeypatch.setattr(
+            manager_module, "_SOURCES", manager_module._digest(sources)
+        )  # as imported by another version
         _compile_once(dspark_fx.make_backend(), cfg)
         assert counters["inductor"]["fxgraph_cache_miss"] == 3, "a changed pass source must miss the cache"
+
+
+def test_the_uuid_hashes_the_sources_as_imported_and_what_decides_the_rewrite(monkeypatch):
+    """The sources are hashed once, when the passes are imported: files changed on disk afterwards (an editable
+    install being edited) must not label the graphs of the code this process runs with their hash, where a later
+    process running the changed code would take them from the cache. Hashed: the passes, the ops' modules and the
+    checks their fake calls run (a refusal keeps writes on their path); in the key: the fp32 matmul precision the
+    outer-product rewrite reads."""
+    uuid = DsparkPassManager().uuid()
+    monkeypatch.setattr(manager_module, "source_files", lambda: ("/nonexistent/changed_pass.py",))
+    assert DsparkPassManager().uuid() == uuid, "uuid() read the files again"
+    monkeypatch.undo()
+    names = {
+        Path(p).relative_to(Path(custom_ops.__file__).parent.parent).as_posix() for p in manager_module.source_files()
+    }
+    assert {"custom_ops/checks.py", "custom_ops/_library.py", "dspark_fx/passes/kv_write.py"} <= names, names
+    assert "custom_ops/linear/multi_linear_kv_write.py" in names
+    mkldnn = torch.backends.mkldnn.matmul
+    precision = mkldnn.fp32_precision
+    mkldnn.fp32_precision = "bf16"
+    try:
+        assert DsparkPassManager().uuid() != uuid, "an fp32 matmul precision that rounds must change the key"
+    finally:
+        mkldnn.fp32_precision = precision
+    assert DsparkPassManager().uuid() == uuid
 
 
 class _Records(logging.Handler):

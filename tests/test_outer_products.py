@@ -11,7 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dspark_fx import DsparkConfig
-from dspark_fx.passes.outer_products import multiply_outer_products
+from dspark_fx.passes.outer_products import multiply_outer_products, rounds_fp32_matmul_inputs
 from dspark_fx.testing import CaptureBackend, op_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -116,6 +116,20 @@ def test_fp32_products_stay_under_a_backend_precision_setting():
     finally:
         matmul.fp32_precision = previous
     assert rounding == [] and exact == ["mm [5, 1] @ [1, 3]"]
+
+
+def test_a_cuda_precision_setting_leaves_cpu_products_rewritten():
+    """`torch.backends.cuda.matmul.fp32_precision = "tf32"` alone (the legacy getter then raises): a CPU fp32
+    matmul inherits the generic IEEE setting, so CPU products are still rewritten; CUDA ones would stay."""
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        _, _, replaced = _rewritten(outer, torch.randn(5, 1), torch.randn(1, 3))
+        cuda_rounds = rounds_fp32_matmul_inputs("cuda")
+    finally:
+        matmul.fp32_precision = previous
+    assert replaced == ["mm [5, 1] @ [1, 3]"] and cuda_rounds
 
 
 def test_a_product_whose_multiply_would_have_other_strides_stays():

@@ -1,8 +1,11 @@
 """`DsparkPassManager`: the Inductor post-grad custom pass that runs the dspark_fx passes in order.
 
 It is a `CustomGraphPass`, so Inductor's FX graph cache stays on: `uuid()` hashes every source file of
-`dspark_fx/passes/` and the op schema files it emits (`custom_ops/linear/multi_linear.py`, `multi_linear_kv_write.py`),
-the config, and the uuids of the user passes it was composed with. User passes that already sat in
+`dspark_fx/passes/` and of the ops it emits whose code decides what it emits (`custom_ops/linear/*.py`: schemas and
+fake implementations; `custom_ops/checks.py`, `_library.py`: the checks a fake call runs, whose refusal keeps writes
+on their path), as read when this module was imported (so with the code this process runs, should the files change
+on disk later), the config, the settings the passes read (the fp32 matmul precision, whether the CUDA library and
+the op's CUDA kernel can run), and the uuids of the user passes it was composed with. User passes that already sat in
 `post_grad_custom_post_pass` (one pass, or a list or tuple of them, as Inductor accepts) run first, in order; a
 plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
 Where Inductor has inference-aware passes (`CustomInferenceAwareGraphPass`, torch 2.13) the manager is one, and
@@ -12,6 +15,7 @@ hands `is_inference` on to such user passes.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,7 +24,7 @@ from typing import Any
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor import custom_graph_pass
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import custom_ops._build
 import custom_ops.linear.multi_linear
@@ -29,7 +33,8 @@ from dspark_fx.colocate import ColocatedGroup
 from dspark_fx.config import DsparkConfig, as_config
 from dspark_fx.passes.graph_utils import copy_graph
 from dspark_fx.passes.horizontal import fuse_kv_branches
-from dspark_fx.passes.outer_products import multiply_outer_products
+from dspark_fx.passes.kv_write import has_cuda_kernel
+from dspark_fx.passes.outer_products import multiply_outer_products, rounds_fp32_matmul_inputs
 from dspark_fx.report import FusionReport, count
 
 log = logging.getLogger("dspark_fx")  # DSPARK_FX_LOG=info|debug sets it up (dspark_fx/__init__.py)
@@ -41,8 +46,26 @@ _INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", N
 
 
 def source_files() -> tuple[str, ...]:
-    passes = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
-    return (*passes, custom_ops.linear.multi_linear.__file__, custom_ops.linear.multi_linear_kv_write.__file__)
+    """The files whose code decides what the passes emit (module docstring)."""
+    ops = Path(custom_ops.__file__).parent
+    files = [
+        *Path(__file__).parent.glob("*.py"),
+        *(ops / "linear").glob("*.py"),
+        ops / "checks.py",
+        ops / "_library.py",
+    ]
+    return tuple(sorted(str(p) for p in files))
+
+
+def _digest(paths: tuple[str, ...]) -> bytes:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.encode())
+        digest.update(Path(path).read_bytes())
+    return digest.digest()
+
+
+_SOURCES = _digest(source_files())  # every module of source_files() is imported by now (the imports above)
 
 
 class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
@@ -92,14 +115,16 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
             # value under a key that hashes frozen parameters by shape: a model of the same shapes would get them
             return None
         extra = self.config.to_json()
-        # what the pass emits for CUDA tensors depends on whether the dspark CUDA library can run in this process
-        extra += f"cuda library: {not custom_ops._build.cuda_library_problem()}"
+        # what the pass emits for CUDA tensors depends on whether the dspark CUDA library and the op's CUDA kernel can
+        # run in this process; the outer-product rewrite on whether an fp32 matmul rounds its inputs
+        extra += f"cuda library: {not custom_ops._build.cuda_library_problem()}, kernel: {has_cuda_kernel()}"
+        extra += f"fp32 matmul rounds: cpu {rounds_fp32_matmul_inputs('cpu')}, cuda {rounds_fp32_matmul_inputs('cuda')}"
         for user_pass in self.user_passes:
             user_uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
             if user_uuid is None:
                 return None
             extra += repr(user_uuid)
-        return get_hash_for_files(source_files(), extra)
+        return hashlib.sha256(_SOURCES + extra.encode()).digest()
 
 
 def _user_passes(user_pass: UserPasses | None) -> tuple[Callable[..., None], ...]:

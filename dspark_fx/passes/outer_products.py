@@ -37,16 +37,22 @@ _PRODUCTS = {aten.mm.default: 1, aten.bmm.default: 2}
 
 
 def _rounds_fp32_inputs(value: torch.Tensor) -> bool:
-    """Whether a matmul of fp32 operands on this device may round them first (TF32), unlike a multiply."""
-    if value.dtype != torch.float32:
-        return False
+    """Whether a matmul of `value`'s fp32 operands may round them first (TF32, bf16), unlike a multiply."""
+    return value.dtype == torch.float32 and rounds_fp32_matmul_inputs(value.device.type)
+
+
+def rounds_fp32_matmul_inputs(device_type: str) -> bool:
+    """Whether an fp32 matmul on `device_type` may round its inputs first, as torch's settings stand now."""
     try:
         return torch.get_float32_matmul_precision() != "highest" or (
-            value.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+            device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32
         )
     except RuntimeError:  # the legacy and the per-backend settings were both set: read the backend's own
-        backend = torch.backends.cuda.matmul if value.device.type == "cuda" else torch.backends.mkldnn.matmul
-        return getattr(backend, "fp32_precision", None) != "ieee"
+        backend = torch.backends.cuda.matmul if device_type == "cuda" else torch.backends.mkldnn.matmul
+        precision = getattr(backend, "fp32_precision", "none")
+        if precision == "none":  # inherits the generic setting ("none" there too: IEEE)
+            precision = getattr(torch.backends, "fp32_precision", "none")
+        return precision not in ("ieee", "none")
 
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
