@@ -84,7 +84,7 @@ class DsparkBackend:
         _register_name()
         options = dict(options or {})
         user_pass = options.pop("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
-        manager = DsparkPassManager(self.config, user_pass=_without_managers(user_pass), observer=self.observer)
+        manager = DsparkPassManager(self.config, user_pass=user_pass, observer=self.observer)
         manager.input_names = _input_names(gm, example_inputs)
         groups = []
         if self.config.colocate_weights:
@@ -100,19 +100,6 @@ class DsparkBackend:
             # in place: the reports (and what an observer kept of them) hold this list
             manager.colocated[:] = _colocate(groups, self.config, move=True)
         return compiled
-
-
-def _without_managers(user_pass: Any) -> Any:
-    """The installed post-grad passes with each `DsparkPassManager` (one installed for plain `torch.compile`)
-    replaced by the user passes it composes: this backend's own manager takes its place, with the backend's config,
-    instead of the pass running twice, and those passes still run, in their place."""
-    from dspark_fx.passes.manager import DsparkPassManager
-
-    passes = user_pass if isinstance(user_pass, (list, tuple)) else [user_pass]
-    kept = []
-    for p in passes:
-        kept += list(p.user_passes) if isinstance(p, DsparkPassManager) else [p] if p is not None else []
-    return kept
 
 
 def _input_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:

@@ -156,6 +156,20 @@ def test_the_user_passes_of_an_installed_pass_manager_still_run_under_a_backend(
     assert log == [("first", False), ("a", False), ("b", False)]
 
 
+def test_the_install_lines_run_twice_keep_one_manager():
+    """README's install lines for plain torch.compile, run twice (a notebook cell run again): the second manager
+    takes the first's place instead of composing it (the pass would run twice per graph), the user pass that was
+    there before both is still composed, once; the last manager's config is the one used."""
+    user = _Recording("user", [])
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user):
+        for config in ({"fuse_on_cpu": True, "min_branches": 4}, {"fuse_on_cpu": True}):
+            installed = torch._inductor.config.post_grad_custom_post_pass
+            torch._inductor.config.post_grad_custom_post_pass = DsparkPassManager(config, user_pass=installed)
+        manager = torch._inductor.config.post_grad_custom_post_pass
+    assert manager.user_passes == (user,) and manager.config == DsparkConfig(fuse_on_cpu=True)
+    assert manager.uuid() == DsparkPassManager({"fuse_on_cpu": True}, user_pass=user).uuid()
+
+
 def test_uuid_of_composed_passes():
     log = []
     base = DsparkPassManager().uuid()

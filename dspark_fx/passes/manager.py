@@ -128,9 +128,13 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
 
 
 def _user_passes(user_pass: UserPasses | None) -> tuple[Callable[..., None], ...]:
-    """The passes of a post-grad slot, in order: None, one pass, or a list or tuple of passes."""
-    passes = tuple(user_pass) if isinstance(user_pass, (list, tuple)) else (user_pass,)
-    passes = tuple(p for p in passes if p is not None)
+    """The passes of a post-grad slot, in order: None, one pass, or a list or tuple of passes; a `DsparkPassManager`
+    among them (one installed before, say by running README's install lines twice) is replaced by the user passes it
+    composes: the new manager takes its place, with its own config, instead of the pass running twice."""
+    slot = tuple(user_pass) if isinstance(user_pass, (list, tuple)) else (user_pass,)
+    passes: tuple[Any, ...] = ()
+    for p in slot:
+        passes += p.user_passes if isinstance(p, DsparkPassManager) else (p,) if p is not None else ()
     for p in passes:
         if not callable(p):
             raise TypeError(f"post_grad_custom_post_pass: expected a pass (a callable), got {type(p).__name__}")
