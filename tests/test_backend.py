@@ -11,7 +11,7 @@ import custom_ops._build
 import dspark_fx
 from dspark_fx import DsparkConfig, make_backend
 from dspark_fx.backend import DsparkBackend
-from dspark_fx.passes.manager import _INFERENCE_AWARE, DsparkPassManager
+from dspark_fx.passes.manager import _INFERENCE_AWARE, KEPT_REPORTS, DsparkPassManager
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
 
 counters = torch._dynamo.utils.counters
@@ -255,3 +255,14 @@ def test_parameters_can_be_swapped_after_a_compile(how):
         torch.__future__.set_swap_module_params_on_conversion(swap)
     assert all(p.dtype == torch.float64 for p in model.parameters())
     assert_close_for_dtype([p.float() for p in model.parameters()], before)
+
+
+def test_an_installed_manager_keeps_the_last_reports_only():
+    """A manager installed for plain torch.compile lives as long as the process: it keeps its last compiles'
+    reports, not one per compile for ever."""
+    manager = DsparkPassManager()
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    for _ in range(KEPT_REPORTS + 5):
+        manager(graph)
+    assert len(manager.reports) == KEPT_REPORTS

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from dspark_fx.passes.outer_products import multiply_outer_products, rounds_fp32
 from dspark_fx.report import FusionReport, count
 
 log = logging.getLogger("dspark_fx")  # DSPARK_FX_LOG=info|debug sets it up (dspark_fx/__init__.py)
+KEPT_REPORTS = 64
 
 Observer = Callable[[fx.Graph, fx.Graph, FusionReport], None]
 UserPasses = Callable[[fx.Graph], None] | list[Callable[[fx.Graph], None]] | tuple[Callable[[fx.Graph], None], ...]
@@ -80,7 +82,8 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         self.observer = observer
         self.input_names: list[str] | None = None
         self.colocated: list[ColocatedGroup] = []  # the backend's colocate_weights step, for the report
-        self.reports: list[FusionReport] = []
+        # the last compiles' reports: a manager installed for plain torch.compile lives as long as the process
+        self.reports: deque[FusionReport] = deque(maxlen=KEPT_REPORTS)
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         for user_pass in self.user_passes:
