@@ -423,3 +423,60 @@ def test_two_index_writes_into_pages_apart_keep_their_path():
         torch.compile(model, backend=capture)(x, loc, *caches)
     assert_close_for_dtype(caches, expected)
     assert not capture.report.kv_writes, str(capture.report)
+
+
+class _OneBufferPassedIn(nn.Module):
+    """A layer's K and V in one buffer passed in, `[2, S, h, d]` (`dim=0`) or `[S, 2, h, d]` (`dim=1`)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.k, self.v = (nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor) -> None:
+        kv.select(self.dim, 0)[loc] = F.rms_norm(self.k(x).view(-1, HEADS, HEAD_DIM), (HEAD_DIM,), eps=1e-6)
+        kv.select(self.dim, 1)[loc] = self.v(x).view(-1, HEADS, HEAD_DIM)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_one_buffer_passed_in_with_symbolic_sizes_keeps_its_writes(dim):
+    """Under `dynamic=True` the buffer's dims are symbolic (Dynamo specializes only sizes 0 and 1), so the index of
+    each half cannot be normalised: the writes keep their path with a reason and eager's values (the pass raised
+    `unhashable type: non-nested SymInt` out of the compile)."""
+    torch._dynamo.reset()
+    model = _OneBufferPassedIn(dim)
+    capture = CaptureBackend(ALWAYS)
+    shape = (2, SLOTS, HEADS, HEAD_DIM) if dim == 0 else (SLOTS, 2, HEADS, HEAD_DIM)
+    kv = torch.randn(shape)
+    expected = kv.clone()
+    x, loc = torch.randn(5, HIDDEN), torch.randperm(SLOTS)[:5]
+    with torch.no_grad():
+        model(x, loc, expected)
+        torch.compile(model, backend=capture, dynamic=True)(x, loc, kv)
+    assert_close_for_dtype(kv, expected)
+    kept = capture.report.kv_kept
+    assert kept and all(k.reason is KVKeptReason.WRITE_FORM for k in kept), str(capture.report)
+
+
+def test_a_chain_node_without_a_value_keeps_the_writes():
+    """A user post-grad pass (it runs first) that rebuilds the first `select_scatter` of a `[2, S, h, d]` buffer's
+    chain without `meta["val"]`, as hand-written passes often do: the writes keep their path, the pass does not raise
+    (it read that node's rank)."""
+
+    def rebuild_first_select_scatter(graph: torch.fx.Graph) -> None:
+        first = next(n for n in graph.nodes if n.target is torch.ops.aten.select_scatter.default)
+        with graph.inserting_after(first):
+            rebuilt = graph.call_function(torch.ops.aten.select_scatter.default, first.args)
+        first.replace_all_uses_with(rebuilt)
+        graph.erase_node(first)
+
+    torch._dynamo.reset()
+    eager = CacheViewWriter("vllm_kv", torch.float32)
+    model = copy.deepcopy(eager)
+    capture = CaptureBackend(ALWAYS)
+    args = (torch.randn(4, HIDDEN), torch.randint(0, POSITIONS, (4,)), torch.randperm(SLOTS)[:4])
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=rebuild_first_select_scatter):
+        eager(*args)
+        torch.compile(model, backend=capture)(*args)
+    assert_close_for_dtype(model.caches(), eager.caches())
+    assert capture.report.kv_kept, str(capture.report)

@@ -78,7 +78,6 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -313,8 +312,11 @@ def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
         prev, write, dim, index = node.args
         if not isinstance(dim, int) or not isinstance(index, int) or not isinstance(write, fx.Node):
             return None
+        size = tensor_val(cache).shape[dim]
+        if not isinstance(size, int):  # a size Dynamo made symbolic (dynamic=True): the index cannot be normalised
+            return None
         dims.add(_dim(dim, rank))
-        links.append((node, write, index % tensor_val(cache).shape[dim]))
+        links.append((node, write, index % size))
         node = prev
     if len(links) < 2 or len(dims) != 1 or len({index for *_, index in links}) != len(links):
         return None
@@ -322,7 +324,7 @@ def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
     sites: list[_Site] = []
     for scatter, write, index in reversed(links):
         prev = scatter.args[0]
-        _unbind_as_selects(graph, prev, dim)
+        _unbind_as_selects(graph, prev, dim, rank)
         sub = _base_select(write, prev, dim, index)
         site = None
         if sub is not None:
@@ -342,11 +344,10 @@ def _stacked_sites(graph: fx.Graph, cache: fx.Node, copy: fx.Node, new: fx.Node)
     return sites
 
 
-def _unbind_as_selects(graph: fx.Graph, prev: fx.Node, dim: int) -> None:
+def _unbind_as_selects(graph: fx.Graph, prev: fx.Node, dim: int, rank: int) -> None:
     """`getitem(unbind(prev, dim), i)` (vLLM's `key_cache, value_cache = kv_cache.unbind(0)`) made `select(prev,
     dim, i)`, the same view, so that a link's write is found from its select; it stays so whether the writes lower
-    or not."""
-    rank = tensor_val(prev).dim()
+    or not. `rank`: the buffer's (`prev` may be a node without a value, made by a user pass)."""
     for unbind in [u for u in prev.users if u.target is aten.unbind.int]:
         along = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
         if _dim(along, rank) != dim or any(u.target is not operator.getitem for u in unbind.users):
@@ -1233,8 +1234,7 @@ def has_cuda_kernel() -> bool:
         return False
     if custom_ops._build.cuda_library_problem():
         return False
-    csrc = Path(custom_ops.__file__).parent / "csrc"
-    return any("multi_linear_kv_write" in path.read_text() for path in csrc.rglob("*.c*"))
+    return any(b"multi_linear_kv_write" in path.read_bytes() for path in custom_ops._build.source_files())
 
 
 def kernel_mismatch(x_val: torch.Tensor, head_dim: int, caches: list[torch.Tensor]) -> str:
