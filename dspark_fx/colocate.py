@@ -150,9 +150,11 @@ def _reason_not_to_move(weights: list, biases: list, device_types: Sequence[str]
     if _back_to_back(weights) and (biases[0] is None or _back_to_back(biases)):
         return "already back to back"
     if not all(_owns_storage(t) for t in (*weights, *biases) if t is not None):
+        return "a weight or bias shares its storage with another tensor, which would keep the old values"
+    if any(t._use_count() != 1 for t in (*weights, *biases) if t is not None):
         return (
-            "a weight or bias shares its memory with another tensor (a view, a DLPack export), which would keep the "
-            "old values"
+            "a weight or bias is held by more than its Python object (a DLPack export, which would keep reading the "
+            "old memory, or a live autograd graph)"
         )
     if any(_memory_held_outside(t) for t in (*weights, *biases) if t is not None):
         return (
@@ -163,11 +165,10 @@ def _reason_not_to_move(weights: list, biases: list, device_types: Sequence[str]
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
-    """Whether `t` spans its whole storage, no other tensor holds that storage, and nothing but its Python object
-    holds `t` itself (a DLPack export, `torch.from_dlpack(t)` or numpy's, holds the tensor, not another reference
-    to its storage: after a move it would keep reading the old memory, which the move frees)."""
+    """Whether `t` spans its whole storage and no other tensor holds that storage. (A DLPack export holds `t`
+    itself, not its storage: `_reason_not_to_move` tests its use count.)"""
     storage = t.untyped_storage()
-    if t.storage_offset() != 0 or storage.nbytes() != t.nbytes or t._use_count() != 1:
+    if t.storage_offset() != 0 or storage.nbytes() != t.nbytes:
         return False
     return torch._C._storage_Use_Count(storage._cdata) == _lone_use_count()
 

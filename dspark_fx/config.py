@@ -45,7 +45,7 @@ class DsparkConfig:
     `colocate_weights`: when the backend compiles a graph, move the weights of the linears that share an activation
     (on the devices where groups fuse) into one allocation each, back to back in graph order, each parameter becoming
     a view of it (`dspark_fx/colocate.py`): the fused GEMM then runs as one GEMM, as over a hand-concatenated
-    weight. Off by default because it changes where the model's parameters live: a weight that shares its memory
+    weight. Off by default because it changes where the model's parameters live: a weight that shares its storage
     with another tensor is left where it is (so nothing can keep stale values), but a CUDA graph captured before
     the compile would keep reading the old allocations. `explain()` reports what it would move and moves nothing.
     `outer_products`: compute a matmul that sums over one element (an outer product, such as HF's RoPE angles
