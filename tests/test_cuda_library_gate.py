@@ -28,7 +28,6 @@ MAKES_FAKE_CUDA_TENSORS = pytest.mark.skipif(
 
 def _clear_probes() -> None:
     _build.cuda_library_problem.cache_clear()
-    kv_write.has_cuda_kernel.cache_clear()
 
 
 @pytest.fixture

@@ -1223,7 +1223,6 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
                 )
 
 
-@functools.cache
 def has_cuda_kernel() -> bool:
     """A CUDA kernel of the op is registered, or its first-use entry is, the CUDA sources define the op and the
     library can be built here (`cuda_library_problem`)."""
@@ -1232,8 +1231,12 @@ def has_cuda_kernel() -> bool:
         return True
     if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
         return False
-    if custom_ops._build.cuda_library_problem():
-        return False
+    return not custom_ops._build.cuda_library_problem() and _sources_define_op()
+
+
+@functools.cache
+def _sources_define_op() -> bool:
+    """The library's translation units define the op (read once, as bytes)."""
     return any(b"multi_linear_kv_write" in path.read_bytes() for path in custom_ops._build.source_files())
 
 
