@@ -46,7 +46,8 @@ class DsparkBackend:
     `move_weights=False`: with `colocate_weights` on, judge and report the weight groups but move nothing
     (`explain`).
 
-    Its first compile registers `dspark_backend` in Dynamo's registry as `"dspark"`, the `compiler_name` (and
+    Its first compile registers `dspark_backend` in Dynamo's registry as `"dspark"` (unless the installed package's
+    entry point did, for `torch.compile(..., backend="dspark")`), the `compiler_name` (and
     `__name__`, which `torch.compile(..., mode=...)` reads) of every instance: at the end of a compile Dynamo drops
     its weak references to the model's real tensors only for registered backends, and a tensor with such a
     reference cannot be swapped (`torch.utils.swap_tensors`), so `module.to(dtype)` of DTensor parameters (which

@@ -1,6 +1,9 @@
 """The backend object: validated settings at `make_backend` time, nothing kept per compile."""
 
 import gc
+import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -266,3 +269,28 @@ def test_an_installed_manager_keeps_the_last_reports_only():
     for _ in range(KEPT_REPORTS + 5):
         manager(graph)
     assert len(manager.reports) == KEPT_REPORTS
+
+
+@pytest.mark.skipif(
+    "dspark" not in importlib.metadata.entry_points(group="torch_dynamo_backends").names,
+    reason="the package is not installed (its entry point names the backend)",
+)
+def test_the_installed_package_names_its_backend_dspark():
+    """`torch.compile(model, backend="dspark")` in a fresh process that never imported dspark_fx (the package's
+    entry point), then a compile with another instance of the backend (which registers the name only if missing):
+    no duplicate registration, the passes ran (or Inductor's cache served what they made)."""
+    code = (
+        "import sys, torch\n"
+        "lins = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(3))\n"
+        "f = lambda x: [lin(x) for lin in lins]\n"
+        "torch.compile(f, backend='dspark')(torch.randn(4, 16))\n"
+        "import dspark_fx\n"
+        "g = lambda x: [lin(x).relu() for lin in lins]\n"
+        "torch.compile(g, backend=dspark_fx.make_backend())(torch.randn(4, 16))\n"
+        "runs = torch._dynamo.utils.counters['dspark_fx']\n"
+        "print('dspark_fx' in sys.modules, torch._dynamo.list_backends().count('dspark'),"
+        " runs['pass_runs'] + runs['graphs_from_cache'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "1", "2"], done.stdout
