@@ -59,7 +59,9 @@ BUFFERS = {  # several caches in one buffer: how each layer's K and V caches are
     "vllm_kv": "paged_view",  # kv_cache_i [2, pages, page, h, d]: kv_cache_i[0].view(-1, h, d)[loc] = k
     "stacked_unbind": "index",  # k_cache.unbind(0)[i][loc] = k
     "vllm_kv_unbind": "paged_view",  # key_cache, value_cache = kv_cache_i.unbind(0), as vLLM takes them
-    "interleaved": "index",  # kv_cache_i [S, 2, h, d]: kv_cache_i[:, 0][loc] = k (K and V interleaved per slot)
+    # kv_cache_i [S, 2, h, d]: kv_cache_i[:, 0][loc] = k (K and V interleaved per slot; kv_cache_i[loc, 0] = k traces
+    # to the same select and index_put)
+    "interleaved": "index",
     "interleaved_unbind": "index",  # k_cache, v_cache = kv_cache_i.unbind(1)
 }
 LOWERED = [w for w in CACHE_SHAPES if w not in KEPT] + list(BUFFERS)
@@ -266,57 +268,6 @@ def test_other_write_forms_keep_todays_path_and_say_why(how):
     assert all(f"{list(shapes[k.cache])}: the op writes rows at one slot per token" in k.detail for k in kept)
     assert all(("with accumulate=True" in k.detail) == (how == "accumulate") for k in kept), str(report)
     assert all(k.detail.startswith("2 writes into one cache") == (how == "written_twice") for k in kept), str(report)
-
-
-class InterleavedWriter(nn.Module):
-    """K and V of a layer interleaved per slot in one `[S, 2, heads, head_dim]` buffer (`kv_cache_i`), written as
-    `kv[loc, 0] = k; kv[loc, 1] = v` (`how="index"`) or through `k_cache, v_cache = kv.unbind(1)`."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-        self.k = nn.ModuleList(nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(LAYERS))
-        self.v = nn.ModuleList(nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False) for _ in range(LAYERS))
-        for i in range(LAYERS):
-            self.register_buffer(f"kv_cache_{i}", torch.randn(SLOTS, 2, HEADS, HEAD_DIM))
-
-    def forward(self, x: torch.Tensor, loc: torch.Tensor) -> None:
-        for i in range(LAYERS):
-            kv = getattr(self, f"kv_cache_{i}")
-            k = F.rms_norm(self.k[i](x).view(-1, HEADS, HEAD_DIM), (HEAD_DIM,), eps=1e-6)
-            v = self.v[i](x).view(-1, HEADS, HEAD_DIM)
-            if self.how == "index":
-                kv[loc, 0] = k
-                kv[loc, 1] = v
-            else:
-                k_cache, v_cache = kv.unbind(1)
-                k_cache[loc] = k
-                v_cache[loc] = v
-
-
-@pytest.mark.parametrize("how", ["index", "unbind"])
-def test_k_and_v_interleaved_per_slot_in_one_buffer_lower(how):
-    """`[S, 2, heads, head_dim]` buffers, K at `[:, 0]` and V at `[:, 1]` of each slot: each half is an
-    `[S, heads, head_dim]` view (slot stride `2 * heads * head_dim`), which the op writes (its caches may have any
-    strides and be disjoint views of one buffer). One op writes the views of all layers' buffers, nothing is kept,
-    and the caches are eager's."""
-    torch._dynamo.reset()
-    eager = InterleavedWriter(how)
-    model = copy.deepcopy(eager)
-    capture = CaptureBackend(ALWAYS)
-    compiled = torch.compile(model, backend=capture)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for tokens in (6, 1):
-            args = (torch.randn(tokens, HIDDEN, generator=gen), torch.randperm(SLOTS, generator=gen)[:tokens])
-            eager(*args)
-            compiled(*args)
-            assert_close_for_dtype(list(model.buffers()), list(eager.buffers()))
-    for graph, report in zip(capture.after, capture.reports, strict=True):
-        assert op_counts(graph)[OP] == 1 and not report.kv_kept, str(report)
-        assert [len(w.layers) for w in report.kv_writes] == [LAYERS], str(report)
-        (op,) = [n for n in graph.nodes if n.target is kv_write.KV_WRITE]
-        assert all(_cache_of(c).op == "placeholder" for c in op.args[12] + op.args[13]), str(graph)
 
 
 def test_two_index_paged_writes_count_negative_slots_from_the_end_as_eager_does():
