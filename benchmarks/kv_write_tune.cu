@@ -5,7 +5,8 @@
 // per lane; also in clusters of 2 and 4) and leaner tiles of it (1 or 2 k-warps, 4 or 8 stages, clusters of 1..8:
 // "Lean fused tiles in clusters"), the experimental wide tile (wgmma, 64 tokens per tile; in the op until it measured
 // slower than the op's paths, experimental/kv_write_wide_kernel.cuh) and the
-// experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh), on
+// experimental wide tile with a producer warp and tensor-map copies (experimental/kv_write_wide_tma_kernel.cuh) and
+// that tile spread over every SM by stream-K (experimental/kv_write_streamk_kernel.cuh), on
 // the draft configs of benchmarks/dspark_write.py; and reads of the same weights that separate the memory pattern
 // from the math.
 //
@@ -47,7 +48,7 @@
 
 #include "bulk_read.cuh"
 #include "experimental/kv_write_wide_kernel.cuh"
-#include "experimental/kv_write_wide_tma_kernel.cuh"
+#include "experimental/kv_write_streamk_kernel.cuh"
 #include "linear/multi_linear_kv_write_fused.cuh"
 #include "tune_common.cuh"
 
@@ -223,16 +224,52 @@ Candidate wide_tma_candidate(int64_t heads) {
           }};
 }
 
-// Up to 64 tokens: the cp.async wide tile (the reference above 16 tokens) and the tensor-map one.
+// The tensor-map tile spread over `grid` CTAs by stream-K (experimental/kv_write_streamk_kernel.cuh), D stages.
+template <int V, int D>
+Candidate streamk_candidate(int64_t heads, int grid) {
+  constexpr int kRows = 32 * V;
+  using Epilogue = KvWriteEpilogue<V>;
+  const int smem = streamk_smem_bytes(kRows, D, Epilogue::extra_bytes(kWideTokens));
+  float* partials;
+  int* arrivals;
+  CHECK(cudaMalloc(&partials, size_t(grid) * 2 * kTmaConsumerThreads * kRows / 2 * sizeof(float)));
+  CHECK(cudaMalloc(&arrivals, heads * sizeof(int)));
+  CHECK(cudaMemset(arrivals, 0, heads * sizeof(int)));  // each launch leaves them zero
+  char name[96];
+  std::snprintf(name, sizeof(name), "stream-K tile, %d CTAs, %d stages (%d KB)", grid, D, smem / 1024);
+  return {name, [=](const KvWriteArgs& a) {
+            StreamKArgs<Epilogue> s{};
+            s.tma.base = a;
+            const Params& p = a.gemm;
+            s.tma.x_map = tensor_map_2d(p.x, p.tokens, p.k, p.x_stride, kWideTokens);
+            for (int g = 0; g < p.num_segments; ++g) {
+              const int64_t rows = p.segment_end[g] - (g == 0 ? 0 : p.segment_end[g - 1]);
+              s.tma.w_map[g] = tensor_map_2d(p.weight[g], rows, p.k, p.weight_stride[g], kRows);
+            }
+            s.partials = partials;
+            s.arrivals = arrivals;
+            launch(&streamk_kernel<T, kRows, D, Epilogue>, s, grid, kTmaThreads, smem, 1);
+          }};
+}
+
+// Up to 64 tokens: the cp.async wide tile (the reference above 16 tokens), the tensor-map one and its stream-K form.
 template <int V>
-void wide_candidates(std::vector<Candidate>& out, int64_t heads) {
+void wide_candidates(std::vector<Candidate>& out, int64_t heads, int sms) {
   out.push_back(wide_candidate<V>(heads));
   out.push_back(wide_tma_candidate<V, 4>(heads));
   if constexpr (V == 4) {
     out.push_back(wide_tma_candidate<V, 6>(heads));
     out.push_back(wide_tma_candidate<V, 7>(heads));
+    // one CTA per SM (up to 211 KB): as many CTAs as heads, then more up to the SM count
+    out.push_back(streamk_candidate<V, 4>(heads, int(heads)));
+    out.push_back(streamk_candidate<V, 4>(heads, int(heads + sms) / 2));
+    out.push_back(streamk_candidate<V, 4>(heads, sms));
+    out.push_back(streamk_candidate<V, 6>(heads, sms));
   } else {
     out.push_back(wide_tma_candidate<V, 5>(heads));
+    out.push_back(streamk_candidate<V, 4>(heads, sms));      // 101 KB: two CTAs per SM fit
+    out.push_back(streamk_candidate<V, 4>(heads, 2 * sms));
+    out.push_back(streamk_candidate<V, 8>(heads, sms));
   }
 }
 
@@ -393,7 +430,7 @@ std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms, boo
   std::vector<Candidate> out;
   if (tokens > 16) {
     if (!regs_only) {
-      wide_candidates<V>(out, heads);
+      wide_candidates<V>(out, heads, sms);
     } else {
       out.push_back(wide_candidate<V>(heads));
       if (tokens > 32) {
@@ -421,7 +458,7 @@ std::vector<Candidate> candidates(int64_t heads, int tokens, int k, int sms, boo
   } else {
     lean_candidates<V, 2>(out, heads);
   }
-  wide_candidates<V>(out, heads);
+  wide_candidates<V>(out, heads, sms);
   return out;
 }
 

@@ -9,8 +9,9 @@ to 256, fed the projections rounded to the input dtype as the GEMM path does), t
 form drafts are written in (linear/multi_linear_kv_write_common.cuh, also bit for bit against the general one). So
 do the experimental kernels in benchmarks/experimental/, which no op launches, so that a change of one can be checked
 here first: the wide tile (warpgroup MMA, kv_write_wide_kernel.cuh) and the same tile with tensor-map copies
-(kv_write_wide_tma_kernel.cuh). Every cache byte outside the written rows must keep its poison;
-written rows must match the reference within the dtype's rounding. The GPU's own runs are
+(kv_write_wide_tma_kernel.cuh), and that tile spread over a grid by stream-K (kv_write_streamk_kernel.cuh). Every
+cache byte outside the written rows must keep its poison; written rows must match the reference within the dtype's
+rounding. The GPU's own runs are
 tests/test_multi_linear_kv_write_cuda.py. Skipped without a C++20 compiler.
 """
 
@@ -31,9 +32,10 @@ pytestmark = (
 
 DRIVER = r"""
 #include "linear/multi_linear_kv_write_fused.cuh"
-#include "experimental/kv_write_wide_tma_kernel.cuh"
+#include "experimental/kv_write_streamk_kernel.cuh"
 #include "linear/multi_linear_kv_write_common.cuh"
 #include <memory>
+#include <utility>
 #include <vector>
 using namespace dspark::mlinear;
 
@@ -90,11 +92,9 @@ static void wide(const KvWriteArgs& args, int64_t rows) {
                         wide_smem_bytes(kRows, E::extra_bytes(kWideTokens)));
 }
 
-// The experimental wide tile with tensor-map copies (4 stages), its maps made from the GEMM parameters.
-template <typename T, int kRows>
-static void wide_tma(const KvWriteArgs& args, int64_t rows) {
-  using E = KvWriteEpilogue<kRows / 32>;
-  constexpr int kStages = 4;
+// The tensor maps of the wide tiles, made from the GEMM parameters.
+template <typename E, int kRows>
+static WideTmaArgs<E> tma_args(const KvWriteArgs& args) {
   WideTmaArgs<E> t{};
   t.base = args;
   const Params& p = args.gemm;
@@ -103,8 +103,42 @@ static void wide_tma(const KvWriteArgs& args, int64_t rows) {
     const int64_t first = s == 0 ? 0 : p.segment_end[s - 1];
     t.w_map[s] = CUtensorMap{p.weight[s], p.segment_end[s] - first, p.k, p.weight_stride[s] * 2, kRows, kWideChunk};
   }
-  run_grid<WideTmaArgs<E>>(&wide_tma_kernel<T, kRows, kStages, E>, t, rows / kRows, 1, kTmaThreads, 1, 1,
-                           wide_tma_smem_bytes(kRows, kStages, E::extra_bytes(kWideTokens)));
+  return t;
+}
+
+// The experimental wide tile with tensor-map copies (4 stages).
+template <typename T, int kRows>
+static void wide_tma(const KvWriteArgs& args, int64_t rows) {
+  using E = KvWriteEpilogue<kRows / 32>;
+  constexpr int kStages = 4;
+  run_grid<WideTmaArgs<E>>(&wide_tma_kernel<T, kRows, kStages, E>, tma_args<E, kRows>(args), rows / kRows, 1,
+                           kTmaThreads, 1, 1, wide_tma_smem_bytes(kRows, kStages, E::extra_bytes(kWideTokens)));
+}
+
+// Arrival counters a stream-K launch left nonzero, since the last emu_streamk_leftover().
+static int streamk_leftover = 0;
+extern "C" int emu_streamk_leftover() { return std::exchange(streamk_leftover, 0); }
+
+// The experimental stream-K tile on `grid` CTAs (4 stages), launched twice: the second launch finds the arrival
+// counters the first left (each should be zero again) and the partial slots holding the first launch's values.
+template <typename T, int kRows>
+static void streamk(const KvWriteArgs& args, int64_t rows, int grid) {
+  using E = KvWriteEpilogue<kRows / 32>;
+  constexpr int kStages = 4;
+  StreamKArgs<E> s{};
+  s.tma = tma_args<E, kRows>(args);
+  std::vector<float> partials(size_t(grid) * 2 * kTmaConsumerThreads * kRows / 2, NAN);
+  std::vector<int> arrivals(size_t(rows / kRows), 0);
+  s.partials = partials.data();
+  s.arrivals = arrivals.data();
+  for (int launch = 0; launch < 2; ++launch) {
+    run_grid<StreamKArgs<E>>(&streamk_kernel<T, kRows, kStages, E>, s, grid, 1, kTmaThreads, 4, 1,
+                             streamk_smem_bytes(kRows, kStages, E::extra_bytes(kWideTokens)));
+    for (int& a : arrivals) {
+      streamk_leftover += a != 0;
+      a = 0;
+    }
+  }
 }
 
 struct HeadsArgs {
@@ -172,7 +206,10 @@ static void heads_unit(HeadsArgs a, bool common) {
 template <typename T>
 static void dispatch(int path, int split, int variant, int grid, const KvWriteArgs& args, const HeadsArgs& h) {
   const int d = args.kv.head_dim;
-  if (path == 3 || path == 4) {
+  if (path == 7) {
+    const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
+    d == 64 ? streamk<T, 64>(args, rows, grid) : streamk<T, 128>(args, rows, grid);
+  } else if (path == 3 || path == 4) {
     const int64_t rows = args.gemm.segment_end[args.gemm.num_segments - 1];
     if (d == 64) path == 3 ? wide<T, 64>(args, rows) : wide_tma<T, 64>(args, rows);
     else path == 3 ? wide<T, 128>(args, rows) : wide_tma<T, 128>(args, rows);
@@ -191,7 +228,7 @@ static void dispatch(int path, int split, int variant, int grid, const KvWriteAr
 }
 
 // ints: bf16, path (0 heads (ring), 1 fused kernel, 3 wide tile, 4 wide tile with tensor maps, 5 heads (a warp per
-//       unit), 6 the compiled-form heads kernel),
+//       unit), 6 the compiled-form heads kernel, 7 the stream-K tile on `fused grid multiple` CTAs),
 //       split (fused) or heads per warp (heads),
 //       tokens, k, layers, heads, head_dim, has_norm, rotary_dim, neox, has_rope,
 //       positions_int64, loc_int64, width, commit_int64, x_stride(unused), has_commit
@@ -395,7 +432,7 @@ def _case(spec: Spec, seed: int) -> dict:
     )
 
 
-PATHS = {"heads": 0, "fused": 1, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6}
+PATHS = {"heads": 0, "fused": 1, "wide": 3, "wide_tma": 4, "heads_unit": 5, "heads_common": 6, "streamk": 7}
 # the GEMM path's heads kernels: persistent warps through a ring, a warp per unit, and a warp per unit compiled for
 # the call's form (linear/multi_linear_kv_write_common.cuh; only the tests named heads_common_form run it)
 HEADS_KERNELS = ["heads", "heads_unit", "heads_common"]
@@ -417,7 +454,8 @@ def _emulate(
 ) -> None:
     """Run the fused kernel (variant `variant`, in clusters of `split` CTAs), a wide tile or,
     with the projections of the GEMM path rounded to x's dtype, the heads kernel (up to `per_unit` heads per unit,
-    at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has heads;
+    at most `ctas` CTAs of persistent warps). The fused kernel runs `grid` times as many clusters as it has heads,
+    the stream-K tile `grid` CTAs;
     `past_last` (a cache laid out like layer 0's, a cos/sin table) fills the table entries past the last layer."""
     fused = kernel not in HEADS_KERNELS
     layers, kv = len(a["k_weights"]), a["num_kv_heads"] * a["head_dim"]
@@ -525,6 +563,8 @@ def _check(emu, spec: Spec, *, kernel: str, seed: int = 0, edit=None, **launch) 
         edit(got, want)
     before = [_bits(c.clone()) for c in got["k_caches"] + got["v_caches"]]
     _emulate(emu, got, kernel=kernel, **launch)
+    if kernel == "streamk":
+        assert emu.emu_streamk_leftover() == 0, "a stream-K launch left an arrival counter nonzero"
     want_caches = [c.clone() for c in want["k_caches"] + want["v_caches"]]
     ref_args = {**want, "k_caches": want_caches[: spec.layers], "v_caches": want_caches[spec.layers :]}
     multi_linear_kv_write_reference(**ref_args)
@@ -605,6 +645,27 @@ def test_wide_kernels_frequencies_table_without_norm(emu, kernel):
     and no norm."""
     _check(emu, Spec(tokens=9, table_form="frequencies", head_dim=128, rot=128), kernel=kernel)
     _check(emu, Spec(tokens=9, norm=False), kernel=kernel)
+
+
+@pytest.mark.parametrize("grid", [1, 3, 7, 40])
+def test_streamk_kernel_splits_heads_over_ctas(emu, grid):
+    """The stream-K tile: 4 heads of 10 chunks (hidden 600, the last chunk ragged) over 1 CTA (every head whole), 3
+    and 7 (heads cut in two or three parts, a CTA ending one head's part and starting the next's) and 40 (one chunk
+    per CTA: a head summed from ten partial slots); 1, 17 and 64 tokens. Launched twice: the arrival counters are
+    back to zero after each launch."""
+    for tokens in (1, 17, 64):
+        spec = Spec(tokens=tokens, hidden=600, head_dim=128, rot=44, neox=False, slots=80)
+        _check(emu, spec, kernel="streamk", grid=grid, seed=tokens)
+
+
+@pytest.mark.parametrize("grid", [2, 5])
+def test_streamk_kernel_head_dim_64_commit_frequencies(emu, grid):
+    """head_dim 64, two heads per layer, a commit mask, fp16; an inverse-frequencies table (its factors staged by the
+    consumer warpgroup alone) without a norm."""
+    spec = Spec(tokens=12, hidden=200, heads=2, head_dim=64, commit=True, dtype=torch.float16)
+    _check(emu, spec, kernel="streamk", grid=grid)
+    spec = Spec(tokens=9, table_form="frequencies", head_dim=128, rot=128, norm=False)
+    _check(emu, spec, kernel="streamk", grid=grid)
 
 
 @pytest.mark.parametrize("kernel", GENERAL_HEADS_KERNELS)

@@ -382,7 +382,9 @@ struct KvWriteEpilogue {
   }
 
   template <typename T, int kTokens>
-  static __device__ __forceinline__ void stage(const Args& args, const Prefetch& pre, float* extra, int64_t row0) {
+  // `threads`: how many threads of the CTA (0, 1, ...) run it; 0: all of them.
+  static __device__ __forceinline__ void stage(const Args& args, const Prefetch& pre, float* extra, int64_t row0,
+                                               int threads = 0) {
     const KvWrite& kv = args.kv;
     const HeadOf h = head_of(kv, static_cast<int>(row0 / kHeadDim));
     int64_t* slots = reinterpret_cast<int64_t*>(extra);
@@ -406,7 +408,8 @@ struct KvWriteEpilogue {
       // Every token's factors (a skipped token's row is never read), one (token, pair) per thread of the CTA.
       const int half = kv.rotary_dim / 2;
       const int tokens = args.gemm.tokens < kTokens ? args.gemm.tokens : kTokens;
-      for (int i = t; i < tokens * half; i += static_cast<int>(blockDim.x)) {
+      const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
+      for (int i = t; i < tokens * half; i += stride) {
         const int u = i / half, pair = i - u * half;
         float* row = rows + u * kHeadDim;
         rope_factors(kFrequencies, kv.cos_sin[h.layer], half, pair, static_cast<float>(token_position(kv, u)),
