@@ -15,6 +15,11 @@
 // the order of their CTAs (the same bits whichever CTA arrives last), resets the counter to zero for the next launch
 // and runs the epilogue. No CTA waits for another, so the grid needs no co-residency.
 //
+// Measured on an H100 (BENCHMARKS.md, "The tensor-map tile over every SM by stream-K"): slower than the tensor-map
+// tile at every config and grid (Qwen3-8B, 64 tokens: 65.1 µs cold on 132 CTAs, 56.4 on 80, against 50.7), and
+// slower the more SMs read: the DRAM throughput fell from 2.1 to 1.7 TB/s with heads cut over 132 CTAs. So it stays
+// out of the op.
+//
 // Only the consumer warpgroup runs the epilogue (named barrier 1, 128 threads): the producer warp is already loading
 // the next head's chunks. `partials` holds gridDim.x * 2 * 128 * kRows / 2 floats; `arrivals` one int per head, zero
 // before the first launch (each launch leaves them zero).
@@ -109,28 +114,36 @@ __global__ void __launch_bounds__(kTmaThreads, 1) streamk_kernel(const __grid_co
   __syncthreads();
   pdl_wait();
 
-  if (t == kConsumers) {  // the producer: iteration begin + q into slot q % D, once the slot is released
-    int64_t head = -1;
-    int segment = 0, first_row = 0;
+  if (t == kConsumers) {  // the producer: iteration begin + q into ring slot q % D, once the slot is released
+    // (no division in the loop: the head, its chunk and the slot advance by counting)
+    int64_t head = begin / steps;
+    int chunk = static_cast<int>(begin - head * steps);
+    int segment = find_segment(p, head * kRows);
+    int first_row = static_cast<int>(row_in_segment(p, segment, head * kRows));
+    int slot = 0;
+    uint32_t round = 0;
 #pragma unroll 1
-    for (int64_t q = 0; q < end - begin; ++q) {
-      const int64_t it = begin + q;
-      if (it / steps != head) {
-        head = it / steps;
+    for (int64_t q = begin; q < end; ++q) {
+      if (round > 0) mbar_wait(empty + slot, (round - 1) & 1);
+      mbar_arrive_expect_tx(full + slot, kStage);
+      unsigned char* stage = ring + slot * kStage;
+      tma_load_2d(stage, &args.tma.x_map, chunk * kWideChunk, 0, full + slot);
+      tma_load_2d(stage + kTmaBoxBytesX, &args.tma.w_map[segment], chunk * kWideChunk, first_row, full + slot);
+      if (++chunk == steps && q + 1 < end) {
+        chunk = 0;
+        ++head;
         segment = find_segment(p, head * kRows);
         first_row = static_cast<int>(row_in_segment(p, segment, head * kRows));
       }
-      const int slot = static_cast<int>(q % D);
-      if (q >= D) mbar_wait(empty + slot, static_cast<uint32_t>((q / D - 1) & 1));
-      mbar_arrive_expect_tx(full + slot, kStage);
-      unsigned char* stage = ring + slot * kStage;
-      const int col = static_cast<int>(it % steps) * kWideChunk;
-      tma_load_2d(stage, &args.tma.x_map, col, 0, full + slot);
-      tma_load_2d(stage + kTmaBoxBytesX, &args.tma.w_map[segment], col, first_row, full + slot);
+      if (++slot == D) {
+        slot = 0;
+        ++round;
+      }
     }
   } else if (t < kConsumers) {
     const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-    int64_t q = 0;
+    int slot = 0, previous = 0;
+    uint32_t round = 0;
 #pragma unroll 1
     for (int64_t it = begin; it < end;) {
       const int64_t head = it / steps, head_begin = head * steps, head_end = head_begin + steps;
@@ -139,9 +152,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) streamk_kernel(const __grid_co
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
 #pragma unroll 1
-      for (int64_t j = it; j < part_end; ++j, ++q) {
-        mbar_wait(full + q % D, static_cast<uint32_t>((q / D) & 1));
-        const uint32_t stage = ring_addr + static_cast<uint32_t>((q % D) * kStage);
+      for (int64_t j = it; j < part_end; ++j) {
+        mbar_wait(full + slot, round & 1);
+        const uint32_t stage = ring_addr + static_cast<uint32_t>(slot * kStage);
         const uint64_t a = swizzle128_descriptor(stage);
         const uint64_t b = swizzle128_descriptor(stage + kTmaBoxBytesX);
         wgmma_fence();
@@ -149,11 +162,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1) streamk_kernel(const __grid_co
         for (int k = 0; k < kWideChunk / 16; ++k) wide_mma<T, kRows>(acc, a + 2 * k, b + 2 * k);
         wgmma_commit();
         wgmma_wait<1>();  // this warp's MMAs of the previous chunk are done: its slot may be refilled
-        if (j > it && lane == 0) mbar_arrive(empty + (q - 1) % D);
+        if (j > it && lane == 0) mbar_arrive(empty + previous);
+        previous = slot;
+        if (++slot == D) {
+          slot = 0;
+          ++round;
+        }
       }
       wgmma_wait<0>();
       pin_accumulators(acc);
-      if (lane == 0) mbar_arrive(empty + (q - 1) % D);
+      if (lane == 0) mbar_arrive(empty + previous);
 
       bool finish = it == head_begin && part_end == head_end;  // a whole head
       if (!finish) {
