@@ -9,9 +9,10 @@ One package per op family, each with its C++ / CUDA sources in `custom_ops/csrc/
 - `custom_ops.layouts`: what the families share, pure torch (FP8 / FP4 layouts, RoPE, norm and Hadamard math);
   `csrc/common/` is its C++ counterpart.
 
-Beside them: `_library` (the `dspark` namespace and `register_op`, the one registration helper), `_build` (build,
-cache and load the CUDA library; `build` is its `python -m custom_ops.build` command), `checks` (the opt-in CUDA
-range checks) and `_torch_range` (the tested torch versions).
+Beside them: `_library` (the `dspark` namespace and `register_op`, the one registration helper),
+`_inductor_offsets` (the Inductor lowering that keeps the offsets of written views under dynamic shapes), `_build`
+(build, cache and load the CUDA library; `build` is its `python -m custom_ops.build` command), `checks` (the opt-in
+CUDA range checks) and `_torch_range` (the tested torch versions).
 """
 
 from custom_ops import _library, dsv4, flashmla, linear  # noqa: F401  (each family registers its ops)

@@ -16,7 +16,8 @@ How a call reaches an implementation, and why:
 * CPU tensors run the reference, registered under the `CPU` key: plain torch, with every structural and value
   check of the op.
 * Fake and meta tensors (`torch.compile`, `opcheck`) run the fake impl: the same structural checks, then empty
-  outputs of the right shapes. `torch.compile(fullgraph=True)` needs nothing else (the op is opaque to Dynamo);
+  outputs of the right shapes (first making sure Inductor keeps the storage offsets of written views:
+  `_inductor_offsets`). `torch.compile(fullgraph=True)` needs nothing else (the op is opaque to Dynamo);
   Inductor's generated code calls `torch.ops.dspark.*`, i.e. the paths below.
 * CUDA tensors run the C++ launchers that the CUDA library registers with `TORCH_LIBRARY_IMPL(dspark, CUDA, m)`
   under the `CUDA` key. Until that library is loaded, the dispatcher finds no `CUDA` kernel and falls back to a
@@ -43,9 +44,12 @@ and `import custom_ops` would fail on machines without a toolkit).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+
+from custom_ops._inductor_offsets import ensure_storage_offset_lowering
 
 __all__ = ["LIB", "NOT_DIFFERENTIABLE", "REFERENCE_KEYS", "register_op"]
 
@@ -84,7 +88,7 @@ def register_op(
     if reference is not None:
         LIB.impl(name, reference, reference_key)
     if fake is not None:
-        torch.library.register_fake(f"dspark::{name}", fake, lib=LIB)
+        torch.library.register_fake(f"dspark::{name}", _tracing(fake), lib=LIB)
     if reference_key != "CompositeExplicitAutograd":
         LIB.impl(name, _cuda_entry(name), "CompositeExplicitAutograd")
     if backward is not None:
@@ -93,6 +97,18 @@ def register_op(
         LIB.impl(name, _not_differentiable(name), "Autograd", with_keyset=True)
         NOT_DIFFERENTIABLE.append(name)
     return name
+
+
+def _tracing(fake: Callable[..., object]) -> Callable[..., object]:
+    """`fake`, first making sure Inductor will keep the storage offsets of the views the op writes
+    (`custom_ops._inductor_offsets`): a fake impl runs whenever a graph with the op is traced."""
+
+    @functools.wraps(fake)
+    def traced(*args: object, **kwargs: object) -> object:
+        ensure_storage_offset_lowering()
+        return fake(*args, **kwargs)
+
+    return traced
 
 
 def _not_differentiable(name: str) -> Callable[..., object]:

@@ -78,6 +78,7 @@ class KVKeptReason(enum.Enum):
     SELF_CHECK = "the numeric self-check disagrees"
     UNEVALUABLE = "the pass cannot follow the computation"
     TRAINING_GRAPH = "the cache writes happen after the graph (a training graph)"
+    RETURNED = "the caches are updated out of place: the graph returns new values and writes no cache"
     NO_TOKENS = "the graph is for no tokens: the cache writes write nothing"
 
 

@@ -63,7 +63,9 @@ LONE_GEMM_DEVICES = ("cuda",)
 GROUP_GEMM_DEVICES = ("cuda",)
 
 
-def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None) -> FusionReport:
+def fuse_kv_branches(
+    graph: fx.Graph, config: DsparkConfig, input_names: list[str] | None = None, is_inference: bool | None = None
+) -> FusionReport:
     report = FusionReport()
     snapshot = copy_graph(graph)
     names = Namer(graph, input_names)
@@ -74,7 +76,7 @@ def fuse_kv_branches(graph: fx.Graph, config: DsparkConfig, input_names: list[st
     added_terms = gemm_branches.split_added_terms(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
-        report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names)
+        report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names, is_inference)
     scan = gemm_branches.find_groups(graph, names)
     report.rejected += scan.rejected
     for group in scan.groups:
@@ -115,12 +117,14 @@ _INPUT_UPDATES = (
 )
 
 
-def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
-    """Why cache writes that the graph returns instead of doing cannot be lowered: AOTAutograd writes the new
-    values of mutated inputs after a training graph (grad enabled, parameters requiring grad); an inference
-    graph writes them itself (`copy_`), and only those writes are lowered. A backward graph's outputs are
-    gradients: an update of an output's gradient (`tangents_<i>`, the gradient of a cache written with values that
-    require grad: its written rows zeroed) is no cache write."""
+def _writes_after_graph(graph: fx.Graph, names: Namer, is_inference: bool | None) -> list[KVKept]:
+    """Why updates of caches that the graph returns instead of writing cannot be lowered. After a training graph
+    (grad enabled, a parameter or an input requiring grad) AOTAutograd writes the new values of mutated inputs; an
+    inference graph writes them itself (`copy_`), and only those writes are lowered, so there a returned update is the
+    model's own out-of-place update (`cache.index_put(...)` returned), which writes no cache. `is_inference`: which
+    graph this is (None: not known, both are said). A backward graph's outputs are gradients: an update of an output's
+    gradient (`tangents_<i>`, the gradient of a cache written with values that require grad: its written rows
+    zeroed) is no cache write."""
     copied = {n.args[0] for n in graph.nodes if n.target is aten.copy_.default}
     caches = []
     for value in (a for out in graph.find_nodes(op="output") for a in out.all_input_nodes):
@@ -132,12 +136,21 @@ def _writes_after_graph(graph: fx.Graph, names: Namer) -> list[KVKept]:
             caches.append(names.of(base))
     if not caches:
         return []
-    detail = (
-        f"writes to {', '.join(caches)}: the graph returns their new values, it does not write them (a training "
-        "graph: grad is enabled and parameters require grad; AOTAutograd writes them after the graph), so there is "
-        "no write to lower; compile under torch.no_grad() or torch.inference_mode()"
+    returned = (
+        "the model updates them out of place (the result of index_put / index_copy / a scatter is returned, the "
+        "cache itself is not written), so there is no write to lower; write the cache in place (cache[loc] = k, "
+        "index_put_, index_copy_) for the write to be lowered"
     )
-    return [KVKept("", KVKeptReason.TRAINING_GRAPH, detail)]
+    training = (
+        "a training graph: grad is enabled and a parameter or an input requires grad, and AOTAutograd writes them "
+        "after the graph, so there is no write to lower; compile under torch.no_grad() or torch.inference_mode()"
+    )
+    head = f"writes to {', '.join(caches)}: the graph returns their new values, it does not write them"
+    if is_inference:
+        return [KVKept("", KVKeptReason.RETURNED, f"{head}: {returned}")]
+    if is_inference is None:
+        return [KVKept("", KVKeptReason.TRAINING_GRAPH, f"{head}: either {training}; or {returned}")]
+    return [KVKept("", KVKeptReason.TRAINING_GRAPH, f"{head} ({training})")]
 
 
 def _routes_lone_gemms(group: gemm_branches.GemmGroup) -> bool:

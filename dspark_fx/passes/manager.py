@@ -3,11 +3,12 @@
 It is a `CustomGraphPass`, so Inductor's FX graph cache stays on: `uuid()` hashes every source file of
 `dspark_fx/passes/` and of the ops it emits whose code decides what it emits (`custom_ops/linear/*.py`: schemas and
 fake implementations; `custom_ops/checks.py`, `_library.py`: the checks a fake call runs, whose refusal keeps writes
-on their path), as read when this module was imported (so with the code this process runs, should the files change
-on disk later), the config, the settings the passes read (the fp32 matmul precision, whether the CUDA library and
-the op's CUDA kernel can run), and the uuids of the user passes it was composed with. User passes that already sat in
-`post_grad_custom_post_pass` (one pass, or a list or tuple of them, as Inductor accepts) run first, in order; a
-plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
+on their path; `_inductor_offsets.py`: the lowering those fake calls register, which decides the offsets Inductor's
+code passes to the ops), as read when this module was imported (so with the code this process runs, should the files
+change on disk later), the config, the settings the passes read (the fp32 matmul precision, whether the CUDA library
+and the op's CUDA kernel can run), and the uuids of the user passes it was composed with. User passes that already
+sat in `post_grad_custom_post_pass` (one pass, or a list or tuple of them, as Inductor accepts) run first, in order;
+a plain callable there has no uuid, so the manager then reports none either (caching off, as Inductor requires).
 Where Inductor has inference-aware passes (`CustomInferenceAwareGraphPass`, torch 2.13) the manager is one, and
 hands `is_inference` on to such user passes.
 """
@@ -55,6 +56,7 @@ def source_files() -> tuple[str, ...]:
         *(ops / "linear").glob("*.py"),
         ops / "checks.py",
         ops / "_library.py",
+        ops / "_inductor_offsets.py",
     ]
     return tuple(sorted(str(p) for p in files))
 
@@ -97,7 +99,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         report = FusionReport()
         outer_products = multiply_outer_products(graph) if self.config.outer_products else []
         if self.config.horizontal_fusion:
-            report = fuse_kv_branches(graph, self.config, self.input_names)
+            report = fuse_kv_branches(graph, self.config, self.input_names, is_inference)
         report.outer_products = outer_products
         if not self.reports:  # a training compile runs the pass twice (forward, backward): report the groups once
             report.colocated = self.colocated
