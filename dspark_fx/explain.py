@@ -36,13 +36,17 @@ def explain(
     that require grad, AOTAutograd makes a training graph, which writes no cache in the graph (the report says
     why nothing is lowered). Afterwards the module's parameters and buffers (persistent or not: a KV cache), its
     attributes (none added), the tensors in them and in the inputs (lists, tuples, dicts and the attributes of plain
-    objects there), the random number generators, Dynamo's recorded sizes and `counters["dspark_fx"]` are as they
-    were (tensors a function reaches otherwise, e.g. globals, are not restored). A module compiled in place or by
-    `torch.compile` is explained as the module, with this `config`. With `colocate_weights` on, the report says
-    which weight groups a compile would move (`colocated`), and none is moved."""
+    objects there, `__slots__` too), what those lists, dicts and objects hold (an element, key or attribute tracing
+    rebinds: an HF cache layer's concatenated keys, a step counter), the random number generators, Dynamo's recorded
+    sizes and `counters["dspark_fx"]` are as they were (tensors a function reaches otherwise, e.g. globals, are not
+    restored). A module compiled in place or by `torch.compile`, or a function made by `torch.compile`, is explained
+    as the module or function, with this `config`. A model with uninitialized lazy parameters is refused
+    (`ValueError`): tracing would initialize them. With `colocate_weights` on, the report says which weight groups a
+    compile would move (`colocated`), and none is moved."""
     config = as_config(config, "explain")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile(module): explain the module
         model = model._orig_mod
+    model = getattr(model, "_torchdynamo_orig_callable", model)  # torch.compile(function): explain the function
     if not callable(model):
         raise TypeError(f"explain: model must be an nn.Module or a function, got {type(model).__name__}")
     reports: list[FusionReport] = []
@@ -98,13 +102,81 @@ def _reachable_tensors(values: Any, depth: int = 4, seen: set[int] | None = None
             found.append(leaf)
         elif depth > 0 and id(leaf) not in seen and _plain_object(leaf):
             seen.add(id(leaf))
-            found += _reachable_tensors(list(vars(leaf).values()), depth - 1, seen)
+            found += _reachable_tensors(list(_object_state(leaf).values()), depth - 1, seen)
     return found
 
 
 def _plain_object(value: Any) -> bool:
-    opaque = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
-    return not isinstance(value, opaque) and isinstance(getattr(value, "__dict__", None), dict)
+    """An object whose attributes explain() looks into: not a tensor, module, class, function or Python module,
+    with a `__dict__` or `__slots__` (a `@dataclass(slots=True)` cache)."""
+    opaque = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
+    if isinstance(value, opaque):
+        return False
+    return isinstance(getattr(value, "__dict__", None), dict) or bool(_slot_names(value))
+
+
+def _slot_names(value: Any) -> list[str]:
+    names = []
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [n for n in slots if n not in ("__dict__", "__weakref__")]
+    return names
+
+
+def _object_state(value: Any) -> dict[str, Any]:
+    """The attributes a plain object has: its `__dict__` and its slots that are set."""
+    state = dict(vars(value)) if isinstance(getattr(value, "__dict__", None), dict) else {}
+    for name in _slot_names(value):
+        if hasattr(value, name):
+            state[name] = getattr(value, name)
+    return state
+
+
+def _containers(values: Any, depth: int = 4, seen: set[int] | None = None) -> list[tuple[Any, Any]]:
+    """Every list, dict and plain object among `values` (and inside them, plain objects down to `depth` deep, as
+    `_reachable_tensors` looks), each with a shallow copy of what it holds: what tracing can rebind (an element, a
+    key, an attribute: HF's cache layers concatenate into new tensors, a step counter goes up)."""
+    seen = set() if seen is None else seen
+    found: list[tuple[Any, Any]] = []
+    stack = [(values, depth)]
+    while stack:
+        value, left = stack.pop()
+        if isinstance(value, (torch.Tensor, str, bytes, int, float, bool)) or value is None or id(value) in seen:
+            continue
+        if isinstance(value, tuple):
+            stack += [(v, left) for v in value]
+        elif isinstance(value, list):
+            seen.add(id(value))
+            found.append((value, list(value)))
+            stack += [(v, left) for v in value]
+        elif isinstance(value, dict):
+            seen.add(id(value))
+            found.append((value, dict(value)))
+            stack += [(v, left) for v in value.values()]
+        elif left > 0 and _plain_object(value):
+            seen.add(id(value))
+            state = _object_state(value)
+            found.append((value, state))
+            stack += [(v, left - 1) for v in state.values()]
+    return found
+
+
+def _put_back_container(container: Any, saved: Any) -> None:
+    """Make `container` hold what `saved` (from `_containers`) says it held, keeping the object."""
+    if isinstance(container, list):
+        if len(container) != len(saved) or any(a is not b for a, b in zip(container, saved, strict=False)):
+            container[:] = saved
+    elif isinstance(container, dict):
+        _refill(container, saved)
+    else:
+        slots = _slot_names(container)
+        if isinstance(getattr(container, "__dict__", None), dict):
+            _refill(vars(container), {k: v for k, v in saved.items() if k not in slots})
+        for name in slots:
+            if name in saved:
+                setattr(container, name, saved[name])
+            elif hasattr(container, name):
+                delattr(container, name)
 
 
 def _fresh_function(func: types.FunctionType) -> types.FunctionType:
@@ -165,10 +237,14 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
     counts = dict(counters["dspark_fx"])
     module = _module_of(model)
     tensors = _reachable_tensors(inputs)
+    containers = _containers(inputs)
     attributes = []
     if module is not None:  # every module's attributes: its parameters, buffers, tensor attributes, cache objects
         attributes = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
         tensors += _reachable_tensors([attrs for _, attrs, _, _ in attributes])
+        held = [v for _, attrs, _, _ in attributes for k, v in attrs.items() if k not in _MODULE_TABLES]
+        containers += _containers([v for v in held if not isinstance(v, torch.nn.Module)])
+    _refuse_lazy(tensors)
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
     saved = [(t, t.detach().clone(), _version(t), t.requires_grad, t.grad_fn is None) for t in unique.values()]
     try:
@@ -181,6 +257,8 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
                 vars(m).update(attrs)
                 _refill(m._parameters, params)
                 _refill(m._buffers, buffers)
+            for container, held in containers:
+                _put_back_container(container, held)
             for tensor, copy, version, requires_grad, leaf in saved:
                 try:
                     _put_back(tensor, copy, version, requires_grad, leaf)
@@ -191,6 +269,20 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
             counters["dspark_fx"].update(counts)
         if errors:
             raise errors[0]
+
+
+# a module's own tables, put back by `_restored` itself (`_refill`) or never rebound by a trace
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _refuse_lazy(tensors: list[torch.Tensor]) -> None:
+    """A lazy module's uninitialized parameter has no values to save, and tracing would initialize it (and change the
+    module's class), which could not be undone: refused before anything runs."""
+    if any(torch.nn.parameter.is_lazy(t) for t in tensors):
+        raise ValueError(
+            "explain: the model has uninitialized lazy parameters (a LazyLinear or the like): call the model once "
+            "(or initialize them) before explain(), so that tracing does not initialize them"
+        )
 
 
 def _version(tensor: torch.Tensor) -> int | None:

@@ -4,6 +4,7 @@ mode (as the compile would) and restores state."""
 
 import copy
 import re
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -134,6 +135,37 @@ def test_explain_runs_under_the_callers_grad_mode_and_says_why_nothing_is_lowere
     capture = CaptureBackend(config)
     torch.compile(copy.deepcopy(model), backend=capture)(*args)
     assert capture.report.kv_kept == report.kv_kept and not capture.report.kv_writes
+
+
+class _ReturnsUpdatedCaches(nn.Module):
+    """Two projections whose caches (passed in) are updated out of place: `cache.index_put((loc,), k)` returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(2))
+
+    def forward(self, x, loc, caches):
+        return [c.index_put((loc,), p(x)) for c, p in zip(caches, self.k_proj, strict=True)]
+
+
+def test_caches_updated_out_of_place_are_not_called_a_training_graph():
+    """Under no_grad the graph returns the updated caches because the model does (an out-of-place index_put), not
+    because AOTAutograd writes them after a training graph: the RETURNED reason, naming both caches and saying how
+    to write them in place. With grad enabled and only the input requiring grad (no parameter), a training graph,
+    said as such."""
+    model = _ReturnsUpdatedCaches()
+    x, loc = torch.randn(2, 8), torch.tensor([0, 3])
+    caches = [torch.randn(4, 8) for _ in range(2)]
+    config = {"fuse_on_cpu": True}
+    with torch.no_grad():
+        (why,) = explain(model, x, loc, caches, config=config).kv_kept
+    assert why.reason is KVKeptReason.RETURNED, why
+    assert why.detail.startswith("writes to caches_0, caches_1: the graph returns their new values"), why
+    assert "out of place" in why.detail and "training" not in why.detail, why
+    model.requires_grad_(False)
+    (why,) = explain(model, x.requires_grad_(), loc, caches, config=config).kv_kept
+    assert why.reason is KVKeptReason.TRAINING_GRAPH, why
+    assert "a parameter or an input requires grad" in why.detail, why
 
 
 class _CachesPassedIn(HFStyleKVWriter):
@@ -395,6 +427,77 @@ def test_explain_restores_tensors_in_attributes_and_objects_removes_new_attribut
     assert torch.equal(torch.rand(3), expected)
     tensors = [model.plain, *model.listed, *model.held.keys, *passed.keys]
     assert all(not t.any() for t in tensors) and not hasattr(model, "seen_tokens")
+
+
+class _GrowingLayer:
+    """An HF-style cache layer: `update` concatenates into a new tensor and rebinds it."""
+
+    def __init__(self):
+        self.keys = torch.zeros(0, 16)
+
+    def update(self, k):
+        self.keys = torch.cat([self.keys, k])
+        return self.keys
+
+
+@dataclass(slots=True)
+class _SlottedKV:
+    k: torch.Tensor
+    steps: int = 0
+
+
+class _RebindsEverything(nn.Module):
+    """Rebinds what its attributes and inputs hold: list elements, dict values, cache layers' tensors, slots, a
+    counter; none of it is a tensor written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 16, bias=False) for _ in range(2))
+        self.listed = [torch.zeros(8, 16) for _ in range(2)]
+        self.table = {"tokens": torch.zeros((), dtype=torch.long)}
+
+    def forward(self, x, loc, layers, slotted, extra):
+        ks = [lin(x) for lin in self.lins]
+        for i, k in enumerate(ks):
+            self.listed[i] = self.listed[i].index_put((loc,), k)
+            layers[i].update(k)
+        self.table["tokens"] = self.table["tokens"] + x.shape[0]
+        slotted.k = slotted.k + ks[0].sum()
+        slotted.steps += 1
+        extra.append(ks[1])
+        extra[0] = extra[0] + 1
+        return ks
+
+
+def test_explain_puts_back_what_lists_dicts_and_objects_held():
+    """What tracing rebinds (not writes) is put back: module list and dict attributes, HF-style cache layers that
+    concatenate, a `@dataclass(slots=True)` input's fields, an input list (an element replaced, one appended)."""
+    model = _RebindsEverything()
+    layers, slotted, first = [_GrowingLayer() for _ in range(2)], _SlottedKV(torch.zeros(3)), torch.zeros(2)
+    extra = [first]
+    held = ([*model.listed], model.table["tokens"], [layer.keys for layer in layers], slotted.k)
+    with torch.no_grad():
+        explain(model, torch.randn(5, 32), torch.arange(5), layers, slotted, extra)
+    assert all(a is b for a, b in zip(model.listed, held[0], strict=True)) and model.table["tokens"] is held[1]
+    assert all(layer.keys is k for layer, k in zip(layers, held[2], strict=True))
+    assert slotted.k is held[3] and slotted.steps == 0
+    assert len(extra) == 1 and extra[0] is first and not first.any()
+
+
+def test_explain_refuses_uninitialized_lazy_modules_and_explains_a_compiled_function():
+    lazy = nn.Sequential(nn.LazyLinear(16), nn.ReLU())
+    with pytest.raises(ValueError, match="uninitialized lazy parameters"):
+        explain(lazy, torch.randn(2, 8))
+    assert torch.nn.parameter.is_lazy(lazy[0].weight)
+    lins = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(2))
+
+    def project(x):
+        return [lin(x) for lin in lins]
+
+    compiled = torch.compile(project, backend="aot_eager")
+    with torch.no_grad():
+        compiled(torch.randn(3, 8))
+        assert explain(compiled, torch.randn(3, 8), config={"fuse_on_cpu": True}).n_branches == [2]
 
 
 class _WriterWithAHead(HFStyleKVWriter):
