@@ -83,8 +83,9 @@ class CaptureBackend:
     """A torch.compile backend that runs the dspark_fx passes and records each graph before and after them.
 
     `inner="aot_eager"` (default) executes the rewritten ATen graph eagerly (fast CPU tests, no codegen);
-    `inner="inductor"` compiles it for real, with Inductor's FX graph and AOTAutograd caches off for these compiles:
-    a cache hit would skip the passes, and there would be nothing to record. Inductor's cache of compiled kernels
+    `inner="inductor"` compiles it for real, with Inductor's FX graph and AOTAutograd caches off for these compiles
+    (a backward graph compiled at the first backward too): a cache hit would skip the passes, and there would be
+    nothing to record. Inductor's cache of compiled kernels
     stays on (it is keyed by a kernel's source, after the passes ran): a kernel another compile already built is
     loaded, not built again. Its `compiler_name` is `DsparkBackend`'s (a registered backend: see there).
     """
@@ -101,6 +102,10 @@ class CaptureBackend:
         self.__name__ = BACKEND_NAME
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
+        if self._backend.inner == "inductor":
+            # as an Inductor option too: Inductor applies its options to the backward graph's compile as well, which
+            # AOTAutograd runs later, at the first backward, outside this call
+            kwargs["options"] = {**(kwargs.get("options") or {}), "fx_graph_cache": False}
         with (
             torch._inductor.config.patch(fx_graph_cache=False),
             torch._functorch.config.patch(enable_autograd_cache=False),

@@ -100,3 +100,27 @@ def test_assert_close_for_dtype_compares_the_structure():
     for actual, expected in (({"k": ones, "v": zeros}, {"v": ones, "k": zeros}), ({"x": ones}, {"y": ones})):
         with pytest.raises(AssertionError):
             assert_close_for_dtype(actual, expected)
+
+
+class _ThreeBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return sum(lin(x).relu() for lin in self.lins)
+
+
+@pytest.mark.slow  # Inductor codegen
+def test_capture_backend_records_the_backward_compiled_at_the_first_backward_every_time(tmp_path, monkeypatch):
+    """AOTAutograd compiles the backward graph at the first backward, after the backend call: with Inductor's FX
+    graph cache on (a fresh cache directory), a second compile of the same model must still run the passes on both
+    graphs and record them, not get the backward from the cache."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        capture = CaptureBackend({"fuse_on_cpu": True}, inner="inductor")
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            torch.compile(_ThreeBranches(), backend=capture)(torch.randn(4, 16)).sum().backward()
+        assert len(capture.before) == len(capture.reports) == 2
