@@ -76,7 +76,8 @@ def fuse_kv_branches(
     added_terms = gemm_branches.split_added_terms(graph)
     if config.kv_write_op != "never":
         lowering = kv_write.lower_kv_writes(graph, config, names)
-        report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + _writes_after_graph(graph, names, is_inference)
+        returned = _writes_after_graph(graph, names, is_inference)
+        report.kv_writes, report.kv_kept = lowering.lowered, lowering.kept + returned
     scan = gemm_branches.find_groups(graph, names)
     report.rejected += scan.rejected
     for group in scan.groups:
