@@ -72,6 +72,8 @@ def assert_close_for_dtype(actual: Any, expected: Any, dtype: torch.dtype | None
     leaves_e, spec_e = torch.utils._pytree.tree_flatten(expected)
     _check(spec_a == spec_e, f"the outputs' structure differs:\n{spec_a}\nexpected\n{spec_e}")
     for a, e in zip(leaves_a, leaves_e, strict=True):
+        if isinstance(a, torch.Tensor) != isinstance(e, torch.Tensor):
+            raise AssertionError(f"a {type(a).__name__} where a {type(e).__name__} is expected: {a!r} against {e!r}")
         if not isinstance(e, torch.Tensor):
             _check(a == e, f"{a!r} != {e!r}")
             continue

@@ -97,7 +97,12 @@ def test_the_kits_checks_raise_under_python_dash_o():
 def test_assert_close_for_dtype_compares_the_structure():
     ones, zeros = torch.ones(2), torch.zeros(2)
     assert_close_for_dtype({"k": ones, "v": zeros}, {"k": ones, "v": zeros})
-    for actual, expected in (({"k": ones, "v": zeros}, {"v": ones, "k": zeros}), ({"x": ones}, {"y": ones})):
+    for actual, expected in (
+        ({"k": ones, "v": zeros}, {"v": ones, "k": zeros}),
+        ({"x": ones}, {"y": ones}),
+        (ones, 1.0),  # a tensor where a number is expected, and the other way round: no truth value of a tensor
+        ([1.0], [ones]),
+    ):
         with pytest.raises(AssertionError):
             assert_close_for_dtype(actual, expected)
 
