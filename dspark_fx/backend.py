@@ -183,16 +183,32 @@ def _inductor(
     options: dict[str, Any],
 ) -> Callable[..., Any]:
     from torch._dynamo.utils import counters
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     patches.update(options)
     patches["post_grad_custom_post_pass"] = manager
+    inner_calls = []
+
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """Inductor's compile of one graph (a forward, or a backward at the first backward), noting a graph that
+        its FX graph cache served without running the pass."""
+        inner_calls.append(graph)
+        runs, hits = manager.runs, _cache_hits(counters)
+        compiled = compile_fx_inner(graph, inputs, **kwargs)
+        if manager.runs == runs:
+            _log_pass_not_run(graph, manager, _new_hits(counters, hits))
+        return compiled
+
     hits = _cache_hits(counters)
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    if not manager.reports:  # Inductor served the graph from a cache: its post-grad passes did not run
-        _log_pass_not_run(gm, manager, [cache for cache, n in _cache_hits(counters).items() if n > hits[cache]])
+    compiled = compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner_compile)
+    if not inner_calls and not manager.runs:  # the AOTAutograd cache served every graph of it
+        _log_pass_not_run(gm, manager, _new_hits(counters, hits))
     return compiled
+
+
+def _new_hits(counters: Any, before: dict[str, int]) -> list[str]:
+    return [cache for cache, n in _cache_hits(counters).items() if n > before[cache]]
 
 
 def _cache_hits(counters: Any) -> dict[str, int]:
@@ -203,7 +219,8 @@ def _cache_hits(counters: Any) -> dict[str, int]:
 
 
 def _log_pass_not_run(gm: fx.GraphModule, manager: DsparkPassManager, caches: list[str]) -> None:
-    """A cache hit skips the post-grad passes; say so, so that every compile of the backend leaves a log line."""
+    """A cache hit skips the post-grad passes; say so, so that every compile of the backend leaves a log line (and
+    count it: one per graph from the FX graph cache, one per Dynamo graph from the AOTAutograd cache)."""
     from torch._dynamo.utils import counters
 
     compile_id = torch._guards.CompileContext.current_compile_id()

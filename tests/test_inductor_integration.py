@@ -228,3 +228,27 @@ def test_reduce_overhead_reaches_inductor():
             compiled(*args)
         skips.append(counters["inductor"]["cudagraph_skips"])
     assert skips == [0, 1]
+
+
+class _TrainedBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return sum(lin(x).relu() for lin in self.lins)
+
+
+def test_a_backward_graph_served_by_the_cache_at_the_first_backward_is_counted():
+    """AOTAutograd compiles a training graph's backward at the first backward, after the backend returned: a
+    second compile whose forward and backward both come from the FX graph cache counts two graphs from the cache
+    (one a compile later than the backend call) and no pass run."""
+    with fresh_cache(), torch._functorch.config.patch(enable_autograd_cache=False):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model = torch.compile(_TrainedBranches(), backend=dspark_fx.make_backend({"fuse_on_cpu": True}))
+            model(torch.randn(4, 16)).sum().backward()
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2, dict(counters["inductor"])
+    assert counters["dspark_fx"]["pass_runs"] == 0 and counters["dspark_fx"]["graphs_from_cache"] == 2

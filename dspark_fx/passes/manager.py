@@ -86,6 +86,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
         self.colocated: list[ColocatedGroup] = []  # the backend's colocate_weights step, for the report
         # the last compiles' reports: a manager installed for plain torch.compile lives as long as the process
         self.reports: deque[FusionReport] = deque(maxlen=KEPT_REPORTS)
+        self.runs = 0  # graphs the pass ran on (the reports keep the last KEPT_REPORTS)
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         for user_pass in self.user_passes:
@@ -95,6 +96,7 @@ class DsparkPassManager(_INFERENCE_AWARE or CustomGraphPass):
                 user_pass(graph, is_inference=is_inference)
             else:
                 user_pass(graph)
+        self.runs += 1
         before = copy_graph(graph) if (self.observer or log.isEnabledFor(logging.DEBUG)) else None
         report = FusionReport()
         outer_products = multiply_outer_products(graph) if self.config.outer_products else []
