@@ -17,10 +17,11 @@ from custom_ops._inductor_offsets import storage_offset_lowering_registered
 pytestmark = pytest.mark.slow  # real Inductor codegen
 
 FREQS = custom_ops.precompute_freqs(64)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _norm_rope_second_half(buf: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> None:
-    torch.ops.dspark.fused_norm_rope_inplace(buf[1], weight, 1e-6, FREQS, positions)
+def _norm_rope_second_half(buf, weight, freqs, positions) -> None:
+    torch.ops.dspark.fused_norm_rope_inplace(buf[1], weight, 1e-6, freqs, positions)
 
 
 def _kv_write_layer_one(x, buf, w, positions, loc) -> None:
@@ -48,23 +49,35 @@ def _compiled_equals_eager(fn, make_args) -> None:
     assert storage_offset_lowering_registered()
 
 
-def test_inplace_norm_rope_into_the_second_half_of_a_buffer():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_norm_rope_into_the_second_half_of_a_buffer(device):
     gen = torch.Generator().manual_seed(0)
     _compiled_equals_eager(
         _norm_rope_second_half,
-        lambda: (torch.randn(2, 3, 512, generator=gen), torch.randn(512, generator=gen), torch.tensor([1, 2, 3])),
+        lambda: tuple(
+            t.to(device)
+            for t in (
+                torch.randn(2, 3, 512, generator=gen),
+                torch.randn(512, generator=gen),
+                FREQS,
+                torch.tensor([1, 2, 3]),
+            )
+        ),
     )
 
 
-def test_kv_write_into_one_layer_of_a_stacked_buffer():
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_write_into_one_layer_of_a_stacked_buffer(device):
+    """bf16 on CUDA (the binding's dtypes), fp32 on CPU."""
     gen = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     _compiled_equals_eager(
         _kv_write_layer_one,
         lambda: (
-            torch.randn(3, 32, generator=gen),
-            torch.randn(2, 2, 12, 2, 16, generator=gen),
-            torch.randn(96, 32, generator=gen),
-            torch.arange(3),
-            torch.tensor([4, -1, 7]),
+            torch.randn(3, 32, generator=gen).to(device, dtype),
+            torch.randn(2, 2, 12, 2, 16, generator=gen).to(device, dtype),
+            torch.randn(96, 32, generator=gen).to(device, dtype),
+            torch.arange(3, device=device),
+            torch.tensor([4, -1, 7], device=device),
         ),
     )
