@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dspark_fx.passes.names import readable_name
+from dspark_fx.passes.names import module_root, readable_name
 
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -88,13 +88,14 @@ def find_weight_groups(gm: fx.GraphModule, example_inputs: Sequence[object], min
         if all(node.args[1] is not weight for weight, _ in members):
             members.append((node.args[1], bias))
     groups = []
+    root = module_root([p.name for p in placeholders])
     for activation, members in members_of.items():
         if len(members) < min_branches or not isinstance(activation, fx.Node):
             continue
         groups.append(
             WeightGroup(
-                readable_name(activation.name),
-                [readable_name(w.name) if isinstance(w, fx.Node) else str(w) for w, _ in members],
+                readable_name(activation.name, root),
+                [readable_name(w.name, root) if isinstance(w, fx.Node) else str(w) for w, _ in members],
                 [value_of.get(w) if isinstance(w, fx.Node) else None for w, _ in members],
                 [value_of.get(b) if isinstance(b, fx.Node) else b for _, b in members],
             )

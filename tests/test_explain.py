@@ -500,6 +500,21 @@ def test_explain_refuses_uninitialized_lazy_modules_and_explains_a_compiled_func
         assert explain(compiled, torch.randn(3, 8), config={"fuse_on_cpu": True}).n_branches == [2]
 
 
+class _NotCalledSelf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(2))
+
+    def forward(mod, x):  # a forward whose first argument is not called self
+        return [k(x) for k in mod.k]
+
+
+def test_weights_are_named_by_their_parameter_names_whatever_forward_calls_self():
+    with torch.no_grad():
+        report = explain(_NotCalledSelf(), torch.randn(3, 8), config={"fuse_on_cpu": True})
+    assert "branch 0: k.0.weight[0:8]" in str(report) and "mod." not in str(report), str(report)
+
+
 class _WriterWithAHead(HFStyleKVWriter):
     """K/V writes that lower, and a lone linear whose bias is computed (`addmm(b * 2, x, W^T)`)."""
 

@@ -4,6 +4,8 @@ FX node names where a parameter path is known."""
 
 from __future__ import annotations
 
+import re
+
 import torch.fx as fx
 
 from dspark_fx.passes.graph_utils import aten, op_name
@@ -15,13 +17,14 @@ class Namer:
     def __init__(self, graph: fx.Graph, input_names: list[str] | None) -> None:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.names = {}
+        root = module_root(input_names or [])
         if input_names and len(input_names) == len(placeholders):
-            self.names = {p: readable_name(name) for p, name in zip(placeholders, input_names, strict=True)}
+            self.names = {p: readable_name(name, root) for p, name in zip(placeholders, input_names, strict=True)}
         elif input_names:  # a backward graph: the forward's inputs it reads are `primals_<i>`, i counted from 1
             for p in placeholders:
                 prefix, _, number = p.name.rpartition("_")
                 if prefix == "primals" and number.isdigit() and 1 <= int(number) <= len(input_names):
-                    self.names[p] = readable_name(input_names[int(number) - 1])
+                    self.names[p] = readable_name(input_names[int(number) - 1], root)
 
     def of(self, node: fx.Node) -> str:
         return self.names.get(node, node.name)
@@ -45,9 +48,24 @@ class Namer:
         return ", ".join(found) if found else gemm.name
 
 
-def readable_name(name: str) -> str:
-    """A Dynamo input name as the parameter path it stands for (`L_self_modules_k_parameters_weight_` -> `k.weight`)."""
-    name = next((name[2:] for p in ("L_", "l_", "G_", "g_") if name.startswith(p)), name).removeprefix("self_")
+# a Dynamo input name of a module's parameter or buffer: `L_<local>_modules_...`, `l_<local>_parameters_...`
+_MODULE_INPUT = re.compile(r"^[Ll]_(\w+?)_(?:modules|parameters|buffers)_")
+
+
+def module_root(input_names: list[str]) -> str | None:
+    """The one local variable a graph's parameters and buffers are reached from (`self`, or whatever a module's
+    `forward` calls its first argument); None if there are none or several (then each keeps its local's name)."""
+    roots = {m.group(1) for name in input_names if (m := _MODULE_INPUT.match(name))}
+    return roots.pop() if len(roots) == 1 else None
+
+
+def readable_name(name: str, root: str | None = None) -> str:
+    """A Dynamo input name as the parameter path it stands for (`L_self_modules_k_parameters_weight_` -> `k.weight`;
+    with `root` (`module_root`), `L_mod_modules_k_parameters_weight_` -> `k.weight` for `root == "mod"` too)."""
+    name = next((name[2:] for p in ("L_", "l_", "G_", "g_") if name.startswith(p)), name)
+    if root and _MODULE_INPUT.match(f"L_{name}") and name.startswith(f"{root}_"):
+        name = name[len(root) + 1 :]
+    name = name.removeprefix("self_")
     for part in ("_modules_", "_parameters_", "_buffers_"):
         name = name.replace(part, ".")
     for part in ("modules_", "parameters_", "buffers_", "self."):
