@@ -104,15 +104,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) streamk_kernel(const __grid_co
   float* bias = reinterpret_cast<float*>(empty + D);
   int* last_flag = reinterpret_cast<int*>(bias + kRows);
   float* extra = reinterpret_cast<float*>(last_flag + 4);
-  if (t == 0) {
-    for (int d = 0; d < D; ++d) {
-      mbar_init(full + d, 1);
-      mbar_init(empty + d, kConsumers / 32);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-  pdl_wait();
+  init_ring_barriers(full, empty, D);
 
   if (t == kConsumers) {  // the producer: iteration begin + q into ring slot q % D, once the slot is released
     // (no division in the loop: the head, its chunk and the slot advance by counting)
@@ -154,15 +146,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1) streamk_kernel(const __grid_co
 #pragma unroll 1
       for (int64_t j = it; j < part_end; ++j) {
         mbar_wait(full + slot, round & 1);
-        const uint32_t stage = ring_addr + static_cast<uint32_t>(slot * kStage);
-        const uint64_t a = swizzle128_descriptor(stage);
-        const uint64_t b = swizzle128_descriptor(stage + kTmaBoxBytesX);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kWideChunk / 16; ++k) wide_mma<T, kRows>(acc, a + 2 * k, b + 2 * k);
-        wgmma_commit();
-        wgmma_wait<1>();  // this warp's MMAs of the previous chunk are done: its slot may be refilled
-        if (j > it && lane == 0) mbar_arrive(empty + previous);
+        multiply_stage<T, kRows>(acc, ring_addr + static_cast<uint32_t>(slot * kStage));
+        if (j > it && lane == 0) mbar_arrive(empty + previous);  // this warp is done with the previous chunk
         previous = slot;
         if (++slot == D) {
           slot = 0;

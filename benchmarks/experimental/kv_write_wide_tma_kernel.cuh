@@ -40,6 +40,21 @@ __host__ __device__ constexpr int wide_tma_smem_bytes(int rows, int stages, int 
   return 1024 + stages * wide_stage_bytes(rows) + 2 * 8 * stages + 4 * rows + extra;
 }
 
+// Thread 0 makes the ring's D "full" barriers (one producer arrival each, plus the copies' bytes) and D "empty" ones
+// (one arrival per consumer warp), then the CTA's barrier makes them visible to every thread; then the dependency
+// wait, before any global read.
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty, int D) {
+  if (threadIdx.x == 0) {
+    for (int d = 0; d < D; ++d) {
+      mbar_init(full + d, 1);
+      mbar_init(empty + d, kTmaConsumerThreads / 32);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  pdl_wait();
+}
+
 // Loads the 2-D box at (column c0, row r0) of `map` to `dst`, completing on `bar`.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int r0, uint64_t* bar) {
 #if DSPARK_WGMMA
@@ -51,6 +66,20 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 #elif defined(DSPARK_KERNEL_EMULATION)
   emu_tma_load_2d(dst, map, c0, r0, bar);
 #endif
+}
+
+// The consumer warpgroup's MMAs of the chunk in ring stage `stage` (shared address): the activation box, then the
+// weights' box, four k16 steps; committed, and the previous chunk's MMAs (this warp's) waited for, so that its slot may
+// be refilled.
+template <typename T, int kRows>
+__device__ __forceinline__ void multiply_stage(float (&acc)[kRows / 2], uint32_t stage) {
+  const uint64_t a = swizzle128_descriptor(stage);
+  const uint64_t b = swizzle128_descriptor(stage + kTmaBoxBytesX);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kWideChunk / 16; ++k) wide_mma<T, kRows>(acc, a + 2 * k, b + 2 * k);
+  wgmma_commit();
+  wgmma_wait<1>();
 }
 
 template <typename T, int kRows, int D, typename Epilogue>
@@ -75,15 +104,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   float* extra = bias + kRows;
   float* tile = reinterpret_cast<float*>(ring);  // after the loop: [kWideTokens][tile_pitch(kRows)]
   const int steps = (p.k + kWideChunk - 1) / kWideChunk;
-  if (t == 0) {
-    for (int d = 0; d < D; ++d) {
-      mbar_init(full + d, 1);
-      mbar_init(empty + d, kTmaConsumerThreads / 32);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-  pdl_wait();
+  init_ring_barriers(full, empty, D);
 
   // The producer: chunk s into slot s % D, once the slot's previous chunk is released (s >= D). The first D chunks
   // go out before the epilogue's staging, which every thread of the CTA runs (its loops stride by blockDim.x) while
@@ -121,15 +142,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll 1
     for (int s = 0; s < steps; ++s) {
       mbar_wait(full + s % D, static_cast<uint32_t>((s / D) & 1));
-      const uint32_t stage = ring_addr + static_cast<uint32_t>((s % D) * kStage);
-      const uint64_t a = swizzle128_descriptor(stage);
-      const uint64_t b = swizzle128_descriptor(stage + kTmaBoxBytesX);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kWideChunk / 16; ++k) wide_mma<T, kRows>(acc, a + 2 * k, b + 2 * k);
-      wgmma_commit();
-      wgmma_wait<1>();  // this warp's MMAs of chunk s - 1 are done: its slot may be refilled
-      if (s >= 1 && lane == 0) mbar_arrive(empty + (s - 1) % D);
+      multiply_stage<T, kRows>(acc, ring_addr + static_cast<uint32_t>((s % D) * kStage));
+      if (s >= 1 && lane == 0) mbar_arrive(empty + (s - 1) % D);  // this warp is done with chunk s - 1
     }
     wgmma_wait<0>();
     pin_accumulators(acc);
