@@ -72,6 +72,7 @@ class KVKeptReason(enum.Enum):
     LAYERS_DIFFER = "the layers differ where the op treats them alike"
     VALUE_SHARED = "a value the write computes is also read elsewhere"
     CACHE_READ_AFTER = "a cache is read after the writes"
+    VIEW_READ = "a cache the op would write through a view is also read in the graph"
     OPERAND_WRITTEN = "a tensor the op reads is written in place before the cache writes"
     DEVICE = "the op's CUDA kernel cannot run on these operands"
     OP_REFUSES = "the op's checks refuse the operands"

@@ -431,3 +431,42 @@ def test_a_chain_node_without_a_value_keeps_the_writes():
         torch.compile(model, backend=capture)(*args)
     assert_close_for_dtype(model.caches(), eager.caches())
     assert capture.report.kv_kept, str(capture.report)
+
+
+class _ReadsItsRowsThenWrites(nn.Module):
+    """K and V of every layer in one `[L, S, h, d]` buffer each; a layer reads its own old rows (as attention over
+    the cache before the write would), then writes its new rows."""
+
+    def __init__(self, layers: int = 2, hidden: int = 64, heads: int = 2, head_dim: int = 16, slots: int = 64):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.heads, self.head_dim = heads, head_dim
+        self.kv = nn.ModuleList(nn.Linear(hidden, 2 * heads * head_dim) for _ in range(layers))
+        self.register_buffer("k_cache", torch.randn(layers, slots, heads, head_dim, generator=gen))
+        self.register_buffer("v_cache", torch.randn(layers, slots, heads, head_dim, generator=gen))
+
+    def forward(self, x, loc, read_loc):
+        total = 0
+        for i, proj in enumerate(self.kv):
+            total = total + self.k_cache[i][read_loc] * 2
+            k, v = proj(x).view(-1, 2, self.heads, self.head_dim).unbind(1)
+            self.k_cache[i][loc] = k
+            self.v_cache[i][loc] = v
+        return total
+
+
+@pytest.mark.slow  # Inductor codegen
+def test_a_stacked_cache_read_in_the_graph_keeps_its_writes_under_inductor():
+    """Lowered, the op wrote the layers' views in place while Inductor emitted the read of the old rows (a pointwise
+    load of the same buffer) after it, so the output held the new rows (max error 11 against eager). The writes stay
+    (VIEW_READ) and the output and caches are eager's."""
+    model = _ReadsItsRowsThenWrites()
+    eager = copy.deepcopy(model)
+    capture = CaptureBackend({"fuse_on_cpu": True, "kv_write_op": "always"}, inner="inductor")
+    compiled = torch.compile(model, backend=capture)
+    gen = torch.Generator().manual_seed(5)
+    x, perm = torch.randn(5, 64, generator=gen), torch.randperm(64, generator=gen)
+    with torch.no_grad():
+        got, want = compiled(x, perm[:5], perm[:5].flip(0)), eager(x, perm[:5], perm[:5].flip(0))
+    assert_close_for_dtype((got, *model.buffers()), (want, *eager.buffers()))
+    assert [k.reason for k in capture.report.kv_kept] == [KVKeptReason.VIEW_READ], str(capture.report)

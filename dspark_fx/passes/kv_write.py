@@ -1221,6 +1221,41 @@ def _check_exclusive(group: _Group, names: Namer) -> None:
                     user,
                     w.site.cache,
                 )
+    # The op writes a view of a buffer (a layer of a stacked cache) in place. A read of that buffer elsewhere in the
+    # graph, even one before the writes, is a pointwise load Inductor may emit after the op (its dependency on the
+    # view's write is not seen), reading the new rows: such writes stay where they are.
+    allowed = inside | {view for w in group.writes for view in w.site.inserted}
+    for w in group.writes:
+        if w.site.target is not w.site.cache:
+            read = _read_through_views(w.site.cache, allowed)
+            if read is not None:
+                raise _NoMatch(
+                    KVKeptReason.VIEW_READ,
+                    f"{names.of(w.site.cache)} is read by {read.name} ({op_name(read)}) in the graph that writes "
+                    "into a view of it: Inductor could run that read after the op's write",
+                    read,
+                    w.site.cache,
+                )
+
+
+# ops that only view their input: a read of the cache is what consumes one of them
+_PURE_VIEWS = (*_LAYOUT_VIEWS, aten.select.int, aten.slice.Tensor, aten.alias.default, aten.unbind.int,
+               aten.squeeze.dim, aten.unsqueeze.default, operator.getitem)  # fmt: skip
+
+
+def _read_through_views(cache: fx.Node, allowed: set[fx.Node]) -> fx.Node | None:
+    """The first node outside `allowed` that consumes `cache` or a view of it (views followed), or None."""
+    stack, seen = [cache], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in allowed or user in seen:
+                continue
+            seen.add(user)
+            if user.target not in _PURE_VIEWS:
+                return user
+            stack.append(user)
+    return None
 
 
 def has_cuda_kernel() -> bool:
