@@ -188,12 +188,13 @@ def _inductor(
     patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     patches.update(options)
     patches["post_grad_custom_post_pass"] = manager
-    inner_calls = []
+    inner_calls = 0
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         """Inductor's compile of one graph (a forward, or a backward at the first backward), noting a graph that
         its FX graph cache served without running the pass."""
-        inner_calls.append(graph)
+        nonlocal inner_calls
+        inner_calls += 1
         runs, hits = manager.runs, _cache_hits(counters)
         compiled = compile_fx_inner(graph, inputs, **kwargs)
         if manager.runs == runs:

@@ -104,14 +104,10 @@ class CaptureBackend:
         self.__name__ = BACKEND_NAME
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        if self._backend.inner == "inductor":
-            # as an Inductor option too: Inductor applies its options to the backward graph's compile as well, which
-            # AOTAutograd runs later, at the first backward, outside this call
-            kwargs["options"] = {**(kwargs.get("options") or {}), "fx_graph_cache": False}
-        with (
-            torch._inductor.config.patch(fx_graph_cache=False),
-            torch._functorch.config.patch(enable_autograd_cache=False),
-        ):
+        # the FX graph cache off as an Inductor option: Inductor applies its options to the backward graph's compile
+        # too, which AOTAutograd runs later, at the first backward, outside this call (`inner="aot_eager"` reads none)
+        kwargs["options"] = {**(kwargs.get("options") or {}), "fx_graph_cache": False}
+        with torch._functorch.config.patch(enable_autograd_cache=False):
             return self._backend(gm, example_inputs, **kwargs)
 
     def _observe(self, before: fx.Graph, after: fx.Graph, report: FusionReport) -> None:

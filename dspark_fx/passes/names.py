@@ -49,7 +49,8 @@ class Namer:
 
 
 # a Dynamo input name of a module's parameter or buffer: `L_<local>_modules_...`, `l_<local>_parameters_...`
-_MODULE_INPUT = re.compile(r"^[Ll]_(\w+?)_(?:modules|parameters|buffers)_")
+_MODULE_TABLES = ("modules_", "parameters_", "buffers_")
+_MODULE_INPUT = re.compile(rf"^[Ll]_(\w+?)_(?:{'|'.join(_MODULE_TABLES)})")
 
 
 def module_root(input_names: list[str]) -> str | None:
@@ -63,11 +64,11 @@ def readable_name(name: str, root: str | None = None) -> str:
     """A Dynamo input name as the parameter path it stands for (`L_self_modules_k_parameters_weight_` -> `k.weight`;
     with `root` (`module_root`), `L_mod_modules_k_parameters_weight_` -> `k.weight` for `root == "mod"` too)."""
     name = next((name[2:] for p in ("L_", "l_", "G_", "g_") if name.startswith(p)), name)
-    if root and _MODULE_INPUT.match(f"L_{name}") and name.startswith(f"{root}_"):
+    if root and name.startswith(f"{root}_") and name[len(root) + 1 :].startswith(_MODULE_TABLES):
         name = name[len(root) + 1 :]
     name = name.removeprefix("self_")
     for part in ("_modules_", "_parameters_", "_buffers_"):
         name = name.replace(part, ".")
-    for part in ("modules_", "parameters_", "buffers_", "self."):
+    for part in (*_MODULE_TABLES, "self."):
         name = name.removeprefix(part)
     return name.rstrip("_")
