@@ -16,7 +16,7 @@ from helpers import mark_tokens_dynamic, quick_first
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dspark_fx import DsparkConfig
+from dspark_fx import DsparkConfig, explain
 from dspark_fx.passes import kv_write
 from dspark_fx.passes.graph_utils import op_name
 from dspark_fx.report import KVKeptReason
@@ -470,3 +470,47 @@ def test_a_stacked_cache_read_in_the_graph_keeps_its_writes_under_inductor():
         got, want = compiled(x, perm[:5], perm[:5].flip(0)), eager(x, perm[:5], perm[:5].flip(0))
     assert_close_for_dtype((got, *model.buffers()), (want, *eager.buffers()))
     assert [k.reason for k in capture.report.kv_kept] == [KVKeptReason.VIEW_READ], str(capture.report)
+
+
+def test_interleaved_caches_passed_in_with_a_symbolic_slot_count_lower_in_explain_as_in_inductor():
+    """Interleaved `[S, 2, h, d]` caches passed in, `S` marked dynamic, written as `kv[:, 0][loc] = k`: without
+    Inductor (aot_eager, and so `explain`) the graph keeps the whole-range `slice`/`slice_scatter` of `kv[:, 0]`
+    between the links of each buffer's `select_scatter` chain, which Inductor's post-grad clean-up removes before
+    the pass runs; the pass removes them too, so explain reports the writes Inductor lowers (it said `WRITE_FORM`),
+    and both give eager's caches."""
+
+    class Writer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kv = nn.ModuleList(nn.Linear(HIDDEN, 2 * HEADS * HEAD_DIM, bias=False) for _ in range(2))
+
+        def forward(self, x: torch.Tensor, loc: torch.Tensor, kvs: list[torch.Tensor]) -> None:
+            for proj, kv in zip(self.kv, kvs, strict=True):
+                k, v = proj(x).view(-1, 2, HEADS, HEAD_DIM).unbind(1)
+                kv[:, 0][loc] = F.rms_norm(k, (HEAD_DIM,), eps=1e-6)
+                kv[:, 1][loc] = v
+
+    model = Writer()
+    gen = torch.Generator().manual_seed(5)
+    x, loc = torch.randn(5, HIDDEN, generator=gen), torch.randperm(SLOTS, generator=gen)[:5]
+    kvs = [torch.randn(SLOTS, 2, HEADS, HEAD_DIM, generator=gen) for _ in range(2)]
+    expected = [kv.clone() for kv in kvs]
+
+    def marked():
+        out = [kv.clone() for kv in kvs]
+        for kv in out:
+            torch._dynamo.mark_dynamic(kv, 0)
+        return out
+
+    with torch.no_grad():
+        model(x, loc, expected)
+        report = explain(model, x, loc, marked(), config=ALWAYS)
+        assert [len(w.layers) for w in report.kv_writes] == [1, 1] and not report.kv_kept, str(report)
+        for inner in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            capture = CaptureBackend(ALWAYS, inner=inner)
+            caches = marked()
+            torch.compile(model, backend=capture)(x, loc, caches)
+            assert_close_for_dtype(caches, expected)
+            assert [len(w.layers) for w in capture.report.kv_writes] == [1, 1], f"{inner}: {capture.report}"
+            assert not capture.report.kv_kept, f"{inner}: {capture.report}"

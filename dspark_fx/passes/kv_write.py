@@ -186,9 +186,46 @@ def _whole_slice_dim(node: fx.Node) -> int | None:
     """The dim of a slice that keeps all of it (`x[:]`, `x[:, :]`, unit step), else None."""
     if node.target is not aten.slice.Tensor or node.kwargs:
         return None
-    _, dim, start, stop, step = gemm_branches._slice_args(node)
-    whole = start in (0, None) and (stop is None or (isinstance(stop, int) and stop >= _INT_MAX)) and step == 1
-    return dim if whole else None
+    base, dim, start, stop, step = gemm_branches._slice_args(node)
+    return dim if _whole_range(base, dim, start, stop, step) else None
+
+
+def _whole_range(base: Any, dim: Any, start: Any, stop: Any, step: Any) -> bool:
+    """`[start:stop:step]` along `dim` of `base` is all of it: start 0, unit step, and a stop of at least the size
+    (`None`, the int max a `:` traces to, or a symbolic stop known to be at least the size without a guard)."""
+    if start not in (0, None) or step != 1 or not isinstance(dim, int):
+        return False
+    if stop is None or (isinstance(stop, int) and stop >= _INT_MAX):
+        return True
+    base_val = tensor_val(base)
+    stop = stop.meta.get("val") if isinstance(stop, fx.Node) else stop
+    if base_val is None or not isinstance(stop, (int, torch.SymInt)):
+        return False
+    return statically_known_true(stop >= base_val.shape[dim])
+
+
+def _drop_whole_slices(graph: fx.Graph) -> None:
+    """Replace a slice that keeps all of a dim by its input, and a `slice_scatter` over all of a dim by what it
+    scatters, as Inductor's post-grad clean-up does before a custom pass runs. Without Inductor (`aot_eager`, and so
+    `explain`) a write through `cache[:, 0]` of a cache with a symbolic size keeps them, between the links of a
+    `select_scatter` chain, and the pass would see another graph than Inductor gives it."""
+    for node in list(graph.nodes):
+        if node.target is aten.slice_scatter.default and not node.kwargs:
+            base, src, *rest = node.args
+            dim, start, stop, step = (*rest, *(0, None, None, 1)[len(rest) :])[:4]
+            base_val, src_val = tensor_val(base), tensor_val(src)
+            if (
+                base_val is not None
+                and src_val is not None
+                and _whole_range(base, _dim(dim, base_val.dim()), start, stop, step)
+                and same_shape(base_val.shape, src_val.shape)
+                and base_val.dtype == src_val.dtype
+            ):
+                node.replace_all_uses_with(src)
+                graph.erase_node(node)
+        elif _whole_slice_dim(node) is not None and tensor_val(node.args[0]) is not None:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
 
 
 def _noop_row_slice(node: fx.Node) -> bool:
@@ -913,6 +950,7 @@ class KVLowering:
 def lower_kv_writes(graph: fx.Graph, config: DsparkConfig, names: Namer) -> KVLowering:
     """Lower every group of cache writes that fits."""
     groups: dict[fx.Node, _Group] = {}
+    _drop_whole_slices(graph)
     sites, others = _find_sites(graph)
     activations = {}
     for site in sites:
