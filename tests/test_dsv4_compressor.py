@@ -146,7 +146,8 @@ def test_ring_and_online_addressing_compile_with_fullgraph(ratio, online, backen
 @pytest.mark.slow
 def test_compiled_kv_score_rounds_wide_inputs_only_with_emulated_casts():
     """What docs/dsv4_compress.md says of `kv_score` under Inductor: bf16 hidden states give eager's scores; fp32
-    ones are rounded to the weight dtype only with `emulate_precision_casts` (Inductor drops the round trip)."""
+    ones are not rounded to the weight dtype (Inductor computes the round trip in fp32), on torch 2.13 unless
+    `emulate_precision_casts` is on."""
     comp = DSV4Compressor(64, head_dim=128, ratio=4)
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(2))
 
@@ -156,8 +157,9 @@ def test_compiled_kv_score_rounds_wide_inputs_only_with_emulated_casts():
 
     assert compiled_error(x.bfloat16()) == 0.0
     assert compiled_error(x) > 1e-4  # the round trip dropped: if Inductor keeps it one day, the docs say too much
-    with inductor_config.patch(emulate_precision_casts=True):
-        assert compiled_error(x) == 0.0
+    if torch.__version__ >= "2.13":
+        with inductor_config.patch(emulate_precision_casts=True):
+            assert compiled_error(x) == 0.0
 
 
 def test_compressor_rejects_bad_configs():
