@@ -4,7 +4,9 @@ tier's share of a parametrized test; `LayoutKeepingMove`, device copies that kee
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -152,3 +154,23 @@ class LayoutKeepingMove:
         data = self.copies[key]
         usable = data.numel() - data.numel() % t.element_size()
         return data[:usable].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+@contextmanager
+def dspark_log_messages(level: int = logging.INFO) -> Iterator[list[str]]:
+    """The messages the `dspark_fx` logger emits at `level` or above inside the block (pytest's log capture is off
+    in this suite)."""
+    logger, messages = logging.getLogger("dspark_fx"), []
+
+    class Records(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler, old_level = Records(level), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

@@ -1,9 +1,11 @@
 """Branches that are only partly compatible: exactly the incompatible part stays unfused, and explain() says why."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import eager_and_compiled, small_config
+from helpers import dspark_log_messages, eager_and_compiled, small_config
 from torch import nn
 
 from dspark_fx import DsparkConfig, explain
@@ -185,6 +187,41 @@ def test_an_empty_column_slice_stays_empty_when_the_gemm_is_narrowed():
     assert capture.report.groups[0].branches == ["o.weight[16:32] + bias", "p.weight[0:8] + bias"]
     assert got[1].shape == (5, 0) and torch.equal(got[2], torch.zeros(5))
     assert_close_for_dtype(got, want)
+
+
+class _NoHeads(nn.Module):
+    """Layers whose K/V projections have no rows and caches no heads: a tensor-parallel rank that owns no K/V head
+    has these shards."""
+
+    def __init__(self, layers: int = 3, hidden: int = 32, head_dim: int = 16) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.k, self.v = (nn.ModuleList(nn.Linear(hidden, 0, bias=False) for _ in range(layers)) for _ in range(2))
+        self.norm = nn.Parameter(torch.rand(head_dim) + 0.5)
+
+    def forward(self, x, loc, caches):
+        for k_proj, v_proj, (k_cache, v_cache) in zip(self.k, self.v, caches, strict=True):
+            k_cache[loc] = F.rms_norm(k_proj(x).unflatten(-1, (-1, self.head_dim)), (self.head_dim,), self.norm)
+            v_cache[loc] = v_proj(x).unflatten(-1, (-1, self.head_dim))
+        return x.sum()
+
+
+@pytest.mark.parametrize("kv_write_op", ["never", "always"])
+def test_weights_without_rows_stay_as_they_are_with_a_reason(kv_write_op):
+    """GEMMs of `[0, hidden]` weights (no K/V head on this rank): nothing to fuse, so they stay, each with a
+    reason, and nothing is logged (batching them raised inside the pass, logged as an unexpected error with its
+    traceback on every compile)."""
+    torch._dynamo.reset()
+    model, capture = _NoHeads(), CaptureBackend({"fuse_on_cpu": True, "kv_write_op": kv_write_op})
+    caches = [tuple(torch.randn(8, 0, 16) for _ in "kv") for _ in range(3)]
+    x, loc = torch.randn(5, 32), torch.randperm(8)[:5]
+    with torch.no_grad(), dspark_log_messages(logging.WARNING) as messages:
+        assert_close_for_dtype(torch.compile(model, backend=capture)(x, loc, caches), model(x, loc, caches))
+    assert not messages, messages
+    capture.assert_fused(n_groups=0)
+    assert [r.reason for r in capture.report.rejected] == [
+        "weight has no rows (a GEMM without output columns: nothing to read or share)"
+    ] * 6, str(capture.report)
 
 
 class _Chained(nn.Module):

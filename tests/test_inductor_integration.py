@@ -2,12 +2,11 @@
 no per-call weight copies, mode/options, and composition with a user's post-grad pass."""
 
 import copy
-import logging
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import draft_inputs, small_config
+from helpers import draft_inputs, dspark_log_messages, small_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
@@ -113,34 +112,17 @@ def test_the_uuid_hashes_the_sources_as_imported_and_what_decides_the_rewrite(mo
     assert DsparkPassManager().uuid() == uuid
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_a_cache_hit_is_logged_and_counted():
     """The pass does not run on an FX graph cache hit; the backend still logs the compile, as a cache hit."""
     cfg = small_config(write="return", num_layers=2)
-    logger, records = logging.getLogger("dspark_fx"), _Records()
-    level = logger.level
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    try:
-        with fresh_cache():
-            counters.clear()
-            _compile_once(dspark_fx.make_backend(), cfg)
-            assert not any("cache hit" in m for m in records.messages), records.messages
-            _compile_once(dspark_fx.make_backend(), cfg)
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
+    with dspark_log_messages() as messages, fresh_cache():
+        counters.clear()
+        _compile_once(dspark_fx.make_backend(), cfg)
+        assert not any("cache hit" in m for m in messages), messages
+        _compile_once(dspark_fx.make_backend(), cfg)
     assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
-    hits = [m for m in records.messages if "cache hit" in m]
-    assert len(hits) == 1 and "the pass did not run now" in hits[0], records.messages
+    hits = [m for m in messages if "cache hit" in m]
+    assert len(hits) == 1 and "the pass did not run now" in hits[0], messages
     assert counters["dspark_fx"]["pass_runs"] == 1 and counters["dspark_fx"]["graphs_from_cache"] == 1
 
 

@@ -208,6 +208,8 @@ def match_gemm(node: fx.Node) -> GemmBranch | str | None:
     rows = _row_range(weight)
     if isinstance(rows, str):
         return rows
+    if rows.stop <= rows.start:
+        return "weight has no rows (a GEMM without output columns: nothing to read or share)"
     if tensor_val(rows.base).dtype != x_val.dtype:
         return f"weight dtype {tensor_val(rows.base).dtype} differs from activation dtype {x_val.dtype}"
     bias_rows = None
