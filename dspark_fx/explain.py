@@ -9,6 +9,7 @@ frames too: those get entries for explain's backend, as with any other backend, 
 
 from __future__ import annotations
 
+import collections
 import copy
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -91,21 +92,6 @@ def _current_cuda_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
 
 
-def _reachable_tensors(values: Any, depth: int = 4, seen: set[int] | None = None) -> list[torch.Tensor]:
-    """The tensors among `values` (lists, tuples, dicts), and among the attributes of the plain objects there, down
-    to `depth` objects deep (a cache object holding per-layer objects holding tensors, as HF's caches do); modules
-    are left to their parameters and buffers, classes, functions and Python modules are not looked into."""
-    seen = set() if seen is None else seen
-    found = []
-    for leaf in torch.utils._pytree.tree_leaves(values):
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif depth > 0 and id(leaf) not in seen and _plain_object(leaf):
-            seen.add(id(leaf))
-            found += _reachable_tensors(list(_object_state(leaf).values()), depth - 1, seen)
-    return found
-
-
 def _plain_object(value: Any) -> bool:
     """An object whose attributes explain() looks into: not a tensor, module, class, function or Python module,
     with a `__dict__` or `__slots__` (a `@dataclass(slots=True)` cache)."""
@@ -132,37 +118,44 @@ def _object_state(value: Any) -> dict[str, Any]:
     return state
 
 
-def _containers(values: Any, depth: int = 4, seen: set[int] | None = None) -> list[tuple[Any, Any]]:
-    """Every list, dict and plain object among `values` (and inside them, plain objects down to `depth` deep, as
-    `_reachable_tensors` looks), each with a shallow copy of what it holds: what tracing can rebind (an element, a
-    key, an attribute: HF's cache layers concatenate into new tensors, a step counter goes up)."""
-    seen = set() if seen is None else seen
-    found: list[tuple[Any, Any]] = []
+def _reachable(values: Any, depth: int = 4) -> tuple[list[torch.Tensor], list[tuple[Any, Any]]]:
+    """The tensors among `values` and every list, dict and plain object there, each with a shallow copy of what it
+    holds (what tracing can rebind: an element, a key, an attribute; HF's cache layers concatenate into new
+    tensors, a step counter goes up). Tuples, lists, deques and dicts are looked into, and the attributes of plain
+    objects down to `depth` objects deep (a cache object holding per-layer objects holding tensors, as HF's caches
+    do); modules are left to their parameters and buffers, classes, functions and Python modules are not looked
+    into."""
+    tensors: list[torch.Tensor] = []
+    containers: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
     stack = [(values, depth)]
     while stack:
         value, left = stack.pop()
-        if isinstance(value, (torch.Tensor, str, bytes, int, float, bool)) or value is None or id(value) in seen:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
             continue
-        if isinstance(value, tuple):
+        if isinstance(value, (str, bytes, int, float, bool)) or value is None or id(value) in seen:
+            continue
+        if isinstance(value, (tuple, collections.deque)):
             stack += [(v, left) for v in value]
         elif isinstance(value, list):
             seen.add(id(value))
-            found.append((value, list(value)))
+            containers.append((value, list(value)))
             stack += [(v, left) for v in value]
         elif isinstance(value, dict):
             seen.add(id(value))
-            found.append((value, dict(value)))
+            containers.append((value, dict(value)))
             stack += [(v, left) for v in value.values()]
         elif left > 0 and _plain_object(value):
             seen.add(id(value))
             state = _object_state(value)
-            found.append((value, state))
+            containers.append((value, state))
             stack += [(v, left - 1) for v in state.values()]
-    return found
+    return tensors, containers
 
 
 def _put_back_container(container: Any, saved: Any) -> None:
-    """Make `container` hold what `saved` (from `_containers`) says it held, keeping the object."""
+    """Make `container` hold what `saved` (from `_reachable`) says it held, keeping the object."""
     if isinstance(container, list):
         if len(container) != len(saved) or any(a is not b for a, b in zip(container, saved, strict=False)):
             container[:] = saved
@@ -236,14 +229,14 @@ def _restored(model: Any, inputs: Any) -> Iterator[None]:
 
     counts = dict(counters["dspark_fx"])
     module = _module_of(model)
-    tensors = _reachable_tensors(inputs)
-    containers = _containers(inputs)
+    tensors, containers = _reachable(inputs)
     attributes = []
     if module is not None:  # every module's attributes: its parameters, buffers, tensor attributes, cache objects
         attributes = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-        tensors += _reachable_tensors([attrs for _, attrs, _, _ in attributes])
         held = [v for _, attrs, _, _ in attributes for k, v in attrs.items() if k not in _MODULE_TABLES]
-        containers += _containers([v for v in held if not isinstance(v, torch.nn.Module)])
+        held_tensors, held_containers = _reachable([v for v in held if not isinstance(v, torch.nn.Module)])
+        tensors += held_tensors + [t for _, _, p, b in attributes for t in (*p.values(), *b.values())]
+        containers += held_containers
     _refuse_lazy(tensors)
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
     saved = [(t, t.detach().clone(), _version(t), t.requires_grad, t.grad_fn is None) for t in unique.values()]
