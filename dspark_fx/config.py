@@ -18,7 +18,8 @@ class DsparkConfig:
 
     `horizontal_fusion`: fuse GEMMs that share an activation into one `dspark::multi_linear`.
     `batch_regions`: also batch the identical per-branch ops after the GEMM (norm, RoPE, views).
-    `min_branches`: smallest group worth fusing.
+    `min_branches`: smallest group of GEMMs worth fusing (the K/V-write lowering is not limited by it: one layer's
+    write lowers too, its norm/RoPE/write in one op).
     `max_leaf_numel`: largest per-branch tensor (e.g. a norm weight) that may be stacked per call.
     `skinny_linears`: also route a GEMM that has no partner on its activation (a draft's o_proj, down_proj, fc)
     through `dspark::multi_linear` with one weight, on CUDA only. There the op takes its small-T kernel where that
