@@ -37,6 +37,7 @@ REJECTION_KINDS = (
     ("weight slice", "weight_slice"),
     ("weight is computed by", "weight_computed"),
     ("weight operand is", "weight_not_transposed"),
+    ("weight has no rows", "weight_empty"),
     ("weight dtype", "dtype_mismatch"),
     ("activation dtype", "dtype_unsupported"),
     ("addmm with alpha/beta", "alpha_beta"),
