@@ -16,7 +16,8 @@ After (the weights, norm weights, tables and caches are the original placeholder
 `wrap_negative=True`: a negative slot or table row counts from the end, as eager indexing does (without it the op
 would skip a negative slot), so no kernel runs before the op to wrap them.
 
-Write sites (each the only mutation of a cache placeholder, its new value read by nothing but the final `copy_`):
+Write sites (each the only mutation of a cache placeholder, or of a constant (`get_attr`: a buffer of an exported
+model compiled by AOTInductor), its new value read by nothing but the final `copy_`):
 `index_put(cache, [loc], value)` (`cache[loc] = k`, `cache.index_copy_(0, loc, k)`), or `scatter(cache, 0,
 expand(view(loc, [T, 1, 1]), [T, h, d]), value)` (`cache.scatter_(0, loc.view(-1, 1, 1).expand_as(k), k)`: whole
 rows, the same write but that eager raises on a negative slot); `slice_scatter(cache,
@@ -301,7 +302,7 @@ class _Site:
 def _find_sites(graph: fx.Graph) -> tuple[list[_Site], list[fx.Node]]:
     """The write sites, and the other scatter-like writes into cache placeholders (`copy_` nodes: `index_put`,
     `slice_scatter` or a view of one written back) in forms the op does not take."""
-    copies = [n for n in graph.nodes if n.target is aten.copy_.default and n.args[0].op == "placeholder"]
+    copies = [n for n in graph.nodes if n.target is aten.copy_.default and n.args[0].op in ("placeholder", "get_attr")]
     mutated: dict[fx.Node, int] = {}
     for node in graph.nodes:
         if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
@@ -1484,6 +1485,7 @@ def _insert_op(graph: fx.Graph, group: _Group, plan: _Plan, names: Namer) -> tup
             plan.head_dim,
             True,
         )
+        _refuse_constants_requiring_grad(graph, args)
         try:
             op = call(graph, KV_WRITE, args)
         except (TypeError, ValueError) as err:  # the op's checks: on CUDA, the binding's rules too
@@ -1574,6 +1576,27 @@ def _before_operand_writes(graph: fx.Graph, emitted: list[fx.Node], group: _Grou
             )
     for node in emitted:
         writer.prepend(node)
+
+
+def _refuse_constants_requiring_grad(graph: fx.Graph, args: tuple) -> None:
+    """An operand that is a constant of the graph (`get_attr`: AOTInductor's parameters, frozen weights) reaches the
+    op's autograd check as the module's own tensor when Inductor lowers the op: one that requires grad, with grad
+    mode on (`aoti_compile_and_package` outside `torch.no_grad()`), makes the op refuse it there, failing the
+    compile. Such writes keep their path, the report saying how to lower them."""
+    module = graph.owning_module
+    if not torch.is_grad_enabled() or module is None:
+        return
+    for node in torch.utils._pytree.tree_leaves(args):
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            value = operator.attrgetter(node.target)(module)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise _NoMatch(
+                    KVKeptReason.OP_REFUSES,
+                    f"the constant {node.target} requires grad and grad mode is on where Inductor runs the op (which "
+                    "has no derivative) on it: compile under torch.no_grad() (an AOTInductor package too) to lower "
+                    "the writes",
+                    node,
+                )
 
 
 def _cache_operand(graph: fx.Graph, w: _Write, plan: _Plan) -> fx.Node:
