@@ -416,7 +416,7 @@ def _open_end(stop: Any) -> bool:
     return stop is None or (isinstance(stop, int) and stop >= 2**62)
 
 
-def _whole(source: Any, d: int, start: Any, stop: Any, step: Any) -> bool:
+def whole_range(source: Any, d: int, start: Any, stop: Any, step: Any) -> bool:
     """Whether `[start:stop:step]` along dim `d` of `source` takes every row of it."""
     val = tensor_val(source)
     start, stop = (b.meta.get("val") if isinstance(b, fx.Node) else b for b in (start, stop))
@@ -443,7 +443,7 @@ def _slice(ev: Evaluation, node: fx.Node) -> Sym:
     x = ev.arg(node, 0)
     _, dim, start, stop, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])
     d = _real_dim(x, dim)
-    if ev.token_axis(node.args[0], x, d) and not _whole(node.args[0], d, start, stop, step):
+    if ev.token_axis(node.args[0], x, d) and not whole_range(node.args[0], d, start, stop, step):
         raise _rows_apart(node, "takes some rows")
     start = None if start is None else ev.size(start)
     stop = None if _open_end(stop) else ev.size(stop)
@@ -668,7 +668,7 @@ def _slice_scatter(ev: Evaluation, node: fx.Node) -> Sym | None:
         for i, name, default in ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1))
     )
     d = _dim(dim, x.ids.ndim)
-    if ev.token_axis(node.args[0], x, d) and not _whole(node.args[0], d, start, end, step):
+    if ev.token_axis(node.args[0], x, d) and not whole_range(node.args[0], d, start, end, step):
         raise _rows_apart(node, "writes some rows")
     index = [slice(None)] * x.ids.ndim
     stop = None if _open_end(end) else ev.size(end)

@@ -105,7 +105,7 @@ from dspark_fx.passes.graph_utils import (
     written_args,
 )
 from dspark_fx.passes.kv_spec import Norm, NotTheFormula, Rope, Written, normed_size, read_written
-from dspark_fx.passes.kv_symbolic import Evaluation, Unevaluable
+from dspark_fx.passes.kv_symbolic import Evaluation, Unevaluable, whole_range
 from dspark_fx.passes.kv_tables import Direct, built_table, direct_table, locate, scale_of
 from dspark_fx.passes.kv_write_check import STATIC_AS_IS, self_check
 from dspark_fx.passes.names import Namer
@@ -138,7 +138,6 @@ _LAYOUT_VIEWS = (*_VIEWS, aten.permute.default, aten.transpose.int, aten.t.defau
 _UNARY = {aten.cos.default, aten.sin.default, aten.neg.default, aten.exp.default}
 _ADDS = (aten.add.Tensor, aten.add.Scalar)
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
-_INT_MAX = 2**62
 
 
 class _NoMatch(Exception):
@@ -188,21 +187,13 @@ def _whole_slice_dim(node: fx.Node) -> int | None:
     if node.target is not aten.slice.Tensor or node.kwargs:
         return None
     base, dim, start, stop, step = gemm_branches._slice_args(node)
-    return dim if _whole_range(base, dim, start, stop, step) else None
+    val = tensor_val(base)
+    return dim if whole_range(base, _dim(dim, val.dim()) if val is not None else dim, start, stop, step) else None
 
 
-def _whole_range(base: Any, dim: Any, start: Any, stop: Any, step: Any) -> bool:
-    """`[start:stop:step]` along `dim` of `base` is all of it: start 0, unit step, and a stop of at least the size
-    (`None`, the int max a `:` traces to, or a symbolic stop known to be at least the size without a guard)."""
-    if start not in (0, None) or step != 1 or not isinstance(dim, int):
-        return False
-    if stop is None or (isinstance(stop, int) and stop >= _INT_MAX):
-        return True
-    base_val = tensor_val(base)
-    stop = stop.meta.get("val") if isinstance(stop, fx.Node) else stop
-    if base_val is None or not isinstance(stop, (int, torch.SymInt)):
-        return False
-    return statically_known_true(stop >= base_val.shape[dim])
+def _slice_scatter_args(node: fx.Node) -> tuple:
+    """`(input, src, dim, start, end, step)` of an `aten.slice_scatter` node (positional), defaults filled in."""
+    return (*node.args, *(0, None, None, 1)[len(node.args) - 2 :])
 
 
 def _drop_whole_slices(graph: fx.Graph) -> None:
@@ -212,13 +203,12 @@ def _drop_whole_slices(graph: fx.Graph) -> None:
     `select_scatter` chain, and the pass would see another graph than Inductor gives it."""
     for node in list(graph.nodes):
         if node.target is aten.slice_scatter.default and not node.kwargs:
-            base, src, *rest = node.args
-            dim, start, stop, step = (*rest, *(0, None, None, 1)[len(rest) :])[:4]
+            base, src, dim, start, stop, step = _slice_scatter_args(node)
             base_val, src_val = tensor_val(base), tensor_val(src)
             if (
                 base_val is not None
                 and src_val is not None
-                and _whole_range(base, _dim(dim, base_val.dim()), start, stop, step)
+                and whole_range(base, _dim(dim, base_val.dim()), start, stop, step)
                 and same_shape(base_val.shape, src_val.shape)
                 and base_val.dtype == src_val.dtype
             ):
@@ -769,8 +759,7 @@ def _slice_site(cache: fx.Node, copy: fx.Node, new: fx.Node, target: fx.Node | N
     target = cache if target is None else target
     if new.target is not aten.slice_scatter.default or new.args[0] is not target or new.kwargs:
         return None
-    args = (*new.args, *(0, None, None, 1)[len(new.args) - 2 :])
-    _, src, dim, start, stop, step = args[:6]
+    _, src, dim, start, stop, step = _slice_scatter_args(new)
     if dim != 0 or step != 1 or start is None or stop is None:
         return None
     if isinstance(start, int) and start < 0:
