@@ -36,6 +36,9 @@ BACKEND_NAME = "dspark"
 log = logging.getLogger("dspark_fx")
 
 
+_SETTINGS = frozenset({"config", "inner", "observer", "move_weights"})
+
+
 class DsparkBackend:
     """A torch.compile backend running the dspark_fx passes; `inner="aot_eager"` skips Inductor codegen.
 
@@ -44,7 +47,7 @@ class DsparkBackend:
     installed in `torch._inductor.config.post_grad_custom_post_pass` (or given in `options`) is composed: it runs
     first; a `DsparkPassManager` installed there is left out (this backend's own manager takes its place).
     `move_weights=False`: with `colocate_weights` on, judge and report the weight groups but move nothing
-    (`explain`).
+    (`explain`). The settings are read-only: a graph compiled before a change would keep the old decisions.
 
     Its first compile registers `dspark_backend` in Dynamo's registry as `"dspark"` (unless the installed package's
     entry point did, for `torch.compile(..., backend="dspark")`), the `compiler_name` (and
@@ -64,11 +67,40 @@ class DsparkBackend:
         move_weights: bool = True,
     ) -> None:
         check_backend_args("DsparkBackend", inner, observer)
-        self.config = as_config(config, "DsparkBackend")
-        self.inner = inner
-        self.observer = observer
-        self.move_weights = move_weights
+        self._config = as_config(config, "DsparkBackend")
+        self._inner = inner
+        self._observer = observer
+        self._move_weights = move_weights
         self.__name__ = BACKEND_NAME
+
+    @property
+    def config(self) -> DsparkConfig:
+        """The pass options every graph this backend compiles is judged by."""
+        return self._config
+
+    @property
+    def inner(self) -> str:
+        """The compiler the rewritten graph goes to: "inductor" or "aot_eager"."""
+        return self._inner
+
+    @property
+    def observer(self) -> Observer | None:
+        """Called with (graph before, graph after, report) for each compiled graph, or None."""
+        return self._observer
+
+    @property
+    def move_weights(self) -> bool:
+        """Whether `colocate_weights` moves the weights or only judges and reports the groups."""
+        return self._move_weights
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTINGS:
+            raise AttributeError(
+                f"DsparkBackend.{name} cannot be changed: graphs already compiled keep the decisions of the settings "
+                f"they were compiled with, so one model would run a mix of both; make a new backend with "
+                f"make_backend(...) and compile the model again with it"
+            )
+        super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return f"DsparkBackend({self.config}, inner={self.inner!r})"

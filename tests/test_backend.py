@@ -77,6 +77,24 @@ def test_make_backend_accepts_a_dict_of_config_fields():
 
 
 @pytest.mark.parametrize(
+    ("name", "value"),
+    [("config", DsparkConfig(min_branches=3)), ("inner", "aot_eager"), ("observer", None), ("move_weights", False)],
+)
+def test_a_backends_settings_cannot_be_changed_after_it_compiled(name, value):
+    """A graph compiled before a change would keep the old decisions and a later one take the new: one model running
+    a mix of both. Each setting refuses the change, naming it and the way to change it."""
+    torch._dynamo.reset()
+    backend = make_backend(inner="aot_eager")
+    _compile_and_run(backend)
+    before = getattr(backend, name)
+    with pytest.raises(AttributeError, match=rf"DsparkBackend\.{name} cannot be changed: .*make_backend"):
+        setattr(backend, name, value)
+    assert getattr(backend, name) is before
+    backend.note = "other attributes stay free"
+    assert backend.note == "other attributes stay free"
+
+
+@pytest.mark.parametrize(
     ("config", "error", "match"),
     [
         ({"min_branch": 2}, ValueError, r"make_backend: config has unknown field\(s\) \['min_branch'\]"),
