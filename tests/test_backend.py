@@ -1,5 +1,6 @@
 """The backend object: validated settings at `make_backend` time, nothing kept per compile."""
 
+import copy
 import gc
 import importlib.metadata
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import draft_inputs, small_config
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -15,6 +17,7 @@ import dspark_fx
 from dspark_fx import DsparkConfig, make_backend
 from dspark_fx.backend import DsparkBackend
 from dspark_fx.passes.manager import _INFERENCE_AWARE, KEPT_REPORTS, DsparkPassManager
+from dspark_fx.reference_draft import DraftKVWriter
 from dspark_fx.testing import CaptureBackend, assert_close_for_dtype
 
 counters = torch._dynamo.utils.counters
@@ -312,3 +315,23 @@ def test_the_installed_package_names_its_backend_dspark():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "1", "2"], done.stdout
+
+
+@pytest.mark.parametrize(("write", "graphs"), [("cache_loc", {3}), ("slice", {3, 4})])
+def test_graphs_per_token_count(write, graphs):
+    """README's count: the first T static, one symbolic graph for every later T > 1, T=1 its own; a Python int first
+    slot adds at most Dynamo's one graph symbolic in it. Each call leaves eager's caches."""
+    torch._dynamo.reset()
+    cfg = small_config(write=write)
+    eager = DraftKVWriter(cfg)
+    compiled_module = copy.deepcopy(eager)
+    capture = CaptureBackend({"fuse_on_cpu": True, "kv_write_op": "always"})
+    compiled = torch.compile(compiled_module, backend=capture)
+    with torch.no_grad():
+        for seed, tokens in enumerate((5, 1, *range(2, 10), *range(9, 0, -1))):
+            args = draft_inputs(cfg, tokens, seed=seed)
+            eager(*args)
+            compiled(*args)
+            assert_close_for_dtype(list(compiled_module.caches()), list(eager.caches()))
+    assert len(capture.reports) in graphs
+    assert all(report.kv_writes for report in capture.reports), capture.report
