@@ -57,6 +57,10 @@ class DsparkBackend:
     swaps them) raised after a compile with an unregistered backend."""
 
     compiler_name = BACKEND_NAME
+    config: DsparkConfig
+    inner: str
+    observer: Observer | None
+    move_weights: bool
 
     def __init__(
         self,
@@ -67,31 +71,14 @@ class DsparkBackend:
         move_weights: bool = True,
     ) -> None:
         check_backend_args("DsparkBackend", inner, observer)
-        self._config = as_config(config, "DsparkBackend")
-        self._inner = inner
-        self._observer = observer
-        self._move_weights = move_weights
+        for name, value in (
+            ("config", as_config(config, "DsparkBackend")),
+            ("inner", inner),
+            ("observer", observer),
+            ("move_weights", move_weights),
+        ):
+            object.__setattr__(self, name, value)
         self.__name__ = BACKEND_NAME
-
-    @property
-    def config(self) -> DsparkConfig:
-        """The pass options every graph this backend compiles is judged by."""
-        return self._config
-
-    @property
-    def inner(self) -> str:
-        """The compiler the rewritten graph goes to: "inductor" or "aot_eager"."""
-        return self._inner
-
-    @property
-    def observer(self) -> Observer | None:
-        """Called with (graph before, graph after, report) for each compiled graph, or None."""
-        return self._observer
-
-    @property
-    def move_weights(self) -> bool:
-        """Whether `colocate_weights` moves the weights or only judges and reports the groups."""
-        return self._move_weights
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _SETTINGS:
